@@ -1,0 +1,35 @@
+"""ASGI entry point: HTTP (Django), WebSockets (dashboard) and the `workflows` channel."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from workflows_app.consumers import EngineConsumer  # noqa: E402
+from workflows_app.embedded import start_embedded_worker  # noqa: E402
+from workflows_app.routing import websocket_urlpatterns  # noqa: E402
+
+router = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "channel": ChannelNameRouter({"workflows": EngineConsumer.as_asgi()}),
+    }
+)
+
+
+async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    # Fallback for ASGI servers other than our runserver: start the embedded engine on the
+    # first call. `runserver` starts it before any request arrives.
+    if scope["type"] != "channel":
+        start_embedded_worker()
+    await router(scope, receive, send)

@@ -1,0 +1,139 @@
+"""Settings for the wfdash project, read from the environment.
+
+DATABASE_URL (default: SQLite file beside manage.py), REDIS_URL (optional; switches the
+channel layer to Redis), OTEL_EXPORTER_OTLP_ENDPOINT (optional; exports spans over OTLP),
+WFDASH_LEASE_SECONDS, WFDASH_WORKER_CONCURRENCY, WFDASH_EMBEDDED_WORKER.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "wfdash-dev-insecure-change-me")
+DEBUG = env_bool("DJANGO_DEBUG", True)
+ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    # First, so its runserver (daphne + embedded engine) and runworker (Channels worker +
+    # engine) override those of daphne and channels.
+    "workflows_app",
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "wfdash.urls"
+ASGI_APPLICATION = "wfdash.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
+        conn_max_age=0,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["OPTIONS"] = {
+        # IMMEDIATE takes the write lock at BEGIN, so a read-then-write transaction
+        # (claim, create under a concurrency limit) can never fail to upgrade its lock.
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,  # seconds a writer waits for the lock before "database is locked"
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # Tests run on a real file (WAL, several connections) rather than shared-cache memory.
+    DATABASES["default"]["TEST"] = {
+        "NAME": os.environ.get("WFDASH_TEST_SQLITE", str(BASE_DIR / ".test-db.sqlite3"))
+    }
+else:
+    DATABASES["default"].setdefault("OPTIONS", {})
+
+REDIS_URL = os.environ.get("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGIN_URL = "/admin/login/"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"workflows_app": {"handlers": ["console"], "level": os.environ.get("WFDASH_LOG_LEVEL", "INFO")}},
+}
+
+# wfdash engine settings. LIMITS overrides the Cloudflare defaults for every workflow;
+# register(limits=...) overrides them per workflow.
+WFDASH = {
+    "LIMITS": {},
+    "LEASE_SECONDS": float(os.environ.get("WFDASH_LEASE_SECONDS", "30")),
+    "WORKER_CONCURRENCY": int(os.environ.get("WFDASH_WORKER_CONCURRENCY", "50")),
+    # Run the engine inside the ASGI process (runserver). Off by default when Redis is
+    # configured: then `manage.py runworker workflows` processes run it.
+    "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
+    "POLL_SECONDS": float(os.environ.get("WFDASH_POLL_SECONDS", "5")),
+    "DEMO": env_bool("WFDASH_DEMO", True),
+    # Refuse a changed class under an already-registered version (see registry.py).
+    "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
+}

@@ -1,0 +1,373 @@
+"""The public API: get_workflow → WorkflowBinding → InstanceHandle.
+
+Sync methods for ordinary Django code, async twins prefixed `a` (Django style). Every
+state change is one transaction in the engine's store; after it commits, workers are
+hinted (in this process directly, in others through the channel layer) and dashboards
+are told through live.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jsonschema
+from asgiref.sync import sync_to_async
+from django.db import transaction
+
+from . import live
+from .engine import errors, store
+from .engine.durations import parse_duration
+from .engine.limits import check_event_type, check_instance_id, check_size, encode_json
+from .engine.registry import Definition, get_definition
+from .engine.store import NewInstance
+from .models import FINISHED_STATUSES, HistoryRecord, Instance, Status, StepKind, StepRecord, StepStatus, decode_json
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    status: str
+    output: Any
+    error: dict[str, str] | None
+    waiting_reason: str = ""
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    id: str
+    workflow: str
+    version: int
+    status: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    error: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class Page:
+    instances: list[InstanceInfo]
+    cursor: str | None
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    sequence: int
+    created_at: datetime
+    type: str
+    data: dict[str, Any]
+    actor: str
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    name: str
+    type: str
+    timeout_at: datetime | None
+    schema: dict[str, Any] | None
+
+
+def get_workflow(name: str) -> WorkflowBinding:
+    """The binding of a registered workflow; UnknownWorkflow if there is none of that name."""
+    get_definition(name)
+    return WorkflowBinding(name)
+
+
+def _after_commit(kind: str, instance: Instance | int | None = None, workflow: str | None = None) -> None:
+    pk = instance.pk if isinstance(instance, Instance) else instance
+    transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow))
+
+
+def _actor(actor: Any) -> str:
+    if actor is None:
+        return ""
+    return str(getattr(actor, "username", actor))[:200]
+
+
+class WorkflowBinding:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<WorkflowBinding {self.name!r}>"
+
+    def definition(self, version: int | None = None) -> Definition:
+        return get_definition(self.name, version)
+
+    # --- create ---------------------------------------------------------------------
+
+    def create(
+        self,
+        params: Any = None,
+        id: str | None = None,
+        idempotency_key: str | None = None,
+        actor: Any = None,
+        version: int | None = None,
+        retention: Any = None,
+    ) -> InstanceHandle:
+        """Start an instance (`queued` beyond max_concurrent_instances)."""
+        return self._create([{"id": id, "params": params, "idempotency_key": idempotency_key, "retention": retention}], actor, version)[0]
+
+    def create_batch(self, items: Sequence[dict[str, Any]], actor: Any = None, version: int | None = None) -> list[InstanceHandle]:
+        """Start several instances, all or none; at most max_batch_size."""
+        definition = self.definition(version)
+        limits = definition.limits()
+        if not isinstance(items, (list, tuple)):
+            raise errors.InvalidInput(f"create_batch expects a list of {{id, params}} objects, got {type(items).__name__}")
+        if len(items) > limits.max_batch_size:
+            raise errors.LimitExceeded("max_batch_size", len(items), limits.max_batch_size, "create_batch")
+        if not items:
+            raise errors.InvalidInput("create_batch needs at least one instance")
+        return self._create(items, actor, version)
+
+    def _create(self, items: Sequence[dict[str, Any]], actor: Any, version: int | None) -> list[InstanceHandle]:
+        definition = self.definition(version)
+        limits = definition.limits()
+        new: list[NewInstance] = []
+        for position, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise errors.InvalidInput(f"batch item {position} must be an object with id and params")
+            unknown = set(item) - {"id", "instance_id", "params", "idempotency_key", "retention"}
+            if unknown:
+                raise errors.InvalidInput(f"batch item {position}: unknown field(s) {sorted(unknown)}")
+            instance_id = item.get("id") or item.get("instance_id") or str(uuid.uuid4())
+            check_instance_id(instance_id, limits)
+            params_json = encode_json(item.get("params"), f"params of instance {instance_id!r}")
+            check_size(params_json, "max_params_bytes", limits.max_params_bytes, f"params of instance {instance_id!r}")
+            key = item.get("idempotency_key")
+            if key is not None and (not isinstance(key, str) or not key or len(key) > 200):
+                raise errors.InvalidInput(f"idempotency_key must be a string of 1-200 characters, got {key!r}")
+            retention = item.get("retention")
+            retention_ms = None if retention is None else parse_duration(retention)
+            new.append(NewInstance(instance_id, params_json, key, retention_ms))
+        created = store.create_instances(definition.name, definition.version, limits, new, _actor(actor))
+        for instance, is_new in created:
+            if is_new:
+                _after_commit("created", instance, self.name)
+        return [InstanceHandle(self.name, instance.instance_id, instance) for instance, _ in created]
+
+    async def acreate(self, *args: Any, **kwargs: Any) -> InstanceHandle:
+        return await sync_to_async(self.create)(*args, **kwargs)
+
+    async def acreate_batch(self, *args: Any, **kwargs: Any) -> list[InstanceHandle]:
+        return await sync_to_async(self.create_batch)(*args, **kwargs)
+
+    # --- read -----------------------------------------------------------------------
+
+    def get(self, id: str) -> InstanceHandle:
+        """The instance of this workflow with that id; InstanceNotFound otherwise."""
+        if not isinstance(id, str):
+            raise errors.InvalidInput(f"instance id must be a string, got {id!r}")
+        return InstanceHandle(self.name, id, store.get_instance(self.name, id))
+
+    async def aget(self, id: str) -> InstanceHandle:
+        return await sync_to_async(self.get)(id)
+
+    def list(self, status: str | None = None, version: int | None = None, limit: int = 50, cursor: str | None = None) -> Page:
+        """Newest first, keyset-paginated: stable while instances are being created."""
+        if status is not None and status not in Status.values:
+            raise errors.InvalidInput(f"unknown status {status!r}; statuses: {', '.join(Status.values)}")
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
+        query = Instance.objects.filter(workflow=self.name)
+        if status is not None:
+            query = query.filter(status=status)
+        if version is not None:
+            query = query.filter(version=version)
+        if cursor:
+            query = query.filter(id__lt=decode_cursor(cursor))
+        rows = list(query.order_by("-id")[: limit + 1])
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page([instance_info(r) for r in rows], encode_cursor(rows[-1].pk) if more and rows else None)
+
+    async def alist(self, *args: Any, **kwargs: Any) -> Page:
+        return await sync_to_async(self.list)(*args, **kwargs)
+
+
+def encode_cursor(pk: int) -> str:
+    return base64.urlsafe_b64encode(f"id:{pk}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if not text.startswith("id:"):
+            raise ValueError
+        return int(text[3:])
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise errors.InvalidInput(f"invalid cursor {cursor!r}") from None
+
+
+def instance_info(row: Instance) -> InstanceInfo:
+    return InstanceInfo(
+        id=row.instance_id, workflow=row.workflow, version=row.version, status=row.status,
+        created_at=row.created_at, updated_at=row.updated_at, finished_at=row.finished_at, error=row.error,
+    )
+
+
+# Threads blocked in result() wait on these; live.instance_changed sets them.
+_result_waiters: dict[int, set[threading.Event]] = {}
+_result_lock = threading.Lock()
+
+
+def wake_result_waiters(pk: int | None) -> None:
+    with _result_lock:
+        for event in _result_waiters.get(pk, set()) if pk is not None else ():
+            event.set()
+
+
+class InstanceHandle:
+    """One instance of a workflow, by id. Methods read and write the database each call."""
+
+    def __init__(self, workflow: str, id: str, row: Instance | None = None) -> None:
+        self.workflow = workflow
+        self.id = id
+        self._row = row
+
+    def __repr__(self) -> str:
+        return f"<InstanceHandle {self.workflow}/{self.id}>"
+
+    def _limits(self) -> Any:
+        row = self.row()
+        try:
+            return get_definition(self.workflow, row.version).limits()
+        except errors.UnknownWorkflow:
+            return get_definition(self.workflow).limits()
+
+    def row(self, refresh: bool = True) -> Instance:
+        if refresh or self._row is None:
+            self._row = store.get_instance(self.workflow, self.id)
+        return self._row
+
+    # --- read -----------------------------------------------------------------------
+
+    def status(self) -> InstanceStatus:
+        row = self.row()
+        return InstanceStatus(row.status, row.output, row.error, row.waiting_reason)
+
+    def history(self) -> list[HistoryEntry]:
+        return [
+            HistoryEntry(h.sequence, h.created_at, h.type, h.data, h.actor)
+            for h in HistoryRecord.objects.filter(instance_id=self.row().pk).order_by("sequence")
+        ]
+
+    def steps(self) -> list[StepRecord]:
+        return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
+
+    def pending_events(self) -> list[PendingEvent]:
+        waits = StepRecord.objects.filter(
+            instance_id=self.row().pk, kind=StepKind.WAIT_FOR_EVENT, status=StepStatus.WAITING
+        ).order_by("seq")
+        return [PendingEvent(w.name, w.event_type, w.wake_at, decode_json(w.event_schema_json)) for w in waits]
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until the instance finishes; its output, or WorkflowFailed / WorkflowTerminated."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        event = threading.Event()
+        pk = self.row().pk
+        with _result_lock:
+            _result_waiters.setdefault(pk, set()).add(event)
+        try:
+            while True:
+                row = self.row()
+                if row.status == Status.COMPLETE:
+                    return row.output
+                if row.status == Status.ERRORED:
+                    raise errors.WorkflowFailed(self.id, row.error)
+                if row.status == Status.TERMINATED:
+                    raise errors.WorkflowTerminated(self.id)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise errors.ResultTimeout(f"instance {self.id!r} is still {row.status} after {timeout} s")
+                # Woken at once by this process's engine; the 1 s re-read covers other processes.
+                event.wait(1.0 if remaining is None else min(1.0, remaining))
+                event.clear()
+        finally:
+            with _result_lock:
+                _result_waiters.get(pk, set()).discard(event)
+
+    # --- act --------------------------------------------------------------------------
+
+    def pause(self, actor: Any = None) -> str:
+        status = store.pause(self.workflow, self.id, _actor(actor))
+        _after_commit("pause", self.row(refresh=False).pk, self.workflow)
+        return status
+
+    def resume(self, actor: Any = None) -> str:
+        status = store.resume(self.workflow, self.id, _actor(actor))
+        _after_commit("resume", self.row(refresh=False).pk, self.workflow)
+        return status
+
+    def terminate(self, actor: Any = None) -> bool:
+        """Stop the instance for good; False if it had already finished."""
+        done = store.terminate(self.workflow, self.id, self._limits(), _actor(actor))
+        if done:
+            _after_commit("terminate", self.row(refresh=False).pk, self.workflow)
+        return done
+
+    def restart(self, from_step: str | None = None, actor: Any = None) -> str:
+        status = store.restart(self.workflow, self.id, self._limits(), from_step, _actor(actor))
+        _after_commit("restart", self.row(refresh=False).pk, self.workflow)
+        return status
+
+    def skip_sleep(self, actor: Any = None) -> int:
+        woken = store.skip_sleep(self.workflow, self.id, _actor(actor))
+        _after_commit("wake", self.row(refresh=False).pk, self.workflow)
+        return woken
+
+    def send_event(self, type: str, payload: Any = None, actor: Any = None) -> None:
+        """Deliver an event; buffered until a wait for its type consumes it."""
+        check_event_type(type)
+        limits = self._limits()
+        payload_json = encode_json(payload, f"payload of event {type!r}")
+        check_size(payload_json, "max_event_payload_bytes", limits.max_event_payload_bytes, f"payload of event {type!r}")
+
+        def validate(schema_json: str) -> None:
+            validator_class = jsonschema.validators.validator_for(json.loads(schema_json))
+            validator = validator_class(json.loads(schema_json))
+            violations = [
+                f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
+                for e in validator.iter_errors(payload)
+            ]
+            if violations:
+                raise errors.EventPayloadInvalid(
+                    f"payload of event {type!r} does not match the schema of the step waiting for it: "
+                    + "; ".join(violations),
+                    violations,
+                )
+
+        event = store.send_event(self.workflow, self.id, type, payload_json, validate, _actor(actor))
+        _after_commit("event", event.instance_id, self.workflow)
+
+    def cancel(self, compensate: bool = True, actor: Any = None) -> str:
+        """Stop the instance; with compensate, first undo its completed steps, newest first."""
+        status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
+        _after_commit("cancel" if status == Status.TERMINATED else "wake", self.row(refresh=False).pk, self.workflow)
+        return status
+
+
+def _async_twin(name: str) -> Any:
+    method = getattr(InstanceHandle, name)
+
+    async def twin(self: InstanceHandle, *args: Any, **kwargs: Any) -> Any:
+        return await sync_to_async(method)(self, *args, **kwargs)
+
+    twin.__name__ = f"a{name}"
+    twin.__doc__ = f"Async twin of {name}()."
+    return twin
+
+
+for _name in ("status", "history", "steps", "pending_events", "result", "pause", "resume", "terminate",
+              "restart", "skip_sleep", "send_event", "cancel"):
+    setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
+
+__all__ = ["get_workflow", "WorkflowBinding", "InstanceHandle", "InstanceStatus", "Page", "FINISHED_STATUSES"]

@@ -1,0 +1,115 @@
+"""Three realistic workflows, registered when settings.WFDASH["DEMO"] is on."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from ..engine import NonRetryableError, WorkflowEntrypoint, current_step, register
+
+APPROVAL_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "by": {"type": "string"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@register("order-approval", version=1)
+class OrderApproval(WorkflowEntrypoint):
+    """Charge, wait for a manager's approval (typed event), then ship or refund."""
+
+    async def run(self, event: Any, step: Any) -> dict[str, Any]:
+        order = event.payload or {}
+        amount = order.get("amount", 42)
+
+        def charge() -> dict[str, Any]:
+            ctx = current_step()
+            return {"amount": amount, "charge_id": f"ch_{hashlib.sha1(ctx.idempotency_key.encode()).hexdigest()[:10]}"}
+
+        def refund(charge_output: dict[str, Any]) -> dict[str, Any]:
+            return {"refunded": charge_output["charge_id"]}
+
+        charge_result = await step.do(
+            "charge card", charge, retries={"limit": 3, "delay": "2 seconds", "backoff": "exponential"},
+            timeout="30 seconds", compensate=refund,
+        )
+        approval = await step.wait_for_event(
+            "manager approval", type="approval", timeout="24 hours", schema=APPROVAL_SCHEMA
+        )
+        if not approval.payload["ok"]:
+            await step.do("refund card", lambda: refund(charge_result))
+            raise NonRetryableError(f"rejected by {approval.payload.get('by', 'the manager')}", "OrderRejected")
+        await step.sleep("cool-off", "10 seconds")
+        shipment = await step.do("ship order", lambda: {"tracking": f"TRK-{event.instance_id[:8]}"})
+        return {"charged": charge_result["amount"], "tracking": shipment["tracking"]}
+
+
+@register("data-pipeline", version=1)
+class DataPipeline(WorkflowEntrypoint):
+    """Extract (flaky: fails its first attempts), transform in parallel, load."""
+
+    async def run(self, event: Any, step: Any) -> dict[str, Any]:
+        params = event.payload or {}
+        failures = int(params.get("flaky_attempts", 2))
+
+        def extract() -> list[int]:
+            ctx = current_step()
+            if ctx.attempt <= failures:
+                raise ConnectionError(f"upstream API timed out (attempt {ctx.attempt})")
+            return list(range(params.get("rows", 10)))
+
+        rows = await step.do("extract", extract, retries={"limit": 4, "delay": "1 second", "backoff": "linear"})
+        if params.get("corrupt"):
+            await step.do("validate", lambda: _reject("input contains corrupt rows"))
+        evens, odds = await _gather(
+            step.do("sum evens", lambda: sum(r for r in rows if r % 2 == 0)),
+            step.do("sum odds", lambda: sum(r for r in rows if r % 2 == 1)),
+        )
+        loaded = await step.do("load", lambda: {"rows": len(rows), "evens": evens, "odds": odds})
+        return loaded
+
+
+@register("trial-reminder", version=1)
+class TrialReminder(WorkflowEntrypoint):
+    """Sleep for the length of a trial (durably: a deploy or a crash loses nothing), then remind."""
+
+    async def run(self, event: Any, step: Any) -> dict[str, Any]:
+        params = event.payload or {}
+        user = await step.do("load user", lambda: {"email": params.get("email", "ada@example.com")})
+        await step.sleep("trial period", params.get("trial", "14 days"))
+        sent = await step.do("send reminder", lambda: {"to": user["email"], "template": "trial-ending"})
+        return sent
+
+
+def _reject(reason: str) -> None:
+    raise NonRetryableError(reason, "ValidationError")
+
+
+async def _gather(*aws: Any) -> list[Any]:
+    import asyncio
+
+    return list(await asyncio.gather(*aws))
+
+
+def create_demo_instances(actor: str = "demo") -> list[str]:
+    """A few instances of each demo workflow, so a first run has something to show."""
+    from ..client import get_workflow
+
+    created = []
+    for n in range(3):
+        inst = get_workflow("order-approval").create(params={"amount": 10 * (n + 1), "customer": f"c-{n}"}, actor=actor)
+        created.append(inst.id)
+    for n in range(2):
+        inst = get_workflow("data-pipeline").create(params={"rows": 20 + n, "flaky_attempts": 2}, actor=actor)
+        created.append(inst.id)
+    inst = get_workflow("data-pipeline").create(params={"corrupt": True, "flaky_attempts": 0}, actor=actor)
+    created.append(inst.id)
+    for n in range(2):
+        inst = get_workflow("trial-reminder").create(
+            params={"email": f"user{random.randint(100, 999)}@example.com", "trial": "1 hour" if n else "14 days"},
+            actor=actor,
+        )
+        created.append(inst.id)
+    return created

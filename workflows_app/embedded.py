@@ -1,0 +1,49 @@
+"""The embedded worker: the engine running inside the ASGI server's own event loop.
+
+Daphne has no startup hook, so `manage.py runserver` (our subclass of daphne's) starts it
+from daphne's ready callback, and the ASGI application starts it on its first call as a
+fallback for other servers. Running in the server's loop matters: the in-memory channel
+layer only reaches consumers in the same process and event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from django.conf import settings
+
+from .engine.worker import Worker
+from .live import EngineHooks
+
+log = logging.getLogger("workflows_app.engine")
+
+_worker: Worker | None = None
+_task: asyncio.Task[None] | None = None
+
+
+def embedded_enabled() -> bool:
+    return bool(getattr(settings, "WFDASH", {}).get("EMBEDDED_WORKER", False))
+
+
+def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:
+    """Start the engine in `loop` (default: the running loop) once per process."""
+    global _worker, _task
+    if _worker is not None or not embedded_enabled():
+        return _worker
+    loop = loop or asyncio.get_running_loop()
+    _worker = Worker(hooks=EngineHooks())
+    _task = loop.create_task(_serve(_worker))
+    log.info("embedded wfdash worker %s started", _worker.worker_id)
+    return _worker
+
+
+async def _serve(worker: Worker) -> None:
+    try:
+        await worker.serve()
+    except Exception:
+        log.exception("embedded wfdash worker stopped with an error")
+
+
+def embedded_worker() -> Worker | None:
+    return _worker

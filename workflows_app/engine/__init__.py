@@ -1,0 +1,16 @@
+"""The durable workflow engine. Knows nothing of views, templates or channel layers."""
+
+from .errors import NonRetryableError, WorkflowError
+from .registry import WorkflowEntrypoint, register
+from .step import Event, StepContext, WorkflowEvent, current_step
+
+__all__ = [
+    "Event",
+    "NonRetryableError",
+    "StepContext",
+    "WorkflowEntrypoint",
+    "WorkflowError",
+    "WorkflowEvent",
+    "current_step",
+    "register",
+]

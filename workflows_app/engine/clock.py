@@ -1,0 +1,72 @@
+"""The one clock of the engine: timers, wake times, timestamps, history and events.
+
+Tests swap in a ControllableClock (workflows_app.testing.fake_clock) so that "sleep one
+hour" is a call to advance(), not an hour of waiting. Step timeouts use real time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+
+from .durations import parse_duration
+
+
+class RealClock:
+    def now(self) -> datetime:
+        return datetime.now(timezone.utc)
+
+
+class ControllableClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self._now = (start or datetime.now(timezone.utc)).astimezone(timezone.utc)
+        self._lock = threading.Lock()
+
+    def now(self) -> datetime:
+        with self._lock:
+            return self._now
+
+    def advance(self, duration: object) -> datetime:
+        """Move forward by a duration (str, timedelta or milliseconds); due timers become runnable."""
+        with self._lock:
+            self._now += timedelta(milliseconds=parse_duration(duration))
+            now = self._now
+        _notify_moved()
+        return now
+
+    def set(self, instant: datetime) -> None:
+        with self._lock:
+            self._now = instant.astimezone(timezone.utc)
+        _notify_moved()
+
+
+_clock: RealClock | ControllableClock = RealClock()
+_moved_listeners: list[Callable[[], None]] = []
+
+
+def get_clock() -> RealClock | ControllableClock:
+    return _clock
+
+
+def set_clock(clock: RealClock | ControllableClock) -> None:
+    global _clock
+    _clock = clock
+    _notify_moved()
+
+
+def now() -> datetime:
+    return _clock.now()
+
+
+def on_clock_moved(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call listener whenever a controllable clock jumps; returns a function that unsubscribes."""
+    _moved_listeners.append(listener)
+    return lambda: _moved_listeners.remove(listener) if listener in _moved_listeners else None
+
+
+def _notify_moved() -> None:
+    for listener in list(_moved_listeners):
+        listener()

@@ -1,0 +1,73 @@
+"""Parse durations the way Cloudflare Workflows does: a number is milliseconds."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+
+from .errors import InvalidDuration
+
+_MS_PER_UNIT = {
+    "ms": 1,
+    "millisecond": 1,
+    "s": 1_000,
+    "sec": 1_000,
+    "second": 1_000,
+    "m": 60_000,
+    "min": 60_000,
+    "minute": 60_000,
+    "h": 3_600_000,
+    "hour": 3_600_000,
+    "d": 86_400_000,
+    "day": 86_400_000,
+    "w": 7 * 86_400_000,
+    "week": 7 * 86_400_000,
+    "month": 30 * 86_400_000,
+    "y": 365 * 86_400_000,
+    "year": 365 * 86_400_000,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+Duration = str | int | float | timedelta
+
+
+def parse_duration(value: object) -> int:
+    """Return the duration in whole milliseconds, or raise InvalidDuration naming the value."""
+    if isinstance(value, bool):
+        raise InvalidDuration(f"invalid duration {value!r}: expected milliseconds, a string or a timedelta")
+    if isinstance(value, timedelta):
+        ms = value / timedelta(milliseconds=1)
+    elif isinstance(value, (int, float)):
+        ms = float(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if not match:
+            raise InvalidDuration(f'invalid duration "{value}": expected e.g. "250 ms", "10 seconds", "2 hours"')
+        unit = match.group(2).lower()
+        factor = _MS_PER_UNIT.get(unit) or (_MS_PER_UNIT.get(unit[:-1]) if unit.endswith("s") else None)
+        if factor is None:
+            raise InvalidDuration(f'invalid duration "{value}": unknown unit "{match.group(2)}"')
+        ms = float(match.group(1)) * factor
+    else:
+        raise InvalidDuration(
+            f"invalid duration {value!r} of type {type(value).__name__}: expected milliseconds, a string or a timedelta"
+        )
+    if ms != ms or ms in (float("inf"), float("-inf")):
+        raise InvalidDuration(f"invalid duration {value!r}: not a finite number")
+    if ms < 0:
+        raise InvalidDuration(f"invalid duration {value!r}: must not be negative")
+    return int(round(ms))
+
+
+def parse_instant(value: object) -> datetime:
+    """An aware datetime, or epoch milliseconds, as an aware UTC datetime."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidDuration(f"invalid instant {value!r}: the datetime must be timezone-aware")
+        return value.astimezone(timezone.utc)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value / 1000, tz=timezone.utc)
+        except (OverflowError, OSError, ValueError) as exc:
+            raise InvalidDuration(f"invalid instant {value!r}: {exc}") from None
+    raise InvalidDuration(f"invalid instant {value!r}: expected an aware datetime or epoch milliseconds")

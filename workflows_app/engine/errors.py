@@ -1,0 +1,128 @@
+"""Every error the engine raises. Each class's docstring is its meaning."""
+
+from __future__ import annotations
+
+
+class WorkflowError(Exception):
+    """Base of every wfdash error."""
+
+
+class InvalidDuration(WorkflowError, ValueError):
+    """A duration was neither milliseconds, a known duration string, nor a timedelta."""
+
+
+class LimitExceeded(WorkflowError, ValueError):
+    """A configured limit was exceeded; the message names the limit and the value."""
+
+    def __init__(self, limit: str, value: object, maximum: object, what: str = "") -> None:
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+        detail = f"{what}: " if what else ""
+        super().__init__(f"{detail}{limit} is {maximum}, got {value}")
+
+
+class InvalidInput(WorkflowError, ValueError):
+    """An argument was malformed (bad id, bad event type, not JSON-serialisable, …)."""
+
+
+class InvalidEventType(InvalidInput):
+    """An event type does not match ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$."""
+
+
+class EventPayloadInvalid(InvalidInput):
+    """An event payload failed the JSON Schema of the step waiting for it."""
+
+    def __init__(self, message: str, violations: list[str]) -> None:
+        self.violations = violations
+        super().__init__(message)
+
+
+class UnknownWorkflow(WorkflowError, LookupError):
+    """No workflow of that name (or version) is registered."""
+
+
+class InstanceNotFound(WorkflowError, LookupError):
+    """No instance with that id exists for that workflow."""
+
+
+class InstanceAlreadyExists(WorkflowError):
+    """An instance with that id already exists for that workflow."""
+
+
+class InvalidTransition(WorkflowError):
+    """The action does not apply to the instance's current status."""
+
+
+class VersionConflict(WorkflowError):
+    """A registered version's source changed without bumping the version number."""
+
+
+class DuplicateStepName(WorkflowError):
+    """Two steps of one execution used the same name."""
+
+
+class NonDeterminismError(WorkflowError):
+    """Replay asked for a step of another kind than the checkpoint of that name holds."""
+
+
+class StepTimeout(WorkflowError, TimeoutError):
+    """A step attempt ran longer than its timeout; it counts as a failed attempt."""
+
+
+class EventTimeout(WorkflowError, TimeoutError):
+    """wait_for_event reached its timeout before an event of its type arrived."""
+
+
+class StepOutputError(WorkflowError):
+    """A step's output is not JSON-serialisable or exceeds max_step_output_bytes.
+
+    Raised once, never retried: running the callable again would give the same output.
+    """
+
+
+class NonRetryableError(WorkflowError):
+    """Raised by user code to fail the step and the instance at once, without retries."""
+
+    def __init__(self, message: str = "", name: str | None = None) -> None:
+        super().__init__(message)
+        self.error_name = name or "NonRetryableError"
+
+
+class WorkflowFailed(WorkflowError):
+    """result(): the instance ended `errored`."""
+
+    def __init__(self, instance_id: str, error: dict | None) -> None:
+        self.instance_id = instance_id
+        self.error = error or {}
+        super().__init__(
+            f"instance {instance_id!r} failed: {self.error.get('name')}: {self.error.get('message')}"
+        )
+
+
+class WorkflowTerminated(WorkflowError):
+    """result(): the instance ended `terminated`."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        super().__init__(f"instance {instance_id!r} was terminated")
+
+
+class ResultTimeout(WorkflowError, TimeoutError):
+    """result(timeout=…) expired before the instance finished."""
+
+
+class EngineSignal(BaseException):
+    """Control flow the engine sends through user code.
+
+    A BaseException, so `except Exception` in a workflow cannot swallow a pause,
+    a terminate or a park by accident.
+    """
+
+
+class Park(EngineSignal):
+    """The run cannot go on now (sleep, event wait, retry delay): park the instance."""
+
+
+class RunAborted(EngineSignal):
+    """The run must stop: the instance was terminated, paused, restarted or its lease lost."""

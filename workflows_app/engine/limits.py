@@ -1,0 +1,138 @@
+"""Limits of Cloudflare Workflows, with their defaults, and the checks that enforce them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .durations import parse_duration
+from .errors import InvalidEventType, InvalidInput, LimitExceeded, StepOutputError
+
+DAY_MS = 86_400_000
+EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")
+INSTANCE_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_.:-]*\Z")
+BACKOFFS = ("constant", "linear", "exponential")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-workflow limits. Durations are milliseconds; max_concurrent_instances None is ∞."""
+
+    max_concurrent_instances: int | None = None
+    max_steps_per_workflow: int = 1024
+    max_step_output_bytes: int = 1024 * 1024
+    max_instance_id_length: int = 100
+    max_step_name_length: int = 256
+    max_sleep: int = 365 * DAY_MS
+    min_wait_for_event_timeout: int = 1_000
+    max_wait_for_event_timeout: int = 365 * DAY_MS
+    default_wait_for_event_timeout: int = DAY_MS
+    max_step_timeout: int = 30 * 60_000
+    default_step_timeout: int = 10 * 60_000
+    default_retry_limit: int = 5
+    default_retry_delay: int = 10_000
+    default_retry_backoff: str = "exponential"
+    max_batch_size: int = 100
+    max_params_bytes: int = 1024 * 1024
+    max_event_payload_bytes: int = 1024 * 1024
+    max_retention: int = 0  # 0 keeps finished instances forever
+
+    _DURATIONS = (
+        "max_sleep",
+        "min_wait_for_event_timeout",
+        "max_wait_for_event_timeout",
+        "default_wait_for_event_timeout",
+        "max_step_timeout",
+        "default_step_timeout",
+        "default_retry_delay",
+        "max_retention",
+    )
+
+    @classmethod
+    def build(cls, *overrides: dict[str, Any] | None) -> Limits:
+        """Defaults, then each overrides dict in turn; durations accept any duration form."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for layer in overrides:
+            for key, value in (layer or {}).items():
+                if key not in fields:
+                    raise InvalidInput(f"unknown limit {key!r}; known limits: {', '.join(sorted(fields))}")
+                if key in cls._DURATIONS:
+                    value = parse_duration(value)
+                elif key == "max_concurrent_instances":
+                    if value is not None and (isinstance(value, float) and math.isinf(value)):
+                        value = None
+                    if value is not None and (not isinstance(value, int) or value < 1):
+                        raise InvalidInput(f"max_concurrent_instances must be a positive integer or None, got {value!r}")
+                elif key == "default_retry_backoff":
+                    if value not in BACKOFFS:
+                        raise InvalidInput(f"default_retry_backoff must be one of {BACKOFFS}, got {value!r}")
+                elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise InvalidInput(f"limit {key} must be a non-negative integer, got {value!r}")
+                values[key] = value
+        return cls(**values)
+
+
+def encode_json(value: Any, what: str) -> str:
+    """Compact JSON of value, or InvalidInput naming what could not be encoded."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{what} is nested too deeply to encode as JSON") from None
+
+
+def encode_step_output(value: Any, step_name: str, limits: Limits) -> str:
+    """The checkpoint text of a step's output; StepOutputError if unserialisable or too large."""
+    try:
+        text = encode_json(value, f'output of step "{step_name}"')
+    except InvalidInput as exc:
+        raise StepOutputError(str(exc)) from None
+    size = len(text.encode())
+    if size > limits.max_step_output_bytes:
+        raise StepOutputError(
+            f'output of step "{step_name}" is {size} bytes of JSON; '
+            f"max_step_output_bytes is {limits.max_step_output_bytes}"
+        )
+    return text
+
+
+def check_size(text: str, limit_name: str, maximum: int, what: str) -> None:
+    size = len(text.encode())
+    if size > maximum:
+        raise LimitExceeded(limit_name, f"{size} bytes", f"{maximum} bytes", what)
+
+
+def check_event_type(event_type: object) -> str:
+    if not isinstance(event_type, str) or not EVENT_TYPE_PATTERN.match(event_type):
+        raise InvalidEventType(
+            f"invalid event type {event_type!r}: must match ^[a-zA-Z0-9_][a-zA-Z0-9_-]{{0,99}}$ "
+            "(1-100 letters, digits, '_' or '-', not starting with '-')"
+        )
+    return event_type
+
+
+def check_instance_id(instance_id: object, limits: Limits) -> str:
+    if not isinstance(instance_id, str) or not instance_id:
+        raise InvalidInput(f"instance id must be a non-empty string, got {instance_id!r}")
+    if len(instance_id) > limits.max_instance_id_length:
+        raise LimitExceeded("max_instance_id_length", len(instance_id), limits.max_instance_id_length, "instance id")
+    if not INSTANCE_ID_PATTERN.match(instance_id):
+        raise InvalidInput(
+            f"invalid instance id {instance_id!r}: use letters, digits, '_', '-', '.', ':' "
+            "and start with a letter, digit or '_'"
+        )
+    return instance_id
+
+
+def check_step_name(name: object, limits: Limits) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"step name must be a non-empty string, got {name!r}")
+    if len(name) > limits.max_step_name_length:
+        raise LimitExceeded("max_step_name_length", len(name), limits.max_step_name_length, f"step name {name[:40]!r}…")
+    return name

@@ -1,0 +1,138 @@
+"""register(): the in-process catalog of workflow classes and their versions.
+
+Each (name, version) records a hash of the class's source. The database catalog
+(WorkflowVersion) remembers every hash ever registered, so a changed class under an
+old version number is refused instead of silently replaying old instances on new code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidInput, UnknownWorkflow
+from .limits import Limits
+
+if TYPE_CHECKING:
+    from .step import Step, WorkflowEvent
+
+
+class WorkflowEntrypoint:
+    """Base class of a workflow: override `async def run(self, event, step)`."""
+
+    workflow_name: str = ""
+    workflow_version: int = 0
+    # When True, an instance that errors runs the compensations of its completed steps.
+    compensate_on_failure: bool = False
+
+    def __init__(self, instance_id: str = "") -> None:
+        self.instance_id = instance_id
+
+    async def run(self, event: WorkflowEvent, step: Step) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError("a workflow must define async def run(self, event, step)")
+
+
+@dataclass(frozen=True)
+class Definition:
+    name: str
+    version: int
+    cls: type[WorkflowEntrypoint]
+    limits_overrides: dict[str, Any] = field(default_factory=dict)
+    source_hash: str = ""
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    def limits(self) -> Limits:
+        from django.conf import settings
+
+        return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"), self.limits_overrides)
+
+
+_lock = threading.Lock()
+_definitions: dict[str, dict[int, Definition]] = {}
+_listeners: list[Callable[[], None]] = []
+
+
+def source_hash(cls: type) -> str:
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = cls.__qualname__
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def register(
+    name: str, version: int = 1, limits: dict[str, Any] | None = None
+) -> Callable[[type[WorkflowEntrypoint]], type[WorkflowEntrypoint]]:
+    """Class decorator: make a WorkflowEntrypoint subclass available as `name` at `version`."""
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise InvalidInput(f"workflow name must be a non-empty string of at most 200 characters, got {name!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise InvalidInput(f"workflow version must be a positive integer, got {version!r}")
+    Limits.build(limits)  # validate now, at import time, not at the first run
+
+    def decorate(cls: type[WorkflowEntrypoint]) -> type[WorkflowEntrypoint]:
+        if not (isinstance(cls, type) and issubclass(cls, WorkflowEntrypoint)):
+            raise InvalidInput(f"@register({name!r}) must decorate a WorkflowEntrypoint subclass, got {cls!r}")
+        if not inspect.iscoroutinefunction(cls.run):
+            raise InvalidInput(f"{cls.__qualname__}.run must be `async def run(self, event, step)`")
+        cls.workflow_name = name
+        cls.workflow_version = version
+        definition = Definition(name, version, cls, dict(limits or {}), source_hash(cls))
+        with _lock:
+            _definitions.setdefault(name, {})[version] = definition
+        _changed()
+        return cls
+
+    return decorate
+
+
+def unregister(name: str, version: int | None = None) -> None:
+    """Forget a workflow (or one version of it) in this process; used by tests and reloads."""
+    with _lock:
+        if version is None:
+            _definitions.pop(name, None)
+        elif name in _definitions:
+            _definitions[name].pop(version, None)
+            if not _definitions[name]:
+                del _definitions[name]
+    _changed()
+
+
+def get_definition(name: str, version: int | None = None) -> Definition:
+    with _lock:
+        versions = _definitions.get(name)
+        if not versions:
+            raise UnknownWorkflow(f"no workflow named {name!r} is registered")
+        if version is None:
+            return versions[max(versions)]
+        if version not in versions:
+            raise UnknownWorkflow(
+                f"workflow {name!r} has no registered version {version}; registered: {sorted(versions)}"
+            )
+        return versions[version]
+
+
+def find_definition(name: str, version: int) -> Definition | None:
+    with _lock:
+        return _definitions.get(name, {}).get(version)
+
+
+def all_definitions() -> list[Definition]:
+    with _lock:
+        return [d for versions in _definitions.values() for d in versions.values()]
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    _listeners.append(listener)
+
+
+def _changed() -> None:
+    for listener in list(_listeners):
+        listener()

@@ -1,0 +1,426 @@
+"""Run one instance once: replay from its checkpoints until it completes, fails or parks.
+
+A run never waits for time to pass or for an event to arrive. When every branch of the
+workflow is blocked (sleeping, waiting for an event, waiting for a retry) or a pause was
+asked for, the run is quiescent: the runner cancels the workflow coroutine and parks the
+instance in the database. Parked instances cost a row, not a coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from ..models import InboxEvent, StepKind, StepRecord, StepStatus
+from . import clock, store
+from .errors import (
+    DuplicateStepName,
+    EventTimeout,
+    LimitExceeded,
+    NonDeterminismError,
+    NonRetryableError,
+    RunAborted,
+    StepOutputError,
+    StepTimeout,
+)
+from .limits import check_step_name, encode_step_output
+from .registry import Definition
+from .step import (
+    Step,
+    StepContext,
+    StepFailed,
+    WorkflowEvent,
+    _current_step,
+    _is_async,
+    _takes_context,
+    error_fields,
+    new_step_record,
+)
+from .store import History, LeaseLost
+
+log = logging.getLogger("workflows_app.engine")
+
+DbCall = Callable[..., Awaitable[Any]]
+QUIESCENCE_TICKS = 10  # loop iterations to let sibling branches start before calling a run blocked
+
+
+@dataclass
+class TestOverrides:
+    """In-process overrides used by workflows_app.testing; empty in production."""
+
+    step_mocks: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    sleeps_disabled: set[str | None] = field(default_factory=set)
+    forced_event_timeouts: set[tuple[str, str]] = field(default_factory=set)
+
+    def clear(self) -> None:
+        self.step_mocks.clear()
+        self.sleeps_disabled.clear()
+        self.forced_event_timeouts.clear()
+
+
+overrides = TestOverrides()
+
+
+class Activity:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.blocked = False
+
+    async def block(self, *, wake_at: datetime | None = None, event_type: str | None = None) -> None:
+        """Declare this branch unable to go on in this run; never returns."""
+        self.blocked = True
+        self.run.in_flight -= 1
+        if event_type:
+            self.run.awaited_types.append(event_type)
+        self.run.blocked += 1
+        self.run.changed.set()
+        await asyncio.get_running_loop().create_future()
+
+
+class Run:
+    def __init__(
+        self,
+        definition: Definition,
+        loaded: store.LoadedRun,
+        token: str,
+        db: DbCall,
+        step_executor: Executor | None,
+        hooks: Any = None,
+    ) -> None:
+        self.definition = definition
+        self.instance = loaded.instance
+        self.pk = loaded.instance.pk
+        self.instance_id = loaded.instance.instance_id
+        self.token = token
+        self.db = db
+        self.step_executor = step_executor
+        self.hooks = hooks
+        self.limits = definition.limits()
+        self.checkpoints = loaded.steps
+        self.events: list[InboxEvent] = loaded.events
+        self.seen: set[str] = set()
+        self.op_count = 0
+        self.next_seq = max([loaded.instance.step_seq, *(s.seq for s in loaded.steps.values())])
+        self.in_flight = 0
+        self.blocked = 0
+        self.awaited_types: list[str] = []
+        self.pause_requested = loaded.instance.status == "waitingForPause"
+        self.abort_reason: str | None = None
+        self.fatal: BaseException | None = None
+        self.changed = asyncio.Event()
+        self.compensations: dict[str, Callable[..., Any]] = {}
+        self.task: asyncio.Task[Any] | None = None
+        # cancel(compensate=True): replay only to collect compensations, then unwind.
+        self.compensating = loaded.instance.compensate_on_cancel
+        self.unwinding = False
+
+    # --- signals from outside -------------------------------------------------------
+
+    def request_pause(self) -> None:
+        self.pause_requested = True
+        self.changed.set()
+
+    def abort(self, reason: str) -> None:
+        """Stop this run now (terminate, restart, lost lease): it writes nothing more."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        self.changed.set()
+
+    # --- the run ----------------------------------------------------------------------
+
+    async def execute(self) -> str:
+        """Returns what became of the instance: complete, errored, waiting, paused or aborted."""
+        inst = self.instance
+        if inst.status == "waitingForPause":
+            return await self._park()  # a pause asked for while a crashed run held the lease
+        try:
+            await self.db(
+                store.mark_running, self.pk, self.token, inst.run_count + 1, inst.status, self.compensating
+            )
+        except LeaseLost:
+            return "aborted"
+        event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
+        workflow = self.definition.cls(inst.instance_id)
+        self.task = asyncio.ensure_future(workflow.run(event, Step(self)))
+        return await self._supervise(self.task)
+
+    async def _supervise(self, task: asyncio.Task[Any]) -> str:
+        while True:
+            waiter = asyncio.ensure_future(self.changed.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done():
+                break
+            self.changed.clear()
+            if self.abort_reason is not None:
+                await self._cancel(task)
+                return "aborted"
+            if self._quiescent():
+                for _ in range(QUIESCENCE_TICKS):
+                    await asyncio.sleep(0)
+                if task.done():
+                    break
+                if self._quiescent():
+                    await self._cancel(task)
+                    if self.abort_reason is not None:
+                        return "aborted"
+                    if self.compensating and not self.unwinding and not self.pause_requested:
+                        return await self._unwind()
+                    return await self._park()
+        if self.compensating and not self.unwinding and self.abort_reason is None:
+            return await self._unwind()
+        return await self._conclude(task)
+
+    async def _unwind(self) -> str:
+        """Run the compensations of completed steps, newest first, each as a durable step."""
+        self.unwinding = True
+        self.blocked = 0
+        self.awaited_types.clear()
+        self.task = asyncio.ensure_future(self._run_compensations())
+        return await self._supervise(self.task)
+
+    async def _run_compensations(self) -> None:
+        step = Step(self)
+        completed = sorted(
+            (r for r in self.checkpoints.values()
+             if r.kind == StepKind.DO and r.status == StepStatus.COMPLETE and r.has_compensation),
+            key=lambda r: r.seq,
+            reverse=True,
+        )
+        for record in completed:
+            fn = self.compensations.get(record.name)
+            if fn is None:
+                raise NonRetryableError(
+                    f'step "{record.name}" has a compensation but the replay did not reach it', "CompensationMissing"
+                )
+            await step._do(
+                f"compensate:{record.name}", functools.partial(fn, record.output), None, None, None,
+                kind=StepKind.COMPENSATE,
+            )
+
+    def _quiescent(self) -> bool:
+        return self.in_flight == 0 and (self.blocked > 0 or self.pause_requested)
+
+    async def _cancel(self, task: asyncio.Task[Any]) -> None:
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - the workflow's own unwinding is not our result
+            pass
+
+    async def _park(self) -> str:
+        try:
+            status = await self.db(store.park, self.pk, self.token, self.pause_requested, list(self.awaited_types))
+        except LeaseLost:
+            return "aborted"
+        return str(status)
+
+    async def _conclude(self, task: asyncio.Task[Any]) -> str:
+        if self.abort_reason is not None:
+            return "aborted"
+        exc = task.exception() if not task.cancelled() else RunAborted("cancelled")
+        if isinstance(exc, RunAborted) or isinstance(exc, asyncio.CancelledError):
+            return "aborted"
+        if self.fatal is not None:
+            exc = self.fatal
+        if exc is None and self.unwinding:
+            ok = await self.db(
+                store.finish, self.pk, self.token, "terminated", self.limits, None, None,
+                [History("compensation.completed", {}), History("instance.cancelled", {"compensated": True})],
+            )
+            return "terminated" if ok else "aborted"
+        if exc is None:
+            try:
+                output_json = encode_step_output(task.result(), "run() return value", self.limits)
+            except StepOutputError as error:
+                exc = error
+            else:
+                ok = await self.db(
+                    store.finish, self.pk, self.token, "complete", self.limits, output_json, None,
+                    [History("instance.completed", {})],
+                )
+                return "complete" if ok else "aborted"
+        name, message, stack = error_fields(exc)
+        ok = await self.db(
+            store.finish, self.pk, self.token, "errored", self.limits, None, (name, message, stack),
+            [History("instance.errored", {"error": {"name": name, "message": message}})],
+        )
+        return "errored" if ok else "aborted"
+
+    # --- what the step API uses -------------------------------------------------------
+
+    def begin_op(self, name: str, kind: str) -> StepRecord | None:
+        """Validate a step call and return its checkpoint, if any."""
+        if self.abort_reason is not None:
+            raise RunAborted(self.abort_reason)
+        check_step_name(name, self.limits)
+        if name in self.seen:
+            raise DuplicateStepName(f'step name "{name}" is used twice in one execution; step names must be unique')
+        self.seen.add(name)
+        self.op_count += 1
+        if self.op_count > self.limits.max_steps_per_workflow:
+            raise LimitExceeded("max_steps_per_workflow", self.op_count, self.limits.max_steps_per_workflow)
+        record = self.checkpoints.get(name)
+        if record is not None and record.kind != kind:
+            self.fatal = NonDeterminismError(
+                f'step "{name}" was checkpointed as {record.kind} but the workflow now asks for it as {kind}; '
+                "the workflow code changed under a running instance (register a new version instead)"
+            )
+            raise self.fatal
+        return record
+
+    def register_compensation(self, name: str, fn: Callable[..., Any]) -> None:
+        self.compensations[name] = fn
+
+    def new_record(self, name: str, kind: str, status: str) -> StepRecord:
+        self.next_seq += 1
+        return new_step_record(name, kind, status, self.next_seq)
+
+    @asynccontextmanager
+    async def activity(self) -> AsyncIterator[Activity]:
+        """Mark a branch as doing work; work cannot start while a pause is pending."""
+        if self.abort_reason is not None:
+            raise RunAborted(self.abort_reason)
+        activity = Activity(self)
+        self.in_flight += 1
+        try:
+            if self.pause_requested or (self.compensating and not self.unwinding):
+                await activity.block()
+            yield activity
+        finally:
+            if not activity.blocked:
+                self.in_flight -= 1
+                self.changed.set()
+
+    async def write(
+        self, record: StepRecord, history: list[History], consume_event: int | None = None, progress: bool = False
+    ) -> None:
+        if self.abort_reason is not None:
+            raise RunAborted(self.abort_reason)
+        try:
+            status = await self.db(store.write_step, self.pk, self.token, record, history, consume_event, progress)
+        except LeaseLost as exc:
+            self.abort(str(exc))
+            raise RunAborted(str(exc)) from None
+        self.checkpoints[record.name] = record
+        if status == "waitingForPause" and not self.pause_requested:
+            self.request_pause()
+        if self.hooks is not None:
+            self.hooks.step_written(self, record, history)
+
+    async def attempt(self, record: StepRecord, fn: Callable[..., Any], timeout_ms: int) -> Any:
+        """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""
+        mock = overrides.step_mocks.get((self.instance_id, record.name))
+        if mock is not None:
+            fn = _mocked(mock, fn)
+        context = StepContext(self.instance_id, record.name, record.attempts)
+        call = (lambda: fn(context)) if _takes_context(fn) else fn
+        ctx = contextvars.copy_context()
+        ctx.run(_current_step.set, context)
+        loop = asyncio.get_running_loop()
+        if _is_async(fn):
+            future: asyncio.Future[Any] = loop.create_task(call(), context=ctx)
+        else:
+            future = loop.run_in_executor(self.step_executor, ctx.run, call)
+        done, _ = await asyncio.wait({future}, timeout=timeout_ms / 1000)
+        if not done:
+            future.cancel()  # an async attempt is cancelled; a thread's late result is discarded
+            raise StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
+        return future.result()
+
+    async def schedule_retry(self, record: StepRecord, exc: BaseException, delay_ms: int) -> None:
+        name, message, stack = error_fields(exc)
+        record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
+        record.status = StepStatus.RETRYING
+        record.wake_at = clock.now() + timedelta(milliseconds=delay_ms)
+        await self.write(
+            record,
+            [
+                History("step.failed", {"step": record.name, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
+                History("step.retry_scheduled", {"step": record.name, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
+            ],
+        )
+        if self.hooks is not None:
+            self.hooks.attempt_failed(self, record, exc)
+
+    async def fail_step(
+        self, record: StepRecord, exc: BaseException | None, nonretryable: bool, history: list[History] | None = None
+    ) -> BaseException:
+        """Record the step as failed for good; returns the exception to raise into run()."""
+        if exc is not None:
+            name, message, stack = error_fields(exc)
+            record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
+        elif not record.last_error_name:
+            record.last_error_name = "StepFailed"
+            record.last_error_message = f'step "{record.name}" used all {record.attempts} attempts'
+        record.status = StepStatus.FAILED
+        record.completed_at = clock.now()
+        record.wake_at = None
+        record.output_json = json.dumps({"nonretryable": nonretryable})
+        await self.write(
+            record,
+            [
+                *(history or []),
+                History(
+                    "step.failed",
+                    {
+                        "step": record.name, "attempt": record.attempts, "final": True,
+                        "error": {"name": record.last_error_name, "message": record.last_error_message},
+                    },
+                ),
+            ],
+            progress=True,
+        )
+        if self.hooks is not None and exc is not None:
+            self.hooks.attempt_failed(self, record, exc)
+        return self.stored_failure(record)
+
+    def stored_failure(self, record: StepRecord) -> BaseException:
+        """The exception a failed step raises, the same on its first run and on every replay."""
+        info = json.loads(record.output_json or "{}")
+        if record.last_error_name == "EventTimeout":
+            return EventTimeout(record.last_error_message)
+        if info.get("nonretryable"):
+            return NonRetryableError(record.last_error_message, record.last_error_name)
+        return StepFailed(record.name, record.last_error_name, record.last_error_message, record.last_error_stack)
+
+    def sleep_is_due(self, record: StepRecord) -> bool:
+        if self.instance_id in overrides.sleeps_disabled or None in overrides.sleeps_disabled:
+            return True
+        return record.wake_at is not None and record.wake_at <= clock.now()
+
+    def take_event(self, event_type: str) -> InboxEvent | None:
+        """The oldest undelivered event of a type, reserved for the caller (program order)."""
+        for index, event in enumerate(self.events):
+            if event.type == event_type:
+                return self.events.pop(index)
+        return None
+
+    def event_timed_out(self, record: StepRecord) -> bool:
+        if (self.instance_id, record.event_type) in overrides.forced_event_timeouts:
+            return True
+        return record.wake_at is not None and record.wake_at <= clock.now()
+
+
+def _mocked(mock: dict[str, Any], real: Callable[..., Any]) -> Callable[[], Any]:
+    """A step callable that fails `times` times with the mock's error, then returns its result."""
+
+    def call() -> Any:
+        if mock.get("error") is not None and mock["remaining"] != 0:
+            if mock["remaining"] > 0:
+                mock["remaining"] -= 1
+            raise mock["error"]
+        if "result" in mock:
+            return mock["result"]
+        return real() if not _is_async(real) else asyncio.run(real())
+
+    return call

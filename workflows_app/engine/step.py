@@ -1,0 +1,362 @@
+"""The step API a workflow sees: do, sleep, sleep_until and wait_for_event.
+
+Every method first looks for the checkpoint of its name: a completed step returns what it
+returned the first time (the callable does not run again). Otherwise it does the work and
+checkpoints it, or, when the run cannot go on now (sleep, event not here yet, retry
+delay), it blocks; the runner then parks the instance in the database and frees the worker.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import json
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+
+from ..models import StepKind, StepRecord, StepStatus
+from . import clock
+from .durations import parse_duration, parse_instant
+from .errors import (
+    DuplicateStepName,
+    EventTimeout,
+    InvalidInput,
+    LimitExceeded,
+    NonDeterminismError,
+    NonRetryableError,
+    StepOutputError,
+    StepTimeout,
+    WorkflowError,
+)
+from .limits import BACKOFFS, check_event_type, check_step_name, encode_json, encode_step_output
+from .store import History
+
+if TYPE_CHECKING:
+    from .runner import Run
+
+
+@dataclass(frozen=True)
+class WorkflowEvent:
+    """What run() receives: the params, the instance id and when the instance was created."""
+
+    payload: Any
+    instance_id: str
+    timestamp: datetime
+
+
+@dataclass(frozen=True)
+class Event:
+    """What wait_for_event returns."""
+
+    type: str
+    payload: Any
+    timestamp: datetime
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Passed to a step callable that takes one argument; also current_step() inside it."""
+
+    instance_id: str
+    step_name: str
+    attempt: int
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{self.instance_id}:{self.step_name}"
+
+
+_current_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("wfdash_step", default=None)
+
+
+def current_step() -> StepContext | None:
+    """The context of the step whose callable is running, or None outside a step."""
+    return _current_step.get()
+
+
+class StepFailed(WorkflowError):
+    """A step failed for good (retries exhausted); carries the last attempt's error."""
+
+    def __init__(self, step_name: str, error_name: str, message: str, stack: str = "") -> None:
+        self.step_name = step_name
+        self.error_name = error_name
+        self.message = message
+        self.stack = stack
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    limit: int
+    delay_ms: int
+    backoff: str
+
+    def delay_after(self, failed_attempts: int) -> int:
+        """Milliseconds to wait after the n-th failed attempt (n from 1)."""
+        n = failed_attempts - 1
+        if self.backoff == "constant":
+            return self.delay_ms
+        if self.backoff == "linear":
+            return self.delay_ms * (n + 1)
+        return self.delay_ms * (2**n)
+
+
+def error_fields(exc: BaseException) -> tuple[str, str, str]:
+    """(name, message, stack) of an exception, as stored and shown."""
+    if isinstance(exc, NonRetryableError):
+        name = exc.error_name
+    elif isinstance(exc, StepFailed):
+        return exc.error_name, exc.message, exc.stack
+    else:
+        name = type(exc).__name__
+    return name, str(exc), "".join(traceback.format_exception(exc))
+
+
+def _takes_context(fn: Callable[..., Any]) -> bool:
+    try:
+        params = [
+            p for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+
+
+class Step:
+    """The `step` argument of run(): one per run of an instance."""
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    # --- do ---------------------------------------------------------------------------
+
+    def do(
+        self,
+        name: str,
+        fn: Callable[..., Any] | None = None,
+        *,
+        retries: dict[str, Any] | None = None,
+        timeout: Any = None,
+        compensate: Callable[..., Any] | None = None,
+    ) -> Any:
+        """Run fn as a durable step; or, without fn, decorate a function (Cloudflare's Python form)."""
+        if fn is None:
+
+            def decorate(func: Callable[..., Any]) -> Callable[[], Awaitable[Any]]:
+                async def call() -> Any:
+                    return await self._do(name, func, retries, timeout, compensate)
+
+                return call
+
+            return decorate
+        return self._do(name, fn, retries, timeout, compensate)
+
+    async def _do(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        retries: dict[str, Any] | None,
+        timeout: Any,
+        compensate: Callable[..., Any] | None,
+        kind: str = StepKind.DO,
+    ) -> Any:
+        run = self._run
+        if not callable(fn):
+            raise InvalidInput(f'step "{name}": expected a callable, got {fn!r}')
+        policy, timeout_ms = self._step_config(name, retries, timeout)
+        record = run.begin_op(name, kind)
+        if compensate is not None:
+            run.register_compensation(name, compensate)
+        if record is not None:
+            if record.status == StepStatus.COMPLETE:
+                return record.output
+            if record.status == StepStatus.FAILED:
+                raise run.stored_failure(record)
+        async with run.activity() as activity:
+            if record is not None and record.status == StepStatus.RETRYING and record.wake_at > clock.now():
+                await activity.block(wake_at=record.wake_at)
+            if record is None:
+                record = run.new_record(name, kind, StepStatus.RUNNING)
+            record.max_attempts = policy.limit + 1
+            record.has_compensation = compensate is not None
+            while True:
+                if record.attempts >= policy.limit + 1:
+                    # The limit may have been lowered after a crash: fail with the real last error.
+                    raise await run.fail_step(record, None, nonretryable=False)
+                record.attempts += 1
+                record.status = StepStatus.RUNNING
+                await run.write(record, [History("step.started", {"step": name, "attempt": record.attempts})])
+                try:
+                    result = await run.attempt(record, fn, timeout_ms)
+                    output_json = encode_step_output(result, name, run.limits)
+                except NonRetryableError as exc:
+                    raise await run.fail_step(record, exc, nonretryable=True) from exc
+                except StepOutputError as exc:
+                    raise await run.fail_step(record, exc, nonretryable=True) from exc
+                except Exception as exc:  # a failed attempt: retry or give up
+                    if record.attempts >= policy.limit + 1:
+                        raise await run.fail_step(record, exc, nonretryable=False) from exc
+                    delay = policy.delay_after(record.attempts)
+                    await run.schedule_retry(record, exc, delay)
+                    if delay > 0:
+                        await activity.block(wake_at=record.wake_at)
+                    continue
+                record.status = StepStatus.COMPLETE
+                record.output_json = output_json
+                record.completed_at = clock.now()
+                record.wake_at = None
+                await run.write(
+                    record,
+                    [History("step.completed", {"step": name, "attempt": record.attempts})],
+                    progress=True,
+                )
+                return json.loads(output_json)
+
+    def _step_config(self, name: str, retries: dict[str, Any] | None, timeout: Any) -> tuple[RetryPolicy, int]:
+        limits = self._run.limits
+        retries = dict(retries or {})
+        unknown = set(retries) - {"limit", "delay", "backoff"}
+        if unknown:
+            raise InvalidInput(f'step "{name}": unknown retries option(s) {sorted(unknown)}; use limit, delay, backoff')
+        limit = retries.get("limit")
+        if limit is None:
+            limit = limits.default_retry_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise InvalidInput(f'step "{name}": retries limit must be a non-negative integer, got {limit!r}')
+        delay = retries.get("delay")
+        delay_ms = limits.default_retry_delay if delay is None else parse_duration(delay)
+        backoff = retries.get("backoff")
+        backoff = limits.default_retry_backoff if backoff is None else backoff
+        if backoff not in BACKOFFS:
+            raise InvalidInput(f'step "{name}": backoff must be one of {BACKOFFS}, got {backoff!r}')
+        timeout_ms = limits.default_step_timeout if timeout is None else parse_duration(timeout)
+        if timeout_ms > limits.max_step_timeout:
+            raise LimitExceeded("max_step_timeout", f"{timeout_ms} ms", f"{limits.max_step_timeout} ms", f'step "{name}" timeout')
+        return RetryPolicy(limit, delay_ms, backoff), timeout_ms
+
+    # --- sleeps -----------------------------------------------------------------------
+
+    async def sleep(self, name: str, duration: Any) -> None:
+        """Park the instance for a duration (str, timedelta or milliseconds)."""
+        ms = parse_duration(duration)
+        limits = self._run.limits
+        if ms > limits.max_sleep:
+            raise LimitExceeded("max_sleep", f"{ms} ms", f"{limits.max_sleep} ms", f'sleep "{name}"')
+        await self._sleep(name, StepKind.SLEEP, lambda now: now + timedelta(milliseconds=ms))
+
+    async def sleep_until(self, name: str, until: Any) -> None:
+        """Park the instance until an instant (aware datetime or epoch milliseconds)."""
+        instant = parse_instant(until)
+        limits = self._run.limits
+        delay_ms = (instant - clock.now()) / timedelta(milliseconds=1)
+        if delay_ms > limits.max_sleep:
+            raise LimitExceeded("max_sleep", f"{int(delay_ms)} ms", f"{limits.max_sleep} ms", f'sleep_until "{name}"')
+        await self._sleep(name, StepKind.SLEEP_UNTIL, lambda now: instant)
+
+    async def _sleep(self, name: str, kind: str, wake_at_from: Callable[[datetime], datetime]) -> None:
+        run = self._run
+        record = run.begin_op(name, kind)
+        if record is not None and record.status == StepStatus.COMPLETE:
+            return
+        async with run.activity() as activity:
+            if record is None:
+                # The wake time is computed once and stored: replays use the stored one.
+                record = run.new_record(name, kind, StepStatus.WAITING)
+                record.wake_at = wake_at_from(clock.now())
+                record.attempts = 1
+                history = [History("sleep.started", {"step": name, "until": record.wake_at.isoformat()})]
+                if not run.sleep_is_due(record):
+                    await run.write(record, history)
+                    await activity.block(wake_at=record.wake_at)
+            else:
+                history = []
+                if not run.sleep_is_due(record):
+                    await activity.block(wake_at=record.wake_at)
+            record.status = StepStatus.COMPLETE
+            record.completed_at = clock.now()
+            record.output_json = "null"
+            history.append(History("sleep.completed", {"step": name}))
+            await run.write(record, history, progress=True)
+
+    # --- events -----------------------------------------------------------------------
+
+    async def wait_for_event(
+        self, name: str, *, type: str, timeout: Any = None, schema: dict[str, Any] | None = None
+    ) -> Event:
+        """Wait until an event of `type` is sent to this instance (or one sent earlier is here)."""
+        run = self._run
+        limits = run.limits
+        check_event_type(type)
+        timeout_ms = limits.default_wait_for_event_timeout if timeout is None else parse_duration(timeout)
+        if timeout_ms < limits.min_wait_for_event_timeout or timeout_ms > limits.max_wait_for_event_timeout:
+            raise LimitExceeded(
+                "wait_for_event timeout",
+                f"{timeout_ms} ms",
+                f"{limits.min_wait_for_event_timeout} ms … {limits.max_wait_for_event_timeout} ms",
+                f'wait_for_event "{name}"',
+            )
+        schema_json = None
+        if schema is not None:
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise InvalidInput(f'wait_for_event "{name}": invalid JSON Schema: {exc.message}') from None
+            schema_json = encode_json(schema, f'schema of wait_for_event "{name}"')
+        record = run.begin_op(name, StepKind.WAIT_FOR_EVENT)
+        if record is not None:
+            if record.status == StepStatus.COMPLETE:
+                return _event_from_json(record.output_json)
+            if record.status == StepStatus.FAILED:
+                raise run.stored_failure(record)
+        async with run.activity() as activity:
+            history: list[History] = []
+            if record is None:
+                record = run.new_record(name, StepKind.WAIT_FOR_EVENT, StepStatus.WAITING)
+                record.event_type = type
+                record.event_schema_json = schema_json
+                record.attempts = 1
+                record.wake_at = clock.now() + timedelta(milliseconds=timeout_ms)
+                history.append(
+                    History("event.waiting", {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()})
+                )
+            delivered = run.take_event(type)
+            if delivered is None and not run.event_timed_out(record):
+                if history:
+                    await run.write(record, history)
+                await activity.block(event_type=type, wake_at=record.wake_at)
+            if delivered is None:
+                error = EventTimeout(f'wait_for_event "{name}" timed out waiting for an event of type {type!r}')
+                history.append(History("event.timeout", {"step": name, "type": type}))
+                raise await run.fail_step(record, error, nonretryable=False, history=history)
+            event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
+            record.status = StepStatus.COMPLETE
+            record.completed_at = clock.now()
+            record.output_json = encode_json(
+                {"type": type, "payload": delivered.payload, "timestamp": delivered.created_at.isoformat()},
+                f'event received by "{name}"',
+            )
+            record.wake_at = None
+            history.append(History("event.received", {"step": name, "type": type, "event_id": delivered.pk}))
+            await run.write(record, history, consume_event=delivered.pk, progress=True)
+            return event
+
+
+def _event_from_json(text: str | None) -> Event:
+    data = json.loads(text or "{}")
+    return Event(type=data["type"], payload=data["payload"], timestamp=datetime.fromisoformat(data["timestamp"]))
+
+
+def new_step_record(name: str, kind: str, status: str, seq: int) -> StepRecord:
+    return StepRecord(name=name, kind=kind, status=status, seq=seq, started_at=clock.now())

@@ -1,0 +1,649 @@
+"""Every database read and write the engine makes.
+
+The functions here are synchronous and each is one transaction; the engine calls them
+from its database thread. Writes made on behalf of a run are fenced by the lease token of
+the claim the run was made under: once an operator terminates or restarts the instance,
+or another worker takes it over, the old run's writes match no row and are refused.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Min, Q
+
+from ..models import (
+    ACTIVE_STATUSES,
+    FINISHED_STATUSES,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Status,
+    StepKind,
+    StepRecord,
+    StepStatus,
+    WorkflowVersion,
+)
+from . import clock
+from .errors import (
+    InstanceAlreadyExists,
+    InstanceNotFound,
+    InvalidInput,
+    InvalidTransition,
+    VersionConflict,
+)
+from .limits import Limits
+
+INSTANCE_TABLE = Instance._meta.db_table
+
+
+class LeaseLost(Exception):
+    """The run's lease token no longer matches: someone else owns the instance now."""
+
+
+@dataclass
+class History:
+    """A history record to append: its sequence number is allocated under the row lock."""
+
+    type: str
+    data: dict[str, Any] = field(default_factory=dict)
+    actor: str = ""
+
+
+@dataclass
+class NewInstance:
+    instance_id: str
+    params_json: str
+    idempotency_key: str | None = None
+    retention_ms: int | None = None
+
+
+@dataclass
+class LoadedRun:
+    instance: Instance
+    steps: dict[str, StepRecord]
+    events: list[InboxEvent]
+
+
+# --- history -------------------------------------------------------------------------
+
+
+def _allocate_history(pk: int, count: int) -> int:
+    """Reserve `count` sequence numbers for instance pk; returns the first. Locks the row."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s WHERE id = %s RETURNING history_seq",
+            [count, pk],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        raise InstanceNotFound(f"instance #{pk} no longer exists")
+    return row[0] - count + 1
+
+
+def _insert_history(pk: int, first_seq: int, records: Sequence[History], now: datetime) -> None:
+    HistoryRecord.objects.bulk_create(
+        HistoryRecord(instance_id=pk, sequence=first_seq + i, created_at=now, type=r.type, data=r.data, actor=r.actor)
+        for i, r in enumerate(records)
+    )
+
+
+def append_history(pk: int, records: Sequence[History], now: datetime | None = None) -> None:
+    """Append records to an instance's history (inside the caller's transaction)."""
+    if records:
+        _insert_history(pk, _allocate_history(pk, len(records)), records, now or clock.now())
+
+
+# --- catalog and admission ----------------------------------------------------------
+
+
+def sync_catalog(name: str, version: int, source_hash: str, class_path: str, strict: bool) -> None:
+    """Record a registered version; refuse a changed source under an existing version."""
+    now = clock.now()
+    with transaction.atomic():
+        row = WorkflowVersion.objects.select_for_update().filter(name=name, version=version).first()
+        if row is None:
+            try:
+                with transaction.atomic():
+                    WorkflowVersion.objects.create(
+                        name=name, version=version, source_hash=source_hash, class_path=class_path,
+                        registered_at=now, last_seen_at=now,
+                    )
+            except IntegrityError:
+                pass  # registered concurrently by another process; compare on the next call
+            return
+        if row.source_hash != source_hash:
+            if strict:
+                raise VersionConflict(
+                    f"workflow {name!r} version {version} is already registered with different source code "
+                    f"(stored hash {row.source_hash[:12]}, this code {source_hash[:12]}); "
+                    f"bump the version (register({name!r}, version={version + 1})) so running instances "
+                    "keep replaying on the code they started with"
+                )
+            row.source_hash = source_hash
+        row.class_path = class_path
+        row.last_seen_at = now
+        row.save(update_fields=["source_hash", "class_path", "last_seen_at"])
+
+
+def _lock_workflow(name: str) -> None:
+    """Serialise admission decisions of one workflow (PostgreSQL: row locks on its catalog)."""
+    list(WorkflowVersion.objects.select_for_update().filter(name=name).values_list("id", flat=True))
+
+
+def _free_slots(name: str, limits: Limits) -> int | None:
+    """Places left under max_concurrent_instances, or None for no limit."""
+    if limits.max_concurrent_instances is None:
+        return None
+    active = Instance.objects.filter(workflow=name, status__in=ACTIVE_STATUSES).count()
+    return max(0, limits.max_concurrent_instances - active)
+
+
+def create_instances(
+    name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str = ""
+) -> list[tuple[Instance, bool]]:
+    """Insert instances all-or-nothing; an idempotency key already used returns its instance.
+
+    Returns (instance, created) pairs in the order of items.
+    """
+    for attempt in range(3):
+        try:
+            with transaction.atomic():
+                return _create_instances(name, version, limits, items, actor)
+        except IntegrityError as exc:
+            # A concurrent create with the same idempotency key or id won the race; the
+            # next attempt sees its row. Anything else is a real conflict.
+            if attempt == 2:
+                raise InstanceAlreadyExists(f"could not create instances of {name!r}: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _create_instances(
+    name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str
+) -> list[tuple[Instance, bool]]:
+    now = clock.now()
+    keys = [i.idempotency_key for i in items if i.idempotency_key]
+    existing_by_key = {
+        inst.idempotency_key: inst
+        for inst in Instance.objects.filter(workflow=name, version=version, idempotency_key__in=keys)
+    } if keys else {}
+    fresh = [i for i in items if not (i.idempotency_key and i.idempotency_key in existing_by_key)]
+    ids = [i.instance_id for i in fresh]
+    if len(set(ids)) != len(ids):
+        raise InvalidInput("a batch names the same instance id twice")
+    taken = list(Instance.objects.filter(workflow=name, instance_id__in=ids).values_list("instance_id", flat=True))
+    if taken:
+        raise InstanceAlreadyExists(f"workflow {name!r} already has an instance with id {taken[0]!r}")
+    if limits.max_concurrent_instances is not None:
+        _lock_workflow(name)
+    slots = _free_slots(name, limits)
+    if slots is not None and Instance.objects.filter(workflow=name, status=Status.QUEUED).exists():
+        slots = 0  # earlier queued instances go first: creation order
+    rows = []
+    for item in fresh:
+        admitted = slots is None or slots > 0
+        if slots is not None and admitted:
+            slots -= 1
+        rows.append(
+            Instance(
+                workflow=name, instance_id=item.instance_id, version=version,
+                status=Status.RUNNING if admitted else Status.QUEUED,
+                params_json=item.params_json, idempotency_key=item.idempotency_key,
+                created_by=actor, created_at=now, updated_at=now,
+                started_at=now if admitted else None, wake_at=now if admitted else None,
+                retention_ms=item.retention_ms, history_seq=1, trace_id=uuid.uuid4().hex,
+            )
+        )
+    Instance.objects.bulk_create(rows)
+    HistoryRecord.objects.bulk_create(
+        HistoryRecord(
+            instance_id=row.pk, sequence=1, created_at=now, type="instance.created",
+            data={"version": version, "status": row.status}, actor=actor,
+        )
+        for row in rows
+    )
+    created = iter(rows)
+    return [
+        (existing_by_key[i.idempotency_key], False)
+        if i.idempotency_key and i.idempotency_key in existing_by_key
+        else (next(created), True)
+        for i in items
+    ]
+
+
+def promote_queued(name: str, limits: Limits, now: datetime) -> list[int]:
+    """Start queued instances of a workflow, oldest first, while there is room."""
+    if not Instance.objects.filter(workflow=name, status=Status.QUEUED).exists():
+        return []
+    _lock_workflow(name)
+    slots = _free_slots(name, limits)
+    queue = Instance.objects.filter(workflow=name, status=Status.QUEUED).order_by("id")
+    pks = list((queue if slots is None else queue[:slots]).values_list("id", flat=True))
+    if pks:
+        Instance.objects.filter(id__in=pks, status=Status.QUEUED).update(
+            status=Status.RUNNING, wake_at=now, started_at=now, updated_at=now
+        )
+        for pk in pks:
+            append_history(pk, [History("instance.started", {"from": "queued"})], now)
+    return pks
+
+
+def promote_all_queued(workflows: Sequence[tuple[str, Limits]]) -> int:
+    """At worker start: queued instances start wherever there is room (after a restart too)."""
+    now = clock.now()
+    total = 0
+    for name, limits in workflows:
+        with transaction.atomic():
+            total += len(promote_queued(name, limits, now))
+    return total
+
+
+# --- lookups ------------------------------------------------------------------------
+
+
+def get_instance(name: str, instance_id: str) -> Instance:
+    try:
+        return Instance.objects.get(workflow=name, instance_id=instance_id)
+    except Instance.DoesNotExist:
+        raise InstanceNotFound(f"workflow {name!r} has no instance {instance_id!r}") from None
+
+
+def load_run(pk: int) -> LoadedRun:
+    """The instance, all its checkpoints and its unconsumed events: three queries, any size."""
+    instance = Instance.objects.get(pk=pk)
+    steps = {s.name: s for s in StepRecord.objects.filter(instance_id=pk)}
+    events = list(InboxEvent.objects.filter(instance_id=pk, consumed_at__isnull=True).order_by("id"))
+    return LoadedRun(instance, steps, events)
+
+
+# --- claims and leases --------------------------------------------------------------
+
+
+def claim_runnable(worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()) -> list[tuple[int, str]]:
+    """Lease up to `limit` runnable instances to this worker; returns (pk, token) pairs.
+
+    Runnable: wake_at <= now and no live lease. PostgreSQL skips rows another worker is
+    claiming (FOR UPDATE SKIP LOCKED); SQLite's IMMEDIATE transaction serialises claimers.
+    """
+    now = clock.now()
+    lease_until = now + timedelta(seconds=lease_seconds)
+    claimed: list[tuple[int, str]] = []
+    with transaction.atomic():
+        query = (
+            Instance.objects.filter(wake_at__lte=now)
+            .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
+            .exclude(id__in=list(exclude))
+            .order_by("wake_at")
+        )
+        if connection.features.has_select_for_update_skip_locked:
+            query = query.select_for_update(skip_locked=True, of=("self",))
+        rows = list(query.values_list("id", "lease_token")[:limit])
+        for pk, old_token in rows:
+            token = uuid.uuid4().hex
+            taken_over = old_token is not None
+            updated = Instance.objects.filter(id=pk, lease_token=old_token).update(
+                lease_owner=worker_id, lease_token=token, lease_expires_at=lease_until,
+                unproductive_claims=F("unproductive_claims") + (1 if taken_over else 0),
+            )
+            if updated:
+                claimed.append((pk, token))
+    return claimed
+
+
+def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
+    """Extend the leases held under these tokens; returns the tokens that were lost."""
+    if not tokens:
+        return set()
+    lease_until = clock.now() + timedelta(seconds=lease_seconds)
+    with transaction.atomic():
+        held = set(Instance.objects.filter(lease_token__in=list(tokens)).values_list("lease_token", flat=True))
+        Instance.objects.filter(lease_token__in=list(held)).update(lease_expires_at=lease_until)
+    return set(tokens) - held
+
+
+def release(pk: int, token: str) -> None:
+    """Give the lease back without changing status (shutdown, or a run that was cut short)."""
+    Instance.objects.filter(id=pk, lease_token=token).update(lease_token=None, lease_owner="", lease_expires_at=None)
+
+
+def next_wake_at() -> datetime | None:
+    """The earliest timer among unleased instances, for the worker's idle wait."""
+    return Instance.objects.filter(wake_at__isnull=False, lease_token__isnull=True).aggregate(m=Min("wake_at"))["m"]
+
+
+# --- writes of a run (fenced) --------------------------------------------------------
+
+
+def _fence(pk: int, token: str, now: datetime, history_count: int, step_seq: int | None) -> tuple[str, int]:
+    """Lock the instance row if and only if this run still owns it.
+
+    Returns (status, first history sequence number); raises LeaseLost otherwise.
+    """
+    sets = "history_seq = history_seq + %s, updated_at = %s"
+    params: list[Any] = [history_count, now]
+    if step_seq is not None:
+        sets += ", step_seq = %s"
+        params.append(step_seq)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET {sets} WHERE id = %s AND lease_token = %s RETURNING status, history_seq",
+            [*params, pk, token],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        raise LeaseLost(f"instance #{pk}: lease {token[:8]} is no longer held")
+    return row[0], row[1] - history_count + 1
+
+
+def write_step(
+    pk: int,
+    token: str,
+    step: StepRecord,
+    history: Sequence[History],
+    consume_event: int | None = None,
+    progress: bool = False,
+) -> str:
+    """Upsert one step record with its history in one fenced transaction; returns the status.
+
+    consume_event marks that inbox event consumed by this step in the same transaction, so
+    an event is never both lost and checkpointed, nor consumed twice.
+    """
+    now = clock.now()
+    with transaction.atomic():
+        status, first_seq = _fence(pk, token, now, len(history), step.seq)
+        if consume_event is not None:
+            taken = InboxEvent.objects.filter(id=consume_event, consumed_at__isnull=True).update(
+                consumed_at=now, consumed_by=step.name
+            )
+            if not taken:
+                raise LeaseLost(f"event #{consume_event} was consumed by another run")
+        if step.pk is None:
+            step.instance_id = pk
+            step.save(force_insert=True)
+        else:
+            step.save(force_update=True)
+        _insert_history(pk, first_seq, history, now)
+        if progress:
+            Instance.objects.filter(id=pk).update(unproductive_claims=0)
+    return status
+
+
+def finish(
+    pk: int,
+    token: str,
+    status: str,
+    limits: Limits,
+    output_json: str | None = None,
+    error: tuple[str, str, str] | None = None,
+    history: Sequence[History] = (),
+) -> bool:
+    """End the instance as complete or errored, free its place and start queued ones."""
+    now = clock.now()
+    with transaction.atomic():
+        try:
+            _, first_seq = _fence(pk, token, now, len(history), None)
+        except LeaseLost:
+            return False
+        instance = Instance.objects.only("workflow", "retention_ms").get(id=pk)
+        retention = instance.retention_ms if instance.retention_ms is not None else limits.max_retention
+        name, message, stack = error or ("", "", "")
+        Instance.objects.filter(id=pk).update(
+            status=status, output_json=output_json, error_name=name, error_message=message, error_stack=stack,
+            finished_at=now, compensate_on_cancel=False, wake_at=None, waiting_reason="", lease_token=None, lease_owner="",
+            lease_expires_at=None, expires_at=now + timedelta(milliseconds=retention) if retention else None,
+        )
+        _insert_history(pk, first_seq, history, now)
+        promote_queued(instance.workflow, limits, now)
+    return True
+
+
+def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason: str = "") -> str:
+    """Free the worker: store when the instance is due next and release the lease.
+
+    The wake time is read from the step rows (sleep ends, retry times, event timeouts), so
+    a skip_sleep that landed during the run is honoured. An event of an awaited type that
+    arrived during the run makes the instance due at once: no wake-up is lost.
+    """
+    now = clock.now()
+    with transaction.atomic():
+        status, _ = _fence(pk, token, now, 0, None)
+        if pause or status == Status.WAITING_FOR_PAUSE:
+            new_status, wake_at = Status.PAUSED, None
+        else:
+            new_status = Status.COMPENSATING if status == Status.COMPENSATING else Status.WAITING
+            wake_at = StepRecord.objects.filter(
+                instance_id=pk, status__in=(StepStatus.WAITING, StepStatus.RETRYING)
+            ).aggregate(m=Min("wake_at"))["m"]
+            if awaited_types and InboxEvent.objects.filter(
+                instance_id=pk, consumed_at__isnull=True, type__in=list(awaited_types)
+            ).exists():
+                wake_at = now
+        Instance.objects.filter(id=pk).update(
+            status=new_status, wake_at=wake_at, waiting_reason=reason,
+            lease_token=None, lease_owner="", lease_expires_at=None,
+        )
+        if new_status == Status.PAUSED:
+            append_history(pk, [History("instance.paused", {"at": "step boundary"})], now)
+    return new_status
+
+
+def park_unrunnable(pk: int, token: str, reason: str) -> None:
+    """Park an instance this process cannot run (its version is not registered here)."""
+    with transaction.atomic():
+        try:
+            _fence(pk, token, clock.now(), 0, None)
+        except LeaseLost:
+            return
+        Instance.objects.filter(id=pk).update(
+            status=Status.WAITING, wake_at=None, waiting_reason=reason,
+            lease_token=None, lease_owner="", lease_expires_at=None,
+        )
+
+
+def mark_running(pk: int, token: str, run_number: int, from_status: str, compensating: bool) -> None:
+    """The run has begun: status running (or compensating) and run.started."""
+    now = clock.now()
+    with transaction.atomic():
+        status, first_seq = _fence(pk, token, now, 1, None)
+        if status in (Status.WAITING, Status.RUNNING, Status.COMPENSATING):
+            Instance.objects.filter(id=pk).update(
+                status=Status.COMPENSATING if compensating else Status.RUNNING, waiting_reason="", run_count=run_number
+            )
+        else:
+            Instance.objects.filter(id=pk).update(run_count=run_number)
+        _insert_history(pk, first_seq, [History("run.started", {"run": run_number, "from": from_status})], now)
+
+
+# --- operator actions ---------------------------------------------------------------
+
+
+def _locked(name: str, instance_id: str) -> Instance:
+    try:
+        return Instance.objects.select_for_update().get(workflow=name, instance_id=instance_id)
+    except Instance.DoesNotExist:
+        raise InstanceNotFound(f"workflow {name!r} has no instance {instance_id!r}") from None
+
+
+def _clear_lease() -> dict[str, Any]:
+    return {"lease_token": None, "lease_owner": "", "lease_expires_at": None}
+
+
+def pause(name: str, instance_id: str, actor: str = "") -> str:
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        leased = inst.lease_token is not None and inst.lease_expires_at and inst.lease_expires_at > now
+        if inst.status == Status.RUNNING and leased:
+            new_status = Status.WAITING_FOR_PAUSE  # takes effect at the next step boundary
+        elif inst.status in (Status.RUNNING, Status.WAITING, Status.QUEUED, Status.WAITING_FOR_PAUSE):
+            new_status = Status.PAUSED
+        else:
+            raise InvalidTransition(f"cannot pause instance {instance_id!r}: it is {inst.status}")
+        updates: dict[str, Any] = {"status": new_status, "updated_at": now}
+        if new_status == Status.PAUSED:
+            updates.update(wake_at=None, **_clear_lease())
+            if inst.status == Status.QUEUED:
+                updates["started_at"] = now  # admitted: paused instances hold a place
+        Instance.objects.filter(id=inst.pk).update(**updates)
+        if new_status == Status.PAUSED:
+            append_history(inst.pk, [History("instance.paused", {"from": inst.status}, actor)], now)
+        else:
+            append_history(inst.pk, [History("instance.pause_requested", {}, actor)], now)
+    return new_status
+
+
+def resume(name: str, instance_id: str, actor: str = "") -> str:
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        if inst.status == Status.WAITING_FOR_PAUSE:
+            Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, updated_at=now)
+        elif inst.status == Status.PAUSED:
+            Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, wake_at=now, updated_at=now)
+        else:
+            raise InvalidTransition(f"cannot resume instance {instance_id!r}: it is {inst.status}, not paused")
+        append_history(inst.pk, [History("instance.resumed", {}, actor)], now)
+    return Status.RUNNING
+
+
+def terminate(name: str, instance_id: str, limits: Limits, actor: str = "", reason: str = "") -> bool:
+    """Terminate a live instance; returns False if it had already finished."""
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        if inst.status in FINISHED_STATUSES:
+            return False
+        retention = inst.retention_ms if inst.retention_ms is not None else limits.max_retention
+        Instance.objects.filter(id=inst.pk).update(
+            status=Status.TERMINATED, wake_at=None, finished_at=now, updated_at=now, waiting_reason="",
+            expires_at=now + timedelta(milliseconds=retention) if retention else None, **_clear_lease(),
+        )
+        append_history(inst.pk, [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)], now)
+        promote_queued(name, limits, now)
+    return True
+
+
+def restart(name: str, instance_id: str, limits: Limits, from_step: str | None = None, actor: str = "") -> str:
+    """Drop checkpoints (all, or from_step and every step started after it) and run again."""
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        steps = StepRecord.objects.filter(instance_id=inst.pk)
+        if from_step is not None:
+            anchor = steps.filter(name=from_step).values_list("seq", flat=True).first()
+            if anchor is None:
+                raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
+            steps = steps.filter(seq__gte=anchor)
+        dropped = steps.count()
+        steps.delete()
+        was_active = inst.status in ACTIVE_STATUSES
+        if limits.max_concurrent_instances is not None:
+            _lock_workflow(name)
+        slots = _free_slots(name, limits)
+        admitted = was_active or slots is None or slots > 0
+        Instance.objects.filter(id=inst.pk).update(
+            status=Status.RUNNING if admitted else Status.QUEUED, wake_at=now if admitted else None,
+            output_json=None, error_name="", error_message="", error_stack="", finished_at=None,
+            expires_at=None, waiting_reason="", updated_at=now, unproductive_claims=0,
+            compensate_on_cancel=False, **_clear_lease(),
+        )
+        append_history(
+            inst.pk,
+            [History("instance.restarted", {"from_step": from_step, "dropped_steps": dropped, "from": inst.status}, actor)],
+            now,
+        )
+    return Status.RUNNING if admitted else Status.QUEUED
+
+
+def skip_sleep(name: str, instance_id: str, actor: str = "") -> int:
+    """Make the current sleeps of an instance due now; returns how many were woken."""
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        woken = StepRecord.objects.filter(
+            instance_id=inst.pk, kind__in=(StepKind.SLEEP, StepKind.SLEEP_UNTIL), status=StepStatus.WAITING
+        ).update(wake_at=now)
+        if not woken:
+            raise InvalidTransition(f"instance {instance_id!r} is not sleeping (it is {inst.status})")
+        if inst.status in (Status.WAITING, Status.RUNNING):
+            Instance.objects.filter(id=inst.pk).update(wake_at=now, updated_at=now)
+        append_history(inst.pk, [History("sleep.skipped", {"count": woken}, actor)], now)
+    return woken
+
+
+def send_event(
+    name: str, instance_id: str, event_type: str, payload_json: str, validate: Any = None, actor: str = ""
+) -> InboxEvent:
+    """Store an event for an instance and make it due if it is running or waiting.
+
+    validate(schema_json) is called with the schema of the step waiting for this type
+    (if any) before anything is written; it raises to refuse the payload.
+    """
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        if inst.status in FINISHED_STATUSES:
+            raise InvalidTransition(
+                f"cannot send event {event_type!r} to instance {instance_id!r}: it is {inst.status}"
+            )
+        if validate is not None:
+            schema = (
+                StepRecord.objects.filter(
+                    instance_id=inst.pk, kind=StepKind.WAIT_FOR_EVENT, status=StepStatus.WAITING,
+                    event_type=event_type, event_schema_json__isnull=False,
+                )
+                .order_by("seq")
+                .values_list("event_schema_json", flat=True)
+                .first()
+            )
+            if schema is not None:
+                validate(schema)
+        event = InboxEvent.objects.create(
+            instance_id=inst.pk, type=event_type, payload_json=payload_json, created_at=now, actor=actor
+        )
+        if inst.status in (Status.WAITING, Status.RUNNING):
+            Instance.objects.filter(id=inst.pk).update(wake_at=now, updated_at=now)
+        append_history(inst.pk, [History("event.sent", {"type": event_type, "event_id": event.pk}, actor)], now)
+    return event
+
+
+def prune(now: datetime | None = None, batch: int = 500) -> int:
+    """Delete finished instances past their retention, with every row that belongs to them."""
+    now = now or clock.now()
+    total = 0
+    while True:
+        with transaction.atomic():
+            pks = list(Instance.objects.filter(expires_at__lte=now).values_list("id", flat=True)[:batch])
+            if not pks:
+                return total
+            Instance.objects.filter(id__in=pks).delete()  # cascades to steps, events, history, spans
+        total += len(pks)
+
+
+def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor: str = "") -> str:
+    """Cancel: terminate at once, or first run the compensations of completed steps."""
+    now = clock.now()
+    with transaction.atomic():
+        inst = _locked(name, instance_id)
+        if inst.status in FINISHED_STATUSES:
+            raise InvalidTransition(f"cannot cancel instance {instance_id!r}: it is already {inst.status}")
+        compensable = compensate and StepRecord.objects.filter(
+            instance_id=inst.pk, kind=StepKind.DO, status=StepStatus.COMPLETE, has_compensation=True
+        ).exists()
+        if not compensable:
+            append_history(inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now)
+        else:
+            # The next run replays to collect the compensations, then runs them newest first.
+            Instance.objects.filter(id=inst.pk).update(
+                status=Status.COMPENSATING, compensate_on_cancel=True, wake_at=now, updated_at=now,
+                waiting_reason="", **_clear_lease(),
+            )
+            append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
+            return Status.COMPENSATING
+    terminate(name, instance_id, limits, actor, reason="cancelled")
+    return Status.TERMINATED

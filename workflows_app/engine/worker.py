@@ -1,0 +1,295 @@
+"""The worker: claim runnable instances under a lease, run them, heartbeat, wake timers.
+
+The loop is made of small steps (claim_and_start, heartbeat_once) that tests can call one
+at a time; serve() only repeats them until asked to stop. Hints (new instance, event
+sent, resume) only save latency: the database is the truth and a slow poll is the net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, connections
+
+from . import clock, registry, store
+from .runner import Run
+from .store import History
+
+log = logging.getLogger("workflows_app.engine")
+
+# Takeovers without any step completing before an instance is declared poison and errored.
+MAX_UNPRODUCTIVE_CLAIMS = 3
+
+
+def engine_settings() -> dict[str, Any]:
+    return getattr(settings, "WFDASH", {})
+
+
+class ConnectionThreads:
+    """A thread pool whose threads keep their own database connections until close()."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        """Close every thread's database connection, then the threads."""
+        barrier = threading.Barrier(self.threads)
+
+        def close_connection() -> None:
+            connections.close_all()
+            try:
+                barrier.wait(timeout=5)
+            except threading.BrokenBarrierError:
+                pass
+
+        wait([self.pool.submit(close_connection) for _ in range(self.threads)], timeout=10)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+_local_workers: set[Worker] = set()
+_local_lock = threading.Lock()
+
+
+def notify_local(kind: str = "wake", pk: int | None = None) -> None:
+    """Tell every worker of this process that something changed (thread-safe)."""
+    with _local_lock:
+        workers = list(_local_workers)
+    for worker in workers:
+        worker.hint(kind, pk)
+
+
+def db_threads_default() -> int:
+    # SQLite has one writer at a time: one thread avoids lock contention altogether.
+    return 1 if connection.vendor == "sqlite" else 4
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        worker_id: str | None = None,
+        concurrency: int | None = None,
+        lease_seconds: float | None = None,
+        poll_seconds: float | None = None,
+        db_threads: int | None = None,
+        hooks: Any = None,
+    ) -> None:
+        conf = engine_settings()
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.concurrency = concurrency or int(conf.get("WORKER_CONCURRENCY", 50))
+        self.lease_seconds = lease_seconds or float(conf.get("LEASE_SECONDS", 30))
+        self.poll_seconds = poll_seconds or float(conf.get("POLL_SECONDS", 5))
+        self.db_threads = db_threads or db_threads_default()
+        self.hooks = hooks
+        self.runs: dict[int, Run] = {}
+        self.tasks: dict[int, asyncio.Task[str]] = {}
+        self.tokens: dict[int, str] = {}
+        self.runs_started = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self._unsubscribe_clock: Callable[[], None] | None = None
+        self.db: ConnectionThreads | None = None
+        self.step_threads: ConnectionThreads | None = None
+
+    # --- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.db = ConnectionThreads(self.db_threads, "wfdash-db")
+        self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step")
+        await self.db(sync_catalog)
+        await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in registry.all_definitions()])
+        with _local_lock:
+            _local_workers.add(self)
+        self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
+
+    async def stop(self, grace_seconds: float = 10.0) -> None:
+        """Stop claiming, let running steps finish for a grace period, release the rest."""
+        self._stopping = True
+        self.hint("stop")
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=grace_seconds)
+        for pk, run in list(self.runs.items()):
+            run.abort("worker shutting down")
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=5)
+        with _local_lock:
+            _local_workers.discard(self)
+        if self._unsubscribe_clock:
+            self._unsubscribe_clock()
+        loop = asyncio.get_running_loop()
+        for threads in (self.db, self.step_threads):
+            if threads is not None:
+                await loop.run_in_executor(None, threads.close)
+
+    def hint(self, kind: str, pk: int | None = None) -> None:
+        """Thread-safe: something may be runnable, or a run must stop or pause."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_hint, kind, pk)
+        except RuntimeError:
+            pass  # loop closed meanwhile
+
+    def _on_hint(self, kind: str, pk: int | None) -> None:
+        run = self.runs.get(pk) if pk is not None else None
+        if run is not None:
+            if kind in ("terminate", "restart", "cancel"):
+                run.abort(kind)
+            elif kind == "pause":
+                run.request_pause()
+        if self._wake is not None:
+            self._wake.set()
+
+    # --- one iteration at a time -----------------------------------------------------
+
+    async def claim_and_start(self) -> int:
+        """Claim as many runnable instances as there are free slots and start running them."""
+        free = self.concurrency - len(self.tasks)
+        if free <= 0 or self._stopping:
+            return 0
+        assert self.db is not None
+        claimed = await self.db(store.claim_runnable, self.worker_id, free, self.lease_seconds, list(self.tasks))
+        for pk, token in claimed:
+            self.tokens[pk] = token
+            self.runs_started += 1
+            task = asyncio.ensure_future(self._execute(pk, token))
+            self.tasks[pk] = task
+            task.add_done_callback(functools.partial(self._run_done, pk))
+        return len(claimed)
+
+    def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
+        self.tasks.pop(pk, None)
+        self.tokens.pop(pk, None)
+        self.runs.pop(pk, None)
+        if self.hooks is not None and not task.cancelled():
+            self.hooks.run_finished(pk, task.result())
+        if self._wake is not None:
+            self._wake.set()
+
+    async def heartbeat_once(self) -> set[str]:
+        """Extend our leases; abort the runs whose lease another worker took."""
+        assert self.db is not None
+        tokens = dict(self.tokens)
+        lost = await self.db(store.heartbeat, list(tokens.values()), self.lease_seconds)
+        for pk, token in tokens.items():
+            if token in lost and pk in self.runs:
+                self.runs[pk].abort("lease lost")
+        return lost
+
+    async def _execute(self, pk: int, token: str) -> str:
+        assert self.db is not None
+        try:
+            loaded = await self.db(store.load_run, pk)
+            inst = loaded.instance
+            if inst.lease_token != token:
+                return "aborted"
+            definition = registry.find_definition(inst.workflow, inst.version)
+            if definition is None:
+                reason = f"version {inst.version} of workflow {inst.workflow!r} is not registered in this worker"
+                await self.db(store.park_unrunnable, pk, token, reason)
+                return "waiting"
+            if inst.unproductive_claims >= MAX_UNPRODUCTIVE_CLAIMS:
+                message = (
+                    f"instance was taken over {inst.unproductive_claims} times without completing a step: "
+                    "its run keeps killing or hanging its worker (poison instance); fix it, then restart"
+                )
+                await self.db(
+                    store.finish, pk, token, "errored", definition.limits(), None, ("PoisonInstance", message, ""),
+                    [History("instance.errored", {"error": {"name": "PoisonInstance", "message": message}})],
+                )
+                return "errored"
+            run = Run(definition, loaded, token, self.db, self.step_threads.pool if self.step_threads else None, self.hooks)
+            self.runs[pk] = run
+            outcome = await run.execute()
+            if outcome == "aborted" and run.abort_reason == "worker shutting down":
+                await self.db(store.release, pk, token)
+            return outcome
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("run of instance #%s failed inside the engine; releasing it for a retry", pk)
+            try:
+                await self.db(store.release, pk, token)
+            except Exception:
+                log.exception("could not release instance #%s", pk)
+            return "aborted"
+
+    # --- loops --------------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Run until `stop` is set (or stop() is called)."""
+        await self.start()
+        heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        try:
+            while not self._stopping and not (stop is not None and stop.is_set()):
+                assert self._wake is not None and self.db is not None
+                self._wake.clear()
+                try:
+                    started = await self.claim_and_start()
+                    if started and len(self.tasks) < self.concurrency:
+                        continue
+                    timeout = self.poll_seconds
+                    due = await self.db(store.next_wake_at)
+                except Exception:
+                    log.exception("worker %s: database error; retrying after the poll interval", self.worker_id)
+                    started, timeout, due = 0, self.poll_seconds, None
+                if due is not None:
+                    timeout = max(0.0, min(timeout, (due - clock.now()).total_seconds()))
+                waiters = [asyncio.ensure_future(self._wake.wait())]
+                if stop is not None:
+                    waiters.append(asyncio.ensure_future(stop.wait()))
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waiters:
+                    waiter.cancel()
+        finally:
+            heartbeat.cancel()
+            await self.stop()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            try:
+                await self.heartbeat_once()
+            except Exception:
+                log.exception("worker %s: heartbeat failed", self.worker_id)
+
+    async def run_until_idle(self, timeout: float = 10.0) -> int:
+        """Run until no instance is runnable now and none is running; returns runs made."""
+        runs = 0
+
+        async def drain() -> None:
+            nonlocal runs
+            while True:
+                runs += await self.claim_and_start()
+                if not self.tasks:
+                    return  # nothing claimable now and nothing running: idle
+                await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
+
+        await asyncio.wait_for(drain(), timeout)
+        return runs
+
+
+def sync_catalog() -> None:
+    """Record every registered version in the catalog; refuse changed code under an old version."""
+    strict = bool(engine_settings().get("STRICT_VERSIONS", True))
+    for definition in registry.all_definitions():
+        store.sync_catalog(definition.name, definition.version, definition.source_hash, definition.class_path, strict)

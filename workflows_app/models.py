@@ -1,0 +1,226 @@
+"""Durable state: one row per instance, one per step checkpoint, events, history, versions.
+
+JSON values the engine must round-trip exactly (params, outputs, payloads) are stored as
+JSON text, so `null` stays distinct from "no value yet" (a NULL column).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.db import models
+from django.db.models import Q
+
+
+class Status(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    WAITING = "waiting"
+    WAITING_FOR_PAUSE = "waitingForPause"
+    COMPENSATING = "compensating"
+    COMPLETE = "complete"
+    ERRORED = "errored"
+    TERMINATED = "terminated"
+    UNKNOWN = "unknown"
+
+
+FINISHED_STATUSES = (Status.COMPLETE, Status.ERRORED, Status.TERMINATED)
+# Statuses that hold a place under max_concurrent_instances (paused counts: it was admitted).
+ACTIVE_STATUSES = (
+    Status.RUNNING,
+    Status.WAITING,
+    Status.WAITING_FOR_PAUSE,
+    Status.PAUSED,
+    Status.COMPENSATING,
+)
+
+
+def decode_json(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class WorkflowVersion(models.Model):
+    """The catalog: every (workflow, version) ever registered, with its class's source hash."""
+
+    name = models.CharField(max_length=200)
+    version = models.PositiveIntegerField()
+    source_hash = models.CharField(max_length=64)
+    class_path = models.CharField(max_length=300, blank=True)
+    registered_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["name", "version"], name="workflowversion_unique")]
+        ordering = ["name", "-version"]
+
+    def __str__(self) -> str:
+        return f"{self.name} v{self.version}"
+
+
+class Instance(models.Model):
+    workflow = models.CharField(max_length=200)
+    instance_id = models.CharField(max_length=200)
+    version = models.PositiveIntegerField()
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.RUNNING)
+    params_json = models.TextField(default="null")
+    output_json = models.TextField(null=True, blank=True)
+    error_name = models.CharField(max_length=200, blank=True)
+    error_message = models.TextField(blank=True)
+    error_stack = models.TextField(blank=True)
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # Runnable when wake_at <= now and the lease is free or expired; NULL when nothing is due
+    # (queued, paused, finished, or parked without a deadline).
+    wake_at = models.DateTimeField(null=True, blank=True)
+    waiting_reason = models.CharField(max_length=500, blank=True)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    # Fence: every write of a run is conditional on the token of the claim it was made under.
+    lease_token = models.CharField(max_length=32, null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # Claims since the instance last made progress; bounded to stop a poison instance.
+    unproductive_claims = models.PositiveIntegerField(default=0)
+    run_count = models.PositiveIntegerField(default=0)
+    # Counters allocated under the row's write lock: gap-free history, step start order.
+    history_seq = models.PositiveIntegerField(default=0)
+    step_seq = models.PositiveIntegerField(default=0)
+    compensate_on_cancel = models.BooleanField(default=False)
+    trace_id = models.CharField(max_length=32, blank=True)
+    retention_ms = models.BigIntegerField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["workflow", "instance_id"], name="instance_id_per_workflow"),
+            models.UniqueConstraint(
+                fields=["workflow", "version", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="instance_idempotency_key",
+            ),
+        ]
+        indexes = [
+            # claim_runnable: WHERE wake_at <= now AND lease free ORDER BY wake_at
+            models.Index(fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)),
+            # list(): WHERE workflow = ? [AND status = ?] ORDER BY id DESC; queue promotion by id
+            models.Index(fields=["workflow", "status", "id"], name="instance_wf_status"),
+            models.Index(fields=["workflow", "id"], name="instance_wf_id"),
+            # prune: WHERE expires_at <= now
+            models.Index(fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow}/{self.instance_id}"
+
+    @property
+    def params(self) -> Any:
+        return decode_json(self.params_json)
+
+    @property
+    def output(self) -> Any:
+        return decode_json(self.output_json)
+
+    @property
+    def error(self) -> dict[str, str] | None:
+        if not self.error_name and not self.error_message:
+            return None
+        return {"name": self.error_name, "message": self.error_message}
+
+
+class StepKind(models.TextChoices):
+    DO = "do"
+    SLEEP = "sleep"
+    SLEEP_UNTIL = "sleepUntil"
+    WAIT_FOR_EVENT = "waitForEvent"
+    COMPENSATE = "compensate"
+
+
+class StepStatus(models.TextChoices):
+    RUNNING = "running"
+    RETRYING = "retrying"  # parked until wake_at, then the next attempt
+    WAITING = "waiting"  # sleep or event wait parked until wake_at
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class StepRecord(models.Model):
+    """One step of one instance, keyed by name: its checkpoint and its attempt record."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="steps")
+    name = models.CharField(max_length=300)
+    kind = models.CharField(max_length=16, choices=StepKind.choices)
+    # Order the steps started in; restart(from_step) drops this step and every later one.
+    seq = models.PositiveIntegerField()
+    status = models.CharField(max_length=10, choices=StepStatus.choices)
+    output_json = models.TextField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=1)
+    last_error_name = models.CharField(max_length=200, blank=True)
+    last_error_message = models.TextField(blank=True)
+    last_error_stack = models.TextField(blank=True)
+    started_at = models.DateTimeField()
+    completed_at = models.DateTimeField(null=True, blank=True)
+    # Sleep end, next retry attempt, or event-wait timeout: stored, so a restart keeps it.
+    wake_at = models.DateTimeField(null=True, blank=True)
+    event_type = models.CharField(max_length=100, blank=True)
+    event_schema_json = models.TextField(null=True, blank=True)
+    has_compensation = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["instance", "name"], name="step_name_per_instance")]
+        ordering = ["instance", "seq"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+    @property
+    def output(self) -> Any:
+        return decode_json(self.output_json)
+
+    @property
+    def duration_ms(self) -> float | None:
+        if self.completed_at is None:
+            return None
+        return (self.completed_at - self.started_at).total_seconds() * 1000
+
+
+class InboxEvent(models.Model):
+    """An event sent to an instance; consumed by exactly one wait, in the order sent."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="events")
+    type = models.CharField(max_length=100)
+    payload_json = models.TextField(default="null")
+    created_at = models.DateTimeField()
+    actor = models.CharField(max_length=200, blank=True)
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    consumed_by = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        indexes = [
+            # deliver: WHERE instance = ? AND consumed_at IS NULL ORDER BY id
+            models.Index(fields=["instance", "id"], name="inbox_unconsumed", condition=Q(consumed_at__isnull=True)),
+        ]
+        ordering = ["id"]
+
+    @property
+    def payload(self) -> Any:
+        return decode_json(self.payload_json)
+
+
+class HistoryRecord(models.Model):
+    """Append-only, gap-free per-instance log of everything that happened to it."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="history")
+    sequence = models.PositiveIntegerField()
+    created_at = models.DateTimeField()
+    type = models.CharField(max_length=40)
+    data = models.JSONField(default=dict, blank=True)
+    actor = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["instance", "sequence"], name="history_seq_per_instance")]
+        ordering = ["instance", "sequence"]

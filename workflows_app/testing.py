@@ -1,0 +1,136 @@
+"""Helpers for testing workflows: run the engine in-process, control its clock, mock steps.
+
+    from workflows_app import testing
+
+    inst = get_workflow("order-fulfilment").create(params={...})
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()          # runs until the instance parks (sleep / event wait)
+        clock.advance("1 hour")           # the sleep is now due
+        testing.run_until_idle()
+
+Step timeouts run on real time, not on the fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from asgiref.sync import async_to_sync
+
+from .client import InstanceHandle
+from .engine import clock as engine_clock
+from .engine import store
+from .engine.errors import InstanceNotFound, InvalidInput
+from .engine.runner import overrides
+from .engine.worker import Worker
+from .live import EngineHooks
+from .models import Instance
+
+_MISSING = object()
+
+
+async def arun_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
+    """Run the engine in this process until no instance is runnable now; returns runs made."""
+    worker = Worker(worker_id="testing", concurrency=concurrency, hooks=EngineHooks())
+    await worker.start()
+    try:
+        return await worker.run_until_idle(timeout)
+    finally:
+        await worker.stop(grace_seconds=0)
+
+
+def run_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
+    """Sync twin of arun_until_idle (for tests without a running event loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(arun_until_idle(timeout, concurrency))
+    return async_to_sync(arun_until_idle)(timeout, concurrency)
+
+
+@contextmanager
+def fake_clock(start: datetime | None = None) -> Iterator[engine_clock.ControllableClock]:
+    """Make the engine's clock controllable for the duration of the block."""
+    clock = engine_clock.ControllableClock(start)
+    previous = engine_clock.get_clock()
+    engine_clock.set_clock(clock)
+    try:
+        yield clock
+    finally:
+        engine_clock.set_clock(previous)
+
+
+def _instance(instance_id: str) -> InstanceHandle:
+    rows = list(Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True)[:2])
+    if not rows:
+        raise InstanceNotFound(f"no instance {instance_id!r} in any workflow")
+    if len(rows) > 1:
+        raise InvalidInput(f"instance id {instance_id!r} exists in several workflows; use the InstanceHandle")
+    return InstanceHandle(rows[0], instance_id)
+
+
+def mock_step(
+    instance_id: str, step_name: str, result: Any = _MISSING, error: BaseException | None = None, times: int = -1
+) -> None:
+    """Make a step return `result` or raise `error` instead of calling its callable.
+
+    With error and times=N the step fails N times (through the retry loop), then returns
+    `result` (or calls the real callable when no result is given).
+    """
+    mock: dict[str, Any] = {"error": error, "remaining": times if error is not None else 0}
+    if result is not _MISSING:
+        mock["result"] = result
+    overrides.step_mocks[(instance_id, step_name)] = mock
+
+
+def disable_sleeps(instance_id: str | None = None) -> None:
+    """Sleeps of that instance (or of every instance) end at once."""
+    overrides.sleeps_disabled.add(instance_id)
+
+
+def mock_event(instance_id: str, type: str, payload: Any = None) -> None:
+    """Send an event to the instance (it is buffered until its wait consumes it)."""
+    _instance(instance_id).send_event(type, payload, actor="testing")
+
+
+def force_event_timeout(instance_id: str, type: str) -> None:
+    """The instance's next wait for `type` times out at once; makes a parked wait due."""
+    overrides.forced_event_timeouts.add((instance_id, type))
+    handle = _instance(instance_id)
+    Instance.objects.filter(pk=handle.row().pk, status="waiting").update(wake_at=engine_clock.now())
+
+
+def reset() -> None:
+    """Forget every mock and override."""
+    overrides.clear()
+
+
+def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 10) -> str:
+    """Run the engine until the instance reaches one of the statuses (any status, not only
+    final ones); waits for real timers that fall due within the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = instance.status().status
+        if current in statuses:
+            return current
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"instance {instance.id!r} is {current!r}, not {statuses} after {timeout} s")
+        if run_until_idle(timeout=remaining) == 0:
+            due = store.next_wake_at()
+            if due is None:
+                raise AssertionError(f"instance {instance.id!r} is {current!r} and nothing is due to change it")
+            time.sleep(min(remaining, max(0.0, (due - engine_clock.now()).total_seconds())))
+
+
+def step_result(instance: InstanceHandle, step_name: str) -> Any:
+    """The checkpointed output of a completed step."""
+    for record in instance.steps():
+        if record.name == step_name and record.status == "complete":
+            return record.output
+    raise AssertionError(f"instance {instance.id!r} has no completed step {step_name!r}")
