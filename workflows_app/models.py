@@ -224,3 +224,71 @@ class HistoryRecord(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["instance", "sequence"], name="history_seq_per_instance")]
         ordering = ["instance", "sequence"]
+
+
+class Span(models.Model):
+    """A finished OpenTelemetry span, stored for the dashboard's trace waterfall."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="spans", null=True, blank=True)
+    trace_id = models.CharField(max_length=32)
+    span_id = models.CharField(max_length=16)
+    parent_span_id = models.CharField(max_length=16, blank=True)
+    name = models.CharField(max_length=300)
+    kind = models.CharField(max_length=16)
+    start_time = models.DateTimeField()
+    end_time = models.DateTimeField()
+    status_code = models.CharField(max_length=8, default="UNSET")
+    status_message = models.TextField(blank=True)
+    attributes = models.JSONField(default=dict, blank=True)
+    events = models.JSONField(default=list, blank=True)
+    links = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        indexes = [
+            # waterfall: WHERE trace_id = ? ORDER BY start_time
+            models.Index(fields=["trace_id", "start_time"], name="span_trace"),
+            models.Index(fields=["instance", "start_time"], name="span_instance"),
+        ]
+        ordering = ["start_time"]
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_time - self.start_time).total_seconds() * 1000
+
+
+class ErrorRecord(models.Model):
+    """Every failed attempt and every failed instance, linked to its trace and span."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="errors", null=True, blank=True)
+    workflow = models.CharField(max_length=200, blank=True)
+    source = models.CharField(max_length=40)  # workflow.step | workflow.instance
+    step_name = models.CharField(max_length=300, blank=True)
+    attempt = models.PositiveIntegerField(null=True, blank=True)
+    name = models.CharField(max_length=200)
+    message = models.TextField(blank=True)
+    stack = models.TextField(blank=True)
+    trace_id = models.CharField(max_length=32, blank=True)
+    span_id = models.CharField(max_length=16, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # errors page: ORDER BY id DESC [WHERE workflow = ?]
+            models.Index(fields=["workflow", "id"], name="error_workflow"),
+        ]
+        ordering = ["-id"]
+
+
+class ApiToken(models.Model):
+    """A named, revocable token for the JSON API; only its SHA-256 is stored."""
+
+    name = models.CharField(max_length=100, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=8, blank=True)
+    user = models.ForeignKey("auth.User", on_delete=models.CASCADE, null=True, blank=True)
+    created_at = models.DateTimeField()
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return self.name
