@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -93,7 +92,7 @@ class Run:
         loaded: store.LoadedRun,
         token: str,
         db: DbCall,
-        step_executor: Executor | None,
+        step_threads: Any,
         hooks: Any = None,
     ) -> None:
         self.definition = definition
@@ -102,7 +101,7 @@ class Run:
         self.instance_id = loaded.instance.instance_id
         self.token = token
         self.db = db
-        self.step_executor = step_executor
+        self.step_threads = step_threads
         self.hooks = hooks
         self.limits = definition.limits()
         self.checkpoints = loaded.steps
@@ -330,7 +329,7 @@ class Run:
         if _is_async(fn):
             future: asyncio.Future[Any] = loop.create_task(call(), context=ctx)
         else:
-            future = loop.run_in_executor(self.step_executor, ctx.run, call)
+            future = asyncio.wrap_future(self.step_threads.submit(ctx.run, call))
         done, _ = await asyncio.wait({future}, timeout=timeout_ms / 1000)
         if not done:
             future.cancel()  # an async attempt is cancelled; a thread's late result is discarded

@@ -36,29 +36,55 @@ def engine_settings() -> dict[str, Any]:
 
 
 class ConnectionThreads:
-    """A thread pool whose threads keep their own database connections until close()."""
+    """A thread pool whose threads keep their own database connections until close().
+
+    close() must not wait for a thread still running an abandoned step (timed out): that
+    thread closes its own connection when its call returns.
+    """
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closing = False
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            self._busy += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                closing = self._closing
+            if closing:
+                connections.close_all()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.submit(self._call, fn, *args)
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, functools.partial(fn, *args))
+        return await loop.run_in_executor(self.pool, functools.partial(self._call, fn, *args))
 
     def close(self) -> None:
-        """Close every thread's database connection, then the threads."""
-        barrier = threading.Barrier(self.threads)
+        """Close every idle thread's database connection, then let the threads go."""
+        with self._lock:
+            self._closing = True
+            idle = len(self.pool._threads) - self._busy
+        if idle > 0:
+            barrier = threading.Barrier(idle)
 
-        def close_connection() -> None:
-            connections.close_all()
-            try:
-                barrier.wait(timeout=5)
-            except threading.BrokenBarrierError:
-                pass
+            def close_connection() -> None:
+                connections.close_all()
+                try:
+                    barrier.wait(timeout=5)  # one close per thread: each waits for the others
+                except threading.BrokenBarrierError:
+                    pass
 
-        wait([self.pool.submit(close_connection) for _ in range(self.threads)], timeout=10)
-        self.pool.shutdown(wait=True, cancel_futures=True)
+            wait([self.pool.submit(close_connection) for _ in range(idle)], timeout=10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 _local_workers: set[Worker] = set()
@@ -217,7 +243,7 @@ class Worker:
                     [History("instance.errored", {"error": {"name": "PoisonInstance", "message": message}})],
                 )
                 return "errored"
-            run = Run(definition, loaded, token, self.db, self.step_threads.pool if self.step_threads else None, self.hooks)
+            run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks)
             self.runs[pk] = run
             outcome = await run.execute()
             if outcome == "aborted" and run.abort_reason == "worker shutting down":

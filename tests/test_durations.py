@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from workflows_app.engine.durations import parse_duration, parse_instant
+from workflows_app.engine.errors import InvalidDuration, WorkflowError
+
+
+@pytest.mark.parametrize(
+    ("value", "ms"),
+    [
+        (0, 0),
+        (1500, 1500),
+        ("250 ms", 250),
+        ("250ms", 250),
+        ("1 second", 1_000),
+        ("10 seconds", 10_000),
+        ("10s", 10_000),
+        ("5 minutes", 300_000),
+        ("1 minute", 60_000),
+        ("2 hours", 7_200_000),
+        ("3 days", 3 * 86_400_000),
+        ("1 week", 7 * 86_400_000),
+        ("1 month", 30 * 86_400_000),
+        ("2 months", 60 * 86_400_000),
+        ("1 year", 365 * 86_400_000),
+        (timedelta(seconds=1.5), 1_500),
+    ],
+)
+def test_it_parses_every_documented_duration_form(value, ms):
+    assert parse_duration(value) == ms
+
+
+@pytest.mark.parametrize("value", ["", "soon", "10 parsecs", "-5 seconds", -1, None, True, [1], float("nan"), "1.2.3 s"])
+def test_it_refuses_anything_else_naming_the_value(value):
+    with pytest.raises(InvalidDuration) as caught:
+        parse_duration(value)
+    assert isinstance(caught.value, WorkflowError)
+    assert repr(value)[:5].strip("'\"") in str(caught.value) or str(value) in str(caught.value)
+
+
+def test_sleep_until_takes_aware_datetimes_and_epoch_milliseconds():
+    instant = datetime(2027, 1, 1, tzinfo=timezone.utc)
+    assert parse_instant(instant) == instant
+    assert parse_instant(int(instant.timestamp() * 1000)) == instant
+    with pytest.raises(InvalidDuration, match="timezone-aware"):
+        parse_instant(datetime(2027, 1, 1))
+    with pytest.raises(InvalidDuration):
+        parse_instant("tomorrow")

@@ -1,0 +1,484 @@
+"""The engine's core behaviour: replay, retries, sleeps, events, parking."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, current_step, register
+from workflows_app.engine.errors import EventTimeout
+from workflows_app.models import HistoryRecord, Instance, StepRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+calls: Counter[str] = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _reset_calls():
+    calls.clear()
+
+
+def counted(name, value=None):
+    def fn():
+        calls[name] += 1
+        return value if value is not None else name
+    return fn
+
+
+def test_a_crash_between_steps_resumes_at_the_next_step_without_rerunning_earlier_ones(registered):
+    @register("crashy")
+    class Crashy(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("one", counted("one", 1))
+            b = await step.do("two", counted("two", 2))
+            c = await step.do("three", counted("three", 3))
+            return a + b + c
+
+    inst = get_workflow("crashy").create()
+    # Simulate a worker that died after step two: run only two steps under a lease that
+    # then expires, by mocking step three to kill the run (a BaseException the engine
+    # does not handle, like a process dying).
+    with testing.fake_clock() as clock:
+        Instance.objects.filter(instance_id=inst.id).update(lease_token="dead", lease_owner="crashed", lease_expires_at=clock.now() + timedelta(seconds=30))
+        StepRecord.objects.bulk_create([
+            StepRecord(instance=inst.row(), name="one", kind="do", seq=1, status="complete", output_json="1", attempts=1, started_at=clock.now()),
+            StepRecord(instance=inst.row(), name="two", kind="do", seq=2, status="complete", output_json="2", attempts=1, started_at=clock.now()),
+        ])
+        assert testing.run_until_idle() == 0  # the lease is still live: nobody may take it
+        clock.advance("31 seconds")  # the crashed worker's lease expires
+        assert testing.run_until_idle() == 1
+    assert inst.status().status == "complete"
+    assert inst.status().output == 6
+    assert calls == {"three": 1}
+
+
+def test_replay_returns_checkpoints_and_runs_each_callable_once(registered):
+    @register("replayer")
+    class Replayer(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("a", counted("a", {"n": 1}))
+            await step.sleep("nap", "1 hour")
+            b = await step.do("b", counted("b", [1, None, "x"]))
+            nothing = await step.do("none", lambda: calls.update(["none"]))
+            return {"a": a, "b": b, "none": nothing}
+
+    inst = get_workflow("replayer").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        assert inst.status().status == "waiting"
+        clock.advance("1 hour")
+        testing.run_until_idle()
+    assert inst.status().output == {"a": {"n": 1}, "b": [1, None, "x"], "none": None}
+    assert calls == {"a": 1, "b": 1, "none": 1}
+
+
+def test_a_run_loads_checkpoints_in_a_constant_number_of_queries(registered, django_assert_max_num_queries):
+    from workflows_app.engine import store
+
+    @register("many-steps")
+    class ManySteps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            for i in range(30):
+                await step.do(f"s{i}", lambda: i)
+
+    inst = get_workflow("many-steps").create()
+    testing.run_until_idle()
+    pk = inst.row().pk
+    with django_assert_max_num_queries(3):
+        loaded = store.load_run(pk)
+    assert len(loaded.steps) == 30
+
+
+def test_a_step_failing_twice_then_succeeding_completes_with_three_attempts(registered):
+    @register("flaky")
+    class Flaky(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def flaky():
+                if current_step().attempt < 3:
+                    raise ConnectionError(f"attempt {current_step().attempt}")
+                return "ok"
+            return await step.do("flaky", flaky, retries={"limit": 5, "delay": "1 second", "backoff": "constant"})
+
+    inst = get_workflow("flaky").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        assert inst.status().status == "waiting"  # a retry wait parks the instance
+        clock.advance("1 second")
+        testing.run_until_idle()
+        clock.advance("1 second")
+        testing.run_until_idle()
+    assert inst.status().status == "complete"
+    (record,) = inst.steps()
+    assert record.attempts == 3
+    assert record.last_error_name == "ConnectionError"
+    failures = [h.data for h in inst.history() if h.type == "step.failed"]
+    assert [f["attempt"] for f in failures] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("backoff", "expected_ms"),
+    [("constant", [1000, 1000, 1000]), ("linear", [1000, 2000, 3000]), ("exponential", [1000, 2000, 4000])],
+)
+def test_retry_waits_follow_the_backoff(registered, backoff, expected_ms):
+    @register(f"backoff-{backoff}")
+    class Backoff(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def always_fails():
+                raise ValueError("nope")
+            return await step.do("fail", always_fails, retries={"limit": 3, "delay": 1000, "backoff": backoff})
+
+    inst = get_workflow(f"backoff-{backoff}").create()
+    with testing.fake_clock() as clock:
+        waits = []
+        for _ in range(4):
+            testing.run_until_idle()
+            record = inst.steps()[0]
+            if record.status == "failed":
+                break
+            waits.append(round((record.wake_at - clock.now()).total_seconds() * 1000))
+            clock.advance(waits[-1])
+    assert waits == expected_ms
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error == {"name": "ValueError", "message": "nope"}
+    assert inst.steps()[0].attempts == 4  # limit counts retries: limit + 1 runs
+
+
+def test_non_retryable_error_fails_the_instance_at_once(registered):
+    @register("fatal")
+    class Fatal(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def boom():
+                calls["boom"] += 1
+                raise NonRetryableError("card declined", "CardDeclined")
+            await step.do("charge", boom, retries={"limit": 5, "delay": 0})
+            await step.do("never", counted("never"))
+
+    inst = get_workflow("fatal").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error == {"name": "CardDeclined", "message": "card declined"}
+    assert calls == {"boom": 1}
+
+
+def test_a_step_exceeding_its_timeout_counts_as_a_failed_attempt(registered):
+    @register("slow")
+    class Slow(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def slow():
+                calls["slow"] += 1
+                if calls["slow"] == 1:
+                    await asyncio.sleep(5)
+                return "fast enough"
+            return await step.do("slow", slow, timeout=50, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow("slow").create()
+    testing.run_until_idle()
+    assert inst.status().output == "fast enough"
+    record = inst.steps()[0]
+    assert record.attempts == 2
+    assert record.last_error_name == "StepTimeout"
+
+
+def test_a_sync_step_past_its_timeout_is_abandoned_and_its_late_result_discarded(registered):
+    import threading
+
+    release = threading.Event()
+
+    @register("slow-sync")
+    class SlowSync(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def slow():
+                calls["slow"] += 1
+                if calls["slow"] == 1:
+                    release.wait(5)
+                    return "late"
+                return "second"
+            return await step.do("slow", slow, timeout=50, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow("slow-sync").create()
+    testing.run_until_idle()
+    release.set()
+    assert inst.status().output == "second"
+
+
+def test_sleep_parks_the_instance_until_the_clock_reaches_its_end(registered):
+    @register("sleeper")
+    class Sleeper(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "2 hours")
+            return await step.do("after", counted("after"))
+
+    inst = get_workflow("sleeper").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        assert inst.status().status == "waiting"
+        clock.advance("1 hour")
+        assert testing.run_until_idle() == 0
+        assert inst.status().status == "waiting"
+        clock.advance("1 hour")
+        assert testing.run_until_idle() == 1
+    assert inst.status().status == "complete"
+
+
+def test_sleep_until_parks_until_the_instant_and_replays_the_stored_wake_time(registered):
+    start = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+    @register("until")
+    class Until(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep_until("launch", datetime(2027, 1, 1, tzinfo=timezone.utc))
+            return "launched"
+
+    with testing.fake_clock(start) as clock:
+        inst = get_workflow("until").create()
+        testing.run_until_idle()
+        assert inst.steps()[0].wake_at == datetime(2027, 1, 1, tzinfo=timezone.utc)
+        clock.set(datetime(2026, 12, 31, 23, 59, tzinfo=timezone.utc))
+        assert testing.run_until_idle() == 0
+        clock.set(datetime(2027, 1, 1, tzinfo=timezone.utc))
+        testing.run_until_idle()
+    assert inst.status().output == "launched"
+
+
+def test_skip_sleep_wakes_a_sleep_at_once(registered):
+    @register("skippable")
+    class Skippable(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("long", "365 days")
+            return "awake"
+
+    inst = get_workflow("skippable").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    assert inst.skip_sleep() == 1
+    testing.run_until_idle()
+    assert inst.status().output == "awake"
+
+
+def test_wait_for_event_parks_and_the_event_resumes_it(registered):
+    @register("approval")
+    class Approval(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("approve", type="approval", timeout="1 hour")
+            return {"payload": got.payload, "type": got.type}
+
+    inst = get_workflow("approval").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    assert [(p.name, p.type) for p in inst.pending_events()] == [("approve", "approval")]
+    inst.send_event("approval", {"ok": True})
+    testing.run_until_idle()
+    assert inst.status().output == {"payload": {"ok": True}, "type": "approval"}
+    assert inst.pending_events() == []
+
+
+def test_an_event_sent_before_the_wait_is_consumed_by_it(registered):
+    @register("early")
+    class Early(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("first", "1 minute")
+            got = await step.wait_for_event("approve", type="approval")
+            return got.payload
+
+    inst = get_workflow("early").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        inst.send_event("approval", "early bird")
+        assert inst.status().status == "waiting"  # still sleeping: the event is buffered
+        clock.advance("1 minute")
+        testing.run_until_idle()
+    assert inst.status().output == "early bird"
+
+
+def test_a_wait_timeout_fails_the_step_with_a_clear_error(registered):
+    @register("impatient")
+    class Impatient(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.wait_for_event("approve", type="approval", timeout="10 seconds")
+            except EventTimeout as exc:
+                return f"caught: {exc}"
+
+    inst = get_workflow("impatient").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        clock.advance("10 seconds")
+        testing.run_until_idle()
+    assert inst.status().status == "complete"
+    assert "timed out" in inst.status().output and "approval" in inst.status().output
+    assert any(h.type == "event.timeout" for h in inst.history())
+
+
+def test_an_uncaught_wait_timeout_errors_the_instance(registered):
+    @register("impatient2")
+    class Impatient2(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("approve", type="approval", timeout="1 second")
+
+    inst = get_workflow("impatient2").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        clock.advance("1 second")
+        testing.run_until_idle()
+    assert inst.status().status == "errored"
+    assert inst.status().error["name"] == "EventTimeout"
+
+
+def test_parallel_steps_under_gather_replay_correctly(registered):
+    @register("parallel")
+    class Parallel(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def slow_a():
+                await asyncio.sleep(0.02)
+                calls["a"] += 1
+                return "a"
+            a, b = await asyncio.gather(step.do("a", slow_a), step.do("b", counted("b")))
+            await step.sleep("pause", "1 minute")
+            c = await step.do("c", counted("c"))
+            return [a, b, c]
+
+    inst = get_workflow("parallel").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        clock.advance("1 minute")
+        testing.run_until_idle()
+    assert inst.status().output == ["a", "b", "c"]
+    assert calls == {"a": 1, "b": 1, "c": 1}
+
+
+def test_parallel_branches_progress_while_another_sleeps(registered):
+    @register("branches")
+    class Branches(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def sleeper():
+                await step.sleep("nap", "1 hour")
+                return await step.do("after nap", counted("after nap"))
+
+            async def worker():
+                out = []
+                for i in range(3):
+                    out.append(await step.do(f"work {i}", counted(f"work {i}", i)))
+                return out
+
+            return await asyncio.gather(sleeper(), worker())
+
+    inst = get_workflow("branches").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        assert inst.status().status == "waiting"
+        assert calls == {"work 0": 1, "work 1": 1, "work 2": 1}
+        clock.advance("1 hour")
+        testing.run_until_idle()
+    assert inst.status().output == ["after nap", [0, 1, 2]]
+
+
+def test_a_changed_workflow_fails_with_a_non_determinism_error(registered):
+    @register("changing")
+    class V1(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("thing", counted("thing"))
+            await step.sleep("nap", "1 minute")
+
+    inst = get_workflow("changing").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        from workflows_app.engine import registry
+
+        registry.unregister("changing")
+
+        @register("changing")
+        class V1Changed(WorkflowEntrypoint):
+            async def run(self, event, step):
+                await step.sleep("thing", "1 minute")  # same name, another kind
+
+        from django.conf import settings
+        settings.WFDASH["STRICT_VERSIONS"] = False
+        try:
+            clock.advance("1 minute")
+            testing.run_until_idle()
+        finally:
+            settings.WFDASH["STRICT_VERSIONS"] = True
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error["name"] == "NonDeterminismError"
+    assert "thing" in status.error["message"]
+
+
+def test_duplicate_step_names_raise_an_error_naming_the_step(registered):
+    @register("dupes")
+    class Dupes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("same", counted("x"))
+            await step.do("same", counted("y"))
+
+    inst = get_workflow("dupes").create()
+    testing.run_until_idle()
+    assert inst.status().error["name"] == "DuplicateStepName"
+    assert '"same"' in inst.status().error["message"]
+
+
+def test_history_is_gap_free_and_replays_add_no_duplicates(registered):
+    @register("historian")
+    class Historian(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("one", counted("one"))
+            await step.sleep("nap", "1 minute")
+            await step.do("two", counted("two"))
+
+    inst = get_workflow("historian").create()
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        clock.advance("1 minute")
+        testing.run_until_idle()
+    sequences = list(HistoryRecord.objects.filter(instance=inst.row()).order_by("sequence").values_list("sequence", flat=True))
+    assert sequences == list(range(1, len(sequences) + 1))
+    types = [h.type for h in inst.history()]
+    assert types.count("step.completed") == 2
+    assert types.count("sleep.started") == 1 and types.count("sleep.completed") == 1
+    assert types[0] == "instance.created" and types[-1] == "instance.completed"
+    assert types.count("run.started") == 2
+
+
+def test_the_decorator_form_of_step_do_works(registered):
+    @register("decorated")
+    class Decorated(WorkflowEntrypoint):
+        async def run(self, event, step):
+            @step.do("charge", retries={"limit": 0})
+            async def charge():
+                return {"amount": 5}
+            result = await charge()
+            return result["amount"]
+
+    inst = get_workflow("decorated").create()
+    testing.run_until_idle()
+    assert inst.status().output == 5
+
+
+def test_a_step_callable_taking_one_argument_gets_its_context(registered):
+    @register("ctx")
+    class Ctx(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("keyed", lambda ctx: ctx.idempotency_key)
+
+    inst = get_workflow("ctx").create(id="order-7")
+    testing.run_until_idle()
+    assert inst.status().output == "order-7:keyed"
+
+
+def test_the_orm_works_inside_sync_steps(registered):
+    @register("orm")
+    class Orm(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("count", lambda: Instance.objects.filter(workflow="orm").count())
+
+    inst = get_workflow("orm").create()
+    testing.run_until_idle()
+    assert inst.status().output == 1
