@@ -138,7 +138,9 @@ class WorkflowBinding:
             unknown = set(item) - {"id", "instance_id", "params", "idempotency_key", "retention"}
             if unknown:
                 raise errors.InvalidInput(f"batch item {position}: unknown field(s) {sorted(unknown)}")
-            instance_id = item.get("id") or item.get("instance_id") or str(uuid.uuid4())
+            instance_id = item.get("id") if item.get("id") is not None else item.get("instance_id")
+            if instance_id is None:
+                instance_id = str(uuid.uuid4())
             check_instance_id(instance_id, limits)
             params_json = encode_json(item.get("params"), f"params of instance {instance_id!r}")
             check_size(params_json, "max_params_bytes", limits.max_params_bytes, f"params of instance {instance_id!r}")

@@ -1,0 +1,214 @@
+"""Every limit and bad input raises the named error, naming the value; nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.errors import (
+    InstanceAlreadyExists,
+    InstanceNotFound,
+    InvalidDuration,
+    InvalidEventType,
+    InvalidInput,
+    LimitExceeded,
+    UnknownWorkflow,
+    WorkflowError,
+)
+from workflows_app.models import HistoryRecord, InboxEvent, Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def snapshot():
+    return (
+        list(Instance.objects.order_by("id").values_list("id", "status", "history_seq")),
+        InboxEvent.objects.count(),
+        HistoryRecord.objects.count(),
+    )
+
+
+@pytest.fixture
+def waiter(registered):
+    @register("waiter", limits={"max_batch_size": 3, "max_instance_id_length": 40, "max_event_payload_bytes": 100, "max_params_bytes": 50})
+    class Waiter(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("wait", type="ping", schema={"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
+            return got.payload
+
+    return get_workflow("waiter")
+
+
+def test_unknown_workflow_and_instance_raise_named_errors(waiter):
+    with pytest.raises(UnknownWorkflow, match="nope"):
+        get_workflow("nope")
+    with pytest.raises(InstanceNotFound, match="ghost"):
+        waiter.get("ghost")
+    with pytest.raises(UnknownWorkflow, match="version 9"):
+        waiter.create(version=9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"id": "x" * 41}, LimitExceeded, "max_instance_id_length is 40, got 41"),
+        ({"id": "has space"}, InvalidInput, "has space"),
+        ({"id": ""}, InvalidInput, None),
+        ({"params": {"big": "y" * 60}}, LimitExceeded, "max_params_bytes"),
+        ({"params": {"bad": object()}}, InvalidInput, "not JSON-serialisable"),
+        ({"params": float("nan")}, InvalidInput, "not JSON-serialisable"),
+        ({"retention": "forever"}, InvalidDuration, "forever"),
+    ],
+)
+def test_create_refuses_bad_input_and_writes_nothing(waiter, kwargs, error, message):
+    before = snapshot()
+    with pytest.raises(error) as caught:
+        waiter.create(**kwargs)
+    assert isinstance(caught.value, WorkflowError)
+    if message:
+        assert message in str(caught.value)
+    assert snapshot() == before
+
+
+def test_a_duplicate_id_is_refused_and_ids_are_scoped_by_workflow(waiter, registered):
+    waiter.create(id="same")
+    with pytest.raises(InstanceAlreadyExists, match="same"):
+        waiter.create(id="same")
+
+    @register("other")
+    class Other(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "other"
+
+    other = get_workflow("other").create(id="same")
+    assert other.row().workflow == "other"
+    assert waiter.get("same").row().workflow == "waiter"
+    waiter.create(id="only-in-w")
+    with pytest.raises(InstanceNotFound):
+        get_workflow("other").get("only-in-w")
+
+
+def test_batches_are_all_or_nothing_and_bounded(waiter):
+    before = snapshot()
+    with pytest.raises(LimitExceeded, match="max_batch_size is 3, got 4"):
+        waiter.create_batch([{"id": f"b{n}"} for n in range(4)])
+    with pytest.raises(InvalidInput, match="same instance id twice"):
+        waiter.create_batch([{"id": "b1"}, {"id": "b1"}])
+    waiter.create(id="b2")
+    before = snapshot()
+    with pytest.raises(InstanceAlreadyExists, match="b2"):
+        waiter.create_batch([{"id": "b1"}, {"id": "b2"}])
+    assert snapshot() == before
+    created = waiter.create_batch([{"id": "b1", "params": 1}, {"id": "b3", "params": 3}])
+    assert [c.id for c in created] == ["b1", "b3"]
+
+
+def test_send_event_refuses_bad_types_payloads_and_finished_instances(waiter):
+    inst = waiter.create(id="w1")
+    testing.run_until_idle()
+    before = snapshot()
+    for bad_type in ["", "-starts-with-dash", "has space", "x" * 101, "ünïcode", None, 5]:
+        with pytest.raises(InvalidEventType):
+            inst.send_event(bad_type, {"n": 1})
+    with pytest.raises(LimitExceeded, match="max_event_payload_bytes is 100 bytes"):
+        inst.send_event("ping", {"n": 1, "pad": "z" * 100})
+    with pytest.raises(InvalidInput, match="not JSON-serialisable"):
+        inst.send_event("ping", {1, 2})
+    with pytest.raises(InvalidInput) as caught:
+        inst.send_event("ping", {"n": "not a number"})
+    assert "n: 'not a number' is not of type 'integer'" in str(caught.value)
+    assert snapshot() == before
+    assert inst.status().status == "waiting"  # a schema violation leaves the instance waiting
+    with pytest.raises(InstanceNotFound):
+        waiter.get("nobody").send_event("ping", {"n": 1})
+    inst.send_event("ping", {"n": 1})
+    testing.run_until_idle()
+    assert inst.status().output == {"n": 1}
+
+
+def test_step_limits_name_the_limit_and_the_value(registered):
+    @register("limits", limits={"max_steps_per_workflow": 3, "max_step_name_length": 5, "max_step_output_bytes": 20, "max_sleep": "1 day"})
+    class Limits(WorkflowEntrypoint):
+        async def run(self, event, step):
+            kind = event.payload
+            if kind == "steps":
+                for i in range(4):
+                    await step.do(f"s{i}", lambda: i)
+            if kind == "name":
+                await step.do("too-long-name", lambda: 1)
+            if kind == "output":
+                await step.do("big", lambda: "x" * 50)
+            if kind == "sleep":
+                await step.sleep("long", "2 days")
+            if kind == "timeout":
+                await step.do("t", lambda: 1, timeout="31 minutes")
+            if kind == "wait":
+                await step.wait_for_event("w", type="t", timeout="500 ms")
+            if kind == "duration":
+                await step.sleep("bad", "a while")
+            if kind == "retries":
+                await step.do("r", lambda: 1, retries={"limit": -1})
+
+    expectations = {
+        "steps": ("LimitExceeded", "max_steps_per_workflow is 3, got 4"),
+        "name": ("LimitExceeded", "max_step_name_length is 5, got 13"),
+        "output": ("StepOutputError", "max_step_output_bytes is 20"),
+        "sleep": ("LimitExceeded", "max_sleep is 86400000 ms, got 172800000 ms"),
+        "timeout": ("LimitExceeded", "max_step_timeout is 1800000 ms, got 1860000 ms"),
+        "wait": ("LimitExceeded", "got 500 ms"),
+        "duration": ("InvalidDuration", "a while"),
+        "retries": ("InvalidInput", "-1"),
+    }
+    wf = get_workflow("limits")
+    insts = {kind: wf.create(params=kind) for kind in expectations}
+    testing.run_until_idle()
+    for kind, (name, message) in expectations.items():
+        error = insts[kind].status().error
+        assert error is not None, kind
+        assert error["name"] == name, (kind, error)
+        assert message in error["message"], (kind, error)
+
+
+def test_an_oversized_or_unserialisable_output_fails_at_once_without_retries(registered):
+    calls = []
+
+    @register("bad-output")
+    class BadOutput(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("obj", lambda: calls.append(1) or object(), retries={"limit": 5, "delay": 0})
+
+    inst = get_workflow("bad-output").create()
+    testing.run_until_idle()
+    assert inst.status().error["name"] == "StepOutputError"
+    assert "not JSON-serialisable" in inst.status().error["message"]
+    assert calls == [1]
+
+
+def test_register_refuses_bad_definitions(registered):
+    with pytest.raises(InvalidInput, match="version"):
+        register("v0", version=0)
+    with pytest.raises(InvalidInput, match="unknown limit 'max_bananas'"):
+        register("bananas", limits={"max_bananas": 1})
+    with pytest.raises(InvalidInput, match="async def run"):
+        @register("sync-run")
+        class SyncRun(WorkflowEntrypoint):
+            def run(self, event, step):
+                return 1
+
+
+def test_list_pages_with_a_cursor_and_filters(waiter):
+    for n in range(5):
+        waiter.create(id=f"p{n}")
+    first = waiter.list(limit=2)
+    assert [i.id for i in first.instances] == ["p4", "p3"]
+    second = waiter.list(limit=2, cursor=first.cursor)
+    assert [i.id for i in second.instances] == ["p2", "p1"]
+    third = waiter.list(limit=2, cursor=second.cursor)
+    assert [i.id for i in third.instances] == ["p0"] and third.cursor is None
+    assert waiter.list(status="complete").instances == []
+    with pytest.raises(InvalidInput, match="unknown status"):
+        waiter.list(status="bogus")
+    with pytest.raises(InvalidInput, match="invalid cursor"):
+        waiter.list(cursor="!!!")
