@@ -134,6 +134,8 @@ WFDASH = {
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
     "POLL_SECONDS": float(os.environ.get("WFDASH_POLL_SECONDS", "5")),
     "DEMO": env_bool("WFDASH_DEMO", True),
+    # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
+    "TRACING": env_bool("WFDASH_TRACING", True),
     # Refuse a changed class under an already-registered version (see registry.py).
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
 }

@@ -13,5 +13,9 @@ class WorkflowsAppConfig(AppConfig):
     def ready(self) -> None:
         # Like admin.py: every installed app's workflows.py registers its workflows.
         autodiscover_modules("workflows")
+        if getattr(settings, "WFDASH", {}).get("TRACING", True):
+            from . import tracing
+
+            tracing.configure()
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

@@ -24,7 +24,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 
 from . import live
-from .engine import errors, store
+from .engine import errors, spans, store
 from .engine.durations import parse_duration
 from .engine.limits import check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, get_definition
@@ -153,6 +153,7 @@ class WorkflowBinding:
         created = store.create_instances(definition.name, definition.version, limits, new, _actor(actor))
         for instance, is_new in created:
             if is_new:
+                spans.creation_span(instance.trace_id, self.name, instance.instance_id, actor=_actor(actor))
                 _after_commit("created", instance, self.name)
         return [InstanceHandle(self.name, instance.instance_id, instance) for instance, _ in created]
 

@@ -61,6 +61,12 @@ class EngineHooks:
     def attempt_failed(self, run: Any, record: Any, exc: BaseException) -> None:
         pass
 
+    def flush(self) -> None:
+        """After each run, in the engine's database thread: store the spans it produced."""
+        from .tracing import flush_spans
+
+        flush_spans()
+
     def run_finished(self, pk: int, outcome: str) -> None:
         from .client import wake_result_waiters
 

@@ -20,7 +20,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..models import InboxEvent, StepKind, StepRecord, StepStatus
-from . import clock, store
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from . import clock, spans, store
 from .errors import (
     DuplicateStepName,
     EventTimeout,
@@ -118,7 +121,9 @@ class Run:
         self.changed = asyncio.Event()
         self.compensations: dict[str, Callable[..., Any]] = {}
         self.task: asyncio.Task[Any] | None = None
+        self.span: Any = None
         # cancel(compensate=True): replay only to collect compensations, then unwind.
+        self.error_message = ""
         self.compensating = loaded.instance.compensate_on_cancel
         self.unwinding = False
 
@@ -149,8 +154,29 @@ class Run:
             return "aborted"
         event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
         workflow = self.definition.cls(inst.instance_id)
-        self.task = asyncio.ensure_future(workflow.run(event, Step(self)))
-        return await self._supervise(self.task)
+        self.span = spans.start_workflow_span(
+            inst.trace_id,
+            self.definition.name,
+            {
+                "workflow.name": self.definition.name,
+                "workflow.instance_id": inst.instance_id,
+                "workflow.version": self.definition.version,
+                "workflow.run": inst.run_count + 1,
+            },
+        )
+        # The workflow coroutine runs with the run's span current: user spans nest under it.
+        ctx = contextvars.copy_context()
+        ctx.run(otel_context.attach, trace.set_span_in_context(self.span))
+        self.task = asyncio.get_running_loop().create_task(workflow.run(event, Step(self)), context=ctx)
+        outcome = "aborted"
+        try:
+            outcome = await self._supervise(self.task)
+            return outcome
+        finally:
+            self.span.set_attribute("workflow.outcome", outcome)
+            if outcome == "errored":
+                spans.mark_error(self.span, None, self.error_message)
+            self.span.end()
 
     async def _supervise(self, task: asyncio.Task[Any]) -> str:
         while True:
@@ -249,11 +275,24 @@ class Run:
                 )
                 return "complete" if ok else "aborted"
         name, message, stack = error_fields(exc)
+        self.error_message = f"{name}: {message}"
+        spans.mark_error(self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message)
         ok = await self.db(
             store.finish, self.pk, self.token, "errored", self.limits, None, (name, message, stack),
             [History("instance.errored", {"error": {"name": name, "message": message}})],
+            self.error_record("workflow.instance", name, message, stack, self.span),
         )
         return "errored" if ok else "aborted"
+
+    def error_record(
+        self, source: str, name: str, message: str, stack: str, span: Any, step: str = "", attempt: int | None = None
+    ) -> dict[str, Any]:
+        trace_id, span_id = spans.span_ids(span)
+        return {
+            "workflow": self.definition.name, "source": source, "step_name": step, "attempt": attempt,
+            "name": name, "message": message, "stack": stack, "trace_id": trace_id or self.instance.trace_id,
+            "span_id": span_id,
+        }
 
     # --- what the step API uses -------------------------------------------------------
 
@@ -276,6 +315,15 @@ class Run:
             )
             raise self.fatal
         return record
+
+    def span_attributes(self, name: str, kind: str) -> dict[str, Any]:
+        return {
+            "workflow.name": self.definition.name,
+            "workflow.instance_id": self.instance_id,
+            "workflow.version": self.definition.version,
+            "workflow.step.name": name,
+            "workflow.step.type": kind,
+        }
 
     def register_compensation(self, name: str, fn: Callable[..., Any]) -> None:
         self.compensations[name] = fn
@@ -301,12 +349,19 @@ class Run:
                 self.changed.set()
 
     async def write(
-        self, record: StepRecord, history: list[History], consume_event: int | None = None, progress: bool = False
+        self,
+        record: StepRecord,
+        history: list[History],
+        consume_event: int | None = None,
+        progress: bool = False,
+        error: dict[str, Any] | None = None,
     ) -> None:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         try:
-            status = await self.db(store.write_step, self.pk, self.token, record, history, consume_event, progress)
+            status = await self.db(
+                store.write_step, self.pk, self.token, record, history, consume_event, progress, error
+            )
         except LeaseLost as exc:
             self.abort(str(exc))
             raise RunAborted(str(exc)) from None
@@ -341,12 +396,15 @@ class Run:
         record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
         record.status = StepStatus.RETRYING
         record.wake_at = clock.now() + timedelta(milliseconds=delay_ms)
+        span = trace.get_current_span()
+        spans.record_failed_attempt(span, record.attempts, record.max_attempts - 1, name, message, stack)
         await self.write(
             record,
             [
                 History("step.failed", {"step": record.name, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
                 History("step.retry_scheduled", {"step": record.name, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
             ],
+            error=self.error_record("workflow.step", name, message, stack, span, record.name, record.attempts),
         )
         if self.hooks is not None:
             self.hooks.attempt_failed(self, record, exc)
@@ -365,6 +423,14 @@ class Run:
         record.completed_at = clock.now()
         record.wake_at = None
         record.output_json = json.dumps({"nonretryable": nonretryable})
+        span = trace.get_current_span()
+        error = None
+        if exc is not None:
+            name, message, stack = error_fields(exc)
+            if record.kind in (StepKind.DO, StepKind.COMPENSATE):
+                spans.record_failed_attempt(span, record.attempts, record.max_attempts - 1, name, message, stack)
+            spans.mark_error(span, exc)
+            error = self.error_record("workflow.step", name, message, stack, span, record.name, record.attempts)
         await self.write(
             record,
             [
@@ -378,6 +444,7 @@ class Run:
                 ),
             ],
             progress=True,
+            error=error,
         )
         if self.hooks is not None and exc is not None:
             self.hooks.attempt_failed(self, record, exc)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 
 from ..models import StepKind, StepRecord, StepStatus
-from . import clock
+from . import clock, spans
 from .durations import parse_duration, parse_instant
 from .errors import (
     DuplicateStepName,
@@ -191,38 +191,42 @@ class Step:
                 record = run.new_record(name, kind, StepStatus.RUNNING)
             record.max_attempts = policy.limit + 1
             record.has_compensation = compensate is not None
-            while True:
+            with spans.child_span(run.span, f"step {name}", run.span_attributes(name, kind)):
+                return await self._attempts(record, fn, policy, timeout_ms, activity)
+
+    async def _attempts(
+        self, record: StepRecord, fn: Callable[..., Any], policy: RetryPolicy, timeout_ms: int, activity: Any
+    ) -> Any:
+        """Attempt the step until it succeeds, fails for good, or must wait for a retry."""
+        run, name = self._run, record.name
+        while True:
+            if record.attempts >= policy.limit + 1:
+                # The limit may have been lowered after a crash: fail with the real last error.
+                raise await run.fail_step(record, None, nonretryable=False)
+            record.attempts += 1
+            record.status = StepStatus.RUNNING
+            await run.write(record, [History("step.started", {"step": name, "attempt": record.attempts})])
+            try:
+                result = await run.attempt(record, fn, timeout_ms)
+                output_json = encode_step_output(result, name, run.limits)
+            except (NonRetryableError, StepOutputError) as exc:
+                raise await run.fail_step(record, exc, nonretryable=True) from exc
+            except Exception as exc:  # a failed attempt: retry or give up
                 if record.attempts >= policy.limit + 1:
-                    # The limit may have been lowered after a crash: fail with the real last error.
-                    raise await run.fail_step(record, None, nonretryable=False)
-                record.attempts += 1
-                record.status = StepStatus.RUNNING
-                await run.write(record, [History("step.started", {"step": name, "attempt": record.attempts})])
-                try:
-                    result = await run.attempt(record, fn, timeout_ms)
-                    output_json = encode_step_output(result, name, run.limits)
-                except NonRetryableError as exc:
-                    raise await run.fail_step(record, exc, nonretryable=True) from exc
-                except StepOutputError as exc:
-                    raise await run.fail_step(record, exc, nonretryable=True) from exc
-                except Exception as exc:  # a failed attempt: retry or give up
-                    if record.attempts >= policy.limit + 1:
-                        raise await run.fail_step(record, exc, nonretryable=False) from exc
-                    delay = policy.delay_after(record.attempts)
-                    await run.schedule_retry(record, exc, delay)
-                    if delay > 0:
-                        await activity.block(wake_at=record.wake_at)
-                    continue
-                record.status = StepStatus.COMPLETE
-                record.output_json = output_json
-                record.completed_at = clock.now()
-                record.wake_at = None
-                await run.write(
-                    record,
-                    [History("step.completed", {"step": name, "attempt": record.attempts})],
-                    progress=True,
-                )
-                return json.loads(output_json)
+                    raise await run.fail_step(record, exc, nonretryable=False) from exc
+                delay = policy.delay_after(record.attempts)
+                await run.schedule_retry(record, exc, delay)
+                if delay > 0:
+                    await activity.block(wake_at=record.wake_at)
+                continue
+            record.status = StepStatus.COMPLETE
+            record.output_json = output_json
+            record.completed_at = clock.now()
+            record.wake_at = None
+            await run.write(
+                record, [History("step.completed", {"step": name, "attempt": record.attempts})], progress=True
+            )
+            return json.loads(output_json)
 
     def _step_config(self, name: str, retries: dict[str, Any] | None, timeout: Any) -> tuple[RetryPolicy, int]:
         limits = self._run.limits
@@ -289,6 +293,9 @@ class Step:
             record.output_json = "null"
             history.append(History("sleep.completed", {"step": name}))
             await run.write(record, history, progress=True)
+            spans.finished_span(
+                run.span, f"{kind} {name}", record.started_at, record.completed_at, run.span_attributes(name, kind)
+            )
 
     # --- events -----------------------------------------------------------------------
 
@@ -336,10 +343,13 @@ class Step:
                 if history:
                     await run.write(record, history)
                 await activity.block(event_type=type, wake_at=record.wake_at)
+            attributes = {**run.span_attributes(name, StepKind.WAIT_FOR_EVENT), "workflow.event.type": type}
             if delivered is None:
                 error = EventTimeout(f'wait_for_event "{name}" timed out waiting for an event of type {type!r}')
                 history.append(History("event.timeout", {"step": name, "type": type}))
-                raise await run.fail_step(record, error, nonretryable=False, history=history)
+                failure = await run.fail_step(record, error, nonretryable=False, history=history)
+                spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, clock.now(), attributes, error)
+                raise failure
             event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()
@@ -350,6 +360,7 @@ class Step:
             record.wake_at = None
             history.append(History("event.received", {"step": name, "type": type, "event_id": delivered.pk}))
             await run.write(record, history, consume_event=delivered.pk, progress=True)
+            spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes)
             return event
 
 

@@ -19,6 +19,7 @@ from django.db.models import F, Min, Q
 
 from ..models import (
     ACTIVE_STATUSES,
+    ErrorRecord,
     FINISHED_STATUSES,
     HistoryRecord,
     InboxEvent,
@@ -347,6 +348,7 @@ def write_step(
     history: Sequence[History],
     consume_event: int | None = None,
     progress: bool = False,
+    error: dict[str, Any] | None = None,
 ) -> str:
     """Upsert one step record with its history in one fenced transaction; returns the status.
 
@@ -370,6 +372,8 @@ def write_step(
         _insert_history(pk, first_seq, history, now)
         if progress:
             Instance.objects.filter(id=pk).update(unproductive_claims=0)
+        if error is not None:
+            ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
     return status
 
 
@@ -381,6 +385,7 @@ def finish(
     output_json: str | None = None,
     error: tuple[str, str, str] | None = None,
     history: Sequence[History] = (),
+    error_record: dict[str, Any] | None = None,
 ) -> bool:
     """End the instance as complete or errored, free its place and start queued ones."""
     now = clock.now()
@@ -398,6 +403,8 @@ def finish(
             lease_expires_at=None, expires_at=now + timedelta(milliseconds=retention) if retention else None,
         )
         _insert_history(pk, first_seq, history, now)
+        if error_record is not None:
+            ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
         promote_queued(instance.workflow, limits, now)
     return True
 

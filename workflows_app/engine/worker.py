@@ -248,6 +248,8 @@ class Worker:
             outcome = await run.execute()
             if outcome == "aborted" and run.abort_reason == "worker shutting down":
                 await self.db(store.release, pk, token)
+            if self.hooks is not None:
+                await self.db(self.hooks.flush)
             return outcome
         except asyncio.CancelledError:
             raise

@@ -1,0 +1,224 @@
+"""Tracing: one trace per instance, spans for runs, steps, sleeps and waits, retry events."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from workflows_app import testing, tracing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, current_step, register, store
+from workflows_app.models import ErrorRecord, Span
+
+pytestmark = pytest.mark.django_db(transaction=True)
+START = datetime(2026, 3, 1, tzinfo=timezone.utc)
+_exporter = InMemorySpanExporter()
+tracing.add_processor(SimpleSpanProcessor(_exporter))
+
+
+@pytest.fixture
+def exported():
+    _exporter.clear()
+    yield _exporter
+    _exporter.clear()
+
+
+def traced_workflow():
+    @register("traced")
+    class Traced(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def flaky():
+                if current_step().attempt < 3:
+                    raise ConnectionError(f"attempt {current_step().attempt} failed")
+                with trace.get_tracer("user.code").start_as_current_span("user work"):
+                    return "ok"
+
+            await step.do("flaky", flaky, retries={"limit": 4, "delay": "1 second", "backoff": "constant"})
+            await step.sleep("nap", "1 minute")
+            got = await step.wait_for_event("approval", type="approve", timeout="1 hour")
+            return got.payload
+
+    return get_workflow("traced")
+
+
+def drive_traced_instance():
+    with testing.fake_clock(START) as clock:
+        inst = traced_workflow().create(id="t1")
+        testing.run_until_idle()  # attempt 1 fails
+        clock.advance("1 second")
+        testing.run_until_idle()  # attempt 2 fails
+        clock.advance("1 second")
+        testing.run_until_idle()  # attempt 3 succeeds, the sleep parks
+        clock.advance("1 minute")
+        testing.run_until_idle()  # the sleep ends, the wait parks
+        inst.send_event("approve", "yes")
+        testing.run_until_idle()  # the event arrives: complete
+    assert inst.status().output == "yes"
+    return inst
+
+
+def test_spans_form_one_trace_per_instance_with_steps_sleeps_waits_and_retry_events(registered, exported):
+    inst = drive_traced_instance()
+    spans = exported.get_finished_spans()
+    trace_ids = {format(s.context.trace_id, "032x") for s in spans}
+    assert trace_ids == {inst.row().trace_id}
+
+    names = Counter(s.name for s in spans)
+    assert names["workflow traced"] == 5  # one per run
+    assert names["step flaky"] == 3  # attempts ran in three runs; later replays add none
+    assert names["sleep nap"] == 1 and names["waitForEvent approval"] == 1
+    assert names["user work"] == 1 and names["create traced"] == 1
+
+    by_id = {s.context.span_id: s for s in spans}
+    runs = [s for s in spans if s.name == "workflow traced"]
+    assert all(s.kind == trace.SpanKind.SERVER and s.parent is None for s in runs)
+    for span in spans:
+        if span.name.startswith(("step ", "sleep ", "waitForEvent ")):
+            assert by_id[span.parent.span_id].name == "workflow traced"
+            assert span.attributes["workflow.step.name"] in {"flaky", "nap", "approval"}
+            assert span.attributes["workflow.instance_id"] == "t1"
+            assert span.attributes["workflow.version"] == 1
+    (user,) = [s for s in spans if s.name == "user work"]
+    assert by_id[user.parent.span_id].name == "step flaky"
+
+    retry_events = [e for s in spans for e in s.events if e.name == "step.retry_error"]
+    assert len(retry_events) == 2
+    assert [e.attributes["step.attempt"] for e in retry_events] == [1, 2]
+    assert {e.attributes["step.max_retries"] for e in retry_events} == {4}
+    assert {e.attributes["error.name"] for e in retry_events} == {"ConnectionError"}
+    assert retry_events[0].attributes["error.message"] == "attempt 1 failed"
+    assert "Traceback" in retry_events[0].attributes["error.stack"]
+
+    (sleep_span,) = [s for s in spans if s.name == "sleep nap"]
+    assert (sleep_span.end_time - sleep_span.start_time) / 1e9 == 60  # from the stored start
+
+
+def test_spans_and_errors_are_stored_and_go_with_the_instance(registered, exported):
+    inst = drive_traced_instance()
+    pk = inst.row().pk
+    stored = Span.objects.filter(instance_id=pk)
+    assert stored.filter(name="workflow traced").count() == 5
+    assert stored.filter(name="step flaky").count() == 3
+    errors = ErrorRecord.objects.filter(instance_id=pk).order_by("id")
+    assert [(e.source, e.step_name, e.attempt, e.name) for e in errors] == [
+        ("workflow.step", "flaky", 1, "ConnectionError"),
+        ("workflow.step", "flaky", 2, "ConnectionError"),
+    ]
+    assert all(e.trace_id == inst.row().trace_id and e.span_id for e in errors)
+    span_ids = set(stored.values_list("span_id", flat=True))
+    assert {e.span_id for e in errors} <= span_ids
+
+    from workflows_app.models import Instance
+    Instance.objects.filter(pk=pk).update(expires_at=START)
+    assert store.prune() == 1
+    assert not Span.objects.filter(instance_id=pk).exists()
+    assert not ErrorRecord.objects.filter(instance_id=pk).exists()
+
+
+def test_a_failed_instance_records_an_error_and_an_error_span(registered, exported):
+    @register("failing")
+    class Failing(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("boom", lambda: 1 / 0, retries={"limit": 0})
+
+    inst = get_workflow("failing").create()
+    testing.run_until_idle()
+    assert inst.status().error["name"] == "ZeroDivisionError"
+    sources = list(ErrorRecord.objects.filter(instance_id=inst.row().pk).order_by("id").values_list("source", "name"))
+    assert sources == [("workflow.step", "ZeroDivisionError"), ("workflow.instance", "ZeroDivisionError")]
+    (step_span,) = [s for s in exported.get_finished_spans() if s.name == "step boom"]
+    assert step_span.status.status_code == trace.StatusCode.ERROR
+    assert any(e.name == "exception" for e in step_span.events)
+    (run_span,) = [s for s in exported.get_finished_spans() if s.name == "workflow failing"]
+    assert run_span.status.status_code == trace.StatusCode.ERROR
+
+
+def test_a_request_span_is_linked_from_the_instance_trace(registered, exported):
+    @register("linked")
+    class Linked(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    with trace.get_tracer("web").start_as_current_span("POST /orders") as request_span:
+        inst = get_workflow("linked").create()
+    (create,) = [s for s in exported.get_finished_spans() if s.name == "create linked"]
+    assert format(create.context.trace_id, "032x") == inst.row().trace_id
+    assert [link.context.span_id for link in create.links] == [request_span.get_span_context().span_id]
+
+
+class _OtlpReceiver(BaseHTTPRequestHandler):
+    received: list[str] = []
+
+    def do_POST(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.received.extend(span.name for span in scope_spans.spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+EXPORT_SCRIPT = """
+import django, os
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from opentelemetry import trace
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+@register("exported")
+class Exported(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("exported").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+trace.get_tracer_provider().shutdown()  # flushes the batch exporter
+"""
+
+
+def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Path):
+    server = HTTPServer(("127.0.0.1", 0), _OtlpReceiver)
+    _OtlpReceiver.received = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'otlp.sqlite3'}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+            "WFDASH_DEMO": "0",
+        }
+        env.pop("REDIS_URL", None)
+        result = subprocess.run(
+            [sys.executable, "-c", EXPORT_SCRIPT], env=env, cwd=Path(__file__).parent.parent,
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert {"create exported", "workflow exported", "step only step"} <= set(_OtlpReceiver.received)

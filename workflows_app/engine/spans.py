@@ -1,0 +1,125 @@
+"""The spans the engine emits, through the OpenTelemetry API only.
+
+One trace per instance: every run's `workflow <name>` span is a root span whose trace id
+is the instance's stored trace id (the id generator in workflows_app.tracing reads
+`forced_trace_id`). Sleeps and event waits can last a year, across many runs and
+processes, so their spans are created when they end, with the stored start time.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+# Read by the tracer provider's id generator: the trace id of the span about to start.
+forced_trace_id: contextvars.ContextVar[int | None] = contextvars.ContextVar("wfdash_trace_id", default=None)
+
+_tracer: trace.Tracer | None = None
+_enabled = True
+
+
+def tracer() -> trace.Tracer:
+    global _tracer
+    if not _enabled:
+        return trace.NoOpTracer()
+    if _tracer is None:
+        _tracer = trace.get_tracer("wfdash.engine")
+    return _tracer
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the engine's spans on or off (the bench measures both in one run)."""
+    global _enabled, _tracer
+    _enabled = enabled
+    _tracer = None
+
+
+def ns(instant: datetime) -> int:
+    return int(instant.timestamp() * 1_000_000_000)
+
+
+def span_ids(span: Span | None) -> tuple[str, str]:
+    """(trace id, span id) as hex, or empty strings for a non-recording span."""
+    if span is None:
+        return "", ""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return "", ""
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+
+
+def start_workflow_span(trace_id_hex: str, name: str, attributes: dict[str, Any]) -> Span:
+    token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
+    try:
+        return tracer().start_span(
+            f"workflow {name}", context=otel_context.Context(), kind=SpanKind.SERVER, attributes=attributes
+        )
+    finally:
+        forced_trace_id.reset(token)
+
+
+@contextmanager
+def child_span(parent: Span | None, name: str, attributes: dict[str, Any]) -> Iterator[Span]:
+    """A span under `parent`, current for the block (user spans in the step nest under it)."""
+    ctx = trace.set_span_in_context(parent) if parent is not None else None
+    with tracer().start_as_current_span(
+        name, context=ctx, attributes=attributes, record_exception=False, set_status_on_exception=False
+    ) as span:
+        yield span
+
+
+def finished_span(
+    parent: Span | None, name: str, start: datetime, end: datetime, attributes: dict[str, Any], error: BaseException | None = None
+) -> None:
+    """A span that started in an earlier run (a sleep, an event wait), ended now."""
+    ctx = trace.set_span_in_context(parent) if parent is not None else None
+    span = tracer().start_span(name, context=ctx, attributes=attributes, start_time=ns(start))
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+    span.end(end_time=ns(max(start, end)))
+
+
+def record_failed_attempt(span: Span | None, attempt: int, max_retries: int, name: str, message: str, stack: str) -> None:
+    if span is None:
+        return
+    span.add_event(
+        "step.retry_error",
+        {
+            "step.attempt": attempt,
+            "step.max_retries": max_retries,
+            "error.name": name,
+            "error.message": message,
+            "error.stack": stack,
+        },
+    )
+
+
+def mark_error(span: Span | None, exc: BaseException | None, message: str = "") -> None:
+    if span is None:
+        return
+    if exc is not None:
+        span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, message or (str(exc) if exc is not None else "")))
+
+
+def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "") -> None:
+    """`create <name>` in the instance's trace, linked to the caller's span (a request)."""
+    caller = trace.get_current_span().get_span_context()
+    links = [trace.Link(caller)] if caller.is_valid else []
+    token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
+    try:
+        span = tracer().start_span(
+            f"create {name}", context=otel_context.Context(), kind=SpanKind.PRODUCER, links=links,
+            attributes={"workflow.name": name, "workflow.instance_id": instance_id, "workflow.actor": actor},
+        )
+    finally:
+        forced_trace_id.reset(token)
+    span.end()

@@ -1,0 +1,161 @@
+"""OpenTelemetry set-up: the tracer provider, the processor that stores spans in the
+database for the dashboard, and OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+
+Spans end on the engine's event loop, where the ORM must not run; the processor only
+queues them, and the engine flushes the queue from its database thread after each run
+(and a background flush catches spans that end outside runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import datetime, timezone
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+from .engine import spans as engine_spans
+
+log = logging.getLogger("workflows_app.tracing")
+
+MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rather than grow memory
+
+
+class InstanceTraceIds(RandomIdGenerator):
+    """Root spans of a run take the instance's trace id: one trace per instance."""
+
+    def generate_trace_id(self) -> int:
+        forced = engine_spans.forced_trace_id.get()
+        return forced if forced else super().generate_trace_id()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _when(nanoseconds: int | None) -> datetime:
+    return datetime.fromtimestamp((nanoseconds or 0) / 1e9, tz=timezone.utc)
+
+
+class DatabaseSpanProcessor(SpanProcessor):
+    """Queues finished spans; flush() writes them in one bulk insert."""
+
+    def __init__(self) -> None:
+        self._queue: list[ReadableSpan] = []
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._lock:
+            if len(self._queue) >= MAX_QUEUED_SPANS:
+                self.dropped += 1
+                return
+            self._queue.append(span)
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def flush(self) -> list[Any]:
+        """Store the queued spans (call from a thread where the ORM may run); returns the rows."""
+        from .models import Instance, Span
+
+        with self._lock:
+            batch, self._queue = self._queue, []
+        if not batch:
+            return []
+        trace_ids = {format(s.context.trace_id, "032x") for s in batch}
+        instances = dict(Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id"))
+        rows = []
+        for span in batch:
+            trace_id = format(span.context.trace_id, "032x")
+            rows.append(
+                Span(
+                    instance_id=instances.get(trace_id),
+                    trace_id=trace_id,
+                    span_id=format(span.context.span_id, "016x"),
+                    parent_span_id=format(span.parent.span_id, "016x") if span.parent else "",
+                    name=span.name[:300],
+                    kind=span.kind.name,
+                    start_time=_when(span.start_time),
+                    end_time=_when(span.end_time),
+                    status_code=span.status.status_code.name,
+                    status_message=span.status.description or "",
+                    attributes={k: _jsonable(v) for k, v in (span.attributes or {}).items()},
+                    events=[
+                        {"name": e.name, "time": _when(e.timestamp).isoformat(),
+                         "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()}}
+                        for e in span.events
+                    ],
+                    links=[
+                        {"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x")}
+                        for link in span.links
+                    ],
+                )
+            )
+        return Span.objects.bulk_create(rows)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+_provider: TracerProvider | None = None
+_store: DatabaseSpanProcessor | None = None
+_configure_lock = threading.Lock()
+
+
+def configure() -> TracerProvider:
+    """Install wfdash's tracer provider as the global one (once per process)."""
+    global _provider, _store
+    with _configure_lock:
+        if _provider is not None:
+            return _provider
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}),
+            id_generator=InstanceTraceIds(),
+        )
+        _store = DatabaseSpanProcessor()
+        provider.add_span_processor(_store)
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        current = trace.get_tracer_provider()
+        if isinstance(current, TracerProvider):
+            # The project already installed an SDK provider: add our storage to it.
+            current.add_span_processor(_store)
+            provider = current
+        else:
+            trace.set_tracer_provider(provider)
+        _provider = provider
+        engine_spans.set_enabled(True)
+        return provider
+
+
+def span_store() -> DatabaseSpanProcessor | None:
+    return _store
+
+
+def flush_spans() -> list[Any]:
+    """Write queued spans to the database; called from the engine's database thread."""
+    if _store is None:
+        return []
+    return _store.flush()
+
+
+def add_processor(processor: SpanProcessor) -> None:
+    """Add a span processor (e.g. an in-memory exporter in tests) to wfdash's provider."""
+    configure().add_span_processor(processor)
+
