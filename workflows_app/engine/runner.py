@@ -124,6 +124,7 @@ class Run:
         self.span: Any = None
         # cancel(compensate=True): replay only to collect compensations, then unwind.
         self.error_message = ""
+        self.failure: BaseException | None = None  # compensate_on_failure: the error being unwound
         self.compensating = loaded.instance.compensate_on_cancel
         self.unwinding = False
 
@@ -257,6 +258,11 @@ class Run:
             return "aborted"
         if self.fatal is not None:
             exc = self.fatal
+        if exc is None and self.unwinding and self.failure is not None:
+            exc = self.failure
+            history_first = [History("compensation.completed", {"reason": "failure"})]
+        else:
+            history_first = []
         if exc is None and self.unwinding:
             ok = await self.db(
                 store.finish, self.pk, self.token, "terminated", self.limits, None, None,
@@ -274,12 +280,20 @@ class Run:
                     [History("instance.completed", {})],
                 )
                 return "complete" if ok else "aborted"
+        if (
+            self.definition.cls.compensate_on_failure
+            and not self.unwinding
+            and any(r.has_compensation and r.status == StepStatus.COMPLETE for r in self.checkpoints.values())
+        ):
+            # Unwind first; replays fail the same way, so a parked unwinding resumes.
+            self.failure = exc
+            return await self._unwind()
         name, message, stack = error_fields(exc)
         self.error_message = f"{name}: {message}"
         spans.mark_error(self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message)
         ok = await self.db(
             store.finish, self.pk, self.token, "errored", self.limits, None, (name, message, stack),
-            [History("instance.errored", {"error": {"name": name, "message": message}})],
+            [*history_first, History("instance.errored", {"error": {"name": name, "message": message}})],
             self.error_record("workflow.instance", name, message, stack, self.span),
         )
         return "errored" if ok else "aborted"

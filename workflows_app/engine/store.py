@@ -439,6 +439,21 @@ def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason:
     return new_status
 
 
+VERSION_MISSING = "version-missing: "
+
+
+def wake_registered_versions(versions: Sequence[tuple[str, int]]) -> int:
+    """Instances parked because their version was missing continue once it is registered."""
+    now = clock.now()
+    woken = 0
+    for name, version in versions:
+        woken += Instance.objects.filter(
+            workflow=name, version=version, status=Status.WAITING, wake_at__isnull=True,
+            waiting_reason__startswith=VERSION_MISSING,
+        ).update(wake_at=now, waiting_reason="")
+    return woken
+
+
 def park_unrunnable(pk: int, token: str, reason: str) -> None:
     """Park an instance this process cannot run (its version is not registered here)."""
     with transaction.atomic():
@@ -447,7 +462,7 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
         except LeaseLost:
             return
         Instance.objects.filter(id=pk).update(
-            status=Status.WAITING, wake_at=None, waiting_reason=reason,
+            status=Status.WAITING, wake_at=None, waiting_reason=VERSION_MISSING + reason,
             lease_token=None, lease_owner="", lease_expires_at=None,
         )
 

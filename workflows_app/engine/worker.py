@@ -141,7 +141,9 @@ class Worker:
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step")
         await self.db(sync_catalog)
-        await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in registry.all_definitions()])
+        definitions = registry.all_definitions()
+        await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
+        await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
         with _local_lock:
             _local_workers.add(self)
         self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
