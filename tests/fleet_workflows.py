@@ -1,0 +1,68 @@
+"""Workflows for the multi-process tests; imported by the worker subprocesses too.
+
+Each step body appends a row to a ledger table: the physical executions, to compare with
+the engine's checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from django.db import connection
+
+from workflows_app.engine import WorkflowEntrypoint, current_step, register
+
+LEDGER_DDL = (
+    "CREATE TABLE IF NOT EXISTS fleet_ledger ("
+    " instance_id VARCHAR(200), step VARCHAR(300), pid INTEGER, started DOUBLE PRECISION, ended DOUBLE PRECISION)"
+)
+
+
+def ensure_ledger() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(LEDGER_DDL)
+        cursor.execute("DELETE FROM fleet_ledger")
+
+
+def ledger_rows() -> list[tuple[str, str, int, float, float]]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT instance_id, step, pid, started, ended FROM fleet_ledger")
+        return list(cursor.fetchall())
+
+
+def record_execution() -> str:
+    ctx = current_step()
+    started = time.time()
+    time.sleep(float(os.environ.get("FLEET_STEP_SECONDS", "0.002")))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_ledger (instance_id, step, pid, started, ended) VALUES (%s, %s, %s, %s, %s)",
+            [ctx.instance_id, ctx.step_name, os.getpid(), started, time.time()],
+        )
+    return ctx.step_name
+
+
+@register("fleet")
+class Fleet(WorkflowEntrypoint):
+    async def run(self, event, step):
+        for i in range(5):
+            await step.do(f"step {i}", record_execution)
+        return "done"
+
+
+@register("fleet-waiter")
+class FleetWaiter(WorkflowEntrypoint):
+    async def run(self, event, step):
+        got = await step.wait_for_event("wait", type="go", timeout="1 hour")
+        return await step.do("after", lambda: {"payload": got.payload, "pid": os.getpid()})
+
+
+@register("fleet-poison")
+class FleetPoison(WorkflowEntrypoint):
+    async def run(self, event, step):
+        def kill_the_process():
+            if os.environ.get("FLEET_POISON_FIXED") != "1":
+                os._exit(137)  # the process dies mid-step, every time
+            return "fixed"
+        return await step.do("poison", kill_the_process)
