@@ -326,6 +326,6 @@ def test_bench_without_a_bench_package_fails_in_one_line(monkeypatch):
 def test_bench_runs_python_dash_m_bench_with_its_arguments(monkeypatch):
     calls: list[list[str]] = []
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
-    monkeypatch.setattr("subprocess.call", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr("subprocess.call", lambda argv, cwd=None: calls.append(argv) or 0)
     wf("bench", "--", "--quick", "10")
     assert calls[0][1:] == ["-m", "bench", "--quick", "10"]

@@ -369,9 +369,12 @@ class Command(BaseCommand):
         self.emit(opts, {"instances": created, "superuser": user_note or None}, human)
 
     def do_bench(self, opts: argparse.Namespace) -> None:
-        if importlib.util.find_spec("bench") is None:
+        spec = importlib.util.find_spec("bench")
+        if spec is None:
             raise CommandError("no bench package here: `python -m bench` needs bench/ beside manage.py")
         args = opts.bench_args[1:] if opts.bench_args[:1] == ["--"] else opts.bench_args
-        code = subprocess.call([sys.executable, "-m", "bench", *args])
+        # Run from the folder holding the package, so `-m bench` finds it whatever the cwd.
+        cwd = Path(spec.origin).parent.parent if getattr(spec, "origin", None) else None
+        code = subprocess.call([sys.executable, "-m", "bench", *args], cwd=cwd)
         if code:
             raise CommandError(f"python -m bench exited with status {code}")
