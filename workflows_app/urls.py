@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import include, path
 
 from . import views
 
@@ -6,4 +6,5 @@ app_name = "workflows"
 
 urlpatterns = [
     path("", views.overview, name="overview"),
+    path("api/", include("workflows_app.api_urls")),
 ]

@@ -1,0 +1,211 @@
+"""The Django admin: every model's pages, the instance actions and their permission, tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from tests.surface_flows import APPROVAL, COMPENSATIONS, SIMPLE, register_flows, snapshot, waiting_approval
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.models import (
+    ApiToken,
+    ErrorRecord,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Span,
+    StepRecord,
+    WorkflowVersion,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODELS = [Instance, StepRecord, HistoryRecord, InboxEvent, Span, ErrorRecord, WorkflowVersion, ApiToken]
+XSS = "<script>alert('x')</script>"
+
+
+@pytest.fixture(autouse=True)
+def flows(registered: list[str]) -> None:
+    register_flows()
+    COMPENSATIONS.clear()
+
+
+@pytest.fixture
+def admin_client() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("boss", password="pw"))
+    return client
+
+
+def staff_client(name: str, *codenames: str) -> Client:
+    user = User.objects.create_user(name, is_staff=True)
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def changelist(model: type) -> str:
+    return reverse(f"admin:workflows_app_{model._meta.model_name}_changelist")
+
+
+def change(obj: object) -> str:
+    return reverse(f"admin:workflows_app_{obj._meta.model_name}_change", args=[obj.pk])
+
+
+def act(client: Client, action: str, *rows: Instance) -> list[str]:
+    """Run an admin action on instances; returns the messages it showed."""
+    response = client.post(changelist(Instance), {"action": action, "_selected_action": [r.pk for r in rows]},
+                           follow=True)
+    assert response.status_code == 200
+    return [str(m) for m in response.context["messages"]]
+
+
+def some_of_everything() -> Instance:
+    """One row of every model, with user data that must come out escaped."""
+    handle = get_workflow(APPROVAL).create(params={"note": XSS}, id="o-1")
+    testing.run_until_idle()
+    handle.send_event("other", {"html": XSS})
+    row = handle.row()
+    now = timezone.now()
+    Span.objects.create(instance=row, trace_id=row.trace_id, span_id="a" * 16, name=f"step {XSS}", kind="INTERNAL",
+                        start_time=now, end_time=now + timedelta(milliseconds=5), attributes={"x": XSS})
+    ErrorRecord.objects.create(instance=row, workflow=APPROVAL, source="workflow.step", step_name="charge",
+                               attempt=1, name="ValueError", message=XSS, created_at=now)
+    ApiToken.objects.create(name="svc", token_hash="0" * 64, prefix="wf_abcde", created_at=now)
+    return row
+
+
+# --- pages ------------------------------------------------------------------------------
+
+
+def test_every_model_has_a_list_and_a_detail_page_that_escape_user_data(admin_client):
+    some_of_everything()
+    for model in MODELS:
+        assert model.objects.exists(), model
+        response = admin_client.get(changelist(model))
+        assert response.status_code == 200, model
+        assert XSS not in response.content.decode(), model
+        detail = admin_client.get(change(model.objects.first()))
+        assert detail.status_code == 200, model
+        assert XSS not in detail.content.decode(), model
+
+
+def test_the_instance_page_shows_pretty_params_steps_and_history(admin_client):
+    row = some_of_everything()
+    page = admin_client.get(change(row)).content.decode()
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert re.search(r"<pre[^>]*>\{\n  &quot;note&quot;", page)
+    assert "charge" in page and "waitForEvent" in page  # the steps inline
+    assert "instance.created" in page and "event.waiting" in page  # the history inline
+
+
+def test_the_instance_list_filters_and_searches(admin_client):
+    waiting_approval("o-1")
+    get_workflow(SIMPLE).create(id="s-1")
+    page = admin_client.get(changelist(Instance) + "?status__exact=waiting").content.decode()
+    assert "o-1" in page and "s-1" not in page
+    page = admin_client.get(changelist(Instance) + "?q=s-1").content.decode()
+    assert "s-1" in page and "o-1" not in page
+
+
+def test_an_instance_cannot_be_edited_added_or_deleted_while_it_runs_in_the_admin(admin_client):
+    row = waiting_approval("o-1").row()
+    before = snapshot()
+    assert admin_client.post(change(row), {"status": "complete"}).status_code == 403
+    assert admin_client.get(reverse("admin:workflows_app_instance_add")).status_code == 403
+    assert admin_client.post(reverse("admin:workflows_app_instance_delete", args=[row.pk]),
+                             {"post": "yes"}).status_code == 403
+    assert snapshot() == before
+
+
+# --- actions ----------------------------------------------------------------------------
+
+
+def test_pause_resume_terminate_and_restart_act_as_the_admin_user(admin_client):
+    row = waiting_approval("o-1").row()
+    assert act(admin_client, "pause", row) == ["Pause: 1 instance(s)."]
+    assert Instance.objects.get(pk=row.pk).status == "paused"
+    act(admin_client, "resume", row)
+    assert Instance.objects.get(pk=row.pk).status == "running"
+    act(admin_client, "terminate", row)
+    assert Instance.objects.get(pk=row.pk).status == "terminated"
+    act(admin_client, "restart", row)
+    assert Instance.objects.get(pk=row.pk).status == "running"
+    actors = dict(HistoryRecord.objects.filter(instance=row).values_list("type", "actor"))
+    assert {actors[t] for t in ("instance.paused", "instance.resumed", "instance.terminated",
+                                "instance.restarted")} == {"boss"}
+
+
+def test_cancel_runs_the_compensations(admin_client):
+    row = waiting_approval("o-1", amount=2).row()
+    act(admin_client, "cancel", row)
+    testing.run_until_idle()
+    assert Instance.objects.get(pk=row.pk).status == "terminated"
+    assert COMPENSATIONS == [{"amount": 2}]
+
+
+def test_an_action_reports_each_instance_it_could_not_change_and_changes_the_others(admin_client):
+    waiting = waiting_approval("o-1").row()
+    done = get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    messages = act(admin_client, "pause", waiting, done.row())
+    assert f"Could not pause {SIMPLE}/s-1: cannot pause instance 's-1': it is complete" in messages
+    assert "Pause: 1 instance(s)." in messages
+    assert Instance.objects.get(pk=waiting.pk).status == "paused"
+    messages = act(admin_client, "terminate", done.row())
+    assert messages == [f"Could not terminate {SIMPLE}/s-1: it had already finished (complete)"]
+
+
+def test_a_staff_user_without_change_permission_cannot_run_actions():
+    row = waiting_approval("o-1").row()
+    viewer = staff_client("viewer", "view_instance")
+    assert viewer.get(changelist(Instance)).status_code == 200
+    before = snapshot()
+    messages = act(viewer, "pause", row)
+    assert snapshot() == before
+    assert not any("Pause" in m for m in messages)
+    operator = staff_client("operator", "view_instance", "change_instance")
+    assert act(operator, "pause", row) == ["Pause: 1 instance(s)."]
+
+
+def test_a_finished_instance_can_be_deleted(admin_client):
+    handle = get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    response = admin_client.post(reverse("admin:workflows_app_instance_delete", args=[handle.row().pk]),
+                                 {"post": "yes"})
+    assert response.status_code == 302
+    assert not Instance.objects.exists() and not StepRecord.objects.exists()
+
+
+# --- tokens -----------------------------------------------------------------------------
+
+
+def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_client):
+    ops = User.objects.create_user("ops")
+    response = admin_client.post(reverse("admin:workflows_app_apitoken_add"), {"name": "deploy", "user": ops.pk},
+                                 follow=True)
+    shown = [str(m) for m in response.context["messages"] if "copy it now" in str(m)]
+    assert len(shown) == 1
+    secret = re.search(r"(wf_\S+)", shown[0]).group(1)
+    token = ApiToken.objects.get(name="deploy")
+    assert token.token_hash == hashlib.sha256(secret.encode()).hexdigest()
+    assert token.user == ops and secret.startswith(token.prefix)
+    page = admin_client.get(change(token)).content.decode()
+    assert secret not in page and token.token_hash in page
+
+
+def test_revoking_tokens_in_the_admin(admin_client):
+    ApiToken.objects.create(name="svc", token_hash="1" * 64, created_at=timezone.now())
+    response = admin_client.post(changelist(ApiToken), {
+        "action": "revoke_tokens", "_selected_action": [ApiToken.objects.get().pk]}, follow=True)
+    assert "Revoked 1 token(s)." in [str(m) for m in response.context["messages"]]
+    assert ApiToken.objects.get().revoked_at is not None

@@ -1,0 +1,430 @@
+"""The JSON API: every endpoint, its refusals, and every response checked against /api/openapi.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.core.handlers.asgi import ASGIRequest
+from django.test import Client
+from django.urls import get_resolver, resolve
+from openapi_spec_validator import validate as validate_openapi
+
+from tests.surface_flows import APPROVAL, COMPENSATIONS, OTHER, SIMPLE, register_flows, snapshot, waiting_approval
+from workflows_app import api, openapi, testing, tokens
+from workflows_app.client import get_workflow
+from workflows_app.models import ApiToken, HistoryRecord, Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DOC = openapi.document()
+UNSET = object()
+
+
+def check_against_openapi(method: str, path: str, response: Any) -> None:
+    """The response must be one the document describes for this path and method."""
+    route = resolve(path.split("?")[0]).route
+    template = "/" + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", route)
+    assert template in DOC["paths"], f"{template} is not in the OpenAPI document"
+    operation = DOC["paths"][template].get(method.lower())
+    if operation is None:  # a method the path does not take: refused before anything else
+        assert response.status_code in (401, 405)
+        described = DOC["components"]["responses"][
+            "Unauthorized" if response.status_code == 401 else "MethodNotAllowed"]
+    else:
+        described = operation["responses"].get(str(response.status_code))
+        assert described is not None, f"{method} {template} does not document status {response.status_code}"
+        if "$ref" in described:
+            described = DOC["components"]["responses"][described["$ref"].rsplit("/", 1)[1]]
+    assert response["Content-Type"] == "application/json"
+    schema = {**described["content"]["application/json"]["schema"], "components": DOC["components"]}
+    jsonschema.Draft202012Validator(schema).validate(response.json())
+
+
+class Api:
+    """The test client speaking to the API with a bearer token, checking every answer."""
+
+    def __init__(self, client: Client, secret: str | None) -> None:
+        self.client = client
+        self.secret = secret
+
+    def call(self, method: str, path: str, body: Any = UNSET, raw: bytes | None = None,
+             secret: Any = UNSET, **headers: str) -> Any:
+        secret = self.secret if secret is UNSET else secret
+        if secret:
+            headers.setdefault("Authorization", f"Bearer {secret}")
+        data = raw if raw is not None else b"" if body is UNSET else json.dumps(body).encode()
+        response = self.client.generic(method, path, data, content_type="application/json", headers=headers)
+        check_against_openapi(method, path, response)
+        return response
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.call("GET", path, **kw)
+
+    def post(self, path: str, body: Any = UNSET, **kw: Any) -> Any:
+        return self.call("POST", path, body, **kw)
+
+    def patch(self, path: str, body: Any = UNSET, **kw: Any) -> Any:
+        return self.call("PATCH", path, body, **kw)
+
+
+def base(workflow: str = APPROVAL, instance_id: str | None = None) -> str:
+    path = f"/api/workflows/{workflow}/instances"
+    return path if instance_id is None else f"{path}/{instance_id}"
+
+
+def error_of(response: Any) -> tuple[int, str, str]:
+    body = json.loads(response.content)
+    assert body["success"] is False
+    return response.status_code, body["errors"][0]["code"], body["errors"][0]["message"]
+
+
+@pytest.fixture(autouse=True)
+def flows(registered: list[str]) -> None:
+    register_flows()
+    COMPENSATIONS.clear()
+
+
+@pytest.fixture
+def service() -> Api:
+    _, secret = tokens.issue("service")
+    return Api(Client(enforce_csrf_checks=True), secret)
+
+
+def user_api(name: str, can_change: bool, active: bool = True) -> Api:
+    user = User.objects.create_user(name, is_active=active)
+    if can_change:
+        user.user_permissions.add(Permission.objects.get(codename="change_instance"))
+    _, secret = tokens.issue(f"{name}-token", name)
+    return Api(Client(), secret)
+
+
+def refused(call: Any) -> tuple[int, str, str]:
+    """Make a call that must be refused; returns (status, code, message) after checking nothing changed."""
+    before = snapshot()
+    response = call()
+    assert snapshot() == before
+    return error_of(response)
+
+
+# --- the document -------------------------------------------------------------------------
+
+
+def test_the_openapi_document_is_valid_openapi_3_1_and_served_without_a_token(service):
+    response = Client().get("/api/openapi.json")
+    assert response.status_code == 200
+    assert response.json() == DOC
+    validate_openapi(DOC)
+    assert DOC["openapi"] == "3.1.0"
+
+
+def test_every_api_route_is_described_in_the_document():
+    routes = {
+        "/api/" + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", str(p.pattern))
+        for p in get_resolver("workflows_app.api_urls").url_patterns
+    }
+    assert routes == set(DOC["paths"])
+
+
+# --- authentication and permission ------------------------------------------------------
+
+
+def test_it_refuses_a_request_without_a_token(service):
+    response = service.get(base(), secret=None)
+    assert error_of(response)[:2] == (401, "Unauthorized")
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_it_refuses_an_unknown_token_and_another_scheme(service):
+    assert error_of(service.get(base(), secret="wf_not-a-real-token"))[0] == 401
+    response = service.get(base(), secret=None, Authorization=f"Basic {service.secret}")
+    assert error_of(response)[0] == 401
+
+
+def test_it_refuses_a_revoked_token_and_changes_nothing(service):
+    tokens.revoke("service")
+    status, code, _ = refused(lambda: service.post(base(), {"id": "x"}))
+    assert (status, code) == (401, "Unauthorized")
+    assert not Instance.objects.exists()
+
+
+def test_it_refuses_the_token_of_an_inactive_user():
+    inactive = user_api("gone", can_change=True, active=False)
+    assert error_of(inactive.get(base()))[0] == 401
+
+
+def test_a_token_whose_user_lacks_the_change_permission_may_read_but_not_write():
+    waiting_approval("o-1")
+    reader = user_api("reader", can_change=False)
+    assert reader.get(base(APPROVAL, "o-1")).status_code == 200
+    status, code, message = refused(lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"}))
+    assert (status, code) == (403, "Forbidden") and "workflows_app.change_instance" in message
+    assert refused(lambda: reader.post(base(), {"id": "new"}))[0] == 403
+    assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True}))[0] == 403
+    assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/cancel"))[0] == 403
+
+
+def test_a_token_whose_user_has_the_change_permission_acts_under_the_token_name():
+    waiting_approval("o-1")
+    operator = user_api("operator", can_change=True)
+    assert operator.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"}).status_code == 200
+    assert HistoryRecord.objects.filter(type="instance.paused").get().actor == "operator-token"
+
+
+def test_a_session_login_alone_does_not_authenticate():
+    admin = User.objects.create_superuser("admin", password="pw")
+    client = Client()
+    client.force_login(admin)
+    assert client.get(base()).status_code == 401
+
+
+def test_a_used_token_records_when_it_was_last_used(service):
+    assert ApiToken.objects.get(name="service").last_used_at is None
+    service.get(base())
+    assert ApiToken.objects.get(name="service").last_used_at is not None
+
+
+# --- create -----------------------------------------------------------------------------
+
+
+def test_create_starts_an_instance_and_answers_201(service):
+    response = service.post(base(), {"id": "o-1", "params": {"amount": 3}})
+    assert response.status_code == 201
+    assert response.json() == {"success": True, "result": {
+        "id": "o-1", "workflow": APPROVAL, "version": 1, "status": "running"}}
+    handle = get_workflow(APPROVAL).get("o-1")
+    assert handle.row().params == {"amount": 3} and handle.row().created_by == "service"
+
+
+def test_create_accepts_instance_id_an_empty_body_and_an_idempotency_key(service):
+    assert service.post(base(), {"instance_id": "cf-style"}).json()["result"]["id"] == "cf-style"
+    generated = service.post(base()).json()["result"]["id"]
+    assert len(generated) == 36
+    first = service.post(base(SIMPLE), {"idempotency_key": "k"}).json()["result"]["id"]
+    assert service.post(base(SIMPLE), {"idempotency_key": "k"}).json()["result"]["id"] == first
+    assert Instance.objects.filter(workflow=SIMPLE).count() == 1
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b"{not json", "request body is not valid JSON"),
+    (b'{"params": NaN}', "NaN is not valid JSON"),
+    (b"\xff\xfe{}", "request body is not UTF-8"),
+    (b"[1, 2]", "request body must be a JSON object, got an array"),
+    (b'{"id": 5}', "instance id must be a non-empty string, got 5"),
+    (b'{"id": ""}', "instance id must be a non-empty string, got ''"),
+    (b'{"id": "a", "instance_id": "b"}', "not two different ids"),
+    (b'{"id": "has space"}', "invalid instance id 'has space'"),
+    (b'{"idempotency_key": 7}', "idempotency_key must be a string"),
+    (b'{"colour": "red"}', "unknown field(s) ['colour']"),
+])
+def test_create_refuses_bad_input_with_400_naming_the_problem(service, raw, message):
+    status, _, text = refused(lambda: service.post(base(), raw=raw))
+    assert status == 400 and message in text
+
+
+def test_create_refuses_an_id_that_exists_with_409(service):
+    service.post(base(), {"id": "o-1"})
+    status, code, message = refused(lambda: service.post(base(), {"id": "o-1"}))
+    assert (status, code) == (409, "InstanceAlreadyExists") and "'o-1'" in message
+
+
+def test_create_in_an_unknown_workflow_is_404(service):
+    status, code, message = refused(lambda: service.post(base("nope"), {}))
+    assert (status, code, message) == (404, "UnknownWorkflow", "no workflow named 'nope' is registered")
+
+
+def test_batch_creates_every_instance(service):
+    response = service.post(base(SIMPLE) + "/batch", [{"id": "b1", "params": 1}, {"instance_id": "b2"}])
+    assert response.status_code == 201
+    assert [r["id"] for r in response.json()["result"]] == ["b1", "b2"]
+
+
+def test_batch_creates_none_when_one_is_refused(service):
+    service.post(base(SIMPLE), {"id": "taken"})
+    status, code, _ = refused(lambda: service.post(base(SIMPLE) + "/batch", [{"id": "fresh"}, {"id": "taken"}]))
+    assert (status, code) == (409, "InstanceAlreadyExists")
+    assert refused(lambda: service.post(base(SIMPLE) + "/batch", {"id": "x"}))[2] == (
+        "request body must be a JSON array of instances, got an object")
+    status, code, message = refused(lambda: service.post(base(SIMPLE) + "/batch", [{"id": f"i{n}"} for n in range(101)]))
+    assert (status, code) == (400, "LimitExceeded") and "max_batch_size is 100" in message
+
+
+# --- read -------------------------------------------------------------------------------
+
+
+def test_list_filters_by_status_and_pages_with_a_cursor(service):
+    for n in range(3):
+        service.post(base(SIMPLE), {"id": f"s{n}"})
+    testing.run_until_idle()
+    service.post(base(SIMPLE), {"id": "fresh"})
+    page = service.get(base(SIMPLE) + "?status=complete&limit=2").json()
+    assert [i["id"] for i in page["result"]] == ["s2", "s1"]
+    assert page["result_info"]["per_page"] == 2
+    rest = service.get(base(SIMPLE) + f"?status=complete&limit=2&cursor={page['result_info']['cursor']}").json()
+    assert [i["id"] for i in rest["result"]] == ["s0"] and rest["result_info"]["cursor"] is None
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("limit=ten", "limit must be an integer"),
+    ("limit=0", "limit must be an integer from 1 to 1000, got 0"),
+    ("status=sleepy", "unknown status 'sleepy'"),
+    ("cursor=%3F%3F", "invalid cursor"),
+    ("sort=asc", "unknown query parameter(s) ['sort']"),
+])
+def test_list_refuses_bad_query_parameters(service, query, message):
+    status, _, text = error_of(service.get(base(SIMPLE) + "?" + query))
+    assert status == 400 and message in text
+
+
+def test_get_shows_status_params_output_and_steps(service):
+    service.post(base(SIMPLE), {"id": "s", "params": {"x": 1}})
+    testing.run_until_idle()
+    result = service.get(base(SIMPLE, "s")).json()["result"]
+    assert (result["status"], result["params"], result["output"], result["error"]) == (
+        "complete", {"x": 1}, {"sum": 3}, None)
+    assert [(s["name"], s["output"]) for s in result["steps"]] == [("one", 1), ("two", 2)]
+
+
+def test_get_shows_the_event_an_instance_waits_for(service):
+    waiting_approval("o-1")
+    result = service.get(base(APPROVAL, "o-1")).json()["result"]
+    assert result["status"] == "waiting"
+    assert [(p["name"], p["type"]) for p in result["pending_events"]] == [("approval", "approval")]
+
+
+def test_an_unknown_instance_or_one_of_another_workflow_is_404(service):
+    service.post(base(OTHER), {"id": "elsewhere"})
+    assert error_of(service.get(base(SIMPLE, "elsewhere")))[:2] == (404, "InstanceNotFound")
+    assert error_of(service.get(base("nope", "x")))[:2] == (404, "UnknownWorkflow")
+    assert error_of(service.get(base(SIMPLE, "ghost") + "/history"))[0] == 404
+
+
+def test_history_lists_the_records_in_order(service):
+    service.post(base(SIMPLE), {"id": "h"})
+    testing.run_until_idle()
+    records = service.get(base(SIMPLE, "h") + "/history").json()["result"]
+    assert [r["sequence"] for r in records] == list(range(1, len(records) + 1))
+    assert (records[0]["type"], records[0]["actor"]) == ("instance.created", "service")
+    assert records[-1]["type"] == "instance.completed"
+
+
+# --- actions ----------------------------------------------------------------------------
+
+
+def test_status_pauses_resumes_restarts_and_terminates(service):
+    waiting_approval("o-1")
+    path = base(APPROVAL, "o-1") + "/status"
+    assert service.patch(path, {"status": "pause"}).json()["result"] == {
+        "id": "o-1", "workflow": APPROVAL, "status": "paused"}
+    assert service.patch(path, {"status": "resume"}).json()["result"]["status"] == "running"
+    testing.run_until_idle()
+    assert service.patch(path, {"status": "restart", "from_step": "approval"}).json()["result"]["status"] == "running"
+    assert [s.name for s in get_workflow(APPROVAL).get("o-1").steps()] == ["charge"]
+    assert service.patch(path, {"status": "terminate"}).json()["result"]["status"] == "terminated"
+
+
+def test_status_refuses_actions_that_do_not_apply_with_409(service):
+    waiting_approval("o-1")
+    path = base(APPROVAL, "o-1") + "/status"
+    status, code, message = refused(lambda: service.patch(path, {"status": "resume"}))
+    assert (status, code) == (409, "InvalidTransition") and "not paused" in message
+    service.patch(path, {"status": "terminate"})
+    assert refused(lambda: service.patch(path, {"status": "terminate"}))[:2] == (409, "InvalidTransition")
+    assert refused(lambda: service.patch(path, {"status": "pause"}))[0] == 409
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"status": "explode"}, "status must be one of pause, resume, terminate, restart; got 'explode'"),
+    ({}, "got None"),
+    ({"status": "pause", "from_step": "charge"}, "only with restart"),
+    ({"status": "restart", "from_step": 3}, "from_step must be a step name"),
+    ({"status": "restart", "from_step": "nope"}, "has no step named 'nope'"),
+])
+def test_status_refuses_bad_bodies_with_400(service, body, message):
+    waiting_approval("o-1")
+    status, _, text = refused(lambda: service.patch(base(APPROVAL, "o-1") + "/status", body))
+    assert status == 400 and message in text
+
+
+def test_an_event_delivers_the_body_as_its_payload(service):
+    waiting_approval("o-1")
+    response = service.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True})
+    assert response.json()["result"] == {"id": "o-1", "workflow": APPROVAL, "type": "approval"}
+    testing.run_until_idle()
+    steps = {s["name"]: s for s in service.get(base(APPROVAL, "o-1")).json()["result"]["steps"]}
+    assert steps["approval"]["output"]["payload"] == {"ok": True}
+
+
+def test_an_event_is_refused_for_a_bad_type_payload_or_instance_and_nothing_is_stored(service):
+    waiting_approval("o-1")
+    path = base(APPROVAL, "o-1") + "/events/"
+    status, code, _ = refused(lambda: service.post(path + "-dash-first", {"ok": True}))
+    assert (status, code) == (400, "InvalidEventType")
+    status, code, message = refused(lambda: service.post(path + "approval", {"ok": "yes"}))
+    assert (status, code) == (400, "EventPayloadInvalid") and "'yes' is not of type 'boolean'" in message
+    assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/events/approval", {"ok": True}))[0] == 404
+    service.patch(base(APPROVAL, "o-1") + "/status", {"status": "terminate"})
+    assert refused(lambda: service.post(path + "approval", {"ok": True}))[:2] == (409, "InvalidTransition")
+
+
+def test_cancel_compensates_by_default_and_not_when_told(service):
+    waiting_approval("o-1", amount=4)
+    assert service.post(base(APPROVAL, "o-1") + "/cancel").json()["result"]["status"] == "compensating"
+    testing.run_until_idle()
+    assert COMPENSATIONS == [{"amount": 4}]
+    waiting_approval("o-2")
+    assert service.post(base(APPROVAL, "o-2") + "/cancel", {"compensate": False}).json()["result"]["status"] == (
+        "terminated")
+    assert COMPENSATIONS == [{"amount": 4}]
+    assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/cancel"))[:2] == (409, "InvalidTransition")
+
+
+def test_cancel_refuses_a_non_boolean_compensate(service):
+    waiting_approval("o-1")
+    status, _, message = refused(lambda: service.post(base(APPROVAL, "o-1") + "/cancel", {"compensate": "no"}))
+    assert status == 400 and message == "compensate must be true or false, got a string"
+
+
+# --- protocol ---------------------------------------------------------------------------
+
+
+def test_an_oversized_body_is_refused_with_413_and_changes_nothing(service, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_MAX_BODY_BYTES": 64}
+    waiting_approval("o-1")
+    big = {"ok": True, "padding": "x" * 100}
+    status, code, message = refused(lambda: service.post(base(APPROVAL, "o-1") + "/events/approval", big))
+    assert (status, code) == (413, "PayloadTooLarge") and "64 bytes" in message
+    assert refused(lambda: service.post(base(), {"params": "x" * 100}))[0] == 413
+
+
+def test_a_body_larger_than_the_limit_is_refused_even_without_content_length(service, settings):
+    """A chunked upload has no Content-Length: the body actually read is what counts."""
+    settings.WFDASH = {**settings.WFDASH, "API_MAX_BODY_BYTES": 64}
+    body = json.dumps({"params": "x" * 100}).encode()
+    scope = {"type": "http", "method": "POST", "path": base(), "query_string": b"",
+             "headers": [(b"authorization", f"Bearer {service.secret}".encode())]}
+    response = api.instances(ASGIRequest(scope, io.BytesIO(body)), name=APPROVAL)
+    assert error_of(response)[:2] == (413, "PayloadTooLarge")
+    assert not Instance.objects.exists()
+
+
+def test_a_wrong_method_is_405_with_the_allowed_methods(service):
+    response = service.call("DELETE", base(SIMPLE))
+    assert error_of(response)[:2] == (405, "MethodNotAllowed")
+    assert response["Allow"] == "GET, POST"
+    assert service.call("GET", base(SIMPLE) + "/batch")["Allow"] == "POST"
+    assert Client().post("/api/openapi.json").status_code == 405
+
+
+def test_a_wrong_method_without_a_token_is_401_first(service):
+    assert service.call("DELETE", base(SIMPLE), secret=None).status_code == 401
+
+
+def test_posts_need_no_csrf_token(service):
+    assert service.client.handler.enforce_csrf_checks
+    assert service.post(base(), {"id": "no-csrf"}).status_code == 201

@@ -1,0 +1,331 @@
+"""`python manage.py wf <verb>`: every verb, its --json output, and its refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from tests.surface_flows import APPROVAL, COMPENSATIONS, OTHER, SIMPLE, register_flows, snapshot, waiting_approval
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.models import ApiToken, Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def flows(registered: list[str]) -> None:
+    register_flows()
+    COMPENSATIONS.clear()
+
+
+def wf(*args: str) -> str:
+    out = StringIO()
+    call_command("wf", *args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def wf_json(*args: str) -> Any:
+    return json.loads(wf(*args, "--json"))
+
+
+def refused(*args: str) -> str:
+    """Run a verb that must fail; returns its one-line error, after checking nothing changed."""
+    before = snapshot()
+    with pytest.raises(CommandError) as excinfo:
+        wf(*args)
+    assert snapshot() == before
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+# --- start ----------------------------------------------------------------------------
+
+
+def test_start_creates_an_instance_with_params_from_json(registered):
+    out = wf("start", SIMPLE, "--params", '{"x": 1}', "--id", "s-1")
+    assert out.strip() == f"started {SIMPLE}/s-1 (v1, running)"
+    assert get_workflow(SIMPLE).get("s-1").row().params == {"x": 1}
+
+
+def test_start_reads_params_from_a_file(tmp_path: Path):
+    params = tmp_path / "params.json"
+    params.write_text('{"amount": 7}')
+    data = wf_json("start", APPROVAL, "--params", f"@{params}", "--id", "from-file")
+    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running"}
+    assert get_workflow(APPROVAL).get("from-file").row().params == {"amount": 7}
+
+
+def test_start_with_the_same_idempotency_key_returns_the_same_instance():
+    first = wf_json("start", SIMPLE, "--idempotency-key", "k-1")
+    second = wf_json("start", SIMPLE, "--idempotency-key", "k-1")
+    assert first["id"] == second["id"]
+    assert Instance.objects.filter(workflow=SIMPLE).count() == 1
+
+
+def test_start_refuses_bad_json_and_creates_nothing():
+    assert refused("start", SIMPLE, "--params", "{nope").startswith("--params is not valid JSON")
+
+
+def test_start_refuses_a_missing_params_file(tmp_path: Path):
+    assert "cannot read" in refused("start", SIMPLE, "--params", f"@{tmp_path / 'missing.json'}")
+
+
+def test_start_refuses_an_unknown_workflow():
+    assert refused("start", "no-such-flow") == "no workflow named 'no-such-flow' is registered"
+
+
+def test_start_refuses_an_id_that_already_exists():
+    wf("start", SIMPLE, "--id", "dup")
+    assert "already has an instance with id 'dup'" in refused("start", SIMPLE, "--id", "dup")
+
+
+def test_start_refuses_an_invalid_instance_id():
+    assert "invalid instance id" in refused("start", SIMPLE, "--id", "has space")
+
+
+# --- list -----------------------------------------------------------------------------
+
+
+def test_list_shows_every_workflow_newest_first_in_a_table():
+    wf("start", SIMPLE, "--id", "a")
+    wf("start", OTHER, "--id", "b")
+    lines = wf("list").splitlines()
+    assert lines[0].split() == ["WORKFLOW", "ID", "VERSION", "STATUS", "CREATED", "ERROR"]
+    assert {line.split()[1] for line in lines[1:]} == {"a", "b"}
+
+
+def test_list_filters_by_workflow_and_status():
+    wf("start", SIMPLE, "--id", "done")
+    testing.run_until_idle()
+    wf("start", SIMPLE, "--id", "fresh")
+    wf("start", OTHER, "--id", "elsewhere")
+    data = wf_json("list", "--workflow", SIMPLE, "--status", "complete")
+    assert [i["id"] for i in data["instances"]] == ["done"]
+    assert data["instances"][0]["status"] == "complete"
+
+
+def test_list_pages_with_a_cursor_within_one_workflow():
+    for n in range(3):
+        wf("start", SIMPLE, "--id", f"p{n}")
+    first = wf_json("list", "--workflow", SIMPLE, "--limit", "2")
+    assert [i["id"] for i in first["instances"]] == ["p2", "p1"]
+    assert f"--cursor {first['cursor']}" in wf("list", "--workflow", SIMPLE, "--limit", "2")
+    second = wf_json("list", "--workflow", SIMPLE, "--limit", "2", "--cursor", first["cursor"])
+    assert [i["id"] for i in second["instances"]] == ["p0"] and second["cursor"] is None
+
+
+def test_list_refuses_an_unknown_status_and_a_bad_cursor():
+    assert "unknown status 'sleepy'" in refused("list", "--status", "sleepy")
+    assert "invalid cursor" in refused("list", "--workflow", SIMPLE, "--cursor", "???")
+    assert "--cursor needs --workflow" in refused("list", "--cursor", "abc")
+
+
+# --- status / history -------------------------------------------------------------------
+
+
+def test_status_shows_the_steps_and_what_the_instance_waits_for():
+    waiting_approval("o-1", amount=9)
+    out = wf("status", "o-1")
+    assert out.splitlines()[0] == f"{APPROVAL}/o-1  v1  waiting"
+    assert 'params:   {"amount":9}' in out
+    assert "charge" in out and '{"amount":9}' in out
+    assert out.splitlines()[-1].split()[:2] == ["approval", "approval"]  # pending: step name, type
+
+
+def test_status_json_has_output_and_steps_of_a_finished_instance():
+    wf("start", SIMPLE, "--id", "s")
+    testing.run_until_idle()
+    data = wf_json("status", "s", "--workflow", SIMPLE)
+    assert data["status"] == "complete" and data["output"] == {"sum": 3}
+    assert [(s["name"], s["status"], s["output"]) for s in data["steps"]] == [
+        ("one", "complete", 1), ("two", "complete", 2)]
+
+
+def test_status_of_an_unknown_instance_names_it():
+    assert refused("status", "ghost") == "no instance 'ghost' in any workflow"
+    assert refused("status", "ghost", "--workflow", SIMPLE) == f"workflow '{SIMPLE}' has no instance 'ghost'"
+
+
+def test_an_id_used_by_two_workflows_needs_the_workflow_flag():
+    wf("start", SIMPLE, "--id", "twin")
+    wf("start", OTHER, "--id", "twin")
+    message = refused("status", "twin")
+    assert "exists in several workflows" in message and "--workflow" in message
+    assert wf_json("status", "twin", "--workflow", OTHER)["workflow"] == OTHER
+
+
+def test_history_lists_the_records_in_order():
+    wf("start", SIMPLE, "--id", "h")
+    testing.run_until_idle()
+    entries = wf_json("history", "h")
+    assert [e["sequence"] for e in entries] == list(range(1, len(entries) + 1))
+    assert entries[0]["type"] == "instance.created" and entries[0]["actor"] == "cli"
+    assert entries[-1]["type"] == "instance.completed"
+    assert "instance.completed" in wf("history", "h")
+
+
+# --- events and actions ---------------------------------------------------------------
+
+
+def test_send_event_delivers_the_payload_and_the_instance_goes_on():
+    waiting_approval("o-1")
+    assert wf("send-event", "o-1", "approval", "--payload", '{"ok": true}').strip() == (
+        f"sent 'approval' to {APPROVAL}/o-1")
+    testing.run_until_idle()
+    assert wf_json("status", "o-1")["steps"][1]["status"] == "complete"
+
+
+def test_send_event_refuses_an_invalid_type_a_bad_payload_and_bad_json():
+    waiting_approval("o-1")
+    assert "invalid event type 'no spaces'" in refused("send-event", "o-1", "no spaces")
+    assert "does not match the schema" in refused("send-event", "o-1", "approval", "--payload", '{"ok": "yes"}')
+    assert "--payload is not valid JSON" in refused("send-event", "o-1", "approval", "--payload", "{")
+    assert "no instance 'o-2'" in refused("send-event", "o-2", "approval")
+
+
+def test_pause_then_resume_reports_the_new_status():
+    waiting_approval("o-1")
+    assert wf("pause", "o-1").strip() == f"pause: {APPROVAL}/o-1 is now paused"
+    assert "cannot pause" in refused("pause", "o-1")
+    assert wf_json("resume", "o-1") == {"id": "o-1", "workflow": APPROVAL, "status": "running"}
+    history = [e["type"] for e in wf_json("history", "o-1")]
+    assert history[-2:] == ["instance.paused", "instance.resumed"]
+
+
+def test_terminate_stops_an_instance_and_refuses_a_finished_one():
+    waiting_approval("o-1")
+    assert wf_json("terminate", "o-1")["status"] == "terminated"
+    assert refused("terminate", "o-1") == "instance 'o-1' had already finished (terminated)"
+
+
+def test_restart_from_a_step_drops_it_and_later_checkpoints():
+    handle = waiting_approval("o-1")
+    wf("restart", "o-1", "--from-step", "approval")
+    assert [s.name for s in handle.steps()] == ["charge"]
+    assert "has no step named 'nope'" in refused("restart", "o-1", "--from-step", "nope")
+
+
+def test_skip_sleep_wakes_the_sleeping_instance():
+    with testing.fake_clock():
+        handle = waiting_approval("o-1")
+        assert "is not sleeping" in refused("skip-sleep", "o-1")
+        handle.send_event("approval", {"ok": True})
+        testing.run_until_idle()
+        wf("skip-sleep", "o-1")
+        testing.run_until_idle()
+    assert handle.status().status == "complete"
+
+
+def test_cancel_compensates_completed_steps_unless_told_not_to():
+    waiting_approval("o-1", amount=3)
+    assert wf_json("cancel", "o-1")["status"] == "compensating"
+    testing.run_until_idle()
+    assert wf_json("status", "o-1")["status"] == "terminated"
+    assert COMPENSATIONS == [{"amount": 3}]
+    waiting_approval("o-2")
+    assert wf_json("cancel", "o-2", "--no-compensate")["status"] == "terminated"
+    assert COMPENSATIONS == [{"amount": 3}]
+    assert "already terminated" in refused("cancel", "o-2")
+
+
+def test_prune_deletes_finished_instances_past_their_retention():
+    with testing.fake_clock() as clock:
+        get_workflow(SIMPLE).create(id="old", retention="1 hour")
+        get_workflow(SIMPLE).create(id="kept")
+        testing.run_until_idle()
+        assert wf("prune").strip() == "pruned 0 finished instance(s) past their retention"
+        clock.advance("2 hours")
+        assert wf_json("prune") == {"pruned": 1}
+    assert list(Instance.objects.values_list("instance_id", flat=True)) == ["kept"]
+
+
+# --- tokens ---------------------------------------------------------------------------
+
+
+def test_token_create_prints_the_token_once_and_stores_only_its_hash():
+    out = wf("token", "create", "ci")
+    raw = out.splitlines()[0]
+    token = ApiToken.objects.get(name="ci")
+    assert raw.startswith("wf_") and token.token_hash == hashlib.sha256(raw.encode()).hexdigest()
+    assert raw not in {token.token_hash, token.prefix} and raw.startswith(token.prefix)
+    assert token.user is None
+    assert raw not in wf("token", "list")
+
+
+def test_token_create_for_a_user_and_its_refusals():
+    User.objects.create_user("ops")
+    assert wf_json("token", "create", "ops-token", "--user", "ops")["user"] == "ops"
+    assert ApiToken.objects.get(name="ops-token").user.username == "ops"
+    assert refused("token", "create", "x", "--user", "nobody") == "no user named 'nobody'"
+    assert refused("token", "create", "ops-token") == "a token named 'ops-token' already exists"
+    assert refused("token", "create") == "wf token create needs a token name"
+
+
+def test_token_revoke_marks_the_token_revoked():
+    wf("token", "create", "ci")
+    assert wf("token", "revoke", "ci").strip() == "revoked token 'ci'"
+    assert ApiToken.objects.get(name="ci").revoked_at is not None
+    assert wf_json("token", "list")[0]["revoked_at"] is not None
+    assert refused("token", "revoke", "nope") == "no token named 'nope'"
+
+
+# --- watch / demo / bench ---------------------------------------------------------------
+
+
+def test_watch_with_the_engine_prints_each_step_and_ends_when_the_instance_finishes():
+    wf("start", SIMPLE, "--id", "w")
+    lines = wf("watch", "w", "--run-engine").splitlines()
+    assert any("instance.created" in line for line in lines)
+    assert any("step 'one' (do) complete" in line for line in lines)
+    assert lines[-1] == 'finished: complete  output {"sum":3}'
+
+
+def test_watch_json_prints_one_json_object_per_line():
+    wf("start", SIMPLE, "--id", "w")
+    records = [json.loads(line) for line in wf("watch", "w", "--run-engine", "--json").splitlines()]
+    assert records[-1] == {"finished": {"status": "complete", "output": {"sum": 3}, "error": None}}
+    assert [r["history"]["sequence"] for r in records if "history" in r] == list(
+        range(1, 1 + sum("history" in r for r in records)))
+
+
+def test_watch_gives_up_after_its_timeout():
+    waiting_approval("o-1")
+    assert refused("watch", "o-1", "--timeout", "0") == "instance 'o-1' is still waiting after 0.0 s"
+
+
+def test_demo_creates_instances_and_a_superuser_once():
+    out = wf("demo", "--superuser", "admin:secret")
+    assert "created superuser 'admin'" in out
+    user = User.objects.get(username="admin")
+    assert user.is_superuser and user.is_staff and user.check_password("secret")
+    assert Instance.objects.filter(workflow__in=["order-approval", "data-pipeline", "trial-reminder"]).count() == 8
+    assert "exists; left unchanged" in wf("demo", "--superuser", "admin:other")
+    user.refresh_from_db()
+    assert user.check_password("secret")
+
+
+def test_demo_refuses_a_malformed_superuser():
+    assert refused("demo", "--superuser", "admin") == "--superuser must be USER:PASSWORD, e.g. admin:admin"
+
+
+def test_bench_without_a_bench_package_fails_in_one_line(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert refused("bench").startswith("no bench package here")
+
+
+def test_bench_runs_python_dash_m_bench_with_its_arguments(monkeypatch):
+    calls: list[list[str]] = []
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("subprocess.call", lambda argv, cwd=None: calls.append(argv) or 0)
+    wf("bench", "--", "--quick", "10")
+    assert calls[0][1:] == ["-m", "bench", "--quick", "10"]

@@ -1,0 +1,303 @@
+"""Django admin for every wfdash model.
+
+Engine rows are read-only here: the engine owns them, and a form saving a stale
+Instance would overwrite what a worker just wrote. State changes go through the client
+(admin actions pause / resume / terminate / restart / cancel), like every other surface.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from . import tokens
+from .client import InstanceHandle
+from .engine import errors
+from .models import (
+    FINISHED_STATUSES,
+    ApiToken,
+    ErrorRecord,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Span,
+    StepRecord,
+    WorkflowVersion,
+    decode_json,
+)
+
+CHANGE_INSTANCE = "workflows_app.change_instance"
+
+
+def pretty_json(value: Any) -> SafeString:
+    """User data as indented JSON in a <pre>, escaped by format_html."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, cls=DjangoJSONEncoder)
+    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
+
+
+def json_field(attribute: str | Callable[[Any], Any], description: str) -> Callable[[Any, Any], SafeString]:
+    """A read-only admin column showing a (decoded) JSON attribute of the object."""
+
+    def show(self: Any, obj: Any) -> SafeString:
+        return pretty_json(attribute(obj) if callable(attribute) else getattr(obj, attribute))
+
+    show.short_description = description  # type: ignore[attr-defined]
+    return show
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows the engine writes: viewable, never added, edited or deleted by hand."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class StepInline(ReadOnlyInline):
+    model = StepRecord
+    fields = readonly_fields = ("seq", "name", "kind", "status", "attempts", "started_at", "completed_at",
+                                "last_error_name", "last_error_message")
+    ordering = ("seq",)
+
+
+class HistoryInline(ReadOnlyInline):
+    model = HistoryRecord
+    fields = readonly_fields = ("sequence", "created_at", "type", "actor", "data_json")
+    ordering = ("sequence",)
+    data_json = json_field("data", "data")
+
+
+# --- instance actions -------------------------------------------------------------------------
+
+
+def run_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance],
+               verb: str, act: Callable[[InstanceHandle, str], Any]) -> None:
+    """Apply one client call to each selected instance; report successes and each failure."""
+    if not request.user.has_perm(CHANGE_INSTANCE):
+        raise PermissionDenied
+    actor = request.user.get_username()
+    done = 0
+    for row in queryset.order_by("id"):
+        try:
+            if act(InstanceHandle(row.workflow, row.instance_id, row), actor) is False:
+                raise errors.InvalidTransition(f"it had already finished ({row.status})")
+            done += 1
+        except errors.WorkflowError as exc:
+            modeladmin.message_user(request, f"Could not {verb} {row}: {exc}", messages.ERROR)
+    if done:
+        modeladmin.message_user(request, f"{verb.capitalize()}: {done} instance(s).", messages.SUCCESS)
+
+
+@admin.action(description="Pause selected instances", permissions=["change"])
+def pause(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+    run_action(modeladmin, request, queryset, "pause", lambda h, actor: h.pause(actor=actor))
+
+
+@admin.action(description="Resume selected instances", permissions=["change"])
+def resume(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+    run_action(modeladmin, request, queryset, "resume", lambda h, actor: h.resume(actor=actor))
+
+
+@admin.action(description="Terminate selected instances", permissions=["change"])
+def terminate(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+    run_action(modeladmin, request, queryset, "terminate", lambda h, actor: h.terminate(actor=actor))
+
+
+@admin.action(description="Restart selected instances from the beginning", permissions=["change"])
+def restart(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+    run_action(modeladmin, request, queryset, "restart", lambda h, actor: h.restart(actor=actor))
+
+
+@admin.action(description="Cancel selected instances (compensating completed steps)", permissions=["change"])
+def cancel(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+    run_action(modeladmin, request, queryset, "cancel", lambda h, actor: h.cancel(compensate=True, actor=actor))
+
+
+@admin.register(Instance)
+class InstanceAdmin(admin.ModelAdmin):
+    list_display = ("instance_id", "workflow", "version", "status", "created_at", "updated_at", "finished_at",
+                    "error_name")
+    list_filter = ("status", "workflow", "version", "created_at")
+    search_fields = ("instance_id", "workflow", "idempotency_key", "created_by", "error_name", "error_message")
+    date_hierarchy = "created_at"
+    ordering = ("-id",)
+    actions = (pause, resume, terminate, restart, cancel)
+    inlines = (StepInline, HistoryInline)
+    params = json_field("params", "params")
+    output_pretty = json_field("output", "output")
+    fieldsets = (
+        (None, {"fields": ("workflow", "instance_id", "version", "status", "waiting_reason", "created_by",
+                           "idempotency_key")}),
+        ("Data", {"fields": ("params", "output_pretty", "error_name", "error_message", "error_stack")}),
+        ("Times", {"fields": ("created_at", "updated_at", "started_at", "finished_at", "wake_at", "expires_at")}),
+        ("Engine", {"classes": ("collapse",), "fields": (
+            "run_count", "lease_owner", "lease_expires_at", "unproductive_claims", "trace_id", "retention_ms")}),
+    )
+    readonly_fields = tuple(f for _, options in fieldsets for f in options["fields"])
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # instances start through the client (dashboard, API, `wf start`)
+
+    def has_change_permission(self, request: HttpRequest, obj: Instance | None = None) -> bool:
+        # The list needs it for the actions; a single instance's form is view-only.
+        return obj is None and super().has_change_permission(request)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Instance | None = None) -> bool:
+        # Only finished instances may go (prune does it by retention); not under a live worker.
+        return obj is not None and obj.status in FINISHED_STATUSES and super().has_delete_permission(request, obj)
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, Any, set[str], Any]:
+        # Steps, events, history and spans belong to the instance: deleting it may take them
+        # although their own admins refuse deleting them one by one.
+        deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
+        return deleted, counts, set(), protected
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+
+@admin.register(StepRecord)
+class StepRecordAdmin(ReadOnlyAdmin):
+    list_display = ("name", "instance", "kind", "status", "attempts", "started_at", "completed_at")
+    list_filter = ("kind", "status", "instance__workflow")
+    search_fields = ("name", "instance__instance_id", "instance__workflow", "last_error_message")
+    list_select_related = ("instance",)
+    output_pretty = json_field("output", "output")
+    event_schema = json_field(lambda step: decode_json(step.event_schema_json), "event schema")
+    readonly_fields = fields = (
+        "instance", "name", "kind", "seq", "status", "output_pretty", "attempts", "max_attempts",
+        "last_error_name", "last_error_message", "last_error_stack", "started_at", "completed_at", "wake_at",
+        "event_type", "event_schema", "has_compensation",
+    )
+
+
+@admin.register(HistoryRecord)
+class HistoryRecordAdmin(ReadOnlyAdmin):
+    list_display = ("instance", "sequence", "type", "actor", "created_at")
+    list_filter = ("type", "instance__workflow")
+    search_fields = ("instance__instance_id", "type", "actor")
+    list_select_related = ("instance",)
+    data_pretty = json_field("data", "data")
+    readonly_fields = fields = ("instance", "sequence", "created_at", "type", "actor", "data_pretty")
+
+
+@admin.register(InboxEvent)
+class InboxEventAdmin(ReadOnlyAdmin):
+    list_display = ("type", "instance", "actor", "created_at", "consumed_at", "consumed_by")
+    list_filter = ("type", "instance__workflow")
+    search_fields = ("type", "instance__instance_id", "actor", "consumed_by")
+    list_select_related = ("instance",)
+    payload_pretty = json_field("payload", "payload")
+    readonly_fields = fields = ("instance", "type", "payload_pretty", "actor", "created_at", "consumed_at",
+                                "consumed_by")
+
+
+@admin.register(Span)
+class SpanAdmin(ReadOnlyAdmin):
+    list_display = ("name", "kind", "instance", "trace_id", "start_time", "duration", "status_code")
+    list_filter = ("kind", "status_code")
+    search_fields = ("name", "trace_id", "span_id", "instance__instance_id")
+    list_select_related = ("instance",)
+    attributes_pretty = json_field("attributes", "attributes")
+    events_pretty = json_field("events", "events")
+    links_pretty = json_field("links", "links")
+    readonly_fields = fields = (
+        "instance", "name", "kind", "trace_id", "span_id", "parent_span_id", "start_time", "end_time",
+        "status_code", "status_message", "attributes_pretty", "events_pretty", "links_pretty",
+    )
+
+    @admin.display(description="duration (ms)")
+    def duration(self, obj: Span) -> str:
+        return f"{obj.duration_ms:.1f}"
+
+
+@admin.register(ErrorRecord)
+class ErrorRecordAdmin(ReadOnlyAdmin):
+    list_display = ("created_at", "name", "short_message", "workflow", "instance", "step_name", "attempt", "source")
+    list_filter = ("workflow", "source", "name")
+    search_fields = ("name", "message", "step_name", "trace_id", "instance__instance_id")
+    list_select_related = ("instance",)
+    readonly_fields = fields = ("instance", "workflow", "source", "step_name", "attempt", "name", "message",
+                                "stack", "trace_id", "span_id", "created_at")
+
+    @admin.display(description="message")
+    def short_message(self, obj: ErrorRecord) -> str:
+        return obj.message if len(obj.message) <= 80 else obj.message[:79] + "…"
+
+
+@admin.register(WorkflowVersion)
+class WorkflowVersionAdmin(ReadOnlyAdmin):
+    list_display = ("name", "version", "short_hash", "class_path", "registered_at", "last_seen_at")
+    list_filter = ("name",)
+    search_fields = ("name", "class_path", "source_hash")
+    readonly_fields = fields = ("name", "version", "source_hash", "class_path", "registered_at", "last_seen_at")
+
+    @admin.display(description="source hash")
+    def short_hash(self, obj: WorkflowVersion) -> str:
+        return obj.source_hash[:12]
+
+
+@admin.action(description="Revoke selected tokens", permissions=["change"])
+def revoke_tokens(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
+    count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+    modeladmin.message_user(request, f"Revoked {count} token(s).", messages.SUCCESS)
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """Adding a token shows its secret once; only the SHA-256 is stored."""
+
+    list_display = ("name", "prefix", "user", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("revoked_at", "user")
+    search_fields = ("name", "prefix", "user__username")
+    actions = (revoke_tokens,)
+    add_fields = ("name", "user")
+    all_fields = ("name", "user", "prefix", "token_hash", "created_at", "last_used_at", "revoked_at")
+
+    def get_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
+        return self.add_fields if obj is None else self.all_fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
+        return () if obj is None else self.all_fields
+
+    def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
+        if change:
+            return  # every field is read-only once issued; revoke and issue a new one instead
+        secret = tokens.new_secret()
+        tokens.set_secret(obj, secret)
+        obj.created_at = timezone.now()
+        super().save_model(request, obj, form, change)
+        self.message_user(
+            request,
+            f"API token {obj.name!r}: {secret} — copy it now; it is not stored and will not be shown again.",
+            messages.WARNING,
+        )

@@ -1,0 +1,272 @@
+"""The JSON HTTP API for other services, in Cloudflare Workflows' REST shapes.
+
+Authentication is a bearer token (see tokens.py), never the session, so the views are
+CSRF-exempt. Each view is thin: the `endpoint` wrapper authenticates, checks the
+permission for writes and turns errors into `{"success": false, "errors": [...]}`;
+the handler looks the instance up, makes one client call and returns JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from . import openapi, surfaces, tokens
+from .client import InstanceHandle
+from .engine import errors
+from .models import ApiToken
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
+CHANGE_PERMISSION = "workflows_app.change_instance"
+
+# Most specific first: the first class an error is an instance of decides its status.
+ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
+    (errors.UnknownWorkflow, 404),
+    (errors.InstanceNotFound, 404),
+    (errors.InstanceAlreadyExists, 409),
+    (errors.InvalidTransition, 409),
+    (errors.VersionConflict, 409),
+    (errors.WorkflowError, 400),
+)
+
+
+def error_status(exc: errors.WorkflowError) -> int:
+    return next(status for cls, status in ERROR_STATUS if isinstance(exc, cls))
+
+
+class ApiError(Exception):
+    """A refusal decided by the API layer itself (auth, body, method)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def max_body_bytes() -> int:
+    return int(getattr(settings, "WFDASH", {}).get("API_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
+
+
+def ok(result: Any, status: int = 200, **extra: Any) -> JsonResponse:
+    return JsonResponse({"success": True, "result": result, **extra}, status=status)
+
+
+def fail(status: int, code: str, message: str) -> JsonResponse:
+    return JsonResponse({"success": False, "errors": [{"code": code, "message": message}]}, status=status)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+@dataclass
+class Call:
+    """One authenticated API request, as handlers see it."""
+
+    request: HttpRequest
+    token: ApiToken
+    _body: Any = field(default=None, init=False)
+    _read: bool = field(default=False, init=False)
+
+    @property
+    def actor(self) -> str:
+        return self.token.name
+
+    def body(self) -> Any:
+        """The request body as JSON (None when empty), refused if too large or malformed."""
+        if not self._read:
+            limit = max_body_bytes()
+            raw = self.request.read(limit + 1)  # the actual body, whatever Content-Length said
+            if len(raw) > limit:
+                raise ApiError(413, "PayloadTooLarge", f"request body exceeds the API limit of {limit} bytes")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ApiError(400, "InvalidEncoding", f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+            try:
+                self._body = json.loads(text, parse_constant=_reject_constant) if text.strip() else None
+            except ValueError as exc:
+                raise ApiError(400, "InvalidJSON", f"request body is not valid JSON: {exc}") from None
+            self._read = True
+        return self._body
+
+    def object_body(self, allowed: set[str]) -> dict[str, Any]:
+        """The body as an object with only the allowed fields ({} when empty)."""
+        body = self.body()
+        if body is None:
+            return {}
+        if not isinstance(body, dict):
+            raise ApiError(400, "InvalidInput", f"request body must be a JSON object, got {json_type(body)}")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise ApiError(400, "InvalidInput", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        return body
+
+
+def json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def bearer_secret(request: HttpRequest) -> str:
+    scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" else ""
+
+
+def authorize(request: HttpRequest) -> ApiToken:
+    """The request's live token, with the permission a write needs; else 401 / 403."""
+    token = tokens.authenticate(bearer_secret(request))
+    if token is None:
+        raise ApiError(401, "Unauthorized", "missing, unknown or revoked API token (Authorization: Bearer <token>)")
+    if request.method in WRITE_METHODS and token.user is not None and not token.user.has_perm(CHANGE_PERMISSION):
+        raise ApiError(403, "Forbidden", f"token {token.name!r} (user {token.user.get_username()!r}) "
+                                         f"lacks the {CHANGE_PERMISSION} permission")
+    return token
+
+
+Handler = Callable[..., JsonResponse]
+
+
+def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
+    """A view dispatching by method to handlers, with auth, size limit and error mapping."""
+
+    @csrf_exempt
+    def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        try:
+            token = authorize(request)
+            handler = methods.get(request.method or "")
+            if handler is None:
+                response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: "
+                                                         f"{', '.join(methods)}")
+                response["Allow"] = ", ".join(methods)
+                return response
+            length = request.META.get("CONTENT_LENGTH") or "0"
+            if length.isdigit() and int(length) > max_body_bytes():
+                raise ApiError(413, "PayloadTooLarge",
+                               f"request body of {length} bytes exceeds the API limit of {max_body_bytes()} bytes")
+            return handler(Call(request, token), **kwargs)
+        except ApiError as exc:
+            response = fail(exc.status, exc.code, str(exc))
+            if exc.status == 401:
+                response["WWW-Authenticate"] = 'Bearer realm="wfdash"'
+            return response
+        except errors.WorkflowError as exc:
+            return fail(error_status(exc), type(exc).__name__, str(exc))
+
+    return view
+
+
+def instance(name: str, instance_id: str) -> InstanceHandle:
+    return surfaces.binding(name).get(instance_id)
+
+
+# --- handlers ---------------------------------------------------------------------------
+
+
+def list_instances(call: Call, name: str) -> JsonResponse:
+    query = call.request.GET
+    unknown = sorted(set(query) - {"status", "limit", "cursor"})
+    if unknown:
+        raise ApiError(400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status")
+    limit_text = query.get("limit", "50")
+    if not limit_text.isdigit():
+        raise ApiError(400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text!r}")
+    page = surfaces.binding(name).list(status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor"))
+    return ok([surfaces.info_json(i) for i in page.instances],
+              result_info={"cursor": page.cursor, "per_page": int(limit_text)})
+
+
+def create_instance(call: Call, name: str) -> JsonResponse:
+    body = call.object_body({"id", "instance_id", "params", "idempotency_key", "retention"})
+    ids = {key: body[key] for key in ("id", "instance_id") if key in body}
+    if len(set(map(repr, ids.values()))) > 1:
+        raise ApiError(400, "InvalidInput", "give the instance id as id or instance_id, not two different ids")
+    instance_id = next(iter(ids.values()), None)
+    if "id" in body or "instance_id" in body:
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ApiError(400, "InvalidInput", f"instance id must be a non-empty string, got {instance_id!r}")
+    handle = surfaces.binding(name).create(
+        params=body.get("params"), id=instance_id, idempotency_key=body.get("idempotency_key"),
+        actor=call.actor, retention=body.get("retention"),
+    )
+    return ok(surfaces.created_json(handle), status=201)
+
+
+def create_batch(call: Call, name: str) -> JsonResponse:
+    items = call.body()
+    if not isinstance(items, list):
+        raise ApiError(400, "InvalidInput", f"request body must be a JSON array of instances, got {json_type(items)}")
+    handles = surfaces.binding(name).create_batch(items, actor=call.actor)
+    return ok([surfaces.created_json(h) for h in handles], status=201)
+
+
+def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
+    return ok(surfaces.instance_json(instance(name, instance_id)))
+
+
+def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
+    return ok([surfaces.history_json(h) for h in instance(name, instance_id).history()])
+
+
+def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:
+    body = call.object_body({"status", "from_step"})
+    action, from_step = body.get("status"), body.get("from_step")
+    if action not in ("pause", "resume", "terminate", "restart"):
+        raise ApiError(400, "InvalidInput", f"status must be one of pause, resume, terminate, restart; got {action!r}")
+    if from_step is not None and (action != "restart" or not isinstance(from_step, str)):
+        raise ApiError(400, "InvalidInput", "from_step must be a step name (a string), and only with restart")
+    handle = instance(name, instance_id)
+    if action == "restart":
+        handle.restart(from_step=from_step, actor=call.actor)
+    elif action == "terminate":
+        if not handle.terminate(actor=call.actor):
+            raise errors.InvalidTransition(f"cannot terminate instance {instance_id!r}: it has already finished")
+    else:
+        getattr(handle, action)(actor=call.actor)
+    return ok(state(handle))
+
+
+def send_event(call: Call, name: str, instance_id: str, event_type: str) -> JsonResponse:
+    payload = call.body()
+    handle = instance(name, instance_id)
+    handle.send_event(event_type, payload, actor=call.actor)
+    return ok({"id": handle.id, "workflow": handle.workflow, "type": event_type})
+
+
+def cancel(call: Call, name: str, instance_id: str) -> JsonResponse:
+    compensate = call.object_body({"compensate"}).get("compensate", True)
+    if not isinstance(compensate, bool):
+        raise ApiError(400, "InvalidInput", f"compensate must be true or false, got {json_type(compensate)}")
+    handle = instance(name, instance_id)
+    handle.cancel(compensate=compensate, actor=call.actor)
+    return ok(state(handle))
+
+
+def state(handle: InstanceHandle) -> dict[str, Any]:
+    return {"id": handle.id, "workflow": handle.workflow, "status": handle.status().status}
+
+
+@csrf_exempt
+def openapi_document(request: HttpRequest) -> JsonResponse:
+    """Public: the description of the API, without any data."""
+    if request.method not in ("GET", "HEAD"):
+        response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET")
+        response["Allow"] = "GET"
+        return response
+    return JsonResponse(openapi.document())
+
+
+instances = endpoint(GET=list_instances, POST=create_instance)
+batch = endpoint(POST=create_batch)
+detail = endpoint(GET=get_instance)
+history = endpoint(GET=get_history)
+status = endpoint(PATCH=change_status)
+events = endpoint(POST=send_event)
+cancel_view = endpoint(POST=cancel)

@@ -1,0 +1,380 @@
+"""Operate workflows from a shell: `python manage.py wf <verb>`.
+
+    wf list [--workflow W] [--status S] [--limit N]      wf start W [--params JSON|@file] [--id ID]
+    wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
+    wf pause|resume|terminate|skip-sleep ID              wf restart ID [--from-step NAME]
+    wf cancel ID [--no-compensate]                       wf prune
+    wf token create NAME [--user U] | revoke NAME | list wf watch ID [--run-engine]
+    wf demo [--superuser user:password]                  wf bench [-- ARGS...]
+
+Instance ids are scoped by workflow; without --workflow an id is looked up in every
+workflow and refused if it is ambiguous. Every verb takes --json for scripts. Bad input
+exits non-zero with one line naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.serializers.json import DjangoJSONEncoder
+
+from workflows_app import surfaces, testing, tokens
+from workflows_app.client import InstanceHandle
+from workflows_app.engine import errors, store
+from workflows_app.models import FINISHED_STATUSES, ApiToken, Instance
+
+POLL_SECONDS = 0.5
+
+
+def parse_json_arg(value: str | None, flag: str) -> Any:
+    """JSON from the command line, or from a file when it starts with @."""
+    if value is None:
+        return None
+    if value.startswith("@"):
+        path = Path(value[1:])
+        try:
+            value = path.read_text()
+        except OSError as exc:
+            raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"{flag} is not valid JSON: {exc}") from None
+
+
+def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
+    """The instance with that id in --workflow, or in the one workflow that has it."""
+    if workflow:
+        return surfaces.binding(workflow).get(instance_id)
+    workflows = sorted(set(Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True)))
+    if not workflows:
+        raise CommandError(f"no instance {instance_id!r} in any workflow")
+    if len(workflows) > 1:
+        raise CommandError(
+            f"instance id {instance_id!r} exists in several workflows ({', '.join(workflows)}); pass --workflow"
+        )
+    return surfaces.binding(workflows[0]).get(instance_id)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 60) -> str:
+    """A plain aligned table; long cells are cut so a row stays on one line."""
+
+    def cell(value: Any) -> str:
+        text = "" if value is None else value if isinstance(value, str) else compact(value)
+        text = text.replace("\n", " ")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def compact(value: Any) -> str:
+    return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":"))
+
+
+def short_time(iso_text: str | None) -> str:
+    return "" if not iso_text else iso_text[:19].replace("T", " ")
+
+
+class Command(BaseCommand):
+    help = "Operate wfdash workflows: list, start, status, history, send-event, pause, resume, terminate, …"
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        verbs = parser.add_subparsers(dest="verb", metavar="<verb>", required=True)
+
+        def verb(name: str, handler: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
+            sub = verbs.add_parser(name, help=help, description=help)
+            sub.set_defaults(handler=handler)
+            sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+            return sub
+
+        def by_id(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            sub.add_argument("id", help="instance id")
+            sub.add_argument("--workflow", "-w", help="the instance's workflow (needed if the id is ambiguous)")
+            return sub
+
+        sub = verb("list", self.do_list, "list instances, newest first")
+        sub.add_argument("--workflow", "-w")
+        sub.add_argument("--status", "-s")
+        sub.add_argument("--limit", "-n", type=int, default=20)
+        sub.add_argument("--cursor", help="next page (with --workflow): the cursor a previous list printed")
+
+        sub = verb("start", self.do_start, "start an instance of a workflow")
+        sub.add_argument("workflow")
+        sub.add_argument("--params", "-p", help="params as JSON, or @file.json")
+        sub.add_argument("--id", dest="instance_id")
+        sub.add_argument("--idempotency-key")
+        sub.add_argument("--version", type=int)
+
+        by_id(verb("status", self.do_status, "show an instance: status, output, error, steps, pending events"))
+        by_id(verb("history", self.do_history, "show an instance's history records"))
+
+        sub = by_id(verb("send-event", self.do_send_event, "send an event to an instance"))
+        sub.add_argument("type")
+        sub.add_argument("--payload", help="payload as JSON, or @file.json")
+
+        for name, help in (
+            ("pause", "pause at the next step boundary"),
+            ("resume", "resume a paused instance"),
+            ("terminate", "stop an instance for good"),
+            ("skip-sleep", "wake an instance's current sleep now"),
+        ):
+            by_id(verb(name, self.do_action, help)).set_defaults(action=name.replace("-", "_"))
+
+        sub = by_id(verb("restart", self.do_restart, "run an instance again from the start or from a step"))
+        sub.add_argument("--from-step", help="drop this step's checkpoint and every later one")
+
+        sub = by_id(verb("cancel", self.do_cancel, "cancel an instance, compensating its completed steps"))
+        sub.add_argument("--no-compensate", action="store_true", help="terminate without running compensations")
+
+        verb("prune", self.do_prune, "delete finished instances past their retention")
+
+        sub = verb("token", self.do_token, "manage API tokens")
+        sub.add_argument("token_verb", choices=["create", "revoke", "list"])
+        sub.add_argument("name", nargs="?")
+        sub.add_argument("--user", help="act as this user (without: a full-access service token)")
+
+        sub = by_id(verb("watch", self.do_watch, "follow an instance until it finishes"))
+        sub.add_argument("--run-engine", action="store_true", help="run the engine in this process too")
+        sub.add_argument("--timeout", type=float, help="give up after this many seconds")
+
+        sub = verb("demo", self.do_demo, "create demo instances (and optionally a superuser)")
+        sub.add_argument("--superuser", metavar="USER:PASSWORD")
+
+        sub = verb("bench", self.do_bench, "run the benchmark: python -m bench (wf bench -- ARGS passes ARGS on)")
+        sub.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        namespace = argparse.Namespace(**options)
+        try:
+            options["handler"](namespace)
+        except (errors.WorkflowError, tokens.TokenError) as exc:
+            raise CommandError(" ".join(str(exc).split())) from exc
+
+    # --- output ---------------------------------------------------------------------
+
+    def emit(self, opts: argparse.Namespace, data: Any, human: str) -> None:
+        if opts.json:
+            self.stdout.write(json.dumps(data, cls=DjangoJSONEncoder, indent=2, ensure_ascii=False))
+        else:
+            self.stdout.write(human)
+
+    # --- read verbs -----------------------------------------------------------------
+
+    def do_list(self, opts: argparse.Namespace) -> None:
+        if opts.cursor and not opts.workflow:
+            raise CommandError("--cursor needs --workflow (cursors are per workflow)")
+        names = [opts.workflow] if opts.workflow else surfaces.workflow_names()
+        infos, cursor = [], None
+        for name in names:
+            page = surfaces.binding(name).list(status=opts.status, limit=opts.limit, cursor=opts.cursor)
+            infos += page.instances
+            cursor = page.cursor
+        infos = sorted(infos, key=lambda i: i.created_at, reverse=True)[: opts.limit]
+        rows = [surfaces.info_json(i) for i in infos]
+        human = table(
+            ["workflow", "id", "version", "status", "created", "error"],
+            [
+                [r["workflow"], r["id"], f"v{r['version']}", r["status"], short_time(r["created_at"]),
+                 f"{r['error']['name']}: {r['error']['message']}" if r["error"] else ""]
+                for r in rows
+            ],
+        )
+        if opts.workflow and cursor:
+            human += f"\nmore: --cursor {cursor}"
+        self.emit(opts, {"instances": rows, "cursor": cursor if opts.workflow else None}, human)
+
+    def do_status(self, opts: argparse.Namespace) -> None:
+        data = surfaces.instance_json(find_instance(opts.id, opts.workflow))
+        lines = [
+            f"{data['workflow']}/{data['id']}  v{data['version']}  {data['status']}",
+            f"params:   {compact(data['params'])}",
+            f"created:  {short_time(data['created_at'])}" + (f" by {data['created_by']}" if data["created_by"] else ""),
+        ]
+        if data["output"] is not None:
+            lines.append(f"output:   {compact(data['output'])}")
+        if data["error"]:
+            lines.append(f"error:    {data['error']['name']}: {data['error']['message']}")
+        if data["waiting_reason"]:
+            lines.append(f"waiting:  {data['waiting_reason']}")
+        if data["steps"]:
+            lines += ["", table(
+                ["step", "kind", "status", "attempts", "ms", "output / error"],
+                [
+                    [s["name"], s["kind"], s["status"], s["attempts"],
+                     "" if s["duration_ms"] is None else f"{s['duration_ms']:.0f}",
+                     f"{s['error']['name']}: {s['error']['message']}" if s["error"] and s["status"] != "complete"
+                     else s["output"]]
+                    for s in data["steps"]
+                ],
+            )]
+        if data["pending_events"]:
+            lines += ["", table(
+                ["waiting for", "type", "timeout at"],
+                [[p["name"], p["type"], short_time(p["timeout_at"])] for p in data["pending_events"]],
+            )]
+        self.emit(opts, data, "\n".join(lines))
+
+    def do_history(self, opts: argparse.Namespace) -> None:
+        entries = [surfaces.history_json(h) for h in find_instance(opts.id, opts.workflow).history()]
+        human = table(
+            ["seq", "time", "type", "actor", "data"],
+            [[h["sequence"], short_time(h["created_at"]), h["type"], h["actor"], h["data"]] for h in entries],
+        )
+        self.emit(opts, entries, human)
+
+    # --- write verbs ----------------------------------------------------------------
+
+    def do_start(self, opts: argparse.Namespace) -> None:
+        handle = surfaces.binding(opts.workflow).create(
+            params=parse_json_arg(opts.params, "--params"), id=opts.instance_id,
+            idempotency_key=opts.idempotency_key, actor="cli", version=opts.version,
+        )
+        data = surfaces.created_json(handle)
+        self.emit(opts, data, f"started {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
+
+    def do_send_event(self, opts: argparse.Namespace) -> None:
+        payload = parse_json_arg(opts.payload, "--payload")
+        handle = find_instance(opts.id, opts.workflow)
+        handle.send_event(opts.type, payload, actor="cli")
+        self.emit(opts, {"id": handle.id, "workflow": handle.workflow, "type": opts.type, "sent": True},
+                  f"sent {opts.type!r} to {handle.workflow}/{handle.id}")
+
+    def do_action(self, opts: argparse.Namespace) -> None:
+        handle = find_instance(opts.id, opts.workflow)
+        method = getattr(handle, opts.action)
+        result = method(actor="cli")
+        if opts.action == "terminate" and result is False:
+            raise CommandError(f"instance {handle.id!r} had already finished ({handle.status().status})")
+        self.report(opts, handle, opts.action.replace("_", "-"))
+
+    def do_restart(self, opts: argparse.Namespace) -> None:
+        handle = find_instance(opts.id, opts.workflow)
+        handle.restart(from_step=opts.from_step, actor="cli")
+        self.report(opts, handle, "restart" + (f" from {opts.from_step!r}" if opts.from_step else ""))
+
+    def do_cancel(self, opts: argparse.Namespace) -> None:
+        handle = find_instance(opts.id, opts.workflow)
+        handle.cancel(compensate=not opts.no_compensate, actor="cli")
+        self.report(opts, handle, "cancel")
+
+    def report(self, opts: argparse.Namespace, handle: InstanceHandle, what: str) -> None:
+        status = handle.status().status
+        self.emit(opts, {"id": handle.id, "workflow": handle.workflow, "status": status},
+                  f"{what}: {handle.workflow}/{handle.id} is now {status}")
+
+    def do_prune(self, opts: argparse.Namespace) -> None:
+        deleted = store.prune()
+        self.emit(opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention")
+
+    # --- tokens ---------------------------------------------------------------------
+
+    def do_token(self, opts: argparse.Namespace) -> None:
+        if opts.token_verb == "list":
+            rows = [
+                {"name": t.name, "prefix": t.prefix, "user": t.user.get_username() if t.user else None,
+                 "created_at": surfaces.iso(t.created_at), "last_used_at": surfaces.iso(t.last_used_at),
+                 "revoked_at": surfaces.iso(t.revoked_at)}
+                for t in ApiToken.objects.select_related("user").order_by("name")
+            ]
+            human = table(["name", "prefix", "user", "created", "last used", "revoked"], [
+                [r["name"], r["prefix"] + "…", r["user"] or "(service)", short_time(r["created_at"]),
+                 short_time(r["last_used_at"]), short_time(r["revoked_at"])] for r in rows
+            ])
+            self.emit(opts, rows, human)
+            return
+        if not opts.name:
+            raise CommandError(f"wf token {opts.token_verb} needs a token name")
+        if opts.token_verb == "create":
+            token, raw = tokens.issue(opts.name, opts.user)
+            who = f"user {opts.user}" if opts.user else "a full-access service token"
+            self.emit(opts, {"name": token.name, "token": raw, "user": opts.user},
+                      f"{raw}\n(token {token.name!r} for {who}; shown once, only its hash is stored)")
+        else:
+            token = tokens.revoke(opts.name)
+            self.emit(opts, {"name": token.name, "revoked_at": surfaces.iso(token.revoked_at)},
+                      f"revoked token {token.name!r}")
+
+    # --- follow ---------------------------------------------------------------------
+
+    def do_watch(self, opts: argparse.Namespace) -> None:
+        """Poll the database (and optionally run the engine) and print what is new."""
+        handle = find_instance(opts.id, opts.workflow)
+        deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+        seen_history = 0
+        seen_steps: dict[str, tuple[str, int]] = {}
+        while True:
+            if opts.run_engine:
+                testing.run_until_idle()
+            for entry in handle.history():
+                if entry.sequence > seen_history:
+                    seen_history = entry.sequence
+                    self.line(opts, {"history": surfaces.history_json(entry)},
+                              f"{short_time(entry.created_at.isoformat())}  #{entry.sequence:<3} {entry.type}"
+                              + (f"  {compact(entry.data)}" if entry.data else "")
+                              + (f"  by {entry.actor}" if entry.actor else ""))
+            for step in handle.steps():
+                state = (step.status, step.attempts)
+                if seen_steps.get(step.name) != state:
+                    seen_steps[step.name] = state
+                    self.line(opts, {"step": surfaces.step_json(step)},
+                              f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}")
+            status = handle.status()
+            if status.status in FINISHED_STATUSES:
+                self.line(opts, {"finished": {"status": status.status, "output": status.output, "error": status.error}},
+                          f"finished: {status.status}"
+                          + (f"  output {compact(status.output)}" if status.output is not None else "")
+                          + (f"  error {status.error['name']}: {status.error['message']}" if status.error else ""))
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CommandError(f"instance {handle.id!r} is still {status.status} after {opts.timeout} s")
+            time.sleep(POLL_SECONDS)
+
+    def line(self, opts: argparse.Namespace, data: Any, human: str) -> None:
+        """One line per event: JSON lines with --json."""
+        self.stdout.write(compact(data) if opts.json else human)
+        self.stdout.flush()
+
+    # --- setup ----------------------------------------------------------------------
+
+    def do_demo(self, opts: argparse.Namespace) -> None:
+        from workflows_app.demo.workflows import create_demo_instances
+
+        user_note = ""
+        if opts.superuser:
+            username, sep, password = opts.superuser.partition(":")
+            if not username or not sep or not password:
+                raise CommandError("--superuser must be USER:PASSWORD, e.g. admin:admin")
+            users = get_user_model()
+            if users.objects.filter(username=username).exists():
+                user_note = f"user {username!r} exists; left unchanged"
+            else:
+                users.objects.create_superuser(username=username, email="", password=password)
+                user_note = f"created superuser {username!r}"
+        created = create_demo_instances(actor="demo")
+        human = f"created {len(created)} demo instances" + (f"; {user_note}" if user_note else "")
+        self.emit(opts, {"instances": created, "superuser": user_note or None}, human)
+
+    def do_bench(self, opts: argparse.Namespace) -> None:
+        spec = importlib.util.find_spec("bench")
+        if spec is None:
+            raise CommandError("no bench package here: `python -m bench` needs bench/ beside manage.py")
+        args = opts.bench_args[1:] if opts.bench_args[:1] == ["--"] else opts.bench_args
+        # Run from the folder holding the package, so `-m bench` finds it whatever the cwd.
+        cwd = Path(spec.origin).parent.parent if getattr(spec, "origin", None) else None
+        code = subprocess.call([sys.executable, "-m", "bench", *args], cwd=cwd)
+        if code:
+            raise CommandError(f"python -m bench exited with status {code}")

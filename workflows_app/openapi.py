@@ -1,0 +1,243 @@
+"""The OpenAPI 3.1 description of the JSON API, served at /api/openapi.json.
+
+Written by hand next to the views; tests validate every response the API gives against
+it, so the two cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .models import Status
+
+ANY: dict[str, Any] = {"description": "any JSON value"}
+TIME = {"type": "string", "format": "date-time"}
+TIME_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def obj(properties: dict[str, Any], required: list[str] | None = None, closed: bool = True) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties,
+                              "required": list(properties) if required is None else required}
+    if closed:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def success(result: dict[str, Any], paged: bool = False) -> dict[str, Any]:
+    properties: dict[str, Any] = {"success": {"const": True}, "result": result}
+    if paged:
+        properties["result_info"] = ref("ResultInfo")
+    return obj(properties)
+
+
+def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+ERROR_RESPONSES = {
+    "400": "BadRequest", "401": "Unauthorized", "403": "Forbidden", "404": "NotFound",
+    "409": "Conflict", "413": "PayloadTooLarge",
+}
+
+
+def responses(ok: dict[str, Any], *errors: str, status: str = "200") -> dict[str, Any]:
+    out: dict[str, Any] = {status: ok}
+    for code in ("401", *errors):
+        out[code] = {"$ref": f"#/components/responses/{ERROR_RESPONSES[code]}"}
+    return out
+
+
+def path_param(name: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}, "description": description}
+
+
+WORKFLOW = path_param("name", "registered workflow name")
+INSTANCE = path_param("instance_id", "instance id (scoped by workflow)")
+WRITE = "Needs a service token or a token whose user has `workflows_app.change_instance`."
+
+SCHEMAS: dict[str, Any] = {
+    "ErrorInfo": {"type": ["object", "null"], "properties": {"name": {"type": "string"}, "message": {"type": "string"}},
+                  "required": ["name", "message"], "additionalProperties": False},
+    "Failure": obj({
+        "success": {"const": False},
+        "errors": {"type": "array", "minItems": 1, "items": obj({
+            "code": {"type": "string", "description": "stable error code, e.g. InstanceNotFound"},
+            "message": {"type": "string"},
+        })},
+    }),
+    "ResultInfo": obj({"cursor": {"type": ["string", "null"]}, "per_page": {"type": "integer"}}),
+    "Status": {"type": "string", "enum": list(Status.values)},
+    "InstanceSummary": obj({
+        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"},
+        "status": ref("Status"), "error": ref("ErrorInfo"),
+        "created_at": TIME, "updated_at": TIME, "finished_at": TIME_OR_NULL,
+    }),
+    "InstanceCreated": obj({
+        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"}, "status": ref("Status"),
+    }),
+    "Step": obj({
+        "name": {"type": "string"},
+        "kind": {"type": "string", "enum": ["do", "sleep", "sleepUntil", "waitForEvent", "compensate"]},
+        "status": {"type": "string", "enum": ["running", "retrying", "waiting", "complete", "failed"]},
+        "attempts": {"type": "integer"}, "output": ANY, "error": ref("ErrorInfo"),
+        "started_at": TIME, "completed_at": TIME_OR_NULL, "duration_ms": {"type": ["number", "null"]},
+        "wake_at": TIME_OR_NULL,
+    }),
+    "PendingEvent": obj({
+        "name": {"type": "string"}, "type": {"type": "string"}, "timeout_at": TIME_OR_NULL,
+        "schema": {"type": ["object", "null"]},
+    }),
+    "Instance": obj({
+        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"},
+        "status": ref("Status"), "params": ANY, "output": ANY, "error": ref("ErrorInfo"),
+        "waiting_reason": {"type": "string"}, "created_by": {"type": "string"},
+        "created_at": TIME, "updated_at": TIME, "started_at": TIME_OR_NULL, "finished_at": TIME_OR_NULL,
+        "steps": {"type": "array", "items": ref("Step")},
+        "pending_events": {"type": "array", "items": ref("PendingEvent")},
+    }),
+    "HistoryEntry": obj({
+        "sequence": {"type": "integer"}, "created_at": TIME, "type": {"type": "string"},
+        "data": {"type": "object"}, "actor": {"type": "string"},
+    }),
+    "InstanceState": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status")}),
+    "CreateInstance": obj({
+        "id": {"type": "string", "description": "instance id; a UUID when omitted"},
+        "instance_id": {"type": "string", "description": "alias of id (Cloudflare's name)"},
+        "params": ANY,
+        "idempotency_key": {"type": "string", "description": "same key, same workflow and version: same instance"},
+        "retention": {"type": ["string", "integer"],
+                      "description": "keep the finished instance this long (duration string or ms; 0 = forever)"},
+    }, required=[]),
+    "StatusChange": obj({
+        "status": {"type": "string", "enum": ["pause", "resume", "terminate", "restart"]},
+        "from_step": {"type": "string", "description": "restart only: drop this step's checkpoint and later ones"},
+    }, required=["status"]),
+    "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
+    "EventSent": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}),
+}
+
+
+def failure(description: str) -> dict[str, Any]:
+    return json_body(ref("Failure"), description)
+
+
+def document() -> dict[str, Any]:
+    instance_path = "/api/workflows/{name}/instances/{instance_id}"
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "wfdash API",
+            "version": "1.0.0",
+            "description": (
+                "Durable workflows (Cloudflare Workflows semantics). Authenticate with "
+                "`Authorization: Bearer <token>` (create one with `manage.py wf token create NAME`). "
+                "Every response is `{success, result}` or `{success: false, errors: [{code, message}]}`."
+            ),
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/api/openapi.json": {"get": {
+                "summary": "This document", "operationId": "openapi", "security": [],
+                "responses": {"200": {"description": "the OpenAPI document",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
+            }},
+            "/api/workflows/{name}/instances": {
+                "parameters": [WORKFLOW],
+                "get": {
+                    "summary": "List instances, newest first", "operationId": "listInstances",
+                    "parameters": [
+                        {"name": "status", "in": "query", "schema": ref("Status")},
+                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
+                                                                     "default": 50}},
+                        {"name": "cursor", "in": "query", "schema": {"type": "string"},
+                         "description": "result_info.cursor of the previous page"},
+                    ],
+                    "responses": responses(json_body(
+                        success({"type": "array", "items": ref("InstanceSummary")}, paged=True), "a page"),
+                        "400", "404"),
+                },
+                "post": {
+                    "summary": "Create an instance", "operationId": "createInstance", "description": WRITE,
+                    "requestBody": json_body(ref("CreateInstance"), "the instance; an empty body is allowed"),
+                    "responses": responses(json_body(success(ref("InstanceCreated")), "created (or the instance "
+                                           "an idempotency key already made)"), "400", "403", "404", "409", "413",
+                                           status="201"),
+                },
+            },
+            "/api/workflows/{name}/instances/batch": {
+                "parameters": [WORKFLOW],
+                "post": {
+                    "summary": "Create several instances, all or none", "operationId": "createBatch",
+                    "description": WRITE,
+                    "requestBody": json_body({"type": "array", "items": ref("CreateInstance")}, "the instances"),
+                    "responses": responses(json_body(success({"type": "array", "items": ref("InstanceCreated")}),
+                                                     "created"), "400", "403", "404", "409", "413", status="201"),
+                },
+            },
+            instance_path: {
+                "parameters": [WORKFLOW, INSTANCE],
+                "get": {
+                    "summary": "An instance: status, params, output, error, steps, pending events",
+                    "operationId": "getInstance",
+                    "responses": responses(json_body(success(ref("Instance")), "the instance"), "404"),
+                },
+            },
+            instance_path + "/history": {
+                "parameters": [WORKFLOW, INSTANCE],
+                "get": {
+                    "summary": "The instance's append-only history", "operationId": "getHistory",
+                    "responses": responses(json_body(success({"type": "array", "items": ref("HistoryEntry")}),
+                                                     "records in order"), "404"),
+                },
+            },
+            instance_path + "/status": {
+                "parameters": [WORKFLOW, INSTANCE],
+                "patch": {
+                    "summary": "Pause, resume, terminate or restart", "operationId": "changeStatus",
+                    "description": WRITE,
+                    "requestBody": json_body(ref("StatusChange"), "the action"),
+                    "responses": responses(json_body(success(ref("InstanceState")), "the new status"),
+                                           "400", "403", "404", "409", "413"),
+                },
+            },
+            instance_path + "/events/{event_type}": {
+                "parameters": [WORKFLOW, INSTANCE, path_param("event_type", "matches ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$")],
+                "post": {
+                    "summary": "Send an event (the body is its payload)", "operationId": "sendEvent",
+                    "description": WRITE,
+                    "requestBody": {"required": False, "description": "the payload, any JSON",
+                                    "content": {"application/json": {"schema": ANY}}},
+                    "responses": responses(json_body(success(ref("EventSent")), "stored for the instance"),
+                                           "400", "403", "404", "409", "413"),
+                },
+            },
+            instance_path + "/cancel": {
+                "parameters": [WORKFLOW, INSTANCE],
+                "post": {
+                    "summary": "Cancel, compensating completed steps first (unless compensate is false)",
+                    "operationId": "cancelInstance", "description": WRITE,
+                    "requestBody": {"required": False, "description": "options",
+                                    "content": {"application/json": {"schema": ref("Cancel")}}},
+                    "responses": responses(json_body(success(ref("InstanceState")),
+                                                     "compensating or terminated"), "400", "403", "404", "409", "413"),
+                },
+            },
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": SCHEMAS,
+            "responses": {
+                "BadRequest": failure("invalid JSON, not UTF-8, wrong types, or a limit exceeded"),
+                "Unauthorized": failure("missing, unknown or revoked token"),
+                "Forbidden": failure("the token's user lacks workflows_app.change_instance"),
+                "NotFound": failure("unknown workflow or instance"),
+                "MethodNotAllowed": failure("the path does not take this method (see the Allow header)"),
+                "Conflict": failure("the action does not apply to the instance's status, or the id is taken"),
+                "PayloadTooLarge": failure("the body is larger than the API's request size limit"),
+            },
+        },
+    }
