@@ -7,6 +7,7 @@ always agree. Every function issues a fixed number of queries, whatever the row 
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -22,6 +23,7 @@ from .models import (
     FINISHED_STATUSES,
     ErrorRecord,
     HistoryRecord,
+    InboxEvent,
     Instance,
     Span,
     Status,
@@ -302,9 +304,11 @@ def _event_time(event: Any) -> datetime | None:
 
 @dataclass
 class StepView:
+    """A step row with its output pretty-printed once."""
+
     record: StepRecord
 
-    @property
+    @cached_property
     def output_pretty(self) -> str:
         return pretty_json(self.record.output_json)
 
@@ -330,6 +334,7 @@ class InstanceDetail:
     spans: list[WaterfallSpan]
     trace_ms: float
     errors: list[ErrorRecord]
+    inbox: list[InboxEvent]
 
     @property
     def params_pretty(self) -> str:
@@ -364,7 +369,7 @@ class InstanceDetail:
 
 
 def instance_detail(pk: int) -> InstanceDetail:
-    """Everything the detail page shows: five queries, one per table."""
+    """Everything the detail page shows: one query per table."""
     instance = Instance.objects.get(pk=pk)
     steps = [StepView(s) for s in StepRecord.objects.filter(instance_id=pk).order_by("seq")]
     pending = [
@@ -375,7 +380,8 @@ def instance_detail(pk: int) -> InstanceDetail:
     history = list(HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence"))
     spans, trace_ms = waterfall(list(Span.objects.filter(instance_id=pk).order_by("start_time")))
     errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
-    return InstanceDetail(instance, steps, history, pending, spans, trace_ms, errors)
+    inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
+    return InstanceDetail(instance, steps, history, pending, spans, trace_ms, errors, inbox)
 
 
 class InstanceSummaryJSON(TypedDict):

@@ -73,7 +73,7 @@ def instance_rows(request: HttpRequest) -> HttpResponse:
     except ValueError:
         raise Http404("since must be an instance pk") from None
     rows = dashboard.rows_newer_than(forms.ListFilterForm(request.GET).filters(), since)
-    return render(request, "workflows/_instance_rows.html", {"rows": rows})
+    return render(request, "workflows/instance_rows.html", {"rows": rows})
 
 
 @dashboard_page
