@@ -274,10 +274,42 @@ def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveSe
     assert_not_reloaded(page)
 
 
-def test_screenshots_of_overview_list_and_detail(page: Page) -> None:
+SEED_SPANS = """
+from datetime import timedelta
+from workflows_app.models import Instance, Span
+inst = Instance.objects.get(instance_id="e2e-pipeline")
+t0 = inst.started_at
+def ms(n): return t0 + timedelta(milliseconds=n)
+rows = [
+    ("root", "", "workflow.run data-pipeline", 0, 1120, "OK", {"workflow.name": "data-pipeline", "workflow.run": 1}, []),
+    ("a1", "root", "step.do extract", 5, 40, "ERROR", {"step.name": "extract", "step.attempt": 1},
+     [{"name": "exception", "timestamp": ms(38).isoformat(),
+       "attributes": {"exception.type": "ConnectionError", "exception.message": "upstream API timed out (attempt 1)"}}]),
+    ("a2", "root", "step.do extract", 1045, 1070, "OK", {"step.name": "extract", "step.attempt": 2}, []),
+    ("db1", "a2", "db.write_step", 1062, 1068, "OK", {"db.system": "sqlite"}, []),
+    ("ev", "root", "step.do sum evens", 1072, 1088, "OK", {"step.name": "sum evens"}, []),
+    ("od", "root", "step.do sum odds", 1073, 1089, "OK", {"step.name": "sum odds"}, []),
+    ("ld", "root", "step.do load", 1092, 1110, "OK", {"step.name": "load"}, []),
+]
+for sid, parent, name, a, b, code, attrs, events in rows:
+    Span.objects.create(instance=inst, trace_id=inst.trace_id or "0" * 32, span_id=sid, parent_span_id=parent,
+                        name=name, kind="INTERNAL", start_time=ms(a), end_time=ms(b), status_code=code,
+                        attributes=attrs, events=events)
+"""
+
+
+def test_screenshots_of_overview_list_and_detail(page: Page, server: LiveServer) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     create_from_form(page, "data-pipeline", "e2e-pipeline", '{"rows": 12, "flaky_attempts": 1}')
     expect(badge(page)).to_have_attribute("data-status", "complete", timeout=30_000)
+    # The engine does not store spans yet: store a realistic trace so the waterfall shows.
+    server.manage("shell", "-c", SEED_SPANS)
+    page.reload()
+    failed = page.locator("#span-a1")
+    expect(failed).to_have_class("span span-error")
+    failed.locator(".span-row").click()
+    expect(page.locator("#span-detail-a1")).to_be_visible()
+    expect(page.locator("#span-detail-a1")).to_contain_text("upstream API timed out")
     page.screenshot(path=ARTIFACTS / "detail.png", full_page=True)
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")

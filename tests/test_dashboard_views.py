@@ -315,3 +315,50 @@ def test_user_data_is_escaped_everywhere(operator_client, approval_workflow):
         page = operator_client.get(url).content.decode()
         assert "<script>alert" not in page, url
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, url
+
+
+# --- read models ---------------------------------------------------------------------------
+
+
+def test_summaries_bucket_completions_and_errors_by_finish_time(approval_workflow):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from workflows_app.dashboard import workflow_summaries
+
+    now = timezone.now()
+    done = [get_workflow(approval_workflow).create().row().pk for _ in range(4)]
+    Instance.objects.filter(pk__in=done[:3]).update(status="complete", finished_at=now - timedelta(minutes=1))
+    Instance.objects.filter(pk=done[3]).update(status="errored", finished_at=now - timedelta(minutes=58))
+    [summary] = [s for s in workflow_summaries(now=now) if s.name == approval_workflow]
+    assert summary.completed_series[-1] == 3 and summary.errored_series[0] == 1
+    assert summary.error_rate == 0.25 and summary.last_hour == 4 and summary.total == 4
+
+
+def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(operator_client, approval_workflow):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from workflows_app.dashboard import waterfall
+    from workflows_app.models import Span
+
+    row = get_workflow(approval_workflow).create().row()
+    t0 = timezone.now()
+
+    def span(span_id, parent, start_ms, end_ms, **extra):
+        return Span.objects.create(instance=row, trace_id="a" * 32, span_id=span_id, parent_span_id=parent, name=span_id,
+                                   kind="INTERNAL", start_time=t0 + timedelta(milliseconds=start_ms),
+                                   end_time=t0 + timedelta(milliseconds=end_ms), **extra)
+
+    spans = [span("root", "", 0, 1000), span("late", "root", 600, 900), span("early", "root", 100, 500,
+             status_code="ERROR", events=[{"name": "retry", "timestamp": (t0 + timedelta(milliseconds=300)).isoformat()}]),
+             span("grandchild", "early", 200, 300), span("orphan", "missing-parent", 50, 60)]
+    rows, total_ms = waterfall(spans)
+    assert [(w.span.name, w.depth) for w in rows] == [("root", 0), ("early", 1), ("grandchild", 2), ("late", 1), ("orphan", 0)]
+    assert total_ms == 1000
+    early = rows[1]
+    assert early.is_error and early.left == 10 and early.width == 40 and early.events == [{"left": 50.0, "name": "retry"}]
+    page = operator_client.get(reverse("workflows:instance", args=[row.pk])).content.decode()
+    assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
