@@ -7,6 +7,7 @@ Every wait is a Playwright wait on a DOM condition, never a sleep.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -179,6 +180,18 @@ def test_create_wait_for_event_send_it_and_complete(page: Page) -> None:
     assert_not_reloaded(page)
 
 
+def test_the_create_form_flags_invalid_json_before_submitting(page: Page) -> None:
+    page.goto("/instances/")
+    page.get_by_text("New instance").click()
+    page.fill("#id_params", '{"amount": ')
+    expect(page.locator('[data-error-for="params"]')).to_contain_text("Not valid JSON")
+    expect(page.locator("#id_params")).to_have_attribute("aria-invalid", "true")
+    page.get_by_role("button", name="Create").click()
+    expect(page).to_have_url(re.compile(r"/instances/$"))  # the form was not submitted
+    page.fill("#id_params", '{"amount": 3}')
+    expect(page.locator('[data-error-for="params"]')).to_have_text("")
+
+
 def test_pause_and_terminate_from_the_buttons(page: Page) -> None:
     create_from_form(page, "trial-reminder", "e2e-trial", '{"trial": "14 days"}')
     expect(badge(page)).to_have_attribute("data-status", "waiting")
@@ -260,6 +273,20 @@ def test_the_list_updates_live_and_measures_latency(page: Page, server: LiveServ
     create_from_form(other, "trial-reminder", "e2e-appears", '{"trial": "14 days"}')
     other.close()
     expect(page.locator("tbody[data-rows] tr").first).to_have_attribute("data-instance-id", "e2e-appears")
+    assert_not_reloaded(page)
+
+
+def test_the_overview_counts_move_live(page: Page) -> None:
+    page.goto("/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    total = page.locator('article[data-workflow="trial-reminder"] [data-field="total"]')
+    before = int(total.text_content() or "0")
+    other = page.context.new_page()
+    create_from_form(other, "trial-reminder", "e2e-overview", '{"trial": "14 days"}')
+    other.close()
+    expect(total).to_have_text(str(before + 1))
+    expect(page.locator('article[data-workflow="trial-reminder"] .badge[data-status="waiting"]')).to_be_visible()
     assert_not_reloaded(page)
 
 

@@ -88,7 +88,8 @@ class ListFilterForm(forms.Form):
 
     def filters(self) -> ListFilters:
         """The valid filters; an invalid field is ignored (and shown as an error)."""
-        data = self.cleaned_data if self.is_valid() else {k: v for k, v in getattr(self, "cleaned_data", {}).items()}
+        self.is_valid()  # fills cleaned_data with the fields that did validate
+        data = self.cleaned_data
         return ListFilters(
             workflow=data.get("workflow") or "", status=data.get("status") or "", version=data.get("version"),
             created_from=data.get("created_from"), created_to=data.get("created_to"), q=(data.get("q") or "").strip(),
