@@ -22,8 +22,14 @@ from typing import Any
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 SERVER_START_TIMEOUT = 30.0  # seconds
@@ -72,13 +78,22 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     def manage(self, *args: str) -> None:
-        subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
 
     def start(self) -> None:
         with self.log.open("ab") as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
                 [sys.executable, "manage.py", "runserver", "--noreload", f"127.0.0.1:{self.port}"],
-                cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + SERVER_START_TIMEOUT
         while True:  # bounded readiness poll of a subprocess (no DOM to wait on yet)
@@ -104,12 +119,23 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("browser")
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}", "DJANGO_DEBUG": "1", "WFDASH_DEMO": "1",
-           "REDIS_URL": "", "WFDASH_EMBEDDED_WORKER": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}",
+        "DJANGO_DEBUG": "1",
+        "WFDASH_DEMO": "1",
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     live = LiveServer(env, free_port(), tmp / "server.log")
     live.manage("migrate", "--noinput")
-    live.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                "User.objects.create_superuser('admin', 'admin@example.com', 'admin')")
+    live.manage(
+        "shell",
+        "-c",
+        "from django.contrib.auth.models import User; "
+        "User.objects.create_superuser('admin', 'admin@example.com', 'admin')",
+    )
     live.start()
     yield live
     live.stop()
@@ -165,7 +191,9 @@ def test_create_wait_for_event_send_it_and_complete(page: Page) -> None:
     create_from_form(page, "order-approval", "e2e-approval", '{"amount": 7}')
     mark_page(page)
     expect(badge(page)).to_have_attribute("data-status", "waiting")
-    expect(page.locator('[data-step="charge card"] .badge')).to_have_attribute("data-status", "complete")
+    expect(page.locator('[data-step="charge card"] .badge')).to_have_attribute(
+        "data-status", "complete"
+    )
     assert_not_reloaded(page)
 
     page.fill("#ev-type", "approval")
@@ -173,7 +201,9 @@ def test_create_wait_for_event_send_it_and_complete(page: Page) -> None:
     page.get_by_role("button", name="Send event", exact=True).click()
     expect(page.locator(".msg.success")).to_contain_text("Sent event")
     mark_page(page)
-    page.get_by_role("button", name="Skip sleep", exact=True).click()  # appears live once the cool-off starts
+    page.get_by_role(
+        "button", name="Skip sleep", exact=True
+    ).click()  # appears live once the cool-off starts
     mark_page(page)
     expect(badge(page)).to_have_attribute("data-status", "complete")
     expect(page.locator('[data-section="io"]')).to_contain_text("TRK-")
@@ -217,7 +247,9 @@ def test_the_xss_payload_renders_as_text(page: Page) -> None:
     page.get_by_role("button", name="Send event", exact=True).click()
     expect(page.locator('[data-section="inbox"]')).to_contain_text(XSS)
     expect(page.locator('[data-section="io"] pre').first).to_contain_text(XSS)
-    expect(page.locator('[data-step="load user"] code, [data-step="load user"] pre').first).to_contain_text(XSS)
+    expect(
+        page.locator('[data-step="load user"] code, [data-step="load user"] pre').first
+    ).to_contain_text(XSS)
     assert page.locator("script:not([src])").count() == 0
     assert dialogs == []
 
@@ -264,15 +296,19 @@ def test_the_list_updates_live_and_measures_latency(page: Page, server: LiveServ
         expect(row_badge).to_have_attribute("data-status", "waiting")  # the engine parks it again
     assert_not_reloaded(page)
     median = statistics.median(samples)
-    print(f"\nlive latency, pause POST → list badge (20 samples): median {median:.1f} ms, "
-          f"min {min(samples):.1f} ms, max {max(samples):.1f} ms")
+    print(
+        f"\nlive latency, pause POST → list badge (20 samples): median {median:.1f} ms, "
+        f"min {min(samples):.1f} ms, max {max(samples):.1f} ms"
+    )
     assert median < 1000
 
     # A new instance created elsewhere appears at the top of the list without a reload.
     other = page.context.new_page()
     create_from_form(other, "trial-reminder", "e2e-appears", '{"trial": "14 days"}')
     other.close()
-    expect(page.locator("tbody[data-rows] tr").first).to_have_attribute("data-instance-id", "e2e-appears")
+    expect(page.locator("tbody[data-rows] tr").first).to_have_attribute(
+        "data-instance-id", "e2e-appears"
+    )
     assert_not_reloaded(page)
 
 
@@ -286,7 +322,9 @@ def test_the_overview_counts_move_live(page: Page) -> None:
     create_from_form(other, "trial-reminder", "e2e-overview", '{"trial": "14 days"}')
     other.close()
     expect(total).to_have_text(str(before + 1))
-    expect(page.locator('article[data-workflow="trial-reminder"] .badge[data-status="waiting"]')).to_be_visible()
+    expect(
+        page.locator('article[data-workflow="trial-reminder"] .badge[data-status="waiting"]')
+    ).to_be_visible()
     assert_not_reloaded(page)
 
 

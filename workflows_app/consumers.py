@@ -35,8 +35,13 @@ class EngineConsumer(AsyncConsumer):
 
 
 def _may_view(user: Any) -> bool:
-    return bool(user and user.is_authenticated and user.is_active and user.is_staff
-                and user.has_perm("workflows_app.view_instance"))
+    return bool(
+        user
+        and user.is_authenticated
+        and user.is_active
+        and user.is_staff
+        and user.has_perm("workflows_app.view_instance")
+    )
 
 
 def _summary(pk: int) -> dashboard.InstanceSummaryJSON | None:
@@ -71,7 +76,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         await self.send_json(snapshot)
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
         if text_data is None:
             await self.reject("binary frames are not accepted")
         elif len(text_data) > MAX_CLIENT_FRAME:
@@ -150,8 +157,11 @@ class InstanceListConsumer(DashboardConsumer):
     async def handle_client(self, content: dict[str, Any]) -> None:
         """`watch`: the page lists the pks it shows and gets their current state."""
         pks = content.get("pks")
-        if (not isinstance(pks, list) or len(pks) > MAX_WATCHED
-                or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pks)):
+        if (
+            not isinstance(pks, list)
+            or len(pks) > MAX_WATCHED
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pks)
+        ):
             await self.reject(f"watch needs pks: a list of at most {MAX_WATCHED} positive integers")
             return
         rows = await database_sync_to_async(_rows)(pks)
@@ -160,11 +170,16 @@ class InstanceListConsumer(DashboardConsumer):
     async def wf_instance(self, message: dict[str, Any]) -> None:
         summary = await database_sync_to_async(_summary)(int(message["pk"]))
         if summary is not None:
-            await self.send_json({"type": "instance.status", "kind": message.get("kind"), "instance": summary})
+            await self.send_json(
+                {"type": "instance.status", "kind": message.get("kind"), "instance": summary}
+            )
 
 
 def _rows(pks: list[int]) -> list[dashboard.InstanceSummaryJSON]:
-    return [dashboard.instance_summary(r) for r in Instance.objects.only(*dashboard.ROW_FIELDS).filter(pk__in=pks)]
+    return [
+        dashboard.instance_summary(r)
+        for r in Instance.objects.only(*dashboard.ROW_FIELDS).filter(pk__in=pks)
+    ]
 
 
 class InstanceDetailConsumer(DashboardConsumer):
@@ -181,7 +196,9 @@ class InstanceDetailConsumer(DashboardConsumer):
     async def wf_instance(self, message: dict[str, Any]) -> None:
         summary = await database_sync_to_async(_summary)(self.pk)
         if summary is not None:
-            await self.send_json({"type": "instance.status", "kind": message.get("kind"), "instance": summary})
+            await self.send_json(
+                {"type": "instance.status", "kind": message.get("kind"), "instance": summary}
+            )
 
     async def wf_step(self, message: dict[str, Any]) -> None:
         await self.send_json({"type": "step.written", "step": message.get("step")})
@@ -189,9 +206,22 @@ class InstanceDetailConsumer(DashboardConsumer):
             await self.send_json({"type": "history.appended", "count": message["history"]})
 
     async def wf_span(self, message: dict[str, Any]) -> None:
-        await self.send_json({"type": "span.stored", "span_id": message.get("span_id"), "name": message.get("name"),
-                              "status": message.get("status")})
+        await self.send_json(
+            {
+                "type": "span.stored",
+                "span_id": message.get("span_id"),
+                "name": message.get("name"),
+                "status": message.get("status"),
+            }
+        )
 
     async def wf_error(self, message: dict[str, Any]) -> None:
-        await self.send_json({"type": "error.recorded", "step": message.get("step"), "attempt": message.get("attempt"),
-                              "name": message.get("name"), "message": message.get("message")})
+        await self.send_json(
+            {
+                "type": "error.recorded",
+                "step": message.get("step"),
+                "attempt": message.get("attempt"),
+                "name": message.get("name"),
+                "message": message.get("message"),
+            }
+        )

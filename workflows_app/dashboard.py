@@ -7,10 +7,9 @@ always agree. Every function issues a fixed number of queries, whatever the row 
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any, TypedDict
 
 from django.db.models import Count, Q, QuerySet
@@ -65,8 +64,12 @@ class WorkflowSummary:
     versions: list[int] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     last_hour: int = 0
-    completed_series: list[int] = field(default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES))
-    errored_series: list[int] = field(default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES))
+    completed_series: list[int] = field(
+        default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES)
+    )
+    errored_series: list[int] = field(
+        default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES)
+    )
 
     @property
     def total(self) -> int:
@@ -96,22 +99,39 @@ class WorkflowSummary:
         bars = []
         for i, (c, e) in enumerate(zip(self.completed_series, self.errored_series, strict=True)):
             hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
-            bars.append({
-                "completed": c, "errored": e, "minutes_ago": CHART_MINUTES - i * CHART_BUCKET_MINUTES,
-                "w": round(slot * 0.4, 2), "x_ok": round(i * slot + slot * 0.1, 2), "x_err": round(i * slot + slot * 0.5, 2),
-                "h_ok": hc, "y_ok": round(CHART_HEIGHT - hc, 2), "h_err": he, "y_err": round(CHART_HEIGHT - he, 2),
-            })
+            bars.append(
+                {
+                    "completed": c,
+                    "errored": e,
+                    "minutes_ago": CHART_MINUTES - i * CHART_BUCKET_MINUTES,
+                    "w": round(slot * 0.4, 2),
+                    "x_ok": round(i * slot + slot * 0.1, 2),
+                    "x_err": round(i * slot + slot * 0.5, 2),
+                    "h_ok": hc,
+                    "y_ok": round(CHART_HEIGHT - hc, 2),
+                    "h_err": he,
+                    "y_err": round(CHART_HEIGHT - he, 2),
+                }
+            )
         return bars
 
     def as_json(self) -> WorkflowSummaryJSON:
         return {
-            "name": self.name, "versions": self.versions, "counts": self.counts, "total": self.total,
-            "last_hour": self.last_hour, "finished_last_hour": self.finished_last_hour,
-            "errored_last_hour": self.errored_last_hour, "error_rate": self.error_rate, "chart": self.chart(),
+            "name": self.name,
+            "versions": self.versions,
+            "counts": self.counts,
+            "total": self.total,
+            "last_hour": self.last_hour,
+            "finished_last_hour": self.finished_last_hour,
+            "errored_last_hour": self.errored_last_hour,
+            "error_rate": self.error_rate,
+            "chart": self.chart(),
         }
 
 
-def workflow_summaries(only: str | None = None, now: datetime | None = None) -> list[WorkflowSummary]:
+def workflow_summaries(
+    only: str | None = None, now: datetime | None = None
+) -> list[WorkflowSummary]:
     """One summary per workflow (registered, or with instances): three queries in all."""
     now = now or timezone.now()
     since = now - timedelta(minutes=CHART_MINUTES)
@@ -136,14 +156,22 @@ def workflow_summaries(only: str | None = None, now: datetime | None = None) -> 
     # outcome) on finished_at (plain comparisons: a per-row date truncation would call a
     # Python function per row on SQLite). Neither column is indexed: this is a scan.
     buckets = CHART_MINUTES // CHART_BUCKET_MINUTES
-    edges = [since + timedelta(minutes=CHART_BUCKET_MINUTES * i) for i in range(buckets)] + [now + timedelta(days=1)]
+    edges = [since + timedelta(minutes=CHART_BUCKET_MINUTES * i) for i in range(buckets)] + [
+        now + timedelta(days=1)
+    ]
     aggregates = {
-        f"{outcome}_{i}": Count("id", filter=Q(status=outcome, finished_at__gte=edges[i], finished_at__lt=edges[i + 1]))
+        f"{outcome}_{i}": Count(
+            "id", filter=Q(status=outcome, finished_at__gte=edges[i], finished_at__lt=edges[i + 1])
+        )
         for outcome in (Status.COMPLETE, Status.ERRORED)
         for i in range(buckets)
     }
     recent = instances.filter(Q(created_at__gte=since) | Q(finished_at__gte=since))
-    for row in recent.values("workflow").annotate(last_hour=Count("id", filter=Q(created_at__gte=since)), **aggregates).order_by():
+    for row in (
+        recent.values("workflow")
+        .annotate(last_hour=Count("id", filter=Q(created_at__gte=since)), **aggregates)
+        .order_by()
+    ):
         s = summary(row["workflow"])
         s.last_hour = row["last_hour"]
         s.completed_series = [row[f"{Status.COMPLETE}_{i}"] for i in range(buckets)]
@@ -175,13 +203,28 @@ class ListFilters:
         if self.created_to is not None:
             query = query.filter(created_at__lt=self.created_to)
         if self.q:
-            query = query.filter(Q(instance_id=self.q) | Q(idempotency_key=self.q) | Q(instance_id__startswith=self.q))
+            query = query.filter(
+                Q(instance_id=self.q)
+                | Q(idempotency_key=self.q)
+                | Q(instance_id__startswith=self.q)
+            )
         return query
 
 
 # The columns a list row shows; loading only these keeps a page cheap at any table size.
-ROW_FIELDS = ("id", "workflow", "instance_id", "version", "status", "created_at", "updated_at", "finished_at",
-              "error_name", "idempotency_key", "waiting_reason")
+ROW_FIELDS = (
+    "id",
+    "workflow",
+    "instance_id",
+    "version",
+    "status",
+    "created_at",
+    "updated_at",
+    "finished_at",
+    "error_name",
+    "idempotency_key",
+    "waiting_reason",
+)
 
 
 @dataclass(frozen=True)
@@ -191,8 +234,12 @@ class InstancePage:
     newer: str | None  # cursor of the previous (newer) page
 
 
-def instance_page(filters: ListFilters, after: str | None = None, before: str | None = None,
-                  limit: int = PAGE_SIZE) -> InstancePage:
+def instance_page(
+    filters: ListFilters,
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = PAGE_SIZE,
+) -> InstancePage:
     """Keyset pagination on the primary key, newest first: no OFFSET, no COUNT(*).
 
     `after` pages to older rows (id < cursor); `before` to newer ones (id > cursor).
@@ -203,20 +250,28 @@ def instance_page(filters: ListFilters, after: str | None = None, before: str | 
         rows = list(query.filter(id__gt=decode_cursor(before)).order_by("id")[: limit + 1])
         more_newer = len(rows) > limit
         rows = rows[:limit][::-1]
-        return InstancePage(rows, encode_cursor(rows[-1].pk) if rows else None,
-                            encode_cursor(rows[0].pk) if rows and more_newer else None)
+        return InstancePage(
+            rows,
+            encode_cursor(rows[-1].pk) if rows else None,
+            encode_cursor(rows[0].pk) if rows and more_newer else None,
+        )
     if after:
         query = query.filter(id__lt=decode_cursor(after))
     rows = list(query.order_by("-id")[: limit + 1])
     more_older = len(rows) > limit
     rows = rows[:limit]
-    return InstancePage(rows, encode_cursor(rows[-1].pk) if rows and more_older else None,
-                        encode_cursor(rows[0].pk) if rows and after else None)
+    return InstancePage(
+        rows,
+        encode_cursor(rows[-1].pk) if rows and more_older else None,
+        encode_cursor(rows[0].pk) if rows and after else None,
+    )
 
 
 def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:
     """Instances created after the newest row a live page shows, for prepending."""
-    return list(filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk).order_by("-id")[:limit])
+    return list(
+        filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk).order_by("-id")[:limit]
+    )
 
 
 # --- instance detail ----------------------------------------------------------------------
@@ -273,12 +328,26 @@ def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
             marks = []
             for event in s.events if isinstance(s.events, list) else []:
                 at = _event_time(event)
-                offset = ((at - s.start_time).total_seconds() / duration * 100) if at and duration else 0.0
-                marks.append({"left": round(min(max(offset, 0.0), 100.0), 2), "name": str(event.get("name", ""))})
-            out.append(WaterfallSpan(
-                s, depth, round((s.start_time - start).total_seconds() / total * 100, 3),
-                max(round(duration / total * 100, 3), 0.3), marks,
-            ))
+                offset = (
+                    ((at - s.start_time).total_seconds() / duration * 100)
+                    if at and duration
+                    else 0.0
+                )
+                marks.append(
+                    {
+                        "left": round(min(max(offset, 0.0), 100.0), 2),
+                        "name": str(event.get("name", "")),
+                    }
+                )
+            out.append(
+                WaterfallSpan(
+                    s,
+                    depth,
+                    round((s.start_time - start).total_seconds() / total * 100, 3),
+                    max(round(duration / total * 100, 3), 0.3),
+                    marks,
+                )
+            )
             if s.span_id != parent:
                 visit(s.span_id, depth + 1)
 
@@ -291,13 +360,13 @@ def _event_time(event: Any) -> datetime | None:
         return None
     value = event.get("timestamp") or event.get("time")
     if isinstance(value, (int, float)):  # OTel nanoseconds since the epoch
-        return datetime.fromtimestamp(value / 1e9, tz=dt_timezone.utc)
+        return datetime.fromtimestamp(value / 1e9, tz=UTC)
     if isinstance(value, str):
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
             return None
-        return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)
+        return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     return None
 
 
@@ -313,7 +382,10 @@ class StepView:
 
     @property
     def output_is_large(self) -> bool:
-        return len(self.output_pretty) > LARGE_OUTPUT_CHARS or "\n" in self.output_pretty.strip()[:LARGE_OUTPUT_CHARS]
+        return (
+            len(self.output_pretty) > LARGE_OUTPUT_CHARS
+            or "\n" in self.output_pretty.strip()[:LARGE_OUTPUT_CHARS]
+        )
 
 
 @dataclass
@@ -358,7 +430,8 @@ class InstanceDetail:
     @property
     def can_skip_sleep(self) -> bool:
         return any(
-            s.record.kind in (StepKind.SLEEP, StepKind.SLEEP_UNTIL) and s.record.status == StepStatus.WAITING
+            s.record.kind in (StepKind.SLEEP, StepKind.SLEEP_UNTIL)
+            and s.record.status == StepStatus.WAITING
             for s in self.steps
         )
 
@@ -372,7 +445,12 @@ def instance_detail(pk: int) -> InstanceDetail:
     instance = Instance.objects.get(pk=pk)
     steps = [StepView(s) for s in StepRecord.objects.filter(instance_id=pk).order_by("seq")]
     pending = [
-        PendingEventView(s.record.name, s.record.event_type, s.record.wake_at, pretty_json(s.record.event_schema_json))
+        PendingEventView(
+            s.record.name,
+            s.record.event_type,
+            s.record.wake_at,
+            pretty_json(s.record.event_schema_json),
+        )
         for s in steps
         if s.record.kind == StepKind.WAIT_FOR_EVENT and s.record.status == StepStatus.WAITING
     ]
@@ -397,17 +475,35 @@ class InstanceSummaryJSON(TypedDict):
 def instance_summary(row: Instance) -> InstanceSummaryJSON:
     """The JSON a socket sends when an instance changes."""
     return {
-        "pk": row.pk, "id": row.instance_id, "workflow": row.workflow, "version": row.version,
-        "status": row.status, "updated_at": row.updated_at.isoformat(),
-        "finished_at": row.finished_at.isoformat() if row.finished_at else None, "error": row.error_name,
+        "pk": row.pk,
+        "id": row.instance_id,
+        "workflow": row.workflow,
+        "version": row.version,
+        "status": row.status,
+        "updated_at": row.updated_at.isoformat(),
+        "finished_at": row.finished_at.isoformat() if row.finished_at else None,
+        "error": row.error_name,
     }
 
 
-def error_page(workflow: str = "", after: str | None = None, limit: int = PAGE_SIZE) -> tuple[list[ErrorRecord], str | None]:
+def error_page(
+    workflow: str = "", after: str | None = None, limit: int = PAGE_SIZE
+) -> tuple[list[ErrorRecord], str | None]:
     """ErrorRecord newest first, keyset-paginated like the instance list."""
     query = ErrorRecord.objects.select_related("instance").only(
-        "id", "workflow", "source", "step_name", "attempt", "name", "message", "trace_id", "span_id",
-        "created_at", "instance__id", "instance__instance_id", "instance__workflow",
+        "id",
+        "workflow",
+        "source",
+        "step_name",
+        "attempt",
+        "name",
+        "message",
+        "trace_id",
+        "span_id",
+        "created_at",
+        "instance__id",
+        "instance__instance_id",
+        "instance__workflow",
     )
     if workflow:
         query = query.filter(workflow=workflow)

@@ -14,7 +14,9 @@ from .models import Status
 class JSONField(forms.CharField):
     """A textarea of JSON; empty means null. Errors say where the JSON broke."""
 
-    widget = forms.Textarea(attrs={"rows": 5, "spellcheck": "false", "class": "json", "data-json": "1"})
+    widget = forms.Textarea(
+        attrs={"rows": 5, "spellcheck": "false", "class": "json", "data-json": "1"}
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("required", False)
@@ -27,12 +29,16 @@ class JSONField(forms.CharField):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise forms.ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+            raise forms.ValidationError(
+                f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
 
 
 class CreateInstanceForm(forms.Form):
     workflow = forms.ChoiceField()
-    id = forms.CharField(required=False, max_length=200, label="Instance id", help_text="optional; a UUID if empty")
+    id = forms.CharField(
+        required=False, max_length=200, label="Instance id", help_text="optional; a UUID if empty"
+    )
     idempotency_key = forms.CharField(required=False, max_length=200)
     params = JSONField(label="Params (JSON)")
 
@@ -78,19 +84,30 @@ class ListFilterForm(forms.Form):
     workflow = forms.ChoiceField(required=False)
     status = forms.ChoiceField(required=False, choices=[("", "any status"), *Status.choices])
     version = forms.IntegerField(required=False, min_value=1)
-    created_from = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
-    created_to = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    created_from = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    created_to = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
     q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["workflow"].choices = [("", "any workflow"), *((n, n) for n in workflow_names())]
+        self.fields["workflow"].choices = [
+            ("", "any workflow"),
+            *((n, n) for n in workflow_names()),
+        ]
 
     def filters(self) -> ListFilters:
         """The valid filters; an invalid field is ignored (and shown as an error)."""
         self.is_valid()  # fills cleaned_data with the fields that did validate
         data = self.cleaned_data
         return ListFilters(
-            workflow=data.get("workflow") or "", status=data.get("status") or "", version=data.get("version"),
-            created_from=data.get("created_from"), created_to=data.get("created_to"), q=(data.get("q") or "").strip(),
+            workflow=data.get("workflow") or "",
+            status=data.get("status") or "",
+            version=data.get("version"),
+            created_from=data.get("created_from"),
+            created_to=data.get("created_to"),
+            q=(data.get("q") or "").strip(),
         )

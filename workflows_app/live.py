@@ -58,7 +58,9 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
     layer = _cross_process_layer()
     if layer is not None:
         try:
-            async_to_sync(layer.group_send)(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
+            async_to_sync(layer.group_send)(
+                WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk}
+            )
         except Exception:  # a lost hint costs latency only
             log.warning("could not send a %s hint for instance #%s", kind, pk, exc_info=True)
 
@@ -71,17 +73,40 @@ class EngineHooks:
         self._announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def step_written(self, run: Any, record: Any, history: Any) -> None:
-        step = {"name": record.name, "kind": record.kind, "status": record.status, "attempts": record.attempts}
-        publish(instance_group(run.pk), {"type": "wf.step", "pk": run.pk, "step": step, "history": len(history or ())})
+        step = {
+            "name": record.name,
+            "kind": record.kind,
+            "status": record.status,
+            "attempts": record.attempts,
+        }
+        publish(
+            instance_group(run.pk),
+            {"type": "wf.step", "pk": run.pk, "step": step, "history": len(history or ())},
+        )
         if run not in self._announced:
             self._announced.add(run)
-            publish(OVERVIEW_GROUP, {"type": "wf.instance", "pk": run.pk, "workflow": run.definition.name, "kind": "running"})
+            publish(
+                OVERVIEW_GROUP,
+                {
+                    "type": "wf.instance",
+                    "pk": run.pk,
+                    "workflow": run.definition.name,
+                    "kind": "running",
+                },
+            )
 
     def attempt_failed(self, run: Any, record: Any, exc: BaseException) -> None:
-        publish(instance_group(run.pk), {
-            "type": "wf.error", "pk": run.pk, "step": record.name, "attempt": record.attempts,
-            "name": type(exc).__name__, "message": str(exc)[:1000],
-        })
+        publish(
+            instance_group(run.pk),
+            {
+                "type": "wf.error",
+                "pk": run.pk,
+                "step": record.name,
+                "attempt": record.attempts,
+                "name": type(exc).__name__,
+                "message": str(exc)[:1000],
+            },
+        )
 
     def run_finished(self, pk: int, outcome: str) -> None:
         from .client import wake_result_waiters
@@ -94,18 +119,31 @@ class EngineHooks:
     def span_stored(self, span: Any) -> None:
         """For the engine's span exporter, after it stores a Span row of an instance."""
         if span.instance_id is not None:
-            publish(instance_group(span.instance_id), {
-                "type": "wf.span", "pk": span.instance_id, "span_id": span.span_id, "name": span.name,
-                "status": span.status_code,
-            })
+            publish(
+                instance_group(span.instance_id),
+                {
+                    "type": "wf.span",
+                    "pk": span.instance_id,
+                    "span_id": span.span_id,
+                    "name": span.name,
+                    "status": span.status_code,
+                },
+            )
 
     def error_recorded(self, error: Any) -> None:
         """For the engine, after it stores an ErrorRecord."""
         if error.instance_id is not None:
-            publish(instance_group(error.instance_id), {
-                "type": "wf.error", "pk": error.instance_id, "step": error.step_name, "attempt": error.attempt,
-                "name": error.name, "message": error.message[:1000],
-            })
+            publish(
+                instance_group(error.instance_id),
+                {
+                    "type": "wf.error",
+                    "pk": error.instance_id,
+                    "step": error.step_name,
+                    "attempt": error.attempt,
+                    "name": error.name,
+                    "message": error.message[:1000],
+                },
+            )
 
 
 def bind_socket_loop() -> None:

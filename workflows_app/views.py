@@ -8,7 +8,6 @@ timeline says who did what.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 from django.contrib import messages
@@ -30,12 +29,18 @@ View = Callable[..., HttpResponse]
 
 def dashboard_page(view: View) -> View:
     """Staff with view permission; anonymous users are sent to the admin login."""
-    return staff_member_required(require_GET(permission_required("workflows_app.view_instance", raise_exception=True)(view)))
+    return staff_member_required(
+        require_GET(permission_required("workflows_app.view_instance", raise_exception=True)(view))
+    )
 
 
 def dashboard_action(view: View) -> View:
     """Staff with change permission, POST only (CSRF is enforced by the middleware)."""
-    return staff_member_required(require_POST(permission_required("workflows_app.change_instance", raise_exception=True)(view)))
+    return staff_member_required(
+        require_POST(
+            permission_required("workflows_app.change_instance", raise_exception=True)(view)
+        )
+    )
 
 
 # --- pages --------------------------------------------------------------------------------
@@ -43,7 +48,11 @@ def dashboard_action(view: View) -> View:
 
 @dashboard_page
 def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "workflows/overview.html", {"summaries": dashboard.workflow_summaries(), "page": "overview"})
+    return render(
+        request,
+        "workflows/overview.html",
+        {"summaries": dashboard.workflow_summaries(), "page": "overview"},
+    )
 
 
 @dashboard_page
@@ -58,11 +67,21 @@ def instance_list(request: HttpRequest) -> HttpResponse:
     query = request.GET.copy()
     for key in ("after", "before"):
         query.pop(key, None)
-    return render(request, "workflows/instance_list.html", {
-        "page": "instances", "form": form, "rows": page.rows, "older": page.older, "newer": page.newer,
-        "query": query.urlencode(), "first_page": not request.GET.get("after") and not request.GET.get("before"),
-        "create_form": forms.CreateInstanceForm(), "bulk_actions": forms.BULK_ACTIONS,
-    })
+    return render(
+        request,
+        "workflows/instance_list.html",
+        {
+            "page": "instances",
+            "form": form,
+            "rows": page.rows,
+            "older": page.older,
+            "newer": page.newer,
+            "query": query.urlencode(),
+            "first_page": not request.GET.get("after") and not request.GET.get("before"),
+            "create_form": forms.CreateInstanceForm(),
+            "bulk_actions": forms.BULK_ACTIONS,
+        },
+    )
 
 
 @dashboard_page
@@ -92,8 +111,13 @@ def _detail_context(pk: int) -> dict[str, Any]:
         detail = dashboard.instance_detail(pk)
     except Instance.DoesNotExist:
         raise Http404(f"no instance #{pk}") from None
-    return {"page": "instances", "d": detail, "inst": detail.instance,
-            "event_form": forms.SendEventForm(), "statuses_live": dashboard.LIVE_STATUSES}
+    return {
+        "page": "instances",
+        "d": detail,
+        "inst": detail.instance,
+        "event_form": forms.SendEventForm(),
+        "statuses_live": dashboard.LIVE_STATUSES,
+    }
 
 
 @dashboard_page
@@ -104,9 +128,17 @@ def error_list(request: HttpRequest) -> HttpResponse:
     except WorkflowError as exc:
         messages.error(request, str(exc))
         return redirect("workflows:errors")
-    return render(request, "workflows/errors.html", {
-        "page": "errors", "rows": rows, "older": older, "workflow": workflow, "workflows": dashboard.workflow_names(),
-    })
+    return render(
+        request,
+        "workflows/errors.html",
+        {
+            "page": "errors",
+            "rows": rows,
+            "older": older,
+            "workflow": workflow,
+            "workflows": dashboard.workflow_names(),
+        },
+    )
 
 
 # --- actions ------------------------------------------------------------------------------
@@ -119,7 +151,9 @@ def create_instance(request: HttpRequest) -> HttpResponse:
         data = form.cleaned_data
         try:
             handle = get_workflow(data["workflow"]).create(
-                params=data["params"], id=data["id"] or None, idempotency_key=data["idempotency_key"] or None,
+                params=data["params"],
+                id=data["id"] or None,
+                idempotency_key=data["idempotency_key"] or None,
                 actor=request.user.get_username(),
             )
         except WorkflowError as exc:
@@ -127,7 +161,9 @@ def create_instance(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
             return redirect("workflows:instance", pk=handle.row(refresh=False).pk)
-    return render(request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400)
+    return render(
+        request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400
+    )
 
 
 class ActionInputInvalid(Exception):
@@ -137,7 +173,9 @@ class ActionInputInvalid(Exception):
 def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
     form = form_class(request.POST)
     if not form.is_valid():
-        raise ActionInputInvalid("; ".join(f"{field}: {' '.join(errs)}" for field, errs in form.errors.items()))
+        raise ActionInputInvalid(
+            "; ".join(f"{field}: {' '.join(errs)}" for field, errs in form.errors.items())
+        )
     return form.cleaned_data
 
 
@@ -175,8 +213,13 @@ def _cancel(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
 
 
 ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
-    "pause": _pause, "resume": _resume, "terminate": _terminate, "restart": _restart,
-    "skip-sleep": _skip_sleep, "send-event": _send_event, "cancel": _cancel,
+    "pause": _pause,
+    "resume": _resume,
+    "terminate": _terminate,
+    "restart": _restart,
+    "skip-sleep": _skip_sleep,
+    "send-event": _send_event,
+    "cancel": _cancel,
 }
 
 
@@ -201,7 +244,9 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
         return _back(request, reverse("workflows:instances"))
     action, actor = form.cleaned_data["action"], request.user.get_username()
     done, failed = 0, []
-    for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only("id", "workflow", "instance_id"):
+    for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(
+        "id", "workflow", "instance_id"
+    ):
         try:
             ACTIONS[action](InstanceHandle(row.workflow, row.instance_id, row), request, actor)
             done += 1
@@ -219,6 +264,8 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
 def _back(request: HttpRequest, default: str) -> HttpResponseRedirect:
     """Redirect to the page the form came from (only if it is on this site)."""
     target = request.POST.get("next", "")
-    if target and url_has_allowed_host_and_scheme(target, {request.get_host()}, request.is_secure()):
+    if target and url_has_allowed_host_and_scheme(
+        target, {request.get_host()}, request.is_secure()
+    ):
         return HttpResponseRedirect(target)
     return HttpResponseRedirect(default)

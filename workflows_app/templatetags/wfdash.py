@@ -19,7 +19,9 @@ def when(value: datetime | None, empty: str = "—") -> SafeString:
         return format_html('<span class="muted">{}</span>', empty)
     return format_html(
         '<time datetime="{}" title="{} UTC">{} UTC</time>',
-        value.isoformat(), value.strftime("%Y-%m-%d %H:%M:%S"), value.strftime("%Y-%m-%d %H:%M:%S"),
+        value.isoformat(),
+        value.strftime("%Y-%m-%d %H:%M:%S"),
+        value.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
 

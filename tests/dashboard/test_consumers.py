@@ -10,11 +10,11 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from wfdash.asgi import router  # the app without the embedded-engine autostart
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from wfdash.asgi import router  # the app without the embedded-engine autostart
 
-from .dashboard_fixtures import approval_workflow, make_user  # noqa: F401
+from .helpers import make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,7 +27,9 @@ def session_cookie(*perms: str, staff: bool = True) -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver") -> tuple[WebsocketCommunicator, bool]:
+async def connect(
+    path: str, cookie: bytes | None, origin: bytes = b"http://testserver"
+) -> tuple[WebsocketCommunicator, bool]:
     headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=RECEIVE_TIMEOUT)
@@ -38,7 +40,9 @@ async def staff_cookie() -> bytes:
     return await database_sync_to_async(session_cookie)("view_instance")
 
 
-async def receive_until(communicator: WebsocketCommunicator, type: str, **match: Any) -> dict[str, Any]:
+async def receive_until(
+    communicator: WebsocketCommunicator, type: str, **match: Any
+) -> dict[str, Any]:
     """The next message of that type (and matching fields), skipping others."""
     while True:
         message = await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT)
@@ -47,25 +51,29 @@ async def receive_until(communicator: WebsocketCommunicator, type: str, **match:
 
 
 async def test_a_foreign_origin_is_refused():
-    communicator, connected = await connect("/ws/overview/", await staff_cookie(), origin=b"https://evil.example")
+    _, connected = await connect(
+        "/ws/overview/", await staff_cookie(), origin=b"https://evil.example"
+    )
     assert not connected
 
 
 @pytest.mark.parametrize("path", ["/ws/overview/", "/ws/instances/"])
 async def test_anonymous_sockets_are_refused(path):
-    communicator, connected = await connect(path, None)
+    _, connected = await connect(path, None)
     assert not connected
 
 
 async def test_non_staff_and_staff_without_view_permission_are_refused():
-    for cookie in (await database_sync_to_async(session_cookie)("view_instance", staff=False),
-                   await database_sync_to_async(session_cookie)()):
-        communicator, connected = await connect("/ws/instances/", cookie)
+    for cookie in (
+        await database_sync_to_async(session_cookie)("view_instance", staff=False),
+        await database_sync_to_async(session_cookie)(),
+    ):
+        _, connected = await connect("/ws/instances/", cookie)
         assert not connected
 
 
 async def test_an_unknown_instance_is_refused():
-    communicator, connected = await connect("/ws/instances/999999/", await staff_cookie())
+    _, connected = await connect("/ws/instances/999999/", await staff_cookie())
     assert not connected
 
 
@@ -82,7 +90,9 @@ async def test_the_overview_sends_a_snapshot_then_summaries_when_instances_move(
     await communicator.disconnect()
 
 
-async def test_the_list_socket_reports_status_changes_from_actions_and_the_engine(approval_workflow):
+async def test_the_list_socket_reports_status_changes_from_actions_and_the_engine(
+    approval_workflow,
+):
     communicator, connected = await connect("/ws/instances/", await staff_cookie())
     assert connected
     assert (await receive_until(communicator, "snapshot"))["instances"] == []
@@ -112,19 +122,29 @@ async def test_the_detail_socket_relays_steps_history_and_status(approval_workfl
     assert done["step"]["name"] == "prepare" and done["step"]["status"] == "complete"
     assert (await receive_until(communicator, "instance.status"))["instance"]["status"] == "waiting"
     await inst.asend_event("approval", {"ok": True}, actor="test")
-    assert (await receive_until(communicator, "instance.status", kind="event"))["instance"]["pk"] == pk
+    assert (await receive_until(communicator, "instance.status", kind="event"))["instance"][
+        "pk"
+    ] == pk
     await communicator.disconnect()
 
 
-async def test_forged_and_malformed_client_messages_get_an_error_frame_and_change_nothing(approval_workflow):
+async def test_forged_and_malformed_client_messages_get_an_error_frame_and_change_nothing(
+    approval_workflow,
+):
     inst = await get_workflow(approval_workflow).acreate(id="f1")
     pk = (await database_sync_to_async(inst.row)()).pk
     communicator, connected = await connect("/ws/instances/", await staff_cookie())
     assert connected
     await receive_until(communicator, "snapshot")
-    for frame in (json.dumps({"type": "wf.instance", "pk": pk}), json.dumps({"type": "terminate", "pk": pk}),
-                  "not json", json.dumps([1, 2]), json.dumps({"type": "watch", "pks": ["1; DROP TABLE"]}),
-                  json.dumps({"type": "watch", "pks": list(range(1, 1000))}), "x" * 10000):
+    for frame in (
+        json.dumps({"type": "wf.instance", "pk": pk}),
+        json.dumps({"type": "terminate", "pk": pk}),
+        "not json",
+        json.dumps([1, 2]),
+        json.dumps({"type": "watch", "pks": ["1; DROP TABLE"]}),
+        json.dumps({"type": "watch", "pks": list(range(1, 1000))}),
+        "x" * 10000,
+    ):
         await communicator.send_to(text_data=frame)
         assert (await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT))["type"] == "error"
     await communicator.send_to(bytes_data=b"\x00")

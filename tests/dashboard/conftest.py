@@ -1,4 +1,4 @@
-"""Fixtures shared by the dashboard's view, consumer and live tests."""
+"""Fixtures of the dashboard tests: users with given permissions, a workflow every action applies to."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 
 from workflows_app.engine import WorkflowEntrypoint, register, registry
+
+from .helpers import make_user
 
 APPROVAL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -21,20 +23,17 @@ def approval_workflow() -> Iterator[str]:
     @register("dash-approval")
     class DashApproval(WorkflowEntrypoint):
         async def run(self, event: Any, step: Any) -> Any:
-            prepared = await step.do("prepare", lambda: {"items": event.payload.get("items", 1) if event.payload else 1})
-            approval = await step.wait_for_event("approval", type="approval", schema=APPROVAL_SCHEMA)
+            prepared = await step.do(
+                "prepare", lambda: {"items": event.payload.get("items", 1) if event.payload else 1}
+            )
+            approval = await step.wait_for_event(
+                "approval", type="approval", schema=APPROVAL_SCHEMA
+            )
             await step.sleep("cool-off", "1 hour")
             return {"prepared": prepared, "approved": approval.payload["ok"]}
 
     yield "dash-approval"
     registry.unregister("dash-approval")
-
-
-def make_user(username: str, *perms: str, staff: bool = True) -> User:
-    user = User.objects.create_user(username, password="pw", is_staff=staff)
-    for codename in perms:
-        user.user_permissions.add(Permission.objects.get(codename=codename, content_type__app_label="workflows_app"))
-    return user
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from workflows_app.models import Instance
 
-from .dashboard_fixtures import make_user
+from .helpers import make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,9 +33,16 @@ def many_instances() -> None:
     Instance.objects.bulk_create(
         (
             Instance(
-                workflow=WORKFLOWS[n % 3], instance_id=f"bulk-{n:06d}", version=1, status=STATUSES[n % 10],
-                idempotency_key=f"key-{n}" if n % 2 else None, created_at=now - timedelta(seconds=ROWS - n),
-                updated_at=now, finished_at=now - timedelta(seconds=(ROWS - n) % 3600) if n % 10 in (0, 6) else None,
+                workflow=WORKFLOWS[n % 3],
+                instance_id=f"bulk-{n:06d}",
+                version=1,
+                status=STATUSES[n % 10],
+                idempotency_key=f"key-{n}" if n % 2 else None,
+                created_at=now - timedelta(seconds=ROWS - n),
+                updated_at=now,
+                finished_at=now - timedelta(seconds=(ROWS - n) % 3600)
+                if n % 10 in (0, 6)
+                else None,
             )
             for n in range(ROWS)
         ),
@@ -49,7 +56,10 @@ def timed(client: Client, url: str, params: dict[str, str] | None = None) -> tup
         response = client.get(url, params or {})
         elapsed = time.perf_counter() - start
     assert response.status_code == 200
-    assert not any("COUNT(" in q["sql"].upper() and "GROUP BY" not in q["sql"].upper() for q in queries.captured_queries)
+    assert not any(
+        "COUNT(" in q["sql"].upper() and "GROUP BY" not in q["sql"].upper()
+        for q in queries.captured_queries
+    )
     assert not any(" OFFSET " in q["sql"].upper() for q in queries.captured_queries)
     return elapsed, len(queries.captured_queries), response.content.decode()
 
@@ -81,4 +91,7 @@ def test_list_pages_and_the_overview_stay_fast_with_many_instances(many_instance
     assert elapsed < PAGE_BUDGET_SECONDS, f"overview: {elapsed * 1000:.0f} ms"
     lines.append(f"  overview: {elapsed * 1000:.1f} ms, {queries} queries")
     with capsys.disabled():
-        print(f"\ndashboard timings with {ROWS:,} instances ({connection.vendor}):\n" + "\n".join(lines))
+        print(
+            f"\ndashboard timings with {ROWS:,} instances ({connection.vendor}):\n"
+            + "\n".join(lines)
+        )
