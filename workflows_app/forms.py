@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 from django import forms
@@ -91,6 +92,9 @@ class ListFilterForm(forms.Form):
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
     q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
+    # The browser's UTC offset in minutes, set by dashboard.js: datetime-local inputs carry
+    # the viewer's wall-clock time, and every date on the page is shown in local time.
+    tz = forms.IntegerField(required=False, min_value=-840, max_value=840, widget=forms.HiddenInput)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -103,11 +107,13 @@ class ListFilterForm(forms.Form):
         """The valid filters; an invalid field is ignored (and shown as an error)."""
         self.is_valid()  # fills cleaned_data with the fields that did validate
         data = self.cleaned_data
+        offset = timedelta(minutes=data.get("tz") or 0)
+        created_from, created_to = data.get("created_from"), data.get("created_to")
         return ListFilters(
             workflow=data.get("workflow") or "",
             status=data.get("status") or "",
             version=data.get("version"),
-            created_from=data.get("created_from"),
-            created_to=data.get("created_to"),
+            created_from=created_from - offset if created_from else None,
+            created_to=created_to - offset if created_to else None,
             q=(data.get("q") or "").strip(),
         )

@@ -115,8 +115,6 @@ def _detail_context(pk: int) -> dict[str, Any]:
         "page": "instances",
         "d": detail,
         "inst": detail.instance,
-        "event_form": forms.SendEventForm(),
-        "statuses_live": dashboard.LIVE_STATUSES,
     }
 
 

@@ -284,6 +284,7 @@
     });
   }
 
+  for (const tz of document.querySelectorAll('input[name="tz"]')) tz.value = String(-new Date().getTimezoneOffset());
   formatTimes();
   setInterval(() => formatTimes(), 30_000);
   const page = pages[body.dataset.live];

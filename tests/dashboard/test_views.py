@@ -502,3 +502,26 @@ def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
     )
     page = operator_client.get(reverse("workflows:instance", args=[row.pk])).content.decode()
     assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
+
+
+def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, approval_workflow):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    inst = get_workflow(approval_workflow).create(id="dated")
+    created = timezone.now() - timedelta(hours=3)
+    Instance.objects.filter(pk=inst.row().pk).update(created_at=created)
+    local = created + timedelta(hours=2)  # the viewer is at UTC+2
+    url = reverse("workflows:instances")
+
+    def listed(**params):
+        return 'data-instance-id="dated"' in operator_client.get(url, params).content.decode()
+
+    after_it = (local + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M")
+    before_it = (local - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M")
+    assert listed(created_from=before_it, created_to=after_it, tz=120)
+    assert not listed(created_from=after_it, tz=120)
+    assert not listed(
+        created_from=before_it, created_to=after_it, tz=0
+    )  # read as UTC it is 2 h off
