@@ -1,6 +1,7 @@
 """End-to-end: real headless Chromium against `manage.py runserver` (daphne + embedded engine).
 
-Skipped locally when Chromium or Playwright is missing; with CI=true they must run.
+Skipped locally when Chromium (WFDASH_CHROMIUM, default /usr/bin/chromium) or Playwright is
+missing; with CI=true a missing browser fails the run instead.
 Every wait is a Playwright wait on a DOM condition, never a sleep.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("WFDASH_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
