@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -19,7 +20,13 @@ from .engine.worker import notify_local
 log = logging.getLogger("workflows_app.live")
 
 WORKERS_GROUP = "wfdash.workers"
+# Every instance status change (dashboard overview and instance list sockets).
 OVERVIEW_GROUP = "wfdash.overview"
+
+# The event loop the dashboard's sockets run in (daphne's). The in-memory channel layer is
+# not thread-safe, so other threads hand their messages to this loop; see publish().
+_socket_loop: asyncio.AbstractEventLoop | None = None
+_in_flight: set[asyncio.Future[None]] = set()
 
 
 def instance_group(pk: int) -> str:
@@ -44,22 +51,62 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
 
     notify_local(kind, pk)
     wake_result_waiters(pk)
+    if pk is not None:
+        message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
+        publish(instance_group(pk), message)
+        publish(OVERVIEW_GROUP, message)
     layer = _cross_process_layer()
     if layer is not None:
         try:
-            async_to_sync(layer.group_send)(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
+            async_to_sync(layer.group_send)(
+                WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk}
+            )
         except Exception:  # a lost hint costs latency only
             log.warning("could not send a %s hint for instance #%s", kind, pk, exc_info=True)
 
 
 class EngineHooks:
-    """What the worker tells the rest of the app about its runs."""
+    """What the worker tells the rest of the app about its runs (called in the engine's loop)."""
+
+    def __init__(self) -> None:
+        # Runs already announced as running: the list hears of a run once, not at every step.
+        self._announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def step_written(self, run: Any, record: Any, history: Any) -> None:
-        pass
+        step = {
+            "name": record.name,
+            "kind": record.kind,
+            "status": record.status,
+            "attempts": record.attempts,
+        }
+        publish(
+            instance_group(run.pk),
+            {"type": "wf.step", "pk": run.pk, "step": step, "history": len(history or ())},
+        )
+        if run not in self._announced:
+            self._announced.add(run)
+            publish(
+                OVERVIEW_GROUP,
+                {
+                    "type": "wf.instance",
+                    "pk": run.pk,
+                    "workflow": run.definition.name,
+                    "kind": "running",
+                },
+            )
 
     def attempt_failed(self, run: Any, record: Any, exc: BaseException) -> None:
-        pass
+        publish(
+            instance_group(run.pk),
+            {
+                "type": "wf.error",
+                "pk": run.pk,
+                "step": record.name,
+                "attempt": record.attempts,
+                "name": type(exc).__name__,
+                "message": str(exc)[:1000],
+            },
+        )
 
     def flush(self) -> None:
         """After each run, in the engine's database thread: store the spans it produced."""
@@ -71,6 +118,84 @@ class EngineHooks:
         from .client import wake_result_waiters
 
         wake_result_waiters(pk)
+        message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}
+        publish(instance_group(pk), message)
+        publish(OVERVIEW_GROUP, message)
+
+    def span_stored(self, span: Any) -> None:
+        """For the engine's span exporter, after it stores a Span row of an instance."""
+        if span.instance_id is not None:
+            publish(
+                instance_group(span.instance_id),
+                {
+                    "type": "wf.span",
+                    "pk": span.instance_id,
+                    "span_id": span.span_id,
+                    "name": span.name,
+                    "status": span.status_code,
+                },
+            )
+
+    def error_recorded(self, error: Any) -> None:
+        """For the engine, after it stores an ErrorRecord."""
+        if error.instance_id is not None:
+            publish(
+                instance_group(error.instance_id),
+                {
+                    "type": "wf.error",
+                    "pk": error.instance_id,
+                    "step": error.step_name,
+                    "attempt": error.attempt,
+                    "name": error.name,
+                    "message": error.message[:1000],
+                },
+            )
+
+
+def bind_socket_loop() -> None:
+    """Called by dashboard consumers on connect: remember the loop their groups live in."""
+    global _socket_loop
+    _socket_loop = asyncio.get_running_loop()
+
+
+def publish(group: str, message: dict[str, Any]) -> None:
+    """Send to a channel-layer group from any thread or loop; lossy by design, never raises.
+
+    A cross-process layer (Redis) is safe from any thread. The in-memory layer is only
+    safe in the loop its consumers run in, so the send is scheduled there; if no dashboard
+    socket ever connected in this process, nobody can be listening and nothing is sent.
+    """
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    current = running_loop()
+    if not isinstance(layer, InMemoryChannelLayer):
+        target = current
+    else:
+        target = _socket_loop
+        if target is None or target.is_closed():
+            return
+
+    async def send() -> None:
+        try:
+            await layer.group_send(group, message)
+        except Exception:  # a lost notification costs a stale dashboard until the next one
+            log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
+
+    def start() -> None:
+        task = asyncio.ensure_future(send())
+        _in_flight.add(task)  # a task nobody references may be garbage-collected mid-send
+        task.add_done_callback(_in_flight.discard)
+
+    try:
+        if target is not None and target is current:
+            start()
+        elif target is not None:
+            target.call_soon_threadsafe(start)
+        else:
+            async_to_sync(send)()  # a sync thread, cross-process layer
+    except RuntimeError:  # the loop closed meanwhile
+        pass
 
 
 async def join_workers_group(channel_name: str) -> None:

@@ -6,5 +6,13 @@ app_name = "workflows"
 
 urlpatterns = [
     path("", views.overview, name="overview"),
+    path("instances/", views.instance_list, name="instances"),
+    path("instances/rows/", views.instance_rows, name="instance-rows"),
+    path("instances/create/", views.create_instance, name="create"),
+    path("instances/bulk/", views.bulk_action, name="bulk"),
+    path("instances/<int:pk>/", views.instance_detail, name="instance"),
+    path("instances/<int:pk>/live/", views.instance_fragment, name="instance-live"),
+    path("instances/<int:pk>/<slug:action>/", views.instance_action, name="action"),
+    path("errors/", views.error_list, name="errors"),
     path("api/", include("workflows_app.api_urls")),
 ]

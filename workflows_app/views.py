@@ -1,21 +1,269 @@
-"""Dashboard views (thin: lookup, permission, one engine call, render)."""
+"""Dashboard views (thin: lookup, permission, one engine call, render or redirect).
+
+Pages need staff + workflows_app.view_instance; actions need workflows_app.change_instance
+and a POST with a CSRF token. Every action passes the user as the actor, so the history
+timeline says who did what.
+"""
 
 from __future__ import annotations
 
-from django.contrib.admin.views.decorators import staff_member_required
-from django.db.models import Count
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from collections.abc import Callable
+from typing import Any
 
-from .engine.registry import all_definitions
+from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.contrib.auth.decorators import permission_required
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_POST
+
+from . import dashboard, forms
+from .client import InstanceHandle, get_workflow
+from .engine.errors import WorkflowError
 from .models import Instance
 
+View = Callable[..., HttpResponse]
 
-@staff_member_required
+
+def dashboard_page(view: View) -> View:
+    """Staff with view permission; anonymous users are sent to the admin login."""
+    return staff_member_required(
+        require_GET(permission_required("workflows_app.view_instance", raise_exception=True)(view))
+    )
+
+
+def dashboard_action(view: View) -> View:
+    """Staff with change permission, POST only (CSRF is enforced by the middleware)."""
+    return staff_member_required(
+        require_POST(
+            permission_required("workflows_app.change_instance", raise_exception=True)(view)
+        )
+    )
+
+
+# --- pages --------------------------------------------------------------------------------
+
+
+@dashboard_page
 def overview(request: HttpRequest) -> HttpResponse:
-    counts: dict[str, dict[str, int]] = {}
-    for row in Instance.objects.values("workflow", "status").annotate(n=Count("id")):
-        counts.setdefault(row["workflow"], {})[row["status"]] = row["n"]
-    workflows = sorted({d.name for d in all_definitions()} | set(counts))
-    recent = Instance.objects.order_by("-id")[:50]
-    return render(request, "workflows/overview.html", {"workflows": [(w, counts.get(w, {})) for w in workflows], "recent": recent})
+    return render(
+        request,
+        "workflows/overview.html",
+        {"summaries": dashboard.workflow_summaries(), "page": "overview"},
+    )
+
+
+@dashboard_page
+def instance_list(request: HttpRequest) -> HttpResponse:
+    form = forms.ListFilterForm(request.GET)
+    filters = form.filters()
+    try:
+        page = dashboard.instance_page(filters, request.GET.get("after"), request.GET.get("before"))
+    except WorkflowError as exc:  # a tampered cursor
+        messages.error(request, str(exc))
+        return redirect("workflows:instances")
+    query = request.GET.copy()
+    for key in ("after", "before"):
+        query.pop(key, None)
+    return render(
+        request,
+        "workflows/instance_list.html",
+        {
+            "page": "instances",
+            "form": form,
+            "rows": page.rows,
+            "older": page.older,
+            "newer": page.newer,
+            "query": query.urlencode(),
+            "first_page": not request.GET.get("after") and not request.GET.get("before"),
+            "create_form": forms.CreateInstanceForm(),
+            "bulk_actions": forms.BULK_ACTIONS,
+        },
+    )
+
+
+@dashboard_page
+def instance_rows(request: HttpRequest) -> HttpResponse:
+    """Rows newer than `since` that match the list's filters: a live list prepends them."""
+    try:
+        since = int(request.GET.get("since", ""))
+    except ValueError:
+        raise Http404("since must be an instance pk") from None
+    rows = dashboard.rows_newer_than(forms.ListFilterForm(request.GET).filters(), since)
+    return render(request, "workflows/instance_rows.html", {"rows": rows})
+
+
+@dashboard_page
+def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    return render(request, "workflows/instance_detail.html", _detail_context(pk))
+
+
+@dashboard_page
+def instance_fragment(request: HttpRequest, pk: int) -> HttpResponse:
+    """The live parts of the detail page, re-fetched when its socket reports a change."""
+    return render(request, "workflows/_instance_live.html", _detail_context(pk))
+
+
+def _detail_context(pk: int) -> dict[str, Any]:
+    try:
+        detail = dashboard.instance_detail(pk)
+    except Instance.DoesNotExist:
+        raise Http404(f"no instance #{pk}") from None
+    return {
+        "page": "instances",
+        "d": detail,
+        "inst": detail.instance,
+    }
+
+
+@dashboard_page
+def error_list(request: HttpRequest) -> HttpResponse:
+    workflow = request.GET.get("workflow", "")
+    try:
+        rows, older = dashboard.error_page(workflow, request.GET.get("after"))
+    except WorkflowError as exc:
+        messages.error(request, str(exc))
+        return redirect("workflows:errors")
+    return render(
+        request,
+        "workflows/errors.html",
+        {
+            "page": "errors",
+            "rows": rows,
+            "older": older,
+            "workflow": workflow,
+            "workflows": dashboard.workflow_names(),
+        },
+    )
+
+
+# --- actions ------------------------------------------------------------------------------
+
+
+@dashboard_action
+def create_instance(request: HttpRequest) -> HttpResponse:
+    form = forms.CreateInstanceForm(request.POST)
+    if form.is_valid():
+        data = form.cleaned_data
+        try:
+            handle = get_workflow(data["workflow"]).create(
+                params=data["params"],
+                id=data["id"] or None,
+                idempotency_key=data["idempotency_key"] or None,
+                actor=request.user.get_username(),
+            )
+        except WorkflowError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
+            return redirect("workflows:instance", pk=handle.row(refresh=False).pk)
+    return render(
+        request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400
+    )
+
+
+class ActionInputInvalid(Exception):
+    """The action's form did not validate; the message lists why."""
+
+
+def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
+    form = form_class(request.POST)
+    if not form.is_valid():
+        raise ActionInputInvalid(
+            "; ".join(f"{field}: {' '.join(errs)}" for field, errs in form.errors.items())
+        )
+    return form.cleaned_data
+
+
+def _pause(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    return f"Pause: instance is now {h.pause(actor=actor)}."
+
+
+def _resume(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    return f"Resumed: instance is now {h.resume(actor=actor)}."
+
+
+def _terminate(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    return "Terminated." if h.terminate(actor=actor) else "The instance had already finished."
+
+
+def _restart(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    from_step = _form_data(forms.RestartForm, request)["from_step"] or None
+    status = h.restart(from_step=from_step, actor=actor)
+    return f"Restarted{f' from step {from_step!r}' if from_step else ''}: instance is now {status}."
+
+
+def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    return f"Skipped {h.skip_sleep(actor=actor)} sleep(s)."
+
+
+def _send_event(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    data = _form_data(forms.SendEventForm, request)
+    h.send_event(data["type"], data["payload"], actor=actor)
+    return f"Sent event {data['type']!r}."
+
+
+def _cancel(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    compensate = _form_data(forms.CancelForm, request)["compensate"]
+    return f"Cancelled: instance is now {h.cancel(compensate=compensate, actor=actor)}."
+
+
+ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
+    "pause": _pause,
+    "resume": _resume,
+    "terminate": _terminate,
+    "restart": _restart,
+    "skip-sleep": _skip_sleep,
+    "send-event": _send_event,
+    "cancel": _cancel,
+}
+
+
+@dashboard_action
+def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    if action not in ACTIONS:
+        raise Http404(f"no action {action!r}")
+    row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
+    handle = InstanceHandle(row.workflow, row.instance_id, row)
+    try:
+        messages.success(request, ACTIONS[action](handle, request, request.user.get_username()))
+    except (WorkflowError, ActionInputInvalid) as exc:
+        messages.error(request, f"{action}: {exc}")
+    return _back(request, reverse("workflows:instance", args=[pk]))
+
+
+@dashboard_action
+def bulk_action(request: HttpRequest) -> HttpResponse:
+    form = forms.BulkActionForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "; ".join(" ".join(e) for e in form.errors.values()))
+        return _back(request, reverse("workflows:instances"))
+    action, actor = form.cleaned_data["action"], request.user.get_username()
+    done, failed = 0, []
+    for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(
+        "id", "workflow", "instance_id"
+    ):
+        try:
+            ACTIONS[action](InstanceHandle(row.workflow, row.instance_id, row), request, actor)
+            done += 1
+        except WorkflowError as exc:
+            failed.append(f"{row.instance_id}: {exc}")
+    if done:
+        messages.success(request, f"{action.title()}: {done} instance(s).")
+    for error in failed[:10]:
+        messages.error(request, error)
+    if len(failed) > 10:
+        messages.error(request, f"… and {len(failed) - 10} more failures.")
+    return _back(request, reverse("workflows:instances"))
+
+
+def _back(request: HttpRequest, default: str) -> HttpResponseRedirect:
+    """Redirect to the page the form came from (only if it is on this site)."""
+    target = request.POST.get("next", "")
+    if target and url_has_allowed_host_and_scheme(
+        target, {request.get_host()}, request.is_secure()
+    ):
+        return HttpResponseRedirect(target)
+    return HttpResponseRedirect(default)

@@ -1,0 +1,158 @@
+"""The dashboard's WebSocket consumers, through the real ASGI stack (origin check + auth)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from wfdash.asgi import router  # the app without the embedded-engine autostart
+from workflows_app import testing
+from workflows_app.client import get_workflow
+
+from .helpers import make_user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RECEIVE_TIMEOUT = 5  # seconds; messages arrive in milliseconds, this only bounds a failure
+
+
+def session_cookie(*perms: str, staff: bool = True) -> bytes:
+    client = Client()
+    client.force_login(make_user(f"u{len(perms)}{staff}", *perms, staff=staff))
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def connect(
+    path: str, cookie: bytes | None, origin: bytes = b"http://testserver"
+) -> tuple[WebsocketCommunicator, bool]:
+    headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
+    communicator = WebsocketCommunicator(router, path, headers=headers)
+    connected, _ = await communicator.connect(timeout=RECEIVE_TIMEOUT)
+    return communicator, connected
+
+
+async def staff_cookie() -> bytes:
+    return await database_sync_to_async(session_cookie)("view_instance")
+
+
+async def receive_until(
+    communicator: WebsocketCommunicator, type: str, **match: Any
+) -> dict[str, Any]:
+    """The next message of that type (and matching fields), skipping others."""
+    while True:
+        message = await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT)
+        if message["type"] == type and all(message.get(k) == v for k, v in match.items()):
+            return message
+
+
+async def test_a_foreign_origin_is_refused():
+    _, connected = await connect(
+        "/ws/overview/", await staff_cookie(), origin=b"https://evil.example"
+    )
+    assert not connected
+
+
+@pytest.mark.parametrize("path", ["/ws/overview/", "/ws/instances/"])
+async def test_anonymous_sockets_are_refused(path):
+    _, connected = await connect(path, None)
+    assert not connected
+
+
+async def test_non_staff_and_staff_without_view_permission_are_refused():
+    for cookie in (
+        await database_sync_to_async(session_cookie)("view_instance", staff=False),
+        await database_sync_to_async(session_cookie)(),
+    ):
+        _, connected = await connect("/ws/instances/", cookie)
+        assert not connected
+
+
+async def test_an_unknown_instance_is_refused():
+    _, connected = await connect("/ws/instances/999999/", await staff_cookie())
+    assert not connected
+
+
+async def test_the_overview_sends_a_snapshot_then_summaries_when_instances_move(approval_workflow):
+    inst = await get_workflow(approval_workflow).acreate(id="o1")
+    communicator, connected = await connect("/ws/overview/", await staff_cookie())
+    assert connected
+    snapshot = await receive_until(communicator, "snapshot")
+    [summary] = [w for w in snapshot["workflows"] if w["name"] == approval_workflow]
+    assert summary["counts"] == {"running": 1} and summary["versions"] == [1]
+    await inst.aterminate(actor="test")
+    message = await receive_until(communicator, "workflow.summary")
+    assert message["workflow"]["counts"] == {"terminated": 1}
+    await communicator.disconnect()
+
+
+async def test_the_list_socket_reports_status_changes_from_actions_and_the_engine(
+    approval_workflow,
+):
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    assert (await receive_until(communicator, "snapshot"))["instances"] == []
+    inst = await get_workflow(approval_workflow).acreate(id="l1")
+    created = await receive_until(communicator, "instance.status", kind="created")
+    assert created["instance"]["id"] == "l1" and created["instance"]["status"] == "running"
+    await testing.arun_until_idle()
+    parked = await receive_until(communicator, "instance.status", kind="waiting")
+    assert parked["instance"]["status"] == "waiting"
+    await inst.apause(actor="test")
+    paused = await receive_until(communicator, "instance.status", kind="pause")
+    assert paused["instance"]["status"] == "paused"
+    await communicator.disconnect()
+
+
+async def test_the_detail_socket_relays_steps_history_and_status(approval_workflow):
+    inst = await get_workflow(approval_workflow).acreate(id="d1")
+    pk = (await database_sync_to_async(inst.row)()).pk
+    communicator, connected = await connect(f"/ws/instances/{pk}/", await staff_cookie())
+    assert connected
+    assert (await receive_until(communicator, "snapshot"))["instance"]["status"] == "running"
+    await testing.arun_until_idle()
+    started = await receive_until(communicator, "step.written")
+    assert started["step"]["name"] == "prepare" and started["step"]["status"] == "running"
+    await receive_until(communicator, "history.appended")
+    done = await receive_until(communicator, "step.written")
+    assert done["step"]["name"] == "prepare" and done["step"]["status"] == "complete"
+    assert (await receive_until(communicator, "instance.status"))["instance"]["status"] == "waiting"
+    await inst.asend_event("approval", {"ok": True}, actor="test")
+    assert (await receive_until(communicator, "instance.status", kind="event"))["instance"][
+        "pk"
+    ] == pk
+    await communicator.disconnect()
+
+
+async def test_forged_and_malformed_client_messages_get_an_error_frame_and_change_nothing(
+    approval_workflow,
+):
+    inst = await get_workflow(approval_workflow).acreate(id="f1")
+    pk = (await database_sync_to_async(inst.row)()).pk
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    for frame in (
+        json.dumps({"type": "wf.instance", "pk": pk}),
+        json.dumps({"type": "terminate", "pk": pk}),
+        "not json",
+        json.dumps([1, 2]),
+        json.dumps({"type": "watch", "pks": ["1; DROP TABLE"]}),
+        json.dumps({"type": "watch", "pks": list(range(1, 1000))}),
+        "x" * 10000,
+    ):
+        await communicator.send_to(text_data=frame)
+        assert (await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT))["type"] == "error"
+    await communicator.send_to(bytes_data=b"\x00")
+    assert (await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT))["type"] == "error"
+    assert (await inst.astatus()).status == "running"
+    await communicator.send_json_to({"type": "watch", "pks": [pk]})
+    snapshot = await receive_until(communicator, "snapshot")
+    assert [i["id"] for i in snapshot["instances"]] == ["f1"]
+    await communicator.send_json_to({"type": "ping"})
+    await receive_until(communicator, "pong")
+    await communicator.disconnect()

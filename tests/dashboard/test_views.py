@@ -1,0 +1,527 @@
+"""The dashboard's pages and actions, through Django's test client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from workflows_app import testing
+from workflows_app.client import encode_cursor, get_workflow
+from workflows_app.models import ErrorRecord, HistoryRecord, Instance
+
+from .helpers import make_user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+XSS = "<script>alert(1)</script>"
+
+
+def waiting_instance(workflow: str, **kwargs):
+    inst = get_workflow(workflow).create(actor="test", **kwargs)
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    return inst
+
+
+def action_url(inst, action: str) -> str:
+    return reverse("workflows:action", args=[inst.row().pk, action])
+
+
+# --- permissions ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["overview", "instances", "errors"])
+def test_pages_redirect_anonymous_users_to_the_admin_login(name):
+    response = Client().get(reverse(f"workflows:{name}"))
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/")
+
+
+def test_staff_without_view_permission_is_forbidden():
+    client = Client()
+    client.force_login(make_user("nobody"))
+    assert client.get(reverse("workflows:overview")).status_code == 403
+
+
+def test_non_staff_users_are_sent_to_the_login_page():
+    client = Client()
+    client.force_login(make_user("outsider", "view_instance", "change_instance", staff=False))
+    assert client.get(reverse("workflows:instances")).status_code == 302
+
+
+def test_staff_without_change_permission_gets_403_on_every_action(viewer, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    client = Client()
+    client.force_login(viewer)
+    for action in ("pause", "resume", "terminate", "restart", "skip-sleep", "send-event", "cancel"):
+        assert client.post(action_url(inst, action)).status_code == 403
+    assert (
+        client.post(reverse("workflows:create"), {"workflow": approval_workflow}).status_code == 403
+    )
+    assert (
+        client.post(
+            reverse("workflows:bulk"), {"action": "pause", "pk": [inst.row().pk]}
+        ).status_code
+        == 403
+    )
+    assert inst.status().status == "waiting"
+
+
+def test_actions_refuse_get(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    assert operator_client.get(action_url(inst, "terminate")).status_code == 405
+    assert inst.status().status == "waiting"
+
+
+def test_actions_enforce_csrf(operator, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator)
+    assert client.post(action_url(inst, "terminate")).status_code == 403
+    assert inst.status().status == "waiting"
+    page = client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+    assert (
+        client.post(action_url(inst, "terminate"), {"csrfmiddlewaretoken": token}).status_code
+        == 302
+    )
+    assert inst.status().status == "terminated"
+
+
+# --- pages ---------------------------------------------------------------------------------
+
+
+def test_the_overview_shows_counts_versions_and_error_rate(operator_client, approval_workflow):
+    waiting_instance(approval_workflow)
+    done = get_workflow(approval_workflow).create()
+    done.terminate()
+    page = operator_client.get(reverse("workflows:overview")).content.decode()
+    assert 'data-workflow="dash-approval"' in page
+    assert 'data-status="waiting"' in page and 'data-status="terminated"' in page
+    assert "v1" in page
+    assert "<svg" in page
+
+
+def test_the_list_filters_searches_and_paginates_by_keyset(
+    operator_client, approval_workflow, django_assert_max_num_queries
+):
+    workflow = get_workflow(approval_workflow)
+    for n in range(55):
+        workflow.create(id=f"inst-{n:03d}", idempotency_key=f"key-{n}")
+    url = reverse("workflows:instances")
+    with django_assert_max_num_queries(8):
+        page = operator_client.get(url, {"workflow": approval_workflow}).content.decode()
+    assert page.count("data-instance-id=") == 50
+    assert 'data-instance-id="inst-054"' in page and 'data-instance-id="inst-004"' not in page
+    older = re.search(r"after=([\w-]+)", page).group(1)
+    page2 = operator_client.get(
+        url, {"workflow": approval_workflow, "after": older}
+    ).content.decode()
+    assert page2.count("data-instance-id=") == 5
+    assert "before=" in page2
+    assert operator_client.get(url, {"q": "key-7"}).content.decode().count("data-instance-id=") == 1
+    assert (
+        'data-instance-id="inst-007"'
+        in operator_client.get(url, {"q": "inst-007"}).content.decode()
+    )
+    assert (
+        operator_client.get(url, {"status": "complete"}).content.decode().count("data-instance-id=")
+        == 0
+    )
+    assert (
+        operator_client.get(url, {"version": "2"}).content.decode().count("data-instance-id=") == 0
+    )
+
+
+def test_the_list_pages_back_to_newer_rows(operator_client, approval_workflow):
+    rows = [get_workflow(approval_workflow).create(id=f"r{n}").row().pk for n in range(60)]
+    page = operator_client.get(
+        reverse("workflows:instances"), {"before": encode_cursor(rows[4])}
+    ).content.decode()
+    ids = re.findall(r'data-instance-id="(r\d+)"', page)
+    assert ids[0] == "r54" and ids[-1] == "r5"
+    assert "after=" in page and "before=" in page
+
+
+def test_a_bad_cursor_is_reported_not_a_500(operator_client):
+    response = operator_client.get(
+        reverse("workflows:instances"), {"after": "garbage!!"}, follow=True
+    )
+    assert response.status_code == 200
+    assert "invalid cursor" in response.content.decode()
+
+
+def test_rows_newer_than_a_pk_match_the_filters(operator_client, approval_workflow):
+    first = get_workflow(approval_workflow).create(id="old").row().pk
+    get_workflow(approval_workflow).create(id="new")
+    page = operator_client.get(
+        reverse("workflows:instance-rows"), {"since": first, "workflow": approval_workflow}
+    ).content.decode()
+    assert 'data-instance-id="new"' in page and 'data-instance-id="old"' not in page
+
+
+def test_the_detail_page_shows_steps_history_pending_events_and_only_applicable_buttons(
+    operator_client, approval_workflow, django_assert_max_num_queries
+):
+    inst = waiting_instance(approval_workflow, params={"items": 3})
+    with django_assert_max_num_queries(12):
+        page = operator_client.get(
+            reverse("workflows:instance", args=[inst.row().pk])
+        ).content.decode()
+    assert 'data-status="waiting"' in page
+    assert 'data-step="prepare"' in page and 'data-step="approval"' in page
+    assert "instance.created" in page or "instance." in page
+    assert "Pending events" in page and "&quot;ok&quot;" in page  # the schema, escaped
+    buttons = re.findall(r"<button[^>]*>([^<]+)</button>", page)
+    assert {"Pause", "Terminate", "Restart", "Send event", "Cancel"} <= set(buttons)
+    assert "Resume" not in buttons and "Skip sleep" not in buttons
+
+
+def test_the_errors_page_lists_newest_first_and_filters_by_workflow(
+    operator_client, approval_workflow
+):
+    inst = get_workflow(approval_workflow).create()
+    from django.utils import timezone
+
+    for n, workflow in enumerate(["dash-approval", "other", "dash-approval"]):
+        ErrorRecord.objects.create(
+            instance=inst.row(),
+            workflow=workflow,
+            source="workflow.step",
+            name=f"Err{n}",
+            message="boom",
+            span_id="abcd",
+            created_at=timezone.now(),
+        )
+    page = operator_client.get(reverse("workflows:errors")).content.decode()
+    assert page.index("Err2") < page.index("Err1") < page.index("Err0")
+    filtered = operator_client.get(
+        reverse("workflows:errors"), {"workflow": "other"}
+    ).content.decode()
+    assert "Err1" in filtered and "Err0" not in filtered
+    assert '#span-abcd"' in page
+
+
+# --- actions -------------------------------------------------------------------------------
+
+
+def test_create_makes_an_instance_and_redirects_to_it(operator_client, approval_workflow):
+    response = operator_client.post(
+        reverse("workflows:create"),
+        {
+            "workflow": approval_workflow,
+            "id": "from-form",
+            "params": '{"items": 2}',
+        },
+    )
+    inst = Instance.objects.get(instance_id="from-form")
+    assert response["Location"] == reverse("workflows:instance", args=[inst.pk])
+    assert inst.params == {"items": 2} and inst.created_by == "operator"
+
+
+def test_create_reports_invalid_json_and_engine_errors(operator_client, approval_workflow):
+    bad_json = operator_client.post(
+        reverse("workflows:create"), {"workflow": approval_workflow, "params": "{nope"}
+    )
+    assert bad_json.status_code == 400 and "Not valid JSON" in bad_json.content.decode()
+    get_workflow(approval_workflow).create(id="taken")
+    taken = operator_client.post(
+        reverse("workflows:create"), {"workflow": approval_workflow, "id": "taken"}
+    )
+    assert taken.status_code == 400 and "taken" in taken.content.decode()
+    bad_id = operator_client.post(
+        reverse("workflows:create"), {"workflow": approval_workflow, "id": "no spaces"}
+    )
+    assert bad_id.status_code == 400
+    assert Instance.objects.count() == 1
+
+
+def history_types(inst) -> list[tuple[str, str]]:
+    return list(
+        HistoryRecord.objects.filter(instance_id=inst.row().pk)
+        .order_by("sequence")
+        .values_list("type", "actor")
+    )
+
+
+def test_pause_and_resume_record_the_operator(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(action_url(inst, "pause"))
+    assert inst.status().status == "paused"
+    operator_client.post(action_url(inst, "resume"))
+    assert inst.status().status == "running"
+    assert ("instance.paused", "operator") in history_types(inst)
+    assert ("instance.resumed", "operator") in history_types(inst)
+
+
+def test_terminate_stops_the_instance(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    response = operator_client.post(action_url(inst, "terminate"), follow=True)
+    assert inst.status().status == "terminated"
+    assert "Terminated." in response.content.decode()
+
+
+def test_send_event_validates_the_payload_against_the_schema(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    refused = operator_client.post(
+        action_url(inst, "send-event"),
+        {"type": "approval", "payload": '{"ok": "yes"}'},
+        follow=True,
+    )
+    assert "does not match the schema" in refused.content.decode()
+    malformed = operator_client.post(
+        action_url(inst, "send-event"), {"type": "approval", "payload": "{"}, follow=True
+    )
+    assert "Not valid JSON" in malformed.content.decode()
+    operator_client.post(
+        action_url(inst, "send-event"), {"type": "approval", "payload": '{"ok": true}'}
+    )
+    testing.run_until_idle()
+    assert [s.name for s in inst.steps()] == ["prepare", "approval", "cool-off"]
+
+
+def test_skip_sleep_wakes_the_sleeping_instance(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    inst.send_event("approval", {"ok": True})
+    testing.run_until_idle()
+    page = operator_client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    assert ">Skip sleep</button>" in page
+    operator_client.post(action_url(inst, "skip-sleep"))
+    testing.run_until_idle()
+    assert inst.status().status == "complete"
+    assert inst.status().output == {"prepared": {"items": 1}, "approved": True}
+
+
+def test_restart_from_a_step_drops_it_and_later_steps(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(action_url(inst, "restart"), {"from_step": "approval"})
+    assert [s.name for s in inst.steps()] == ["prepare"]
+    operator_client.post(action_url(inst, "restart"))
+    assert inst.steps() == []
+    assert inst.status().status == "running"
+
+
+def test_restart_from_an_unknown_step_shows_the_engine_error(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    response = operator_client.post(action_url(inst, "restart"), {"from_step": "nope"}, follow=True)
+    assert "has no step named" in response.content.decode()
+
+
+def test_cancel_with_and_without_compensation(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(action_url(inst, "cancel"), {"compensate": "on"})
+    assert inst.status().status == "terminated"  # no step has a compensation: terminated at once
+    assert ("instance.cancelled", "operator") in history_types(inst)
+
+
+def test_an_action_that_does_not_apply_shows_a_message(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    response = operator_client.post(action_url(inst, "resume"), follow=True)
+    assert "cannot resume" in response.content.decode()
+    assert inst.status().status == "waiting"
+
+
+def test_unknown_actions_and_instances_are_404(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    assert operator_client.post(action_url(inst, "explode")).status_code == 404
+    assert (
+        operator_client.post(reverse("workflows:action", args=[999999, "pause"])).status_code == 404
+    )
+    assert operator_client.get(reverse("workflows:instance", args=[999999])).status_code == 404
+
+
+def test_actions_redirect_back_only_to_this_site(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    assert (
+        operator_client.post(action_url(inst, "pause"), {"next": "/instances/?status=paused"})[
+            "Location"
+        ]
+        == "/instances/?status=paused"
+    )
+    assert operator_client.post(action_url(inst, "resume"), {"next": "https://evil.example/"})[
+        "Location"
+    ].startswith("/instances/")
+
+
+def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_workflow):
+    a, b, c = (waiting_instance(approval_workflow) for _ in range(3))
+    pks = [a.row().pk, b.row().pk]
+    operator_client.post(reverse("workflows:bulk"), {"action": "pause", "pk": pks})
+    assert [a.status().status, b.status().status, c.status().status] == [
+        "paused",
+        "paused",
+        "waiting",
+    ]
+    response = operator_client.post(
+        reverse("workflows:bulk"), {"action": "resume", "pk": [*pks, c.row().pk]}, follow=True
+    )
+    page = response.content.decode()
+    assert "Resume: 2 instance(s)." in page and "cannot resume" in page
+    operator_client.post(reverse("workflows:bulk"), {"action": "terminate", "pk": pks})
+    assert a.status().status == "terminated" and b.status().status == "terminated"
+
+
+def test_bulk_refuses_unknown_actions(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(reverse("workflows:bulk"), {"action": "restart", "pk": [inst.row().pk]})
+    assert inst.status().status == "waiting"
+
+
+# --- escaping ------------------------------------------------------------------------------
+
+
+def test_user_data_is_escaped_everywhere(operator_client, approval_workflow):
+    from django.utils import timezone
+
+    from workflows_app.models import Span
+
+    inst = get_workflow(approval_workflow).create(
+        id="xss", params={"note": XSS}, idempotency_key=XSS
+    )
+    testing.run_until_idle()
+    inst.send_event("approval", {"ok": True, "note": XSS}, actor=XSS)
+    row = inst.row()
+    now = timezone.now()
+    Span.objects.create(
+        instance=row,
+        trace_id="t" * 32,
+        span_id="s" * 16,
+        name=XSS,
+        kind="INTERNAL",
+        start_time=now,
+        end_time=now,
+        status_code="ERROR",
+        status_message=XSS,
+        attributes={"x": XSS},
+        events=[{"name": XSS, "timestamp": now.isoformat()}],
+    )
+    ErrorRecord.objects.create(
+        instance=row,
+        workflow=approval_workflow,
+        source="workflow.step",
+        name=XSS,
+        message=XSS,
+        created_at=now,
+    )
+    Instance.objects.filter(pk=row.pk).update(
+        error_name=XSS, error_message=XSS, error_stack=XSS, output_json=json.dumps({"o": XSS})
+    )
+    for url in (
+        reverse("workflows:instance", args=[row.pk]),
+        reverse("workflows:instances"),
+        reverse("workflows:errors"),
+        reverse("workflows:instance-live", args=[row.pk]),
+    ):
+        page = operator_client.get(url).content.decode()
+        assert "<script>alert" not in page, url
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, url
+
+
+# --- read models ---------------------------------------------------------------------------
+
+
+def test_summaries_bucket_completions_and_errors_by_finish_time(approval_workflow):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from workflows_app.dashboard import workflow_summaries
+
+    now = timezone.now()
+    done = [get_workflow(approval_workflow).create().row().pk for _ in range(4)]
+    Instance.objects.filter(pk__in=done[:3]).update(
+        status="complete", finished_at=now - timedelta(minutes=1)
+    )
+    Instance.objects.filter(pk=done[3]).update(
+        status="errored", finished_at=now - timedelta(minutes=58)
+    )
+    [summary] = [s for s in workflow_summaries(now=now) if s.name == approval_workflow]
+    assert summary.completed_series[-1] == 3 and summary.errored_series[0] == 1
+    assert summary.error_rate == 0.25 and summary.last_hour == 4 and summary.total == 4
+
+
+def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
+    operator_client, approval_workflow
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from workflows_app.dashboard import waterfall
+    from workflows_app.models import Span
+
+    row = get_workflow(approval_workflow).create().row()
+    t0 = timezone.now()
+
+    def span(span_id, parent, start_ms, end_ms, **extra):
+        return Span.objects.create(
+            instance=row,
+            trace_id="a" * 32,
+            span_id=span_id,
+            parent_span_id=parent,
+            name=span_id,
+            kind="INTERNAL",
+            start_time=t0 + timedelta(milliseconds=start_ms),
+            end_time=t0 + timedelta(milliseconds=end_ms),
+            **extra,
+        )
+
+    spans = [
+        span("root", "", 0, 1000),
+        span("late", "root", 600, 900),
+        span(
+            "early",
+            "root",
+            100,
+            500,
+            status_code="ERROR",
+            events=[{"name": "retry", "timestamp": (t0 + timedelta(milliseconds=300)).isoformat()}],
+        ),
+        span("grandchild", "early", 200, 300),
+        span("orphan", "missing-parent", 50, 60),
+    ]
+    rows, total_ms = waterfall(spans)
+    assert [(w.span.name, w.depth) for w in rows] == [
+        ("root", 0),
+        ("early", 1),
+        ("grandchild", 2),
+        ("late", 1),
+        ("orphan", 0),
+    ]
+    assert total_ms == 1000
+    early = rows[1]
+    assert (
+        early.is_error
+        and early.left == 10
+        and early.width == 40
+        and early.events == [{"left": 50.0, "name": "retry"}]
+    )
+    page = operator_client.get(reverse("workflows:instance", args=[row.pk])).content.decode()
+    assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
+
+
+def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, approval_workflow):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    inst = get_workflow(approval_workflow).create(id="dated")
+    created = timezone.now() - timedelta(hours=3)
+    Instance.objects.filter(pk=inst.row().pk).update(created_at=created)
+    local = created + timedelta(hours=2)  # the viewer is at UTC+2
+    url = reverse("workflows:instances")
+
+    def listed(**params):
+        return 'data-instance-id="dated"' in operator_client.get(url, params).content.decode()
+
+    after_it = (local + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M")
+    before_it = (local - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M")
+    assert listed(created_from=before_it, created_to=after_it, tz=120)
+    assert not listed(created_from=after_it, tz=120)
+    assert not listed(
+        created_from=before_it, created_to=after_it, tz=0
+    )  # read as UTC it is 2 h off

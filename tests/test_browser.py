@@ -1,0 +1,389 @@
+"""End-to-end: real headless Chromium against `manage.py runserver` (daphne + embedded engine).
+
+Skipped locally when Chromium (WFDASH_CHROMIUM, default /usr/bin/chromium) or Playwright is
+missing; with CI=true a missing browser fails the run instead.
+Every wait is a Playwright wait on a DOM condition, never a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = os.environ.get("WFDASH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+SERVER_START_TIMEOUT = 30.0  # seconds
+UI_TIMEOUT_MS = 15_000
+XSS = "<script>alert(1)</script>"
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install 'wfdash[test]')"
+    return None
+
+
+_reason = _missing()
+if _reason and os.environ.get("CI") == "true":
+    raise RuntimeError(f"browser tests cannot run in CI: {_reason}")
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+if _reason is None:
+    from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    """A runserver subprocess on a temp SQLite database; restartable on the same port."""
+
+    env: dict[str, str]
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def manage(self, *args: str) -> None:
+        subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, "manage.py", "runserver", "--noreload", f"127.0.0.1:{self.port}"],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:  # bounded readiness poll of a subprocess (no DOM to wait on yet)
+            try:
+                urllib.request.urlopen(f"{self.url}/admin/login/", timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"runserver did not start; see {self.log}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    tmp = tmp_path_factory.mktemp("browser")
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}",
+        "DJANGO_DEBUG": "1",
+        "WFDASH_DEMO": "1",
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    live = LiveServer(env, free_port(), tmp / "server.log")
+    live.manage("migrate", "--noinput")
+    live.manage(
+        "shell",
+        "-c",
+        "from django.contrib.auth.models import User; "
+        "User.objects.create_superuser('admin', 'admin@example.com', 'admin')",
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser, server: LiveServer) -> Iterator[Page]:
+    context = browser.new_context(base_url=server.url, viewport={"width": 1360, "height": 900})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    page = context.new_page()
+    page.goto("/admin/login/?next=/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "admin")
+    page.click("input[type=submit]")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    yield page
+    context.close()
+
+
+def create_from_form(page: Page, workflow: str, instance_id: str, params: str) -> None:
+    page.goto("/instances/")
+    page.get_by_text("New instance").click()
+    page.select_option("#id_workflow", workflow)
+    page.fill("#id_id", instance_id)
+    page.fill("#id_params", params)
+    page.get_by_role("button", name="Create").click()
+    expect(page.locator("h1.mono")).to_have_text(instance_id)
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+
+
+def mark_page(page: Page) -> None:
+    """A flag that a reload would wipe: asserting it later proves the update was live."""
+    page.evaluate("window.__noReload = true")
+
+
+def assert_not_reloaded(page: Page) -> None:
+    assert page.evaluate("window.__noReload === true"), "the page reloaded"
+
+
+def badge(page: Page) -> Any:
+    return page.locator('[data-section="head"] .badge[data-status]')
+
+
+def test_create_wait_for_event_send_it_and_complete(page: Page) -> None:
+    create_from_form(page, "order-approval", "e2e-approval", '{"amount": 7}')
+    mark_page(page)
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    expect(page.locator('[data-step="charge card"] .badge')).to_have_attribute(
+        "data-status", "complete"
+    )
+    assert_not_reloaded(page)
+
+    page.fill("#ev-type", "approval")
+    page.fill("#ev-payload", '{"ok": true, "by": "e2e"}')
+    page.get_by_role("button", name="Send event", exact=True).click()
+    expect(page.locator(".msg.success")).to_contain_text("Sent event")
+    mark_page(page)
+    page.get_by_role(
+        "button", name="Skip sleep", exact=True
+    ).click()  # appears live once the cool-off starts
+    mark_page(page)
+    expect(badge(page)).to_have_attribute("data-status", "complete")
+    expect(page.locator('[data-section="io"]')).to_contain_text("TRK-")
+    assert_not_reloaded(page)
+
+
+def test_the_create_form_flags_invalid_json_before_submitting(page: Page) -> None:
+    page.goto("/instances/")
+    page.get_by_text("New instance").click()
+    page.fill("#id_params", '{"amount": ')
+    expect(page.locator('[data-error-for="params"]')).to_contain_text("Not valid JSON")
+    expect(page.locator("#id_params")).to_have_attribute("aria-invalid", "true")
+    page.get_by_role("button", name="Create").click()
+    expect(page).to_have_url(re.compile(r"/instances/$"))  # the form was not submitted
+    page.fill("#id_params", '{"amount": 3}')
+    expect(page.locator('[data-error-for="params"]')).to_have_text("")
+
+
+def test_pause_and_terminate_from_the_buttons(page: Page) -> None:
+    create_from_form(page, "trial-reminder", "e2e-trial", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    page.get_by_role("button", name="Pause", exact=True).click()
+    expect(badge(page)).to_have_attribute("data-status", "paused")
+    expect(page.get_by_role("button", name="Resume", exact=True)).to_be_visible()
+    expect(page.get_by_role("button", name="Pause", exact=True)).to_have_count(0)
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Terminate", exact=True).click()
+    expect(badge(page)).to_have_attribute("data-status", "terminated")
+    expect(page.get_by_role("button", name="Cancel", exact=True)).to_have_count(0)
+    history = page.locator('[data-section="history"]')
+    expect(history).to_contain_text("instance.terminated")
+    expect(history).to_contain_text("by admin")
+
+
+def test_the_xss_payload_renders_as_text(page: Page) -> None:
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    create_from_form(page, "trial-reminder", "e2e-xss", f'{{"email": "{XSS}", "trial": "14 days"}}')
+    page.fill("#ev-type", "note")
+    page.fill("#ev-payload", f'{{"text": "{XSS}"}}')
+    page.get_by_role("button", name="Send event", exact=True).click()
+    expect(page.locator('[data-section="inbox"]')).to_contain_text(XSS)
+    expect(page.locator('[data-section="io"] pre').first).to_contain_text(XSS)
+    expect(
+        page.locator('[data-step="load user"] code, [data-step="load user"] pre').first
+    ).to_contain_text(XSS)
+    assert page.locator("script:not([src])").count() == 0
+    assert dialogs == []
+
+
+def test_the_list_updates_live_and_measures_latency(page: Page, server: LiveServer) -> None:
+    create_from_form(page, "trial-reminder", "e2e-latency", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    page.goto("/instances/?workflow=trial-reminder")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    row_badge = page.locator('tr[data-instance-id="e2e-latency"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    pk = page.locator('tr[data-instance-id="e2e-latency"]').get_attribute("data-pk")
+    samples: list[float] = []
+    for _ in range(20):
+        # In the page: POST the pause, and time until the socket's update reaches the badge.
+        # The clock starts before the request, so this bounds "DB commit → DOM" from above.
+        elapsed = page.evaluate(
+            """async ({pk}) => {
+                const badge = document.querySelector(`tr[data-pk="${pk}"] .badge`);
+                const token = document.querySelector('[name=csrfmiddlewaretoken]').value;
+                const changed = new Promise((resolve) => {
+                  const observer = new MutationObserver(() => {
+                    if (badge.dataset.status === "paused") { observer.disconnect(); resolve(performance.now()); }
+                  });
+                  observer.observe(badge, { attributes: true });
+                });
+                const start = performance.now();
+                await fetch(`/instances/${pk}/pause/`, { method: "POST", redirect: "manual",
+                  headers: { "X-CSRFToken": token }, credentials: "same-origin" });
+                return (await changed) - start;
+            }""",
+            {"pk": pk},
+        )
+        samples.append(float(elapsed))
+        page.evaluate(
+            """async ({pk}) => {
+                const token = document.querySelector('[name=csrfmiddlewaretoken]').value;
+                await fetch(`/instances/${pk}/resume/`, { method: "POST", redirect: "manual",
+                  headers: { "X-CSRFToken": token }, credentials: "same-origin" });
+            }""",
+            {"pk": pk},
+        )
+        expect(row_badge).to_have_attribute("data-status", "waiting")  # the engine parks it again
+    assert_not_reloaded(page)
+    median = statistics.median(samples)
+    print(
+        f"\nlive latency, pause POST → list badge (20 samples): median {median:.1f} ms, "
+        f"min {min(samples):.1f} ms, max {max(samples):.1f} ms"
+    )
+    assert median < 1000
+
+    # A new instance created elsewhere appears at the top of the list without a reload.
+    other = page.context.new_page()
+    create_from_form(other, "trial-reminder", "e2e-appears", '{"trial": "14 days"}')
+    other.close()
+    expect(page.locator("tbody[data-rows] tr").first).to_have_attribute(
+        "data-instance-id", "e2e-appears"
+    )
+    assert_not_reloaded(page)
+
+
+def test_the_overview_counts_move_live(page: Page) -> None:
+    page.goto("/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    total = page.locator('article[data-workflow="trial-reminder"] [data-field="total"]')
+    before = int(total.text_content() or "0")
+    other = page.context.new_page()
+    create_from_form(other, "trial-reminder", "e2e-overview", '{"trial": "14 days"}')
+    other.close()
+    expect(total).to_have_text(str(before + 1))
+    expect(
+        page.locator('article[data-workflow="trial-reminder"] .badge[data-status="waiting"]')
+    ).to_be_visible()
+    assert_not_reloaded(page)
+
+
+def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveServer) -> None:
+    page.goto("/instances/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    server.stop()
+    expect(page.locator("body")).to_have_attribute("data-socket", "disconnected")
+    server.start()
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected", timeout=30_000)
+    assert_not_reloaded(page)
+
+
+SEED_SPANS = """
+from datetime import timedelta
+from workflows_app.models import Instance, Span
+inst = Instance.objects.get(instance_id="e2e-pipeline")
+t0 = inst.started_at
+def ms(n): return t0 + timedelta(milliseconds=n)
+rows = [
+    ("root", "", "workflow.run data-pipeline", 0, 1120, "OK", {"workflow.name": "data-pipeline", "workflow.run": 1}, []),
+    ("a1", "root", "step.do extract", 5, 40, "ERROR", {"step.name": "extract", "step.attempt": 1},
+     [{"name": "exception", "timestamp": ms(38).isoformat(),
+       "attributes": {"exception.type": "ConnectionError", "exception.message": "upstream API timed out (attempt 1)"}}]),
+    ("a2", "root", "step.do extract", 1045, 1070, "OK", {"step.name": "extract", "step.attempt": 2}, []),
+    ("db1", "a2", "db.write_step", 1062, 1068, "OK", {"db.system": "sqlite"}, []),
+    ("ev", "root", "step.do sum evens", 1072, 1088, "OK", {"step.name": "sum evens"}, []),
+    ("od", "root", "step.do sum odds", 1073, 1089, "OK", {"step.name": "sum odds"}, []),
+    ("ld", "root", "step.do load", 1092, 1110, "OK", {"step.name": "load"}, []),
+]
+for sid, parent, name, a, b, code, attrs, events in rows:
+    Span.objects.create(instance=inst, trace_id=inst.trace_id or "0" * 32, span_id=sid, parent_span_id=parent,
+                        name=name, kind="INTERNAL", start_time=ms(a), end_time=ms(b), status_code=code,
+                        attributes=attrs, events=events)
+"""
+
+
+def test_screenshots_of_overview_list_and_detail(page: Page, server: LiveServer) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    create_from_form(page, "data-pipeline", "e2e-pipeline", '{"rows": 12, "flaky_attempts": 1}')
+    expect(badge(page)).to_have_attribute("data-status", "complete", timeout=30_000)
+    # The engine does not store spans yet: store a realistic trace so the waterfall shows.
+    server.manage("shell", "-c", SEED_SPANS)
+    page.reload()
+    failed = page.locator("#span-a1")
+    expect(failed).to_have_class("span span-error")
+    failed.locator(".span-row").click()
+    expect(page.locator("#span-detail-a1")).to_be_visible()
+    expect(page.locator("#span-detail-a1")).to_contain_text("upstream API timed out")
+    page.screenshot(path=ARTIFACTS / "detail.png", full_page=True)
+    page.goto("/instances/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    page.screenshot(path=ARTIFACTS / "list.png", full_page=True)
+    page.goto("/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    page.screenshot(path=ARTIFACTS / "overview.png", full_page=True)
+    page.emulate_media(color_scheme="dark")
+    page.screenshot(path=ARTIFACTS / "overview-dark.png", full_page=True)
+    for name in ("overview", "list", "detail"):
+        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000

@@ -1,0 +1,520 @@
+"""Read models for the dashboard: the queries behind its pages and its sockets.
+
+Views and consumers share these, so a page and the snapshot its socket sends on connect
+always agree. Every function issues a fixed number of queries, whatever the row count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any, TypedDict
+
+from django.db.models import Count, Q, QuerySet
+from django.utils import timezone
+
+from .client import decode_cursor, encode_cursor
+from .engine.registry import all_definitions
+from .models import (
+    FINISHED_STATUSES,
+    ErrorRecord,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Span,
+    Status,
+    StepKind,
+    StepRecord,
+    StepStatus,
+    WorkflowVersion,
+)
+
+PAGE_SIZE = 50
+CHART_MINUTES = 60  # the overview chart and "last hour" figures cover this window
+CHART_BUCKET_MINUTES = 5
+CHART_HEIGHT = 30  # SVG user units; the chart's viewBox is 100 x CHART_HEIGHT
+LARGE_OUTPUT_CHARS = 160  # step outputs longer than this start collapsed
+
+# Which actions apply to which status; the detail page shows a button only when it applies.
+LIVE_STATUSES = tuple(s for s in Status.values if s not in FINISHED_STATUSES)
+PAUSABLE = (Status.RUNNING, Status.WAITING, Status.QUEUED)
+RESUMABLE = (Status.PAUSED, Status.WAITING_FOR_PAUSE)
+
+
+# --- overview -----------------------------------------------------------------------------
+
+
+class WorkflowSummaryJSON(TypedDict):
+    name: str
+    versions: list[int]
+    counts: dict[str, int]
+    total: int
+    last_hour: int
+    finished_last_hour: int
+    errored_last_hour: int
+    error_rate: float | None
+    chart: list[dict[str, Any]]
+
+
+@dataclass
+class WorkflowSummary:
+    name: str
+    versions: list[int] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    last_hour: int = 0
+    completed_series: list[int] = field(
+        default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES)
+    )
+    errored_series: list[int] = field(
+        default_factory=lambda: [0] * (CHART_MINUTES // CHART_BUCKET_MINUTES)
+    )
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def finished_last_hour(self) -> int:
+        return sum(self.completed_series) + sum(self.errored_series)
+
+    @property
+    def errored_last_hour(self) -> int:
+        return sum(self.errored_series)
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errored_last_hour / self.finished_last_hour if self.finished_last_hour else None
+
+    @property
+    def status_counts(self) -> list[tuple[str, int]]:
+        """Counts in the order of the Status enum, so badges never jump around."""
+        return [(s, self.counts[s]) for s in Status.values if self.counts.get(s)]
+
+    def chart(self) -> list[dict[str, Any]]:
+        """Bars for the inline SVG: one per bucket, heights relative to the busiest bucket."""
+        peak = max([*self.completed_series, *self.errored_series, 1])
+        slot = 100 / len(self.completed_series)
+        bars = []
+        for i, (c, e) in enumerate(zip(self.completed_series, self.errored_series, strict=True)):
+            hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
+            bars.append(
+                {
+                    "completed": c,
+                    "errored": e,
+                    "minutes_ago": CHART_MINUTES - i * CHART_BUCKET_MINUTES,
+                    "w": round(slot * 0.4, 2),
+                    "x_ok": round(i * slot + slot * 0.1, 2),
+                    "x_err": round(i * slot + slot * 0.5, 2),
+                    "h_ok": hc,
+                    "y_ok": round(CHART_HEIGHT - hc, 2),
+                    "h_err": he,
+                    "y_err": round(CHART_HEIGHT - he, 2),
+                }
+            )
+        return bars
+
+    def as_json(self) -> WorkflowSummaryJSON:
+        return {
+            "name": self.name,
+            "versions": self.versions,
+            "counts": self.counts,
+            "total": self.total,
+            "last_hour": self.last_hour,
+            "finished_last_hour": self.finished_last_hour,
+            "errored_last_hour": self.errored_last_hour,
+            "error_rate": self.error_rate,
+            "chart": self.chart(),
+        }
+
+
+def workflow_summaries(
+    only: str | None = None, now: datetime | None = None
+) -> list[WorkflowSummary]:
+    """One summary per workflow (registered, or with instances): three queries in all."""
+    now = now or timezone.now()
+    since = now - timedelta(minutes=CHART_MINUTES)
+    instances = Instance.objects.all() if only is None else Instance.objects.filter(workflow=only)
+    summaries: dict[str, WorkflowSummary] = {}
+
+    def summary(name: str) -> WorkflowSummary:
+        return summaries.setdefault(name, WorkflowSummary(name))
+
+    versions: dict[str, set[int]] = {}
+    for d in all_definitions():
+        versions.setdefault(d.name, set()).add(d.version)
+    catalog = WorkflowVersion.objects.values_list("name", "version")
+    for name, version in catalog if only is None else catalog.filter(name=only):
+        versions.setdefault(name, set()).add(version)
+    for name, vs in versions.items():
+        if only is None or name == only:
+            summary(name).versions = sorted(vs, reverse=True)
+    for row in instances.values("workflow", "status").annotate(n=Count("id")).order_by():
+        summary(row["workflow"]).counts[row["status"]] = row["n"]
+    # One pass over the last hour: runs created, and one conditional COUNT per (bucket,
+    # outcome) on finished_at (plain comparisons: a per-row date truncation would call a
+    # Python function per row on SQLite). Neither column is indexed: this is a scan.
+    buckets = CHART_MINUTES // CHART_BUCKET_MINUTES
+    edges = [since + timedelta(minutes=CHART_BUCKET_MINUTES * i) for i in range(buckets)] + [
+        now + timedelta(days=1)
+    ]
+    aggregates = {
+        f"{outcome}_{i}": Count(
+            "id", filter=Q(status=outcome, finished_at__gte=edges[i], finished_at__lt=edges[i + 1])
+        )
+        for outcome in (Status.COMPLETE, Status.ERRORED)
+        for i in range(buckets)
+    }
+    recent = instances.filter(Q(created_at__gte=since) | Q(finished_at__gte=since))
+    for row in (
+        recent.values("workflow")
+        .annotate(last_hour=Count("id", filter=Q(created_at__gte=since)), **aggregates)
+        .order_by()
+    ):
+        s = summary(row["workflow"])
+        s.last_hour = row["last_hour"]
+        s.completed_series = [row[f"{Status.COMPLETE}_{i}"] for i in range(buckets)]
+        s.errored_series = [row[f"{Status.ERRORED}_{i}"] for i in range(buckets)]
+    return [summaries[name] for name in sorted(summaries)]
+
+
+# --- instance list ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ListFilters:
+    workflow: str = ""
+    status: str = ""
+    version: int | None = None
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+    q: str = ""
+
+    def apply(self, query: QuerySet[Instance]) -> QuerySet[Instance]:
+        if self.workflow:
+            query = query.filter(workflow=self.workflow)
+        if self.status:
+            query = query.filter(status=self.status)
+        if self.version is not None:
+            query = query.filter(version=self.version)
+        if self.created_from is not None:
+            query = query.filter(created_at__gte=self.created_from)
+        if self.created_to is not None:
+            query = query.filter(created_at__lt=self.created_to)
+        if self.q:
+            query = query.filter(
+                Q(instance_id=self.q)
+                | Q(idempotency_key=self.q)
+                | Q(instance_id__startswith=self.q)
+            )
+        return query
+
+
+# The columns a list row shows; loading only these keeps a page cheap at any table size.
+ROW_FIELDS = (
+    "id",
+    "workflow",
+    "instance_id",
+    "version",
+    "status",
+    "created_at",
+    "updated_at",
+    "finished_at",
+    "error_name",
+    "idempotency_key",
+    "waiting_reason",
+)
+
+
+@dataclass(frozen=True)
+class InstancePage:
+    rows: list[Instance]
+    older: str | None  # cursor of the next (older) page
+    newer: str | None  # cursor of the previous (newer) page
+
+
+def instance_page(
+    filters: ListFilters,
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = PAGE_SIZE,
+) -> InstancePage:
+    """Keyset pagination on the primary key, newest first: no OFFSET, no COUNT(*).
+
+    `after` pages to older rows (id < cursor); `before` to newer ones (id > cursor).
+    Both directions fetch one extra row to know whether another page exists.
+    """
+    query = filters.apply(Instance.objects.only(*ROW_FIELDS))
+    if before:
+        rows = list(query.filter(id__gt=decode_cursor(before)).order_by("id")[: limit + 1])
+        more_newer = len(rows) > limit
+        rows = rows[:limit][::-1]
+        return InstancePage(
+            rows,
+            encode_cursor(rows[-1].pk) if rows else None,
+            encode_cursor(rows[0].pk) if rows and more_newer else None,
+        )
+    if after:
+        query = query.filter(id__lt=decode_cursor(after))
+    rows = list(query.order_by("-id")[: limit + 1])
+    more_older = len(rows) > limit
+    rows = rows[:limit]
+    return InstancePage(
+        rows,
+        encode_cursor(rows[-1].pk) if rows and more_older else None,
+        encode_cursor(rows[0].pk) if rows and after else None,
+    )
+
+
+def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:
+    """Instances created after the newest row a live page shows, for prepending."""
+    return list(
+        filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk).order_by("-id")[:limit]
+    )
+
+
+# --- instance detail ----------------------------------------------------------------------
+
+
+def pretty_json(text: str | None) -> str:
+    """Indented JSON for <pre> blocks (the template escapes it)."""
+    if text is None:
+        return ""
+    try:
+        return json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=False)
+    except ValueError:
+        return text
+
+
+@dataclass
+class WaterfallSpan:
+    span: Span
+    depth: int
+    left: float  # percent of the trace's duration
+    width: float
+    events: list[dict[str, Any]]  # each with "left" (percent within the bar) and "name"
+
+    @property
+    def is_error(self) -> bool:
+        return self.span.status_code == "ERROR"
+
+    @property
+    def attributes_json(self) -> str:
+        return json.dumps(self.span.attributes, indent=2, ensure_ascii=False, default=str)
+
+    @property
+    def events_json(self) -> str:
+        return json.dumps(self.span.events, indent=2, ensure_ascii=False, default=str)
+
+
+def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
+    """Spans in tree order (children under their parent, siblings by start), with bar geometry."""
+    if not spans:
+        return [], 0.0
+    start = min(s.start_time for s in spans)
+    end = max(s.end_time for s in spans)
+    total = max((end - start).total_seconds(), 1e-6)
+    ids = {s.span_id for s in spans}
+    children: dict[str, list[Span]] = {}
+    for s in spans:
+        parent = s.parent_span_id if s.parent_span_id in ids else ""
+        children.setdefault(parent, []).append(s)
+    out: list[WaterfallSpan] = []
+
+    def visit(parent: str, depth: int) -> None:
+        for s in sorted(children.get(parent, []), key=lambda x: x.start_time):
+            duration = max((s.end_time - s.start_time).total_seconds(), 0.0)
+            marks = []
+            for event in s.events if isinstance(s.events, list) else []:
+                at = _event_time(event)
+                offset = (
+                    ((at - s.start_time).total_seconds() / duration * 100)
+                    if at and duration
+                    else 0.0
+                )
+                marks.append(
+                    {
+                        "left": round(min(max(offset, 0.0), 100.0), 2),
+                        "name": str(event.get("name", "")),
+                    }
+                )
+            out.append(
+                WaterfallSpan(
+                    s,
+                    depth,
+                    round((s.start_time - start).total_seconds() / total * 100, 3),
+                    max(round(duration / total * 100, 3), 0.3),
+                    marks,
+                )
+            )
+            if s.span_id != parent:
+                visit(s.span_id, depth + 1)
+
+    visit("", 0)
+    return out, total * 1000
+
+
+def _event_time(event: Any) -> datetime | None:
+    if not isinstance(event, dict):
+        return None
+    value = event.get("timestamp") or event.get("time")
+    if isinstance(value, (int, float)):  # OTel nanoseconds since the epoch
+        return datetime.fromtimestamp(value / 1e9, tz=UTC)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    return None
+
+
+@dataclass
+class StepView:
+    """A step row with its output pretty-printed once."""
+
+    record: StepRecord
+
+    @cached_property
+    def output_pretty(self) -> str:
+        return pretty_json(self.record.output_json)
+
+    @property
+    def output_is_large(self) -> bool:
+        return (
+            len(self.output_pretty) > LARGE_OUTPUT_CHARS
+            or "\n" in self.output_pretty.strip()[:LARGE_OUTPUT_CHARS]
+        )
+
+
+@dataclass
+class PendingEventView:
+    step: str
+    type: str
+    timeout_at: datetime | None
+    schema: str
+
+
+@dataclass
+class InstanceDetail:
+    instance: Instance
+    steps: list[StepView]
+    history: list[HistoryRecord]
+    pending: list[PendingEventView]
+    spans: list[WaterfallSpan]
+    trace_ms: float
+    errors: list[ErrorRecord]
+    inbox: list[InboxEvent]
+
+    @property
+    def params_pretty(self) -> str:
+        return pretty_json(self.instance.params_json)
+
+    @property
+    def output_pretty(self) -> str:
+        return pretty_json(self.instance.output_json)
+
+    @property
+    def is_live(self) -> bool:
+        return self.instance.status in LIVE_STATUSES
+
+    @property
+    def can_pause(self) -> bool:
+        return self.instance.status in PAUSABLE
+
+    @property
+    def can_resume(self) -> bool:
+        return self.instance.status in RESUMABLE
+
+    @property
+    def can_skip_sleep(self) -> bool:
+        return any(
+            s.record.kind in (StepKind.SLEEP, StepKind.SLEEP_UNTIL)
+            and s.record.status == StepStatus.WAITING
+            for s in self.steps
+        )
+
+    @property
+    def restartable_steps(self) -> list[str]:
+        return [s.record.name for s in self.steps if s.record.kind != StepKind.COMPENSATE]
+
+
+def instance_detail(pk: int) -> InstanceDetail:
+    """Everything the detail page shows: one query per table."""
+    instance = Instance.objects.get(pk=pk)
+    steps = [StepView(s) for s in StepRecord.objects.filter(instance_id=pk).order_by("seq")]
+    pending = [
+        PendingEventView(
+            s.record.name,
+            s.record.event_type,
+            s.record.wake_at,
+            pretty_json(s.record.event_schema_json),
+        )
+        for s in steps
+        if s.record.kind == StepKind.WAIT_FOR_EVENT and s.record.status == StepStatus.WAITING
+    ]
+    history = list(HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence"))
+    spans, trace_ms = waterfall(list(Span.objects.filter(instance_id=pk).order_by("start_time")))
+    errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
+    inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
+    return InstanceDetail(instance, steps, history, pending, spans, trace_ms, errors, inbox)
+
+
+class InstanceSummaryJSON(TypedDict):
+    pk: int
+    id: str
+    workflow: str
+    version: int
+    status: str
+    updated_at: str
+    finished_at: str | None
+    error: str
+
+
+def instance_summary(row: Instance) -> InstanceSummaryJSON:
+    """The JSON a socket sends when an instance changes."""
+    return {
+        "pk": row.pk,
+        "id": row.instance_id,
+        "workflow": row.workflow,
+        "version": row.version,
+        "status": row.status,
+        "updated_at": row.updated_at.isoformat(),
+        "finished_at": row.finished_at.isoformat() if row.finished_at else None,
+        "error": row.error_name,
+    }
+
+
+def error_page(
+    workflow: str = "", after: str | None = None, limit: int = PAGE_SIZE
+) -> tuple[list[ErrorRecord], str | None]:
+    """ErrorRecord newest first, keyset-paginated like the instance list."""
+    query = ErrorRecord.objects.select_related("instance").only(
+        "id",
+        "workflow",
+        "source",
+        "step_name",
+        "attempt",
+        "name",
+        "message",
+        "trace_id",
+        "span_id",
+        "created_at",
+        "instance__id",
+        "instance__instance_id",
+        "instance__workflow",
+    )
+    if workflow:
+        query = query.filter(workflow=workflow)
+    if after:
+        query = query.filter(id__lt=decode_cursor(after))
+    rows = list(query.order_by("-id")[: limit + 1])
+    return rows[:limit], encode_cursor(rows[limit - 1].pk) if len(rows) > limit else None
+
+
+def workflow_names() -> list[str]:
+    """Registered workflows plus any seen in the catalog (old versions may have instances)."""
+    names = {d.name for d in all_definitions()}
+    names.update(WorkflowVersion.objects.values_list("name", flat=True).distinct())
+    return sorted(names)

@@ -1,0 +1,119 @@
+"""Dashboard forms: they parse and validate input; the engine enforces its own rules."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from django import forms
+
+from .dashboard import ListFilters, workflow_names
+from .models import Status
+
+
+class JSONField(forms.CharField):
+    """A textarea of JSON; empty means null. Errors say where the JSON broke."""
+
+    widget = forms.Textarea(
+        attrs={"rows": 5, "spellcheck": "false", "class": "json", "data-json": "1"}
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("required", False)
+        super().__init__(strip=True, **kwargs)
+
+    def to_python(self, value: Any) -> Any:
+        text = super().to_python(value)
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(
+                f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
+
+
+class CreateInstanceForm(forms.Form):
+    workflow = forms.ChoiceField()
+    id = forms.CharField(
+        required=False, max_length=200, label="Instance id", help_text="optional; a UUID if empty"
+    )
+    idempotency_key = forms.CharField(required=False, max_length=200)
+    params = JSONField(label="Params (JSON)")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["workflow"].choices = [(n, n) for n in workflow_names()]
+
+
+class SendEventForm(forms.Form):
+    type = forms.CharField(max_length=100)
+    payload = JSONField(label="Payload (JSON)")
+
+
+class RestartForm(forms.Form):
+    from_step = forms.CharField(required=False, max_length=300)
+
+
+class CancelForm(forms.Form):
+    compensate = forms.BooleanField(required=False)
+
+
+BULK_ACTIONS = ("pause", "resume", "terminate")
+MAX_BULK = 500  # one engine transaction per instance: keep a request bounded
+
+
+class BulkActionForm(forms.Form):
+    action = forms.ChoiceField(choices=[(a, a.title()) for a in BULK_ACTIONS])
+    pk = forms.TypedMultipleChoiceField(coerce=int, choices=[])
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Any integer is acceptable here; unknown ones simply match no instance.
+        self.fields["pk"].valid_value = lambda value: str(value).isdigit()  # type: ignore[attr-defined]
+
+    def clean_pk(self) -> list[int]:
+        pks: list[int] = self.cleaned_data["pk"]
+        if len(pks) > MAX_BULK:
+            raise forms.ValidationError(f"select at most {MAX_BULK} instances at once")
+        return pks
+
+
+class ListFilterForm(forms.Form):
+    workflow = forms.ChoiceField(required=False)
+    status = forms.ChoiceField(required=False, choices=[("", "any status"), *Status.choices])
+    version = forms.IntegerField(required=False, min_value=1)
+    created_from = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    created_to = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
+    # The browser's UTC offset in minutes, set by dashboard.js: datetime-local inputs carry
+    # the viewer's wall-clock time, and every date on the page is shown in local time.
+    tz = forms.IntegerField(required=False, min_value=-840, max_value=840, widget=forms.HiddenInput)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["workflow"].choices = [
+            ("", "any workflow"),
+            *((n, n) for n in workflow_names()),
+        ]
+
+    def filters(self) -> ListFilters:
+        """The valid filters; an invalid field is ignored (and shown as an error)."""
+        self.is_valid()  # fills cleaned_data with the fields that did validate
+        data = self.cleaned_data
+        offset = timedelta(minutes=data.get("tz") or 0)
+        created_from, created_to = data.get("created_from"), data.get("created_to")
+        return ListFilters(
+            workflow=data.get("workflow") or "",
+            status=data.get("status") or "",
+            version=data.get("version"),
+            created_from=created_from - offset if created_from else None,
+            created_to=created_to - offset if created_to else None,
+            q=(data.get("q") or "").strip(),
+        )
