@@ -53,7 +53,7 @@ def test_a_killed_worker_s_instances_are_taken_over_and_every_step_checkpoints_o
     for start in range(0, FLEET_SIZE, 100):
         wf.create_batch([{"id": f"f{n}"} for n in range(start, min(start + 100, FLEET_SIZE))])
     total_steps = FLEET_SIZE * 5
-    fleet = workers(3)
+    fleet = workers(3, WFDASH_LEASE_SECONDS="4")
     wait_until(lambda: len(fleet_workflows.ledger_rows()) >= total_steps // 4, 120, "a quarter of the steps")
     victim = fleet[0]
     victim.kill()

@@ -72,6 +72,10 @@ class EngineHooks:
         # Runs already announced as running: the list hears of a run once, not at every step.
         self._announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
+    def step_started(self, run: Any, record: Any) -> None:
+        """An attempt begins (nothing is written yet): show the step running."""
+        self.step_written(run, record, ())
+
     def step_written(self, run: Any, record: Any, history: Any) -> None:
         step = {
             "name": record.name,
@@ -109,10 +113,11 @@ class EngineHooks:
         )
 
     def flush(self) -> None:
-        """After each run, in the engine's database thread: store the spans it produced."""
+        """In the engine's database thread: store queued spans and announce them."""
         from .tracing import flush_spans
 
-        flush_spans()
+        for span in flush_spans():
+            self.span_stored(span)
 
     def run_finished(self, pk: int, outcome: str) -> None:
         from .client import wake_result_waiters

@@ -147,12 +147,6 @@ class Run:
         inst = self.instance
         if inst.status == "waitingForPause":
             return await self._park()  # a pause asked for while a crashed run held the lease
-        try:
-            await self.db(
-                store.mark_running, self.pk, self.token, inst.run_count + 1, inst.status, self.compensating
-            )
-        except LeaseLost:
-            return "aborted"
         event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
         workflow = self.definition.cls(inst.instance_id)
         self.span = spans.start_workflow_span(
@@ -162,7 +156,7 @@ class Run:
                 "workflow.name": self.definition.name,
                 "workflow.instance_id": inst.instance_id,
                 "workflow.version": self.definition.version,
-                "workflow.run": inst.run_count + 1,
+                "workflow.run": inst.run_count,
             },
         )
         # The workflow coroutine runs with the run's span current: user spans nest under it.
@@ -405,7 +399,9 @@ class Run:
             raise StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
         return future.result()
 
-    async def schedule_retry(self, record: StepRecord, exc: BaseException, delay_ms: int) -> None:
+    async def schedule_retry(
+        self, record: StepRecord, exc: BaseException, delay_ms: int, history: list[History] | None = None
+    ) -> None:
         name, message, stack = error_fields(exc)
         record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
         record.status = StepStatus.RETRYING
@@ -415,6 +411,7 @@ class Run:
         await self.write(
             record,
             [
+                *(history or []),
                 History("step.failed", {"step": record.name, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
                 History("step.retry_scheduled", {"step": record.name, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
             ],

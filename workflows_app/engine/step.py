@@ -205,17 +205,21 @@ class Step:
                 raise await run.fail_step(record, None, nonretryable=False)
             record.attempts += 1
             record.status = StepStatus.RUNNING
-            await run.write(record, [History("step.started", {"step": name, "attempt": record.attempts})])
+            # No write before the attempt: its start is recorded with its outcome, in the one
+            # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
+            started = [History("step.started", {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()})]
+            if run.hooks is not None:
+                run.hooks.step_started(run, record)
             try:
                 result = await run.attempt(record, fn, timeout_ms)
                 output_json = encode_step_output(result, name, run.limits)
             except (NonRetryableError, StepOutputError) as exc:
-                raise await run.fail_step(record, exc, nonretryable=True) from exc
+                raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
             except Exception as exc:  # a failed attempt: retry or give up
                 if record.attempts >= policy.limit + 1:
-                    raise await run.fail_step(record, exc, nonretryable=False) from exc
+                    raise await run.fail_step(record, exc, nonretryable=False, history=started) from exc
                 delay = policy.delay_after(record.attempts)
-                await run.schedule_retry(record, exc, delay)
+                await run.schedule_retry(record, exc, delay, history=started)
                 if delay > 0:
                     await activity.block(wake_at=record.wake_at)
                 continue
@@ -224,7 +228,7 @@ class Step:
             record.completed_at = clock.now()
             record.wake_at = None
             await run.write(
-                record, [History("step.completed", {"step": name, "attempt": record.attempts})], progress=True
+                record, [*started, History("step.completed", {"step": name, "attempt": record.attempts})], progress=True
             )
             return json.loads(output_json)
 

@@ -8,6 +8,7 @@ or another worker takes it over, the old run's writes match no row and are refus
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,19 @@ from .errors import (
 from .limits import Limits
 
 INSTANCE_TABLE = Instance._meta.db_table
+STEP_TABLE = StepRecord._meta.db_table
+HISTORY_TABLE = HistoryRecord._meta.db_table
+STEP_COLUMNS = (
+    "instance_id", "name", "kind", "seq", "status", "output_json", "attempts", "max_attempts",
+    "last_error_name", "last_error_message", "last_error_stack", "started_at", "completed_at",
+    "wake_at", "event_type", "event_schema_json", "has_compensation",
+)
+# One statement whether the step is new or not: a checkpoint is an upsert keyed by name.
+UPSERT_STEP_SQL = (
+    f"INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join(['%s'] * len(STEP_COLUMNS))}) "
+    "ON CONFLICT (instance_id, name) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in STEP_COLUMNS[2:])
+)
 
 
 class LeaseLost(Exception):
@@ -87,11 +101,30 @@ def _allocate_history(pk: int, count: int) -> int:
     return row[0] - count + 1
 
 
+def _db_time(value: datetime | None) -> Any:
+    """A datetime as this database's driver wants it in raw SQL (SQLite: naive UTC text)."""
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def _json_placeholder() -> str:
+    return "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
+
+
 def _insert_history(pk: int, first_seq: int, records: Sequence[History], now: datetime) -> None:
-    HistoryRecord.objects.bulk_create(
-        HistoryRecord(instance_id=pk, sequence=first_seq + i, created_at=now, type=r.type, data=r.data, actor=r.actor)
-        for i, r in enumerate(records)
-    )
+    """One multi-row INSERT: history is written on every checkpoint, so it skips the ORM."""
+    if not records:
+        return
+    row = f"(%s, %s, %s, %s, {_json_placeholder()}, %s)"
+    params: list[Any] = []
+    created = _db_time(now)
+    for i, r in enumerate(records):
+        params += [pk, first_seq + i, created, r.type, json.dumps(r.data, separators=(",", ":")), r.actor]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) VALUES "
+            + ", ".join([row] * len(records)),
+            params,
+        )
 
 
 def append_history(pk: int, records: Sequence[History], now: datetime | None = None) -> None:
@@ -265,11 +298,15 @@ def load_run(pk: int) -> LoadedRun:
 # --- claims and leases --------------------------------------------------------------
 
 
-def claim_runnable(worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()) -> list[tuple[int, str]]:
-    """Lease up to `limit` runnable instances to this worker; returns (pk, token) pairs.
+def claim_runnable(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
+) -> list[tuple[int, str]]:
+    """Lease up to `limit` runnable instances to this worker and start a run of each.
 
     Runnable: wake_at <= now and no live lease. PostgreSQL skips rows another worker is
     claiming (FOR UPDATE SKIP LOCKED); SQLite's IMMEDIATE transaction serialises claimers.
+    The claim also marks the run as started (status and run.started), so a run costs no
+    transaction of its own before its first checkpoint.
     """
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
@@ -283,16 +320,33 @@ def claim_runnable(worker_id: str, limit: int, lease_seconds: float, exclude: It
         )
         if connection.features.has_select_for_update_skip_locked:
             query = query.select_for_update(skip_locked=True, of=("self",))
-        rows = list(query.values_list("id", "lease_token")[:limit])
-        for pk, old_token in rows:
-            token = uuid.uuid4().hex
-            taken_over = old_token is not None
-            updated = Instance.objects.filter(id=pk, lease_token=old_token).update(
-                lease_owner=worker_id, lease_token=token, lease_expires_at=lease_until,
-                unproductive_claims=F("unproductive_claims") + (1 if taken_over else 0),
-            )
-            if updated:
-                claimed.append((pk, token))
+        rows = list(query.values_list("id", "lease_token", "status", "run_count", "compensate_on_cancel")[:limit])
+        started: list[tuple[int, int, History]] = []
+        with connection.cursor() as cursor:
+            for pk, old_token, status, run_count, compensating in rows:
+                token = uuid.uuid4().hex
+                if compensating:
+                    new_status = Status.COMPENSATING
+                elif status in (Status.WAITING, Status.RUNNING):
+                    new_status = Status.RUNNING
+                else:
+                    new_status = status  # waitingForPause: the run parks it as paused
+                cursor.execute(
+                    f"UPDATE {INSTANCE_TABLE} SET lease_owner = %s, lease_token = %s, lease_expires_at = %s, "
+                    "unproductive_claims = unproductive_claims + %s, status = %s, waiting_reason = %s, "
+                    "run_count = run_count + 1, history_seq = history_seq + 1 "
+                    f"WHERE id = %s AND {'lease_token IS NULL' if old_token is None else 'lease_token = %s'} "
+                    "RETURNING history_seq",
+                    [worker_id, token, _db_time(lease_until), 0 if old_token is None else 1, new_status,
+                     "", pk, *([] if old_token is None else [old_token])],
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    claimed.append((pk, token))
+                    data = {"run": run_count + 1, "from": status, "worker": worker_id}
+                    started.append((pk, row[0], History("run.started", data)))
+        for pk, seq, record in started:
+            _insert_history(pk, seq, [record], now)
     return claimed
 
 
@@ -320,16 +374,20 @@ def next_wake_at() -> datetime | None:
 # --- writes of a run (fenced) --------------------------------------------------------
 
 
-def _fence(pk: int, token: str, now: datetime, history_count: int, step_seq: int | None) -> tuple[str, int]:
+def _fence(
+    pk: int, token: str, now: datetime, history_count: int, step_seq: int | None, progress: bool = False
+) -> tuple[str, int]:
     """Lock the instance row if and only if this run still owns it.
 
     Returns (status, first history sequence number); raises LeaseLost otherwise.
     """
     sets = "history_seq = history_seq + %s, updated_at = %s"
-    params: list[Any] = [history_count, now]
+    params: list[Any] = [history_count, _db_time(now)]
     if step_seq is not None:
         sets += ", step_seq = %s"
         params.append(step_seq)
+    if progress:
+        sets += ", unproductive_claims = 0"
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {INSTANCE_TABLE} SET {sets} WHERE id = %s AND lease_token = %s RETURNING status, history_seq",
@@ -357,21 +415,22 @@ def write_step(
     """
     now = clock.now()
     with transaction.atomic():
-        status, first_seq = _fence(pk, token, now, len(history), step.seq)
+        status, first_seq = _fence(pk, token, now, len(history), step.seq, progress)
         if consume_event is not None:
             taken = InboxEvent.objects.filter(id=consume_event, consumed_at__isnull=True).update(
                 consumed_at=now, consumed_by=step.name
             )
             if not taken:
                 raise LeaseLost(f"event #{consume_event} was consumed by another run")
-        if step.pk is None:
-            step.instance_id = pk
-            step.save(force_insert=True)
-        else:
-            step.save(force_update=True)
+        step.instance_id = pk
+        with connection.cursor() as cursor:
+            cursor.execute(UPSERT_STEP_SQL, [
+                pk, step.name, step.kind, step.seq, step.status, step.output_json, step.attempts,
+                step.max_attempts, step.last_error_name, step.last_error_message, step.last_error_stack,
+                _db_time(step.started_at), _db_time(step.completed_at), _db_time(step.wake_at),
+                step.event_type, step.event_schema_json, step.has_compensation,
+            ])
         _insert_history(pk, first_seq, history, now)
-        if progress:
-            Instance.objects.filter(id=pk).update(unproductive_claims=0)
         if error is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
     return status
@@ -396,6 +455,7 @@ def finish(
             return False
         instance = Instance.objects.only("workflow", "retention_ms").get(id=pk)
         retention = instance.retention_ms if instance.retention_ms is not None else limits.max_retention
+        
         name, message, stack = error or ("", "", "")
         Instance.objects.filter(id=pk).update(
             status=status, output_json=output_json, error_name=name, error_message=message, error_stack=stack,
@@ -405,7 +465,8 @@ def finish(
         _insert_history(pk, first_seq, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
-        promote_queued(instance.workflow, limits, now)
+        if limits.max_concurrent_instances is not None:  # queues exist only under a limit
+            promote_queued(instance.workflow, limits, now)
     return True
 
 
@@ -465,20 +526,6 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
             status=Status.WAITING, wake_at=None, waiting_reason=VERSION_MISSING + reason,
             lease_token=None, lease_owner="", lease_expires_at=None,
         )
-
-
-def mark_running(pk: int, token: str, run_number: int, from_status: str, compensating: bool) -> None:
-    """The run has begun: status running (or compensating) and run.started."""
-    now = clock.now()
-    with transaction.atomic():
-        status, first_seq = _fence(pk, token, now, 1, None)
-        if status in (Status.WAITING, Status.RUNNING, Status.COMPENSATING):
-            Instance.objects.filter(id=pk).update(
-                status=Status.COMPENSATING if compensating else Status.RUNNING, waiting_reason="", run_count=run_number
-            )
-        else:
-            Instance.objects.filter(id=pk).update(run_count=run_number)
-        _insert_history(pk, first_seq, [History("run.started", {"run": run_number, "from": from_status})], now)
 
 
 # --- operator actions ---------------------------------------------------------------

@@ -13,9 +13,10 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
@@ -29,6 +30,7 @@ log = logging.getLogger("workflows_app.engine")
 
 # Takeovers without any step completing before an instance is declared poison and errored.
 MAX_UNPRODUCTIVE_CLAIMS = 3
+FLUSH_SECONDS = 0.1  # spans are stored in batches at most this often while busy
 
 
 def engine_settings() -> dict[str, Any]:
@@ -38,25 +40,30 @@ def engine_settings() -> dict[str, Any]:
 class ConnectionThreads:
     """A thread pool whose threads keep their own database connections until close().
 
-    close() must not wait for a thread still running an abandoned step (timed out): that
-    thread closes its own connection when its call returns.
+    Each thread's connections are remembered, so close() can close them all from outside,
+    except those of a thread still running an abandoned (timed-out) step: that thread
+    closes its own when its call returns.
     """
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self._busy = 0
+        self._busy: set[int] = set()
+        self._connections: dict[int, list[Any]] = {}
         self._closing = False
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        ident = threading.get_ident()
         with self._lock:
-            self._busy += 1
+            self._busy.add(ident)
         try:
             return fn(*args)
         finally:
+            opened = list(connections.all(initialized_only=True))
             with self._lock:
-                self._busy -= 1
+                self._busy.discard(ident)
+                self._connections[ident] = opened
                 closing = self._closing
             if closing:
                 connections.close_all()
@@ -69,21 +76,17 @@ class ConnectionThreads:
         return await loop.run_in_executor(self.pool, functools.partial(self._call, fn, *args))
 
     def close(self) -> None:
-        """Close every idle thread's database connection, then let the threads go."""
+        """Close the connections of every idle thread, then let the threads go."""
         with self._lock:
             self._closing = True
-            idle = len(self.pool._threads) - self._busy
-        if idle > 0:
-            barrier = threading.Barrier(idle)
-
-            def close_connection() -> None:
-                connections.close_all()
+            idle = [conns for ident, conns in self._connections.items() if ident not in self._busy]
+        for conns in idle:
+            for conn in conns:
+                conn.inc_thread_sharing()  # closing another thread's idle connection is safe
                 try:
-                    barrier.wait(timeout=5)  # one close per thread: each waits for the others
-                except threading.BrokenBarrierError:
-                    pass
-
-            wait([self.pool.submit(close_connection) for _ in range(idle)], timeout=10)
+                    conn.close()
+                finally:
+                    conn.dec_thread_sharing()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -126,6 +129,7 @@ class Worker:
         self.tasks: dict[int, asyncio.Task[str]] = {}
         self.tokens: dict[int, str] = {}
         self.runs_started = 0
+        self._last_flush = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -140,10 +144,14 @@ class Worker:
         self._wake = asyncio.Event()
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step")
-        await self.db(sync_catalog)
-        definitions = registry.all_definitions()
-        await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
-        await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
+        try:
+            await self.db(sync_catalog)
+            definitions = registry.all_definitions()
+            await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
+            await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
+        except BaseException:
+            await self._close_threads()
+            raise
         with _local_lock:
             _local_workers.add(self)
         self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
@@ -162,6 +170,13 @@ class Worker:
             _local_workers.discard(self)
         if self._unsubscribe_clock:
             self._unsubscribe_clock()
+        try:
+            await self.flush_hooks(force=True)
+        except Exception:
+            log.exception("worker %s: could not store the last spans", self.worker_id)
+        await self._close_threads()
+
+    async def _close_threads(self) -> None:
         loop = asyncio.get_running_loop()
         for threads in (self.db, self.step_threads):
             if threads is not None:
@@ -223,6 +238,16 @@ class Worker:
                 self.runs[pk].abort("lease lost")
         return lost
 
+    async def flush_hooks(self, force: bool = False) -> None:
+        """Store queued spans: after runs, at most every FLUSH_SECONDS, and when idle."""
+        if self.hooks is None:
+            return
+        now = time.monotonic()
+        if force or now - self._last_flush >= FLUSH_SECONDS:
+            self._last_flush = now
+            assert self.db is not None
+            await self.db(self.hooks.flush)
+
     async def _execute(self, pk: int, token: str) -> str:
         assert self.db is not None
         try:
@@ -250,8 +275,7 @@ class Worker:
             outcome = await run.execute()
             if outcome == "aborted" and run.abort_reason == "worker shutting down":
                 await self.db(store.release, pk, token)
-            if self.hooks is not None:
-                await self.db(self.hooks.flush)
+            await self.flush_hooks()
             return outcome
         except asyncio.CancelledError:
             raise
@@ -284,6 +308,7 @@ class Worker:
                     started, timeout, due = 0, self.poll_seconds, None
                 if due is not None:
                     timeout = max(0.0, min(timeout, (due - clock.now()).total_seconds()))
+                await self.flush_hooks(force=True)  # going idle: store what is queued
                 waiters = [asyncio.ensure_future(self._wake.wait())]
                 if stop is not None:
                     waiters.append(asyncio.ensure_future(stop.wait()))
@@ -311,6 +336,7 @@ class Worker:
             while True:
                 runs += await self.claim_and_start()
                 if not self.tasks:
+                    await self.flush_hooks(force=True)
                     return  # nothing claimable now and nothing running: idle
                 await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
 
