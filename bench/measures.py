@@ -23,7 +23,7 @@ from workflows_app.models import Instance, StepKind, StepRecord, StepStatus
 
 from . import workflows as wf
 from .inproc import ServingWorker, run_until_idle
-from .procs import WorkerProcess, rss_mb
+from .procs import WorkerProcess, rss_mb, stop_all
 
 Figures = dict[str, Any]
 
@@ -372,14 +372,14 @@ def _idle_rss(settle: float = 3.0) -> float:
         return max(samples)
 
 
-def parked_memory(n: int) -> Figures:
+def parked_memory(n: int, settle: float = 3.0) -> Figures:
     """RSS of an idle worker process with 0, then with n parked instances in the database."""
-    empty = _idle_rss()
+    empty = _idle_rss(settle)
     far = clock.now() + timedelta(days=300)
     t0 = time.perf_counter()
     bulk_park("bench-parked", _prefix("parked"), n, StepKind.WAIT_FOR_EVENT, "wait", far, None, event_type="go")
     insert_s = time.perf_counter() - t0
-    full = _idle_rss()
+    full = _idle_rss(settle)
     return {
         "parked_100k_rss_delta_mb": full - empty,
         "parked_rss_empty_mb": empty,
@@ -444,6 +444,5 @@ def fleet(n: int, sizes: tuple[int, ...] = (1, 3)) -> Figures:
             finished = _wait_count("bench-steps5", prefix, n, timeout=600, every=0.02)
             out[f"fleet_{k}_worker{'s' if k > 1 else ''}_per_s"] = n / (finished - t0)
         finally:
-            for proc in procs:
-                proc.stop()
+            stop_all(procs)
     return out

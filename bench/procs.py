@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ class WorkerProcess:
             "DJANGO_SETTINGS_MODULE": "wfdash.settings",
             "WFDASH_DEMO": "0",
             "PYTHONUNBUFFERED": "1",
+            "WFDASH_LOG_LEVEL": "INFO",  # wait_ready() reads the engine's "running" line
             **env,
         }
         self.log = tempfile.NamedTemporaryFile(mode="w+", prefix="bench-worker-", suffix=".log", delete=False)
@@ -51,7 +53,7 @@ class WorkerProcess:
         """Until the engine logged that it runs (after migrations check, catalog sync)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "wfdash worker" in self.output() and "running" in self.output():
+            if re.search(r"wfdash worker \S+ running", self.output()):
                 return
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.output()[-3000:]}")
@@ -64,7 +66,7 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)  # idempotent: stop_all() may have sent it
             try:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
@@ -78,3 +80,12 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_all(procs: list[WorkerProcess]) -> None:
+    """SIGTERM every worker first, then wait for each (they shut down in parallel)."""
+    for proc in procs:
+        if proc.process.poll() is None:
+            proc.process.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.stop()
