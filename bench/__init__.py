@@ -1,0 +1,1 @@
+"""wfdash benchmarks: `python -m bench [--quick] [--only NAME,...]` (see docs/bench.md)."""

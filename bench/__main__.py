@@ -1,0 +1,181 @@
+"""python -m bench [--quick] [--only NAME,...]
+
+Runs every measurement in one process on the database named by DATABASE_URL (default: a
+fresh SQLite file in a temp dir; PostgreSQL: `<dbname>_bench`, recreated), prints a table
+and, as the last line, one JSON object with every figure (null where not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# Full sizes; --quick divides each by 10.
+FULL = {
+    "baseline": (5, 200),
+    "per_step": 200,
+    "throughput": 2000,
+    "event": 100,
+    "timers": 50,
+    "herd": 10_000,
+    "replay": 1000,
+    "recovery": 500,
+    "fleet": 300,
+    "parked_memory": 100_000,
+}
+
+# The JSON keys every run prints (null when the measurement was skipped or failed).
+REQUIRED_KEYS = [
+    "db", "baseline_commit_ms", "per_step_ms", "per_step_ms_untraced", "per_step_ratio", "one_step_per_s",
+    "one_step_per_s_concurrent", "event_latency_p50_ms", "event_latency_p95_ms", "event_latency_worker_p50_ms",
+    "timer_lateness_p50_ms", "timer_lateness_p95_ms", "herd_10k_wake_s", "replay_1000_ratio",
+    "parked_100k_rss_delta_mb", "recovery_500_s", "fleet_1_worker_per_s", "fleet_3_workers_per_s",
+]
+
+# Figures in milliseconds per operation: shown against the baseline commit as well.
+PER_COMMIT_MS = {
+    "per_step_ms", "per_step_ms_untraced", "event_latency_p50_ms", "event_latency_p95_ms",
+    "event_latency_worker_p50_ms", "event_latency_worker_p95_ms", "replay_run_ms", "replay_load_rows_ms",
+}
+# Figures in operations per second: shown as commits of the baseline per operation.
+PER_SECOND = {"one_step_per_s", "one_step_per_s_concurrent", "fleet_1_worker_per_s", "fleet_3_workers_per_s",
+              "herd_wake_per_s", "create_sequential_per_s"}
+
+
+def scaled(quick: bool) -> dict[str, Any]:
+    if not quick:
+        return {**FULL, "herd_lead_s": 3.0, "settle_s": 3.0}
+    out: dict[str, Any] = {k: max(1, v // 10) for k, v in FULL.items() if isinstance(v, int)}
+    out["baseline"] = (5, 50)
+    # The herd and the parked rows cost engine time per instance (~20-30 ms on SQLite on a
+    # 2-core box): a tenth of them alone would take most of the minute --quick is allowed.
+    out["herd"] = FULL["herd"] // 40
+    out["parked_memory"] = FULL["parked_memory"] // 20
+    out["herd_lead_s"] = 1.5
+    out["settle_s"] = 1.5
+    return out
+
+
+def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    from . import measures as m
+
+    # Parked memory last: its 100k rows would otherwise sit under every later measurement.
+    return [
+        ("baseline", lambda: m.baseline(*size["baseline"])),
+        ("per_step", lambda: m.per_step(size["per_step"])),
+        ("throughput", lambda: m.throughput(size["throughput"])),
+        ("event", lambda: m.event_latency(size["event"])),
+        ("event_worker", lambda: m.event_latency_worker(size["event"])),
+        ("timers", lambda: m.timer_lateness(size["timers"])),
+        ("herd", lambda: m.herd(size["herd"], size["herd_lead_s"])),
+        ("replay", lambda: m.replay(size["replay"])),
+        ("recovery", lambda: m.recovery(size["recovery"])),
+        ("fleet", lambda: m.fleet(size["fleet"])),
+        ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
+    ]
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def vs_baseline(key: str, value: Any, base_ms: float | None) -> str:
+    if not base_ms or not isinstance(value, (int, float)):
+        return ""
+    if key in PER_COMMIT_MS:
+        return f"{value / base_ms:,.1f} commits"
+    if key in PER_SECOND and value:
+        return f"{1000 / value / base_ms:,.1f} commits/instance"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tenth of every size (under a minute on SQLite)")
+    parser.add_argument("--only", default="", help="comma-separated measurements: " + ",".join(
+        ["baseline", "per_step", "throughput", "event", "event_worker", "timers", "herd", "replay",
+         "recovery", "fleet", "parked_memory"]))
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
+    os.environ["WFDASH_DEMO"] = "0"
+    os.environ.setdefault("WFDASH_LOG_LEVEL", "WARNING")
+    # Production-like: DEBUG=True wraps every query in CursorDebugWrapper (and, on SQLite,
+    # quotes its parameters with an extra round trip). Set DJANGO_DEBUG=1 to measure that.
+    os.environ.setdefault("DJANGO_DEBUG", "0")
+    from .dbsetup import prepare_database
+
+    url = prepare_database()
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connection
+
+    from . import workflows  # noqa: F401  (registers the bench workflows)
+
+    call_command("migrate", verbosity=0)
+    vendor = connection.vendor
+    size = scaled(args.quick)
+    steps = plan(size)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = only - {name for name, _ in steps}
+    if unknown:
+        parser.error(f"unknown measurement(s): {', '.join(sorted(unknown))}")
+
+    results: dict[str, Any] = {key: None for key in REQUIRED_KEYS}
+    results["db"] = vendor
+    rows: list[tuple[str, str, Any]] = []
+    failures: list[str] = []
+    started = time.perf_counter()
+    print(f"wfdash bench on {vendor} ({url.split('@')[-1]}), {'quick' if args.quick else 'full'} sizes, "
+          f"python {platform.python_version()}, {os.cpu_count()} cpus, redis={'yes' if os.environ.get('REDIS_URL') else 'no'}",
+          file=sys.stderr)
+    for name, measure in steps:
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            figures = measure()
+        except Exception:
+            failures.append(name)
+            print(f"[{name}] FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+            continue
+        print(f"[{name}] {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        results.update(figures)
+        rows.extend((name, key, value) for key, value in figures.items())
+
+    base = results.get("baseline_commit_ms")
+    if base and results.get("per_step_ms") is not None:
+        results["per_step_ratio"] = results["per_step_ms"] / base
+        rows.append(("per_step", "per_step_ratio", results["per_step_ratio"]))
+    results["failed"] = failures
+    results["quick"] = args.quick
+    results["total_s"] = time.perf_counter() - started
+
+    width = max([len(k) for _, k, _ in rows] + [10])
+    print(f"{'measurement':<14} {'figure':<{width}} {'value':>14}  vs baseline")
+    print("-" * (width + 45))
+    for name, key, value in rows:
+        print(f"{name:<14} {key:<{width}} {fmt(value):>14}  {vs_baseline(key, value, base)}")
+    print("-" * (width + 45))
+    print(json.dumps(results, default=str))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

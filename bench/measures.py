@@ -1,0 +1,448 @@
+"""One small function per measurement; each returns a dict of figures (None = not measured)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, connections, transaction
+from django.db.backends.signals import connection_created
+
+from workflows_app.client import get_workflow
+from workflows_app.engine import clock, spans
+from workflows_app.engine.worker import notify_local
+from workflows_app.models import Instance, StepKind, StepRecord, StepStatus
+
+from . import workflows as wf
+from .inproc import ServingWorker, run_until_idle
+from .procs import WorkerProcess, rss_mb, stop_all
+
+Figures = dict[str, Any]
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _prefix(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+def _create(workflow: str, prefix: str, n: int, params: Any = None, batch: int = 100) -> None:
+    binding = get_workflow(workflow)
+    for start in range(0, n, batch):
+        binding.create_batch(
+            [{"id": f"{prefix}-{i}", "params": params} for i in range(start, min(n, start + batch))]
+        )
+
+
+def _count(workflow: str, prefix: str, status: str = "complete") -> int:
+    return Instance.objects.filter(workflow=workflow, instance_id__startswith=prefix + "-", status=status).count()
+
+
+def _wait_count(workflow: str, prefix: str, n: int, timeout: float, every: float = 0.05) -> float:
+    """Poll until n instances are complete; returns time.perf_counter() when seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _count(workflow, prefix) >= n:
+            return time.perf_counter()
+        time.sleep(every)
+    raise TimeoutError(f"{workflow}: {_count(workflow, prefix)}/{n} complete after {timeout} s")
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
+
+
+def bulk_park(
+    workflow: str, prefix: str, n: int, kind: str, step_name: str, wake_at: Any, params: Any,
+    event_type: str = "", batch: int = 2000,
+) -> None:
+    """Insert n instances already parked on one waiting step (the state a run leaves)."""
+    import json
+
+    now = clock.now()
+    params_json = json.dumps(params)
+    for start in range(0, n, batch):
+        with transaction.atomic():
+            rows = Instance.objects.bulk_create(
+                Instance(
+                    workflow=workflow, instance_id=f"{prefix}-{i}", version=1, status="waiting",
+                    params_json=params_json, created_at=now, updated_at=now, started_at=now, wake_at=wake_at,
+                    run_count=1, history_seq=0, trace_id=uuid.uuid4().hex,
+                )
+                for i in range(start, min(n, start + batch))
+            )
+            StepRecord.objects.bulk_create(
+                StepRecord(
+                    instance_id=row.pk, name=step_name, kind=kind, seq=1, status=StepStatus.WAITING,
+                    attempts=1, started_at=now, wake_at=wake_at, event_type=event_type,
+                )
+                for row in rows
+            )
+
+
+class QueryCounter:
+    """Counts SQL statements on every connection opened while installed (all threads)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kinds: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
+        with self.lock:
+            self.count += 1
+            self.kinds[word] = self.kinds.get(word, 0) + 1
+        return execute(sql, params, many, context)
+
+    def _install(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        connection.execute_wrappers.append(self)
+
+    def __enter__(self) -> QueryCounter:
+        connection_created.connect(self._install)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        connection_created.disconnect(self._install)
+
+
+# --- 1. baseline -----------------------------------------------------------------------
+
+
+def baseline(batches: int, per_batch: int) -> Figures:
+    """Single-row INSERT + COMMIT per transaction, same driver and settings as the engine."""
+    per_commit_ms: list[float] = []
+    if connection.vendor == "sqlite":
+        conn = sqlite3.connect(settings.DATABASES["default"]["NAME"], isolation_level=None, timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_baseline (id INTEGER PRIMARY KEY, v TEXT)")
+        try:
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                for i in range(per_batch):
+                    conn.execute("BEGIN IMMEDIATE")
+                    conn.execute("INSERT INTO bench_baseline (v) VALUES (?)", (f"row {i}",))
+                    conn.execute("COMMIT")
+                per_commit_ms.append((time.perf_counter() - t0) * 1000 / per_batch)
+        finally:
+            conn.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS bench_baseline (id BIGSERIAL PRIMARY KEY, v TEXT)")
+            conn.commit()
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                for i in range(per_batch):
+                    conn.execute("INSERT INTO bench_baseline (v) VALUES (%s)", (f"row {i}",))
+                    conn.commit()
+                per_commit_ms.append((time.perf_counter() - t0) * 1000 / per_batch)
+    ms = statistics.median(per_commit_ms)
+    return {"baseline_commit_ms": ms, "baseline_commits_per_s": 1000 / ms}
+
+
+# --- 2. per-step overhead --------------------------------------------------------------
+
+
+def per_step(instances: int, steps: int = 10) -> Figures:
+    """Wall time of run_until_idle over instances × steps no-op async steps, traced and not."""
+    out: Figures = {}
+    was = spans._enabled
+    try:
+        for traced, key in ((True, "per_step_ms"), (False, "per_step_ms_untraced")):
+            spans.set_enabled(traced)
+            prefix = _prefix("steps")
+            _create("bench-steps10", prefix, instances)
+            _, seconds = run_until_idle()
+            done = _count("bench-steps10", prefix)
+            if done != instances:
+                raise RuntimeError(f"only {done}/{instances} instances completed")
+            out[key] = seconds * 1000 / (instances * steps)
+        # Statements per step, on a smaller untimed run (the counting wrapper costs time).
+        spans.set_enabled(True)
+        small = max(5, instances // 10)
+        prefix = _prefix("steps-q")
+        _create("bench-steps10", prefix, small)
+        with QueryCounter() as counter:
+            run_until_idle()
+        out["queries_per_step"] = counter.count / (small * steps)
+        out["queries_per_step_by_kind"] = {k: round(v / (small * steps), 2) for k, v in sorted(counter.kinds.items())}
+    finally:
+        spans.set_enabled(was)
+    return out
+
+
+# --- 3. throughput ---------------------------------------------------------------------
+
+
+def throughput(n: int, threads: int = 4, batch: int = 100) -> Figures:
+    """One-step instances created while a serving in-process worker runs them."""
+    out: Figures = {}
+    binding = get_workflow("bench-step1")
+    with ServingWorker() as w:
+        prefix = _prefix("one")
+        t0 = time.perf_counter()
+        for i in range(n):
+            binding.create(id=f"{prefix}-{i}")
+        created = time.perf_counter()
+        if not w.hooks.wait_for("complete", n, timeout=600):
+            raise TimeoutError("sequential throughput: instances did not complete")
+        out["one_step_per_s"] = n / (time.perf_counter() - t0)
+        out["create_sequential_per_s"] = n / (created - t0)
+
+    with ServingWorker() as w:
+        prefix = _prefix("onec")
+        errors: list[BaseException] = []
+
+        def creator(k: int) -> None:
+            try:
+                mine = [i for i in range(n) if (i // batch) % threads == k]
+                for start in range(0, len(mine), batch):
+                    binding.create_batch([{"id": f"{prefix}-{i}"} for i in mine[start:start + batch]])
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            finally:
+                connections.close_all()
+
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=creator, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+        if not w.hooks.wait_for("complete", n, timeout=600):
+            raise TimeoutError("concurrent throughput: instances did not complete")
+        out["one_step_per_s_concurrent"] = n / (time.perf_counter() - t0)
+    return out
+
+
+# --- 4. event latency ------------------------------------------------------------------
+
+
+def event_latency(n: int) -> Figures:
+    """send_event → the step after wait_for_event starts, with a serving in-process worker."""
+    binding = get_workflow("bench-event")
+    latencies: list[float] = []
+    with ServingWorker() as w:
+        prefix = _prefix("ev")
+        for i in range(n):
+            iid = f"{prefix}-{i}"
+            handle = binding.create(id=iid)
+            if not w.hooks.wait_for("waiting", i + 1, timeout=30):
+                raise TimeoutError(f"{iid} did not park")
+            arrived = threading.Event()
+            wf.MARK_WAITERS[iid] = arrived
+            t0 = time.perf_counter()
+            handle.send_event("go")
+            if not arrived.wait(30):
+                raise TimeoutError(f"{iid}: the step after the wait did not run")
+            latencies.append((wf.MARKS[iid] - t0) * 1000)
+            wf.MARK_WAITERS.pop(iid, None)
+    return {"event_latency_p50_ms": _pct(latencies, 50), "event_latency_p95_ms": _pct(latencies, 95)}
+
+
+def event_latency_worker(n: int) -> Figures:
+    """The same through a separate `runworker workflows` process (needs REDIS_URL for the hint)."""
+    if not os.environ.get("REDIS_URL"):
+        return {"event_latency_worker_p50_ms": None, "event_latency_worker_p95_ms": None}
+    wf.ensure_marks_table()
+    binding = get_workflow("bench-event-table")
+    latencies: list[float] = []
+    with WorkerProcess(WFDASH_POLL_SECONDS="5") as proc:
+        proc.wait_ready()
+        prefix = _prefix("evw")
+        for i in range(n):
+            iid = f"{prefix}-{i}"
+            handle = binding.create(id=iid)
+            deadline = time.monotonic() + 30
+            while handle.status().status != "waiting":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{iid} did not park in the worker process")
+                time.sleep(0.005)
+            t0 = time.time()
+            handle.send_event("go")
+            with connection.cursor() as cursor:
+                while True:
+                    cursor.execute("SELECT t FROM bench_marks WHERE instance_id = %s", [iid])
+                    row = cursor.fetchone()
+                    if row is not None:
+                        break
+                    if time.time() - t0 > 30:
+                        raise TimeoutError(f"{iid}: no mark from the worker process")
+                    time.sleep(0.001)
+            latencies.append((row[0] - t0) * 1000)
+    return {"event_latency_worker_p50_ms": _pct(latencies, 50), "event_latency_worker_p95_ms": _pct(latencies, 95)}
+
+
+# --- 5. timers -------------------------------------------------------------------------
+
+
+def timer_lateness(n: int, sleep_ms: int = 100) -> Figures:
+    """n sequential instances sleeping sleep_ms: step-after-sleep start minus stored wake time."""
+    binding = get_workflow("bench-sleep")
+    lateness: list[float] = []
+    with ServingWorker():
+        prefix = _prefix("sleep")
+        for i in range(n):
+            iid = f"{prefix}-{i}"
+            arrived = threading.Event()
+            wf.MARK_WAITERS[iid] = arrived
+            handle = binding.create(id=iid, params={"ms": sleep_ms})
+            if not arrived.wait(30):
+                raise TimeoutError(f"{iid}: the step after the sleep did not run")
+            wake_at = StepRecord.objects.get(instance_id=handle.row().pk, name="nap").wake_at
+            lateness.append((wf.MARKS[iid + "@wall"] - wake_at.timestamp()) * 1000)
+            wf.MARK_WAITERS.pop(iid, None)
+    return {"timer_lateness_p50_ms": _pct(lateness, 50), "timer_lateness_p95_ms": _pct(lateness, 95)}
+
+
+def herd(n: int, lead_seconds: float = 3.0) -> Figures:
+    """n instances parked on sleep_until the same instant: seconds from it until all complete."""
+    prefix = _prefix("herd")
+    far = clock.now() + timedelta(days=300)
+    bulk_park("bench-herd", prefix, n, StepKind.SLEEP_UNTIL, "until", far, {"at": int(far.timestamp() * 1000)})
+    at = clock.now() + timedelta(seconds=lead_seconds)
+    params = f'{{"at": {int(at.timestamp() * 1000)}}}'
+    with transaction.atomic():
+        pks = Instance.objects.filter(workflow="bench-herd", instance_id__startswith=prefix + "-")
+        pks.update(wake_at=at, params_json=params)
+        StepRecord.objects.filter(instance__in=pks, name="until").update(wake_at=at)
+    with ServingWorker() as w:
+        notify_local("wake")
+        if not w.hooks.wait_for("complete", n, timeout=max(600, n * 0.1)):
+            raise TimeoutError(f"herd: {w.hooks.outcomes['complete']}/{n} complete")
+        done = time.time()
+    seconds = done - at.timestamp()
+    return {"herd_10k_wake_s": seconds, "herd_instances": n, "herd_wake_per_s": n / seconds}
+
+
+# --- 6. replay -------------------------------------------------------------------------
+
+
+def replay(steps: int, loads: int = 5) -> Figures:
+    """The run that replays `steps` checkpoints vs loading their rows once."""
+    handle = get_workflow("bench-replay").create(params={"steps": steps})
+    run_until_idle()
+    if handle.status().status != "waiting":
+        raise RuntimeError(f"replay instance is {handle.status().status}, not waiting")
+    pk = handle.row().pk
+    handle.send_event("go")
+    _, replay_s = run_until_idle()
+    if handle.status().status != "complete":
+        raise RuntimeError(f"replay instance is {handle.status().status} after the event")
+    load_times = []
+    for _ in range(loads):
+        t0 = time.perf_counter()
+        rows = list(StepRecord.objects.filter(instance_id=pk))
+        load_times.append(time.perf_counter() - t0)
+    load_s = statistics.median(load_times)
+    return {
+        "replay_1000_ratio": replay_s / load_s,
+        "replay_run_ms": replay_s * 1000,
+        "replay_load_rows_ms": load_s * 1000,
+        "replay_rows": len(rows),
+    }
+
+
+# --- 7. parked memory ------------------------------------------------------------------
+
+
+def _idle_rss(settle: float = 3.0) -> float:
+    with WorkerProcess(WFDASH_POLL_SECONDS="1") as proc:
+        proc.wait_ready()
+        samples = []
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline:
+            samples.append(rss_mb(proc.pid))
+            time.sleep(0.1)
+        return max(samples)
+
+
+def parked_memory(n: int, settle: float = 3.0) -> Figures:
+    """RSS of an idle worker process with 0, then with n parked instances in the database."""
+    empty = _idle_rss(settle)
+    far = clock.now() + timedelta(days=300)
+    t0 = time.perf_counter()
+    bulk_park("bench-parked", _prefix("parked"), n, StepKind.WAIT_FOR_EVENT, "wait", far, None, event_type="go")
+    insert_s = time.perf_counter() - t0
+    full = _idle_rss(settle)
+    return {
+        "parked_100k_rss_delta_mb": full - empty,
+        "parked_rss_empty_mb": empty,
+        "parked_rss_full_mb": full,
+        "parked_instances": n,
+        "parked_insert_s": insert_s,
+    }
+
+
+# --- 8. crash recovery -----------------------------------------------------------------
+
+
+def recovery(n: int, kill_fraction: float = 0.3) -> Figures:
+    """SIGKILL a worker process mid-run (lease 2 s); seconds from the kill until all complete."""
+    prefix = _prefix("crash")
+    env = {"WFDASH_LEASE_SECONDS": "2", "WFDASH_POLL_SECONDS": "1"}
+    _create("bench-slow", prefix, n)
+    done_steps = StepRecord.objects.filter(
+        instance__workflow="bench-slow", instance__instance_id__startswith=prefix + "-", status="complete"
+    )
+    first = WorkerProcess(**env)
+    try:
+        first.wait_ready()
+        deadline = time.monotonic() + 120
+        while done_steps.count() < n * 4 * kill_fraction:
+            if time.monotonic() > deadline:
+                raise TimeoutError("recovery: the first worker made no progress")
+            time.sleep(0.02)
+        first.kill()
+        killed = time.perf_counter()
+        in_flight = Instance.objects.filter(
+            workflow="bench-slow", instance_id__startswith=prefix + "-", lease_token__isnull=False
+        ).count()
+    finally:
+        first.stop()
+    with WorkerProcess(**env) as second:
+        second.wait_ready()
+        ready = time.perf_counter()
+        finished = _wait_count("bench-slow", prefix, n, timeout=600)
+    return {
+        "recovery_500_s": finished - killed,
+        "recovery_instances": n,
+        "recovery_leased_at_kill": in_flight,
+        "recovery_new_worker_boot_s": ready - killed,
+    }
+
+
+# --- 9. fleet --------------------------------------------------------------------------
+
+
+def fleet(n: int, sizes: tuple[int, ...] = (1, 3)) -> Figures:
+    """Instances/s of a 5-step no-op workflow with 1 and 3 worker processes."""
+    out: Figures = {}
+    for k in sizes:
+        procs = [WorkerProcess(WFDASH_POLL_SECONDS="0.1") for _ in range(k)]
+        try:
+            for proc in procs:
+                proc.wait_ready()
+            prefix = _prefix(f"fleet{k}")
+            t0 = time.perf_counter()
+            _create("bench-steps5", prefix, n)
+            finished = _wait_count("bench-steps5", prefix, n, timeout=600, every=0.02)
+            out[f"fleet_{k}_worker{'s' if k > 1 else ''}_per_s"] = n / (finished - t0)
+        finally:
+            stop_all(procs)
+    return out
