@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import weakref
 from typing import Any
 
-from asgiref.sync import async_to_sync
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 
 from .engine.worker import notify_local
@@ -55,14 +55,36 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
         publish(OVERVIEW_GROUP, message)
-    layer = _cross_process_layer()
-    if layer is not None:
+    if _cross_process_layer() is not None:
+        _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
+
+
+_sender_loop: asyncio.AbstractEventLoop | None = None
+_sender_lock = threading.Lock()
+
+
+def _background_send(group: str, message: dict[str, Any]) -> None:
+    """Hand a cross-process message to a long-lived sender loop and return at once.
+
+    Sync callers (views, the client, tests) must not wait for Redis: async_to_sync per
+    message cost tens of milliseconds each. Messages keep their order per caller.
+    """
+    global _sender_loop
+    with _sender_lock:
+        if _sender_loop is None or _sender_loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="wfdash-live-sender", daemon=True).start()
+            _sender_loop = loop
+        loop = _sender_loop
+    layer = get_channel_layer()
+
+    async def send() -> None:
         try:
-            async_to_sync(layer.group_send)(
-                WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk}
-            )
-        except Exception:  # a lost hint costs latency only
-            log.warning("could not send a %s hint for instance #%s", kind, pk, exc_info=True)
+            await layer.group_send(group, message)
+        except Exception:  # a lost hint or notification costs latency only
+            log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
+
+    asyncio.run_coroutine_threadsafe(send(), loop)
 
 
 class EngineHooks:
@@ -198,7 +220,7 @@ def publish(group: str, message: dict[str, Any]) -> None:
         elif target is not None:
             target.call_soon_threadsafe(start)
         else:
-            async_to_sync(send)()  # a sync thread, cross-process layer
+            _background_send(group, message)  # a sync thread, cross-process layer
     except RuntimeError:  # the loop closed meanwhile
         pass
 
