@@ -21,13 +21,14 @@ from typing import Any
 
 import jsonschema
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 
 from . import live
 from .engine import errors, spans, store
 from .engine.durations import parse_duration
-from .engine.limits import check_event_type, check_instance_id, check_size, encode_json
-from .engine.registry import Definition, get_definition
+from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
+from .engine.registry import Definition, find_definition, get_definition
 from .engine.store import NewInstance
 from .models import FINISHED_STATUSES, HistoryRecord, Instance, Status, StepKind, StepRecord, StepStatus, decode_json
 
@@ -155,7 +156,7 @@ class WorkflowBinding:
             if is_new:
                 spans.creation_span(instance.trace_id, self.name, instance.instance_id, actor=_actor(actor))
                 _after_commit("created", instance, self.name)
-        return [InstanceHandle(self.name, instance.instance_id, instance) for instance, _ in created]
+        return [InstanceHandle(self.name, instance.instance_id, instance, created=is_new) for instance, is_new in created]
 
     async def acreate(self, *args: Any, **kwargs: Any) -> InstanceHandle:
         return await sync_to_async(self.create)(*args, **kwargs)
@@ -231,20 +232,26 @@ def wake_result_waiters(pk: int | None) -> None:
 class InstanceHandle:
     """One instance of a workflow, by id. Methods read and write the database each call."""
 
-    def __init__(self, workflow: str, id: str, row: Instance | None = None) -> None:
+    def __init__(self, workflow: str, id: str, row: Instance | None = None, created: bool = False) -> None:
         self.workflow = workflow
         self.id = id
         self._row = row
+        # True when create() made this instance; False when an idempotency key found it.
+        self.created = created
 
     def __repr__(self) -> str:
         return f"<InstanceHandle {self.workflow}/{self.id}>"
 
-    def _limits(self) -> Any:
+    def _limits(self) -> Limits:
+        """The limits of the instance's version; the settings' limits if its code is gone."""
         row = self.row()
-        try:
-            return get_definition(self.workflow, row.version).limits()
-        except errors.UnknownWorkflow:
-            return get_definition(self.workflow).limits()
+        definition = find_definition(self.workflow, row.version)
+        if definition is None:
+            try:
+                definition = get_definition(self.workflow)
+            except errors.UnknownWorkflow:
+                return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+        return definition.limits()
 
     def row(self, refresh: bool = True) -> Instance:
         if refresh or self._row is None:

@@ -59,6 +59,12 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
         _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
 
 
+def instances_promoted(pks: list[int]) -> None:
+    """Queued instances were started (a place freed up): tell workers and dashboards."""
+    for pk in pks:
+        instance_changed("promoted", pk)
+
+
 _sender_loop: asyncio.AbstractEventLoop | None = None
 _sender_lock = threading.Lock()
 

@@ -111,6 +111,14 @@ class Instance(models.Model):
             models.Index(fields=["workflow", "id"], name="instance_wf_id"),
             # prune: WHERE expires_at <= now
             models.Index(fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)),
+            # span flush: WHERE trace_id IN (...)
+            models.Index(fields=["trace_id"], name="instance_trace"),
+            # dashboard search across workflows: WHERE instance_id = ? / idempotency_key = ?
+            models.Index(fields=["instance_id"], name="instance_public_id"),
+            models.Index(fields=["idempotency_key"], name="instance_idem", condition=Q(idempotency_key__isnull=False)),
+            # overview: runs and finishes in the last hour
+            models.Index(fields=["created_at"], name="instance_created"),
+            models.Index(fields=["finished_at"], name="instance_finished", condition=Q(finished_at__isnull=False)),
         ]
 
     def __str__(self) -> str:

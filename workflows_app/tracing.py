@@ -8,11 +8,12 @@ queues them, and the engine flushes the queue from its database thread after eac
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -25,6 +26,17 @@ from .engine import spans as engine_spans
 log = logging.getLogger("workflows_app.tracing")
 
 MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rather than grow memory
+
+
+FLUSH_ROWS = 500  # spans per INSERT statement (SQLite allows 32,766 parameters)
+
+
+class StoredSpan(NamedTuple):
+    instance_id: int | None
+    trace_id: str
+    span_id: str
+    name: str
+    status_code: str
 
 
 class InstanceTraceIds(RandomIdGenerator):
@@ -65,8 +77,10 @@ class DatabaseSpanProcessor(SpanProcessor):
     def pending(self) -> int:
         return len(self._queue)
 
-    def flush(self) -> list[Any]:
-        """Store the queued spans (call from a thread where the ORM may run); returns the rows."""
+    def flush(self) -> list[StoredSpan]:
+        """Store the queued spans in one multi-row INSERT (call where the ORM may run)."""
+        from django.db import connection
+
         from .models import Instance, Span
 
         with self._lock:
@@ -75,34 +89,43 @@ class DatabaseSpanProcessor(SpanProcessor):
             return []
         trace_ids = {format(s.context.trace_id, "032x") for s in batch}
         instances = dict(Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id"))
-        rows = []
+        json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
+        when = connection.ops.adapt_datetimefield_value
+        stored, params = [], []
         for span in batch:
             trace_id = format(span.context.trace_id, "032x")
-            rows.append(
-                Span(
-                    instance_id=instances.get(trace_id),
-                    trace_id=trace_id,
-                    span_id=format(span.context.span_id, "016x"),
-                    parent_span_id=format(span.parent.span_id, "016x") if span.parent else "",
-                    name=span.name[:300],
-                    kind=span.kind.name,
-                    start_time=_when(span.start_time),
-                    end_time=_when(span.end_time),
-                    status_code=span.status.status_code.name,
-                    status_message=span.status.description or "",
-                    attributes={k: _jsonable(v) for k, v in (span.attributes or {}).items()},
-                    events=[
-                        {"name": e.name, "time": _when(e.timestamp).isoformat(),
-                         "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()}}
-                        for e in span.events
-                    ],
-                    links=[
-                        {"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x")}
-                        for link in span.links
-                    ],
-                )
+            row = StoredSpan(
+                instances.get(trace_id), trace_id, format(span.context.span_id, "016x"), span.name[:300],
+                span.status.status_code.name,
             )
-        return Span.objects.bulk_create(rows)
+            stored.append(row)
+            params += [
+                row.instance_id, trace_id, row.span_id,
+                format(span.parent.span_id, "016x") if span.parent else "",
+                row.name, span.kind.name, when(_when(span.start_time)), when(_when(span.end_time)),
+                row.status_code, span.status.description or "",
+                json.dumps({k: _jsonable(v) for k, v in (span.attributes or {}).items()}),
+                json.dumps([
+                    {"name": e.name, "time": _when(e.timestamp).isoformat(),
+                     "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()}}
+                    for e in span.events
+                ]),
+                json.dumps([
+                    {"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x")}
+                    for link in span.links
+                ]),
+            ]
+        values = f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {json_value}, {json_value}, {json_value})"
+        with connection.cursor() as cursor:
+            for start in range(0, len(stored), FLUSH_ROWS):
+                chunk = stored[start : start + FLUSH_ROWS]
+                cursor.execute(
+                    f"INSERT INTO {Span._meta.db_table} (instance_id, trace_id, span_id, parent_span_id, name, kind, "
+                    "start_time, end_time, status_code, status_message, attributes, events, links) VALUES "
+                    + ", ".join([values] * len(chunk)),
+                    params[start * 13 : (start + len(chunk)) * 13],
+                )
+        return stored
 
     def shutdown(self) -> None:
         pass

@@ -245,9 +245,11 @@ class Run:
         return str(status)
 
     async def _conclude(self, task: asyncio.Task[Any]) -> str:
+        # Retrieve the outcome first, always: an unretrieved task exception is logged at
+        # garbage collection, at an arbitrary point of some other code.
+        exc = task.exception() if not task.cancelled() else RunAborted("cancelled")
         if self.abort_reason is not None:
             return "aborted"
-        exc = task.exception() if not task.cancelled() else RunAborted("cancelled")
         if isinstance(exc, RunAborted) or isinstance(exc, asyncio.CancelledError):
             return "aborted"
         if self.fatal is not None:

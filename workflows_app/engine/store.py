@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -55,6 +55,10 @@ UPSERT_STEP_SQL = (
     "ON CONFLICT (instance_id, name) DO UPDATE SET "
     + ", ".join(f"{c} = excluded.{c}" for c in STEP_COLUMNS[2:])
 )
+
+
+# Told (after commit) which queued instances a transaction started; set by the app's live layer.
+on_promoted: Callable[[list[int]], None] | None = None
 
 
 class LeaseLost(Exception):
@@ -264,6 +268,9 @@ def promote_queued(name: str, limits: Limits, now: datetime) -> list[int]:
         )
         for pk in pks:
             append_history(pk, [History("instance.started", {"from": "queued"})], now)
+        if on_promoted is not None:
+            callback = on_promoted
+            transaction.on_commit(lambda: callback(pks))
     return pks
 
 
@@ -289,10 +296,26 @@ def get_instance(name: str, instance_id: str) -> Instance:
 
 def load_run(pk: int) -> LoadedRun:
     """The instance, all its checkpoints and its unconsumed events: three queries, any size."""
-    instance = Instance.objects.get(pk=pk)
-    steps = {s.name: s for s in StepRecord.objects.filter(instance_id=pk)}
-    events = list(InboxEvent.objects.filter(instance_id=pk, consumed_at__isnull=True).order_by("id"))
-    return LoadedRun(instance, steps, events)
+    return load_runs([pk])[pk]
+
+
+def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
+    """Several instances with all their checkpoints and unconsumed events: three queries."""
+    runs = {i.pk: LoadedRun(i, {}, []) for i in Instance.objects.filter(id__in=list(pks))}
+    for step in StepRecord.objects.filter(instance_id__in=list(runs)):
+        runs[step.instance_id].steps[step.name] = step
+    for event in InboxEvent.objects.filter(instance_id__in=list(runs), consumed_at__isnull=True).order_by("id"):
+        runs[event.instance_id].events.append(event)
+    return runs
+
+
+def claim_and_load(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
+) -> list[tuple[int, str, LoadedRun | None]]:
+    """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
+    claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
+    loaded = load_runs([pk for pk, _ in claimed]) if claimed else {}
+    return [(pk, token, loaded.get(pk)) for pk, token in claimed]
 
 
 # --- claims and leases --------------------------------------------------------------
@@ -446,27 +469,32 @@ def finish(
     history: Sequence[History] = (),
     error_record: dict[str, Any] | None = None,
 ) -> bool:
-    """End the instance as complete or errored, free its place and start queued ones."""
+    """End the instance (complete, errored, terminated), free its place, start queued ones."""
     now = clock.now()
+    name, message, stack = error or ("", "", "")
     with transaction.atomic():
-        try:
-            _, first_seq = _fence(pk, token, now, len(history), None)
-        except LeaseLost:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
+                "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
+                "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
+                "lease_owner = '', lease_expires_at = NULL "
+                "WHERE id = %s AND lease_token = %s RETURNING history_seq, retention_ms, workflow",
+                [len(history), _db_time(now), status, output_json, name, message, stack, _db_time(now), False, pk, token],
+            )
+            row = cursor.fetchone()
+        if row is None:
             return False
-        instance = Instance.objects.only("workflow", "retention_ms").get(id=pk)
-        retention = instance.retention_ms if instance.retention_ms is not None else limits.max_retention
-        
-        name, message, stack = error or ("", "", "")
-        Instance.objects.filter(id=pk).update(
-            status=status, output_json=output_json, error_name=name, error_message=message, error_stack=stack,
-            finished_at=now, compensate_on_cancel=False, wake_at=None, waiting_reason="", lease_token=None, lease_owner="",
-            lease_expires_at=None, expires_at=now + timedelta(milliseconds=retention) if retention else None,
-        )
-        _insert_history(pk, first_seq, history, now)
+        last_seq, retention_ms, workflow = row
+        _close_open_steps(pk, now)
+        retention = retention_ms if retention_ms is not None else limits.max_retention
+        if retention:
+            Instance.objects.filter(id=pk).update(expires_at=now + timedelta(milliseconds=retention))
+        _insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
         if limits.max_concurrent_instances is not None:  # queues exist only under a limit
-            promote_queued(instance.workflow, limits, now)
+            promote_queued(workflow, limits, now)
     return True
 
 
@@ -531,6 +559,16 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
 # --- operator actions ---------------------------------------------------------------
 
 
+def _close_open_steps(pk: int, now: datetime) -> None:
+    """A finished instance has no step still waiting, retrying or running."""
+    StepRecord.objects.filter(
+        instance_id=pk, status__in=(StepStatus.WAITING, StepStatus.RETRYING, StepStatus.RUNNING)
+    ).update(
+        status=StepStatus.FAILED, wake_at=None, completed_at=now, last_error_name="InstanceFinished",
+        last_error_message="the instance finished before this step did",
+    )
+
+
 def _locked(name: str, instance_id: str) -> Instance:
     try:
         return Instance.objects.select_for_update().get(workflow=name, instance_id=instance_id)
@@ -582,19 +620,24 @@ def resume(name: str, instance_id: str, actor: str = "") -> str:
 
 def terminate(name: str, instance_id: str, limits: Limits, actor: str = "", reason: str = "") -> bool:
     """Terminate a live instance; returns False if it had already finished."""
-    now = clock.now()
     with transaction.atomic():
         inst = _locked(name, instance_id)
         if inst.status in FINISHED_STATUSES:
             return False
-        retention = inst.retention_ms if inst.retention_ms is not None else limits.max_retention
-        Instance.objects.filter(id=inst.pk).update(
-            status=Status.TERMINATED, wake_at=None, finished_at=now, updated_at=now, waiting_reason="",
-            expires_at=now + timedelta(milliseconds=retention) if retention else None, **_clear_lease(),
-        )
-        append_history(inst.pk, [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)], now)
-        promote_queued(name, limits, now)
+        _terminate_locked(inst, limits, actor, reason, clock.now())
     return True
+
+
+def _terminate_locked(inst: Instance, limits: Limits, actor: str, reason: str, now: datetime) -> None:
+    retention = inst.retention_ms if inst.retention_ms is not None else limits.max_retention
+    Instance.objects.filter(id=inst.pk).update(
+        status=Status.TERMINATED, wake_at=None, finished_at=now, updated_at=now, waiting_reason="",
+        compensate_on_cancel=False,
+        expires_at=now + timedelta(milliseconds=retention) if retention else None, **_clear_lease(),
+    )
+    _close_open_steps(inst.pk, now)
+    append_history(inst.pk, [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)], now)
+    promote_queued(inst.workflow, limits, now)
 
 
 def restart(name: str, instance_id: str, limits: Limits, from_step: str | None = None, actor: str = "") -> str:
@@ -607,7 +650,7 @@ def restart(name: str, instance_id: str, limits: Limits, from_step: str | None =
             anchor = steps.filter(name=from_step).values_list("seq", flat=True).first()
             if anchor is None:
                 raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
-            steps = steps.filter(seq__gte=anchor)
+            steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
         dropped = steps.count()
         steps.delete()
         was_active = inst.status in ACTIVE_STATUSES
@@ -706,13 +749,12 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
         ).exists()
         if not compensable:
             append_history(inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now)
-        else:
-            # The next run replays to collect the compensations, then runs them newest first.
-            Instance.objects.filter(id=inst.pk).update(
-                status=Status.COMPENSATING, compensate_on_cancel=True, wake_at=now, updated_at=now,
-                waiting_reason="", **_clear_lease(),
-            )
-            append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
-            return Status.COMPENSATING
-    terminate(name, instance_id, limits, actor, reason="cancelled")
-    return Status.TERMINATED
+            _terminate_locked(inst, limits, actor, "cancelled", now)
+            return Status.TERMINATED
+        # The next run replays to collect the compensations, then runs them newest first.
+        Instance.objects.filter(id=inst.pk).update(
+            status=Status.COMPENSATING, compensate_on_cancel=True, wake_at=now, updated_at=now,
+            waiting_reason="", **_clear_lease(),
+        )
+        append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
+        return Status.COMPENSATING

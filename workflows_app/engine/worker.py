@@ -210,11 +210,11 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        claimed = await self.db(store.claim_runnable, self.worker_id, free, self.lease_seconds, list(self.tasks))
-        for pk, token in claimed:
+        claimed = await self.db(store.claim_and_load, self.worker_id, free, self.lease_seconds, list(self.tasks))
+        for pk, token, loaded in claimed:
             self.tokens[pk] = token
             self.runs_started += 1
-            task = asyncio.ensure_future(self._execute(pk, token))
+            task = asyncio.ensure_future(self._execute(pk, token, loaded))
             self.tasks[pk] = task
             task.add_done_callback(functools.partial(self._run_done, pk))
         return len(claimed)
@@ -248,10 +248,11 @@ class Worker:
             assert self.db is not None
             await self.db(self.hooks.flush)
 
-    async def _execute(self, pk: int, token: str) -> str:
+    async def _execute(self, pk: int, token: str, loaded: store.LoadedRun | None) -> str:
         assert self.db is not None
         try:
-            loaded = await self.db(store.load_run, pk)
+            if loaded is None:
+                return "aborted"  # deleted between the claim and the load
             inst = loaded.instance
             if inst.lease_token != token:
                 return "aborted"
