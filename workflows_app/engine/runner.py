@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..models import InboxEvent, StepKind, StepRecord, StepStatus
+from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -375,6 +376,11 @@ class Run:
         except LeaseLost as exc:
             self.abort(str(exc))
             raise RunAborted(str(exc)) from None
+        except DatabaseError as exc:
+            # Not the workflow's business (it must not catch it): stop this run; the worker
+            # releases the instance and it is run again from its last checkpoint.
+            self.abort(f"database error: {exc}")
+            raise RunAborted(f"database error: {exc}") from exc
         self.checkpoints[record.name] = record
         if status == "waitingForPause" and not self.pause_requested:
             self.request_pause()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 
 from ..models import StepKind, StepRecord, StepStatus
-from . import clock, spans
+from . import clock, faults, spans
 from .durations import parse_duration, parse_instant
 from .errors import (
     DuplicateStepName,
@@ -213,6 +213,7 @@ class Step:
             try:
                 result = await run.attempt(record, fn, timeout_ms)
                 output_json = encode_step_output(result, name, run.limits)
+                faults.hit("after_side_effect")
             except (NonRetryableError, StepOutputError) as exc:
                 raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
             except Exception as exc:  # a failed attempt: retry or give up

@@ -31,7 +31,7 @@ from ..models import (
     StepStatus,
     WorkflowVersion,
 )
-from . import clock
+from . import clock, faults
 from .errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -314,6 +314,8 @@ def claim_and_load(
 ) -> list[tuple[int, str, LoadedRun | None]]:
     """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
     claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
+    if claimed:
+        faults.hit("after_claim")
     loaded = load_runs([pk for pk, _ in claimed]) if claimed else {}
     return [(pk, token, loaded.get(pk)) for pk, token in claimed]
 
@@ -456,6 +458,7 @@ def write_step(
         _insert_history(pk, first_seq, history, now)
         if error is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
+    faults.hit("after_checkpoint")
     return status
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 
 from . import clock, registry, store
 from .runner import Run
@@ -59,6 +59,10 @@ class ConnectionThreads:
             self._busy.add(ident)
         try:
             return fn(*args)
+        except (OperationalError, InterfaceError):
+            # A broken connection is not reused: the next call in this thread reconnects.
+            connections.close_all()
+            raise
         finally:
             opened = list(connections.all(initialized_only=True))
             with self._lock:

@@ -1,0 +1,64 @@
+"""Named fault points, so tests can make crash windows exact.
+
+    WFDASH_FAULTS="after_side_effect=kill"            # die between a step's work and its checkpoint
+    WFDASH_FAULTS="after_checkpoint=drop_connection"  # lose the connection right after a commit
+    WFDASH_FAULTS="after_claim=sleep:5,after_checkpoint=kill@3"   # @N: only the N-th time
+
+Points: after_claim (instances leased, before their runs), after_side_effect (a step's
+callable returned, before its checkpoint), after_checkpoint (a checkpoint committed).
+Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
+thread's database connection), raise (an OperationalError-like failure).
+Unused, a fault point costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+_plan: dict[str, tuple[str, int | None]] = {}
+_hits: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def configure(spec: str | None = None) -> None:
+    """Read the plan from `spec` or from WFDASH_FAULTS."""
+    _plan.clear()
+    _hits.clear()
+    spec = os.environ.get("WFDASH_FAULTS", "") if spec is None else spec
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        point, _, action = item.partition("=")
+        action, _, nth = action.partition("@")
+        _plan[point.strip()] = (action.strip(), int(nth) if nth else None)
+
+
+class InjectedFault(Exception):
+    """Raised by the `raise` action: a failure the engine must survive."""
+
+
+def hit(point: str) -> None:
+    if not _plan:
+        return
+    planned = _plan.get(point)
+    if planned is None:
+        return
+    action, nth = planned
+    with _lock:
+        _hits[point] = _hits.get(point, 0) + 1
+        count = _hits[point]
+    if nth is not None and count != nth:
+        return
+    if action == "kill":
+        os._exit(137)
+    elif action.startswith("sleep:"):
+        time.sleep(float(action.split(":", 1)[1]))
+    elif action == "drop_connection":
+        from django.db import connection
+
+        connection.close()
+    elif action == "raise":
+        raise InjectedFault(f"fault injected at {point}")
+
+
+configure()
