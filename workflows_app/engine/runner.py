@@ -394,17 +394,26 @@ class Run:
             fn = _mocked(mock, fn)
         context = StepContext(self.instance_id, record.name, record.attempts)
         call = (lambda: fn(context)) if _takes_context(fn) else fn
+        timed_out = StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
+        if _is_async(fn):
+            # In this task, under a deadline: no extra task per step; cancelled at the timeout.
+            token = _current_step.set(context)
+            try:
+                async with asyncio.timeout(timeout_ms / 1000) as deadline:
+                    return await call()
+            except TimeoutError:
+                if deadline.expired():
+                    raise timed_out from None
+                raise
+            finally:
+                _current_step.reset(token)
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
-        loop = asyncio.get_running_loop()
-        if _is_async(fn):
-            future: asyncio.Future[Any] = loop.create_task(call(), context=ctx)
-        else:
-            future = asyncio.wrap_future(self.step_threads.submit(ctx.run, call))
+        future = asyncio.wrap_future(self.step_threads.submit(ctx.run, call))
         done, _ = await asyncio.wait({future}, timeout=timeout_ms / 1000)
         if not done:
-            future.cancel()  # an async attempt is cancelled; a thread's late result is discarded
-            raise StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
+            future.cancel()  # the thread's late result is discarded: attempts never overlap in effect
+            raise timed_out
         return future.result()
 
     async def schedule_retry(
