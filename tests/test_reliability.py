@@ -270,3 +270,185 @@ def test_a_zombie_resumed_after_a_takeover_cannot_overwrite_the_new_owner_s_chec
     assert executions("zombie") == {("zombie", "work"): 2, ("zombie", "after"): 1}
     assert_history_gap_free("rel-zombie")
     print(f"\nzombie: frozen mid-step, takeover {took_over - stopped_at:.2f} s after SIGSTOP; late write refused")
+
+
+# --- 11. events: each delivered exactly once in send order, or refused definitely --------
+
+
+def consumed(instance_id: str) -> list[tuple[object, str]]:
+    return [
+        (json.loads(e.payload_json), e.consumed_by)
+        for e in InboxEvent.objects.filter(instance__instance_id=instance_id).order_by("id")
+    ]
+
+
+def test_an_event_sent_before_the_wait_while_no_worker_runs_is_delivered_exactly_once():
+    fleet_workflows.ensure_ledger()
+    early = get_workflow("rel-checkpoint").create(id="early")
+    early.send_event("go", {"sent": "before the first run"})  # no worker anywhere yet
+    testing.run_until_idle()
+    assert early.status().status == "complete" and early.status().output == {"sent": "before the first run"}
+    parked = get_workflow("rel-checkpoint").create(id="parked")
+    testing.run_until_idle()
+    assert parked.status().status == "waiting"
+    parked.send_event("go", {"sent": "while parked, no worker running"})
+    testing.run_until_idle()
+    assert parked.status().output == {"sent": "while parked, no worker running"}
+    assert consumed("early") == [({"sent": "before the first run"}, "wait")]
+    assert consumed("parked") == [({"sent": "while parked, no worker running"}, "wait")]
+    assert executions() == {(i, s): 1 for i in ("early", "parked") for s in ("before", "after")}
+    assert_one_checkpoint_per_step("rel-checkpoint", 2, 2)
+    assert_history_gap_free("rel-checkpoint")
+
+
+def send_concurrently(handle, per_thread: list[int], event_type: str) -> list[BaseException]:
+    """Four threads send their events together; returns unexpected errors."""
+    barrier = threading.Barrier(len(per_thread))
+    failures: list[BaseException] = []
+
+    def sender(thread: int, count: int) -> None:
+        try:
+            barrier.wait(10)
+            for n in range(count):
+                handle.send_event(event_type, {"thread": thread, "n": n})
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sender, args=(t, c)) for t, c in enumerate(per_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a sender thread hung"
+    return failures
+
+
+def test_ten_events_from_four_threads_reach_ten_waits_in_send_order_exactly_once(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-collector").create(id="collector")
+    workers(1, WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the collector to park on its first wait")
+    assert send_concurrently(inst, [3, 3, 2, 2], "item") == []
+    wait_until(lambda: inst.status().status == "complete", 30, "the collector to receive all ten")
+    sent = list(InboxEvent.objects.filter(instance__instance_id="collector").order_by("id"))
+    assert len(sent) == 10
+    assert inst.status().output == [json.loads(e.payload_json) for e in sent]  # send (commit) order
+    assert [e.consumed_by for e in sent] == [f"item {i}" for i in range(10)]
+    for thread in range(4):
+        mine = [p["n"] for p in inst.status().output if p["thread"] == thread]
+        assert mine == sorted(mine)
+    received = Counter(d["event_id"] for d in HistoryRecord.objects.filter(
+        instance__instance_id="collector", type="event.received").values_list("data", flat=True))
+    assert received == {e.pk: 1 for e in sent}
+    assert executions("collector") == {("collector", "after"): 1}
+    assert_history_gap_free("rel-collector")
+
+
+def test_events_racing_with_completion_are_stored_before_it_or_refused_definitely_after(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-checkpoint").create(id="racing")
+    workers(1, WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the instance to park on its wait")
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        try:
+            n = 0
+            while not stop.is_set():
+                try:
+                    inst.send_event("extra", {"n": n})
+                    outcomes.append("stored")
+                except InvalidTransition as exc:
+                    assert "complete" in str(exc)
+                    outcomes.append("refused")
+                    if outcomes.count("refused") >= 3:
+                        return
+                n += 1
+        finally:
+            connection.close()
+
+    sender = threading.Thread(target=hammer)
+    sender.start()
+    wait_until(lambda: "stored" in outcomes, 10, "an extra event to be stored")
+    inst.send_event("go", {"n": "go"})
+    wait_until(lambda: outcomes.count("refused") >= 3 or not sender.is_alive(), 30, "sends to be refused")
+    stop.set()
+    sender.join(10)
+    assert outcomes.count("refused") >= 3, outcomes[-5:]
+    first_refusal = outcomes.index("refused")
+    assert set(outcomes[first_refusal:]) == {"refused"}  # once refused, never stored again
+    extras = InboxEvent.objects.filter(instance__instance_id="racing", type="extra")
+    assert extras.count() == outcomes.count("stored") and not extras.exclude(consumed_by="").exists()
+    before = list(InboxEvent.objects.order_by("id").values_list("id", flat=True))
+    with pytest.raises(InvalidTransition, match="it is complete"):
+        inst.send_event("go", {"late": True})
+    assert list(InboxEvent.objects.order_by("id").values_list("id", flat=True)) == before
+    assert inst.status().output == {"n": "go"}
+    print(f"\nevents racing completion: {outcomes.count('stored')} stored before, then refused")
+
+
+# --- 12. a deploy that renames or reorders the steps of a running instance ----------------
+
+
+@pytest.fixture
+def lax_versions(settings, registered):
+    settings.WFDASH = {**settings.WFDASH, "STRICT_VERSIONS": False}
+
+
+def deploy_v1() -> None:
+    @register("rel-deploy")
+    class Deploy(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("a", lambda: "from a")
+            await step.sleep("pause", "1 hour")
+            b = await step.do("b", lambda: "from b")
+            return {"a": a, "b": b}
+
+
+def test_a_deploy_that_reorders_the_steps_of_a_running_instance_fails_it_with_non_determinism(lax_versions):
+    deploy_v1()
+    inst = get_workflow("rel-deploy").create(id="reordered")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+
+    @register("rel-deploy")
+    class Reordered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("a", "1 hour")  # "a" was checkpointed as a do step
+            return await step.do("pause", lambda: "never")
+
+    inst.skip_sleep()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored" and status.error["name"] == NonDeterminismError.__name__
+    assert 'step "a" was checkpointed as do' in status.error["message"]
+    assert StepRecord.objects.get(instance__instance_id="reordered", name="a").output == "from a"
+    assert not StepRecord.objects.filter(instance__instance_id="reordered", name="b").exists()
+
+
+def test_a_renamed_step_runs_as_new_and_never_receives_another_step_s_checkpoint(lax_versions):
+    deploy_v1()
+    inst = get_workflow("rel-deploy").create(id="renamed")
+    testing.run_until_idle()
+    calls: list[str] = []
+
+    @register("rel-deploy")
+    class Renamed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("a renamed", lambda: calls.append("a renamed") or "from a renamed")
+            await step.sleep("pause", "1 hour")
+            b = await step.do("b", lambda: calls.append("b") or "from b")
+            return {"a": a, "b": b}
+
+    inst.skip_sleep()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "complete", status
+    assert status.output == {"a": "from a renamed", "b": "from b"}
+    assert calls == ["a renamed", "b"]  # the renamed step ran; the sleep replayed from its checkpoint
+    outputs = dict(StepRecord.objects.filter(instance__instance_id="renamed", kind="do").values_list("name", "output_json"))
+    assert {k: json.loads(v) for k, v in outputs.items()} == {
+        "a": "from a", "a renamed": "from a renamed", "b": "from b"}
