@@ -133,3 +133,10 @@ class RelCollector(WorkflowEntrypoint):
             payloads.append(got.payload)
         await step.do("after", record_execution)
         return payloads
+
+
+@register("rel-timer")
+class RelTimer(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.sleep("timer", "3 seconds")
+        return await step.do("after", record_execution)

@@ -452,3 +452,45 @@ def test_a_renamed_step_runs_as_new_and_never_receives_another_step_s_checkpoint
     outputs = dict(StepRecord.objects.filter(instance__instance_id="renamed", kind="do").values_list("name", "output_json"))
     assert {k: json.loads(v) for k, v in outputs.items()} == {
         "a": "from a", "a renamed": "from a renamed", "b": "from b"}
+
+
+# --- soak only (scripts/soak) ---------------------------------------------------------------
+
+
+@soak_only
+def test_ten_thousand_simultaneous_timers_all_fire_and_checkpoint_once(workers):
+    size = 10_000
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("rel-timer")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"t{n}"} for n in range(start, start + 100)])
+    workers(2, WFDASH_LEASE_SECONDS="30")
+    wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="complete").count() == size,
+               900, "every timer to fire and its instance to complete", interval=1)
+    assert_one_checkpoint_per_step("rel-timer", 1, size)
+    assert StepRecord.objects.filter(instance__workflow="rel-timer", kind="sleep", status="complete").count() == size
+    assert set(executions("t").values()) == {1}
+
+
+@soak_only
+def test_sqlite_held_by_an_external_exclusive_lock_delays_but_loses_and_duplicates_nothing(workers):
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only: the external lock is a SQLite BEGIN EXCLUSIVE")
+    import sqlite3
+
+    size = 200
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("fleet")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"x{n}"} for n in range(start, start + 100)])
+    workers(2, FLEET_STEP_SECONDS="0.01")
+    wait_until(lambda: len(fleet_workflows.ledger_rows()) >= size, 60, "the fleet to be busy")
+    outsider = sqlite3.connect(connection.settings_dict["NAME"], timeout=30, isolation_level=None)
+    outsider.execute("BEGIN EXCLUSIVE")
+    time.sleep(5)  # the injected fault itself: the database is unavailable for five seconds
+    outsider.execute("COMMIT")
+    outsider.close()
+    wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
+               300, "every instance to complete after the lock")
+    assert_one_checkpoint_per_step("fleet", 5, size)
+    assert set(executions("x").values()) == {1}
