@@ -483,7 +483,8 @@ def test_sqlite_held_by_an_external_exclusive_lock_delays_but_loses_and_duplicat
     wf = get_workflow("fleet")
     for start in range(0, size, 100):
         wf.create_batch([{"id": f"x{n}"} for n in range(start, start + 100)])
-    workers(2, FLEET_STEP_SECONDS="0.01")
+    # Leases outlast the lock: nothing may be taken over, so nothing may run twice.
+    workers(2, FLEET_STEP_SECONDS="0.01", WFDASH_LEASE_SECONDS="30")
     wait_until(lambda: len(fleet_workflows.ledger_rows()) >= size, 60, "the fleet to be busy")
     outsider = sqlite3.connect(connection.settings_dict["NAME"], timeout=30, isolation_level=None)
     outsider.execute("BEGIN EXCLUSIVE")
