@@ -66,3 +66,77 @@ class FleetPoison(WorkflowEntrypoint):
                 os._exit(137)  # the process dies mid-step, every time
             return "fixed"
         return await step.do("poison", kill_the_process)
+
+
+# --- workflows of tests/test_reliability.py -----------------------------------------------
+
+
+def record_two_phase() -> int:
+    """A ledger row written when the step starts (ended NULL), completed when it ends.
+
+    With FLEET_SELF_STOP=1 the process stops itself (SIGSTOP) right after the start row
+    is committed: a zombie frozen mid-step at an exact point. Returns this process's pid.
+    """
+    import signal
+
+    ctx = current_step()
+    started = time.time()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_ledger (instance_id, step, pid, started, ended) VALUES (%s, %s, %s, %s, NULL)",
+            [ctx.instance_id, ctx.step_name, os.getpid(), started],
+        )
+    if os.environ.get("FLEET_SELF_STOP") == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(float(os.environ.get("FLEET_STEP_SECONDS", "0.002")))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE fleet_ledger SET ended = %s WHERE instance_id = %s AND step = %s AND pid = %s",
+            [time.time(), ctx.instance_id, ctx.step_name, os.getpid()],
+        )
+    return os.getpid()
+
+
+@register("rel-race")
+class RelRace(WorkflowEntrypoint):
+    async def run(self, event, step):
+        for i in range(3):
+            await step.do(f"step {i}", record_execution)
+        return "done"
+
+
+@register("rel-zombie")
+class RelZombie(WorkflowEntrypoint):
+    async def run(self, event, step):
+        pid = await step.do("work", record_two_phase)
+        await step.do("after", record_execution)
+        return {"work": pid}
+
+
+@register("rel-checkpoint")
+class RelCheckpoint(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.do("before", record_execution)
+        got = await step.wait_for_event("wait", type="go", timeout="1 hour")
+        await step.do("after", record_execution)
+        return got.payload
+
+
+@register("rel-collector")
+class RelCollector(WorkflowEntrypoint):
+    """Ten waits of one type in program order, collecting the payloads."""
+
+    async def run(self, event, step):
+        payloads = []
+        for i in range(10):
+            got = await step.wait_for_event(f"item {i}", type="item", timeout="1 hour")
+            payloads.append(got.payload)
+        await step.do("after", record_execution)
+        return payloads
+
+
+@register("rel-timer")
+class RelTimer(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.sleep("timer", "3 seconds")
+        return await step.do("after", record_execution)

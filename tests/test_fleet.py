@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 
 from tests import fleet_workflows
+from tests.polling import wait_until
 from tests.workers import WorkerProcess
 from workflows_app.client import get_workflow
 from workflows_app.engine import store
@@ -19,18 +20,6 @@ from workflows_app.models import Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 FLEET_SIZE = 500 if connection.vendor == "postgresql" else 150
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll a condition with a bound; fail naming what never happened."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture

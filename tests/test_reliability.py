@@ -1,0 +1,497 @@
+"""Reliability under crashes, dropped connections, races, zombies, events and deploys.
+
+Real `runworker workflows` processes on the test database; every step body appends a row
+to a ledger (tests/fleet_workflows.py), and each test compares those physical executions
+with the engine's checkpoints (StepRecord rows and their `step.completed` history).
+
+WFDASH_SOAK=1 scales the tests up (scripts/soak); the soak-only tests skip otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from django.db import close_old_connections, connection
+
+from tests import fleet_workflows
+from tests.polling import wait_until
+from tests.workers import WorkerProcess
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.engine.errors import InvalidTransition, NonDeterminismError
+from workflows_app.models import HistoryRecord, InboxEvent, Instance, StepRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SOAK = os.environ.get("WFDASH_SOAK") == "1"
+SEED = int(os.environ.get("WFDASH_SEED", "8"))
+soak_only = pytest.mark.skipif(not SOAK, reason="soak only")
+
+
+@pytest.fixture
+def workers():
+    started: list[WorkerProcess] = []
+
+    def start(count: int = 1, **env: str) -> list[WorkerProcess]:
+        new = [WorkerProcess(env=env) for _ in range(count)]
+        started.extend(new)
+        return new
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+# --- comparing the ledger with the checkpoints -----------------------------------------
+
+
+def executions(workflow_prefix: str = "") -> Counter:
+    """(instance id, step) -> how many times its body physically ran."""
+    return Counter(
+        (instance_id, step) for instance_id, step, *_ in fleet_workflows.ledger_rows()
+        if instance_id.startswith(workflow_prefix)
+    )
+
+
+def checkpoints(workflow: str) -> Counter:
+    """(instance id, step) -> how many `step.completed` checkpoints the engine committed."""
+    rows = HistoryRecord.objects.filter(instance__workflow=workflow, type="step.completed").values_list(
+        "instance__instance_id", "data"
+    )
+    return Counter((instance_id, data["step"]) for instance_id, data in rows)
+
+
+def assert_one_checkpoint_per_step(workflow: str, steps_per_instance: int, instances: int) -> None:
+    complete = StepRecord.objects.filter(instance__workflow=workflow, status="complete", kind="do")
+    assert complete.count() == steps_per_instance * instances
+    counted = checkpoints(workflow)
+    assert len(counted) == steps_per_instance * instances
+    duplicated = {key: n for key, n in counted.items() if n != 1}
+    assert not duplicated, f"steps checkpointed more than once: {duplicated}"
+
+
+def assert_history_gap_free(workflow: str) -> None:
+    by_instance: dict[int, list[int]] = defaultdict(list)
+    for pk, seq in HistoryRecord.objects.filter(instance__workflow=workflow).values_list("instance_id", "sequence"):
+        by_instance[pk].append(seq)
+    for pk, seqs in by_instance.items():
+        assert sorted(seqs) == list(range(1, len(seqs) + 1)), f"instance #{pk}: history sequences {sorted(seqs)}"
+
+
+def lease_holders(pid: int) -> set[str]:
+    return set(Instance.objects.filter(lease_owner__contains=f":{pid}:").values_list("instance_id", flat=True))
+
+
+def expire_leases_of(pid: int) -> None:
+    """A SIGKILLed worker's leases: expire them now rather than wait for them to run out."""
+    Instance.objects.filter(lease_owner__contains=f":{pid}:").update(lease_expires_at=datetime(2000, 1, 1, tzinfo=timezone.utc))
+
+
+# --- 1. kill -9 at seeded points ---------------------------------------------------------
+
+
+def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_flight_steps_rerun(workers):
+    rng = random.Random(SEED)
+    size = 500 if SOAK else 100
+    kills = 10 if SOAK else 2
+    total = size * 5
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("fleet")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"k{n}"} for n in range(start, min(start + 100, size))])
+    # Few slots per worker and slower steps: the run takes seconds, so every kill lands mid-run.
+    env = {"FLEET_STEP_SECONDS": "0.03", "WFDASH_WORKER_CONCURRENCY": "5"}
+    fleet = workers(3, **env)
+    thresholds = sorted(rng.uniform(0.05, 0.8) * total for _ in range(kills))
+    kill_log: list[tuple[int, float, set[str]]] = []
+    for threshold in thresholds:
+        wait_until(lambda: len(fleet_workflows.ledger_rows()) >= threshold, 60, f"{threshold:.0f} executed steps")
+        holding = sorted(
+            (w for w in fleet if w.process.poll() is None and lease_holders(w.pid)), key=lambda w: w.pid
+        ) or [w for w in fleet if w.process.poll() is None]
+        victim = holding[rng.randrange(len(holding))]
+        victim.kill()
+        killed_at = time.time()
+        kill_log.append((victim.pid, killed_at, lease_holders(victim.pid)))
+        fleet.remove(victim)
+        fleet += workers(1, **env)  # the replacement
+    wait_until(
+        lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
+        120 if SOAK else 60, "every instance to complete",
+    )
+    assert_one_checkpoint_per_step("fleet", 5, size)
+    ran = executions("k")
+    assert len(ran) == total  # every step ran
+    times_held = Counter(i for _, _, held in kill_log for i in held)
+    too_many = {key: n for key, n in ran.items() if n - 1 > times_held[key[0]]}
+    assert not too_many, f"re-executed more often than their instance was in flight at a kill: {too_many}"
+    rows = fleet_workflows.ledger_rows()
+    figures = []
+    for pid, killed_at, held in kill_log:
+        later = [s for i, _, p, s, _ in rows if i in held and p != pid and s > killed_at]
+        figures.append(f"victim held {len(held)}, takeover {(min(later) - killed_at) if later else 0:.2f} s")
+    print(f"\nkill -9: {size} instances, {len(kill_log)} kills (seed {SEED}); "
+          f"re-executed steps: {sum(n - 1 for n in ran.values())}; " + "; ".join(figures))
+
+
+# --- 2. crash between the side effect and its checkpoint ---------------------------------
+
+
+@pytest.mark.parametrize("nth", [1, 3, 5])
+def test_a_crash_between_side_effect_and_checkpoint_reruns_that_step_exactly_once_more(workers, nth):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id=f"se{nth}")
+    (crashing,) = workers(1, WFDASH_FAULTS=f"after_side_effect=kill@{nth}")
+    wait_until(lambda: crashing.process.poll() is not None, 30, "the worker to die at the fault point")
+    assert crashing.process.returncode == 137
+    crashed_at = time.time()
+    crashed_step = f"step {nth - 1}"
+    assert executions()[(inst.id, crashed_step)] == 1  # its side effect happened …
+    assert not StepRecord.objects.filter(instance__instance_id=inst.id, name=crashed_step).exists()  # … unrecorded
+    expire_leases_of(crashing.pid)
+    (fresh,) = workers(1)
+    wait_until(lambda: inst.status().status == "complete", 30, "the fresh worker to complete the instance")
+    ran = executions("se")
+    assert ran == {(inst.id, f"step {i}"): 2 if i == nth - 1 else 1 for i in range(5)}
+    assert_one_checkpoint_per_step("fleet", 5, 1)
+    record = StepRecord.objects.get(instance__instance_id=inst.id, name=crashed_step)
+    assert record.output == crashed_step and record.attempts == 1
+    pids = [pid for i, step, pid, *_ in fleet_workflows.ledger_rows() if step == crashed_step]
+    assert pids == [crashing.pid, fresh.pid] or sorted(pids) == sorted([crashing.pid, fresh.pid])
+    again = min(s for _, step, pid, s, _ in fleet_workflows.ledger_rows() if pid == fresh.pid)
+    print(f"\nafter_side_effect=kill@{nth}: {crashed_step} ran twice; takeover {again - crashed_at:.2f} s")
+
+
+# --- 3. the connection drops right after a checkpoint commit -----------------------------
+
+
+def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_history_or_event(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-checkpoint").create(id="drop")
+    workers(1, WFDASH_FAULTS="after_checkpoint=drop_connection")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the instance to park on its event wait")
+    inst.send_event("go", {"n": 1})
+    inst.send_event("go", {"n": 2})  # a second one: must stay in the inbox, unconsumed
+    wait_until(lambda: inst.status().status == "complete", 30, "the instance to complete")
+    assert inst.status().output == {"n": 1}
+    assert executions("drop") == {("drop", "before"): 1, ("drop", "after"): 1}
+    assert_one_checkpoint_per_step("rel-checkpoint", 2, 1)
+    assert StepRecord.objects.filter(instance__instance_id="drop").count() == 3
+    events = list(InboxEvent.objects.filter(instance__instance_id="drop").order_by("id"))
+    assert [(json.loads(e.payload_json), e.consumed_by) for e in events] == [({"n": 1}, "wait"), ({"n": 2}, "")]
+    received = HistoryRecord.objects.filter(instance__instance_id="drop", type="event.received")
+    assert received.count() == 1
+    assert_history_gap_free("rel-checkpoint")
+
+
+# --- 4. no instance runs in two places at once -------------------------------------------
+
+
+@pytest.mark.parametrize("fleet_size", [2, 4])
+def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fleet_size):
+    size = 300
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("rel-race")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"r{n}"} for n in range(start, start + 100)])
+    # Long leases: no lease can run out under load, so any overlap is a double claim.
+    started = time.monotonic()
+    fleet = workers(fleet_size, WFDASH_LEASE_SECONDS="60", WFDASH_POLL_SECONDS="0.2")
+    wait_until(
+        lambda: Instance.objects.filter(workflow="rel-race", status="complete").count() == size,
+        60, "every instance to complete",
+    )
+    elapsed = time.monotonic() - started
+    rows = fleet_workflows.ledger_rows()
+    by_instance: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for instance_id, _, pid, begun, ended in rows:
+        by_instance[instance_id].append((begun, ended, pid))
+    overlaps = []
+    for instance_id, intervals in by_instance.items():
+        intervals.sort()
+        for (b1, e1, p1), (b2, e2, p2) in zip(intervals, intervals[1:]):
+            if b2 < e1:
+                overlaps.append((instance_id, p1, p2))
+    assert not overlaps, f"instances ran in two places at once: {overlaps[:5]}"
+    ran = executions("r")
+    assert len(ran) == size * 3 and set(ran.values()) == {1}
+    assert_one_checkpoint_per_step("rel-race", 3, size)
+    share = Counter(pid for _, _, pid, _, _ in rows)
+    assert set(share) <= {w.pid for w in fleet}
+    print(f"\nrace: {size} instances, {fleet_size} workers, {elapsed:.1f} s; steps per worker {sorted(share.values())}")
+
+
+# --- 5. a zombie's late writes are refused by the fence ----------------------------------
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_zombie_resumed_after_a_takeover_cannot_overwrite_the_new_owner_s_checkpoint(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-zombie").create(id="zombie")
+    (zombie,) = workers(1, WFDASH_LEASE_SECONDS="1", FLEET_SELF_STOP="1", FLEET_STEP_SECONDS="0.05")
+    try:
+        wait_until(lambda: process_state(zombie.pid) == "T", 30, "the worker to freeze itself mid-step")
+        stopped_at = time.time()
+        assert lease_holders(zombie.pid) == {"zombie"}
+        (owner,) = workers(1, WFDASH_LEASE_SECONDS="1")
+        wait_until(lambda: inst.status().status == "complete", 30, "the new owner to take over and finish")
+        assert inst.status().output == {"work": owner.pid}
+        took_over = min(s for _, step, pid, s, _ in fleet_workflows.ledger_rows() if pid == owner.pid)
+    finally:
+        os.kill(zombie.pid, signal.SIGCONT)
+
+    def zombie_finished_its_step():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT ended FROM fleet_ledger WHERE pid = %s AND step = 'work'", [zombie.pid])
+            return cursor.fetchone()[0] is not None
+
+    wait_until(zombie_finished_its_step, 30, "the zombie to finish its late side effect")
+    assert zombie.terminate(timeout=30) == 0  # whatever it tried to write has been tried now
+    work = StepRecord.objects.get(instance__instance_id="zombie", name="work")
+    assert work.output == owner.pid and work.output != zombie.pid
+    assert inst.status().output == {"work": owner.pid}
+    assert_one_checkpoint_per_step("rel-zombie", 2, 1)
+    assert executions("zombie") == {("zombie", "work"): 2, ("zombie", "after"): 1}
+    assert_history_gap_free("rel-zombie")
+    print(f"\nzombie: frozen mid-step, takeover {took_over - stopped_at:.2f} s after SIGSTOP; late write refused")
+
+
+# --- 11. events: each delivered exactly once in send order, or refused definitely --------
+
+
+def consumed(instance_id: str) -> list[tuple[object, str]]:
+    return [
+        (json.loads(e.payload_json), e.consumed_by)
+        for e in InboxEvent.objects.filter(instance__instance_id=instance_id).order_by("id")
+    ]
+
+
+def test_an_event_sent_before_the_wait_while_no_worker_runs_is_delivered_exactly_once():
+    fleet_workflows.ensure_ledger()
+    early = get_workflow("rel-checkpoint").create(id="early")
+    early.send_event("go", {"sent": "before the first run"})  # no worker anywhere yet
+    testing.run_until_idle()
+    assert early.status().status == "complete" and early.status().output == {"sent": "before the first run"}
+    parked = get_workflow("rel-checkpoint").create(id="parked")
+    testing.run_until_idle()
+    assert parked.status().status == "waiting"
+    parked.send_event("go", {"sent": "while parked, no worker running"})
+    testing.run_until_idle()
+    assert parked.status().output == {"sent": "while parked, no worker running"}
+    assert consumed("early") == [({"sent": "before the first run"}, "wait")]
+    assert consumed("parked") == [({"sent": "while parked, no worker running"}, "wait")]
+    assert executions() == {(i, s): 1 for i in ("early", "parked") for s in ("before", "after")}
+    assert_one_checkpoint_per_step("rel-checkpoint", 2, 2)
+    assert_history_gap_free("rel-checkpoint")
+
+
+def send_concurrently(handle, per_thread: list[int], event_type: str) -> list[BaseException]:
+    """Four threads send their events together; returns unexpected errors."""
+    barrier = threading.Barrier(len(per_thread))
+    failures: list[BaseException] = []
+
+    def sender(thread: int, count: int) -> None:
+        try:
+            barrier.wait(10)
+            for n in range(count):
+                handle.send_event(event_type, {"thread": thread, "n": n})
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sender, args=(t, c)) for t, c in enumerate(per_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a sender thread hung"
+    return failures
+
+
+def test_ten_events_from_four_threads_reach_ten_waits_in_send_order_exactly_once(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-collector").create(id="collector")
+    workers(1, WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the collector to park on its first wait")
+    assert send_concurrently(inst, [3, 3, 2, 2], "item") == []
+    wait_until(lambda: inst.status().status == "complete", 30, "the collector to receive all ten")
+    sent = list(InboxEvent.objects.filter(instance__instance_id="collector").order_by("id"))
+    assert len(sent) == 10
+    assert inst.status().output == [json.loads(e.payload_json) for e in sent]  # send (commit) order
+    assert [e.consumed_by for e in sent] == [f"item {i}" for i in range(10)]
+    for thread in range(4):
+        mine = [p["n"] for p in inst.status().output if p["thread"] == thread]
+        assert mine == sorted(mine)
+    received = Counter(d["event_id"] for d in HistoryRecord.objects.filter(
+        instance__instance_id="collector", type="event.received").values_list("data", flat=True))
+    assert received == {e.pk: 1 for e in sent}
+    assert executions("collector") == {("collector", "after"): 1}
+    assert_history_gap_free("rel-collector")
+
+
+def test_events_racing_with_completion_are_stored_before_it_or_refused_definitely_after(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-checkpoint").create(id="racing")
+    workers(1, WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the instance to park on its wait")
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        try:
+            n = 0
+            while not stop.is_set():
+                try:
+                    inst.send_event("extra", {"n": n})
+                    outcomes.append("stored")
+                except InvalidTransition as exc:
+                    assert "complete" in str(exc)
+                    outcomes.append("refused")
+                    if outcomes.count("refused") >= 3:
+                        return
+                n += 1
+        finally:
+            connection.close()
+
+    sender = threading.Thread(target=hammer)
+    sender.start()
+    wait_until(lambda: "stored" in outcomes, 10, "an extra event to be stored")
+    inst.send_event("go", {"n": "go"})
+    wait_until(lambda: outcomes.count("refused") >= 3 or not sender.is_alive(), 30, "sends to be refused")
+    stop.set()
+    sender.join(10)
+    assert outcomes.count("refused") >= 3, outcomes[-5:]
+    first_refusal = outcomes.index("refused")
+    assert set(outcomes[first_refusal:]) == {"refused"}  # once refused, never stored again
+    extras = InboxEvent.objects.filter(instance__instance_id="racing", type="extra")
+    assert extras.count() == outcomes.count("stored") and not extras.exclude(consumed_by="").exists()
+    before = list(InboxEvent.objects.order_by("id").values_list("id", flat=True))
+    with pytest.raises(InvalidTransition, match="it is complete"):
+        inst.send_event("go", {"late": True})
+    assert list(InboxEvent.objects.order_by("id").values_list("id", flat=True)) == before
+    assert inst.status().output == {"n": "go"}
+    print(f"\nevents racing completion: {outcomes.count('stored')} stored before, then refused")
+
+
+# --- 12. a deploy that renames or reorders the steps of a running instance ----------------
+
+
+@pytest.fixture
+def lax_versions(settings, registered):
+    settings.WFDASH = {**settings.WFDASH, "STRICT_VERSIONS": False}
+
+
+def deploy_v1() -> None:
+    @register("rel-deploy")
+    class Deploy(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("a", lambda: "from a")
+            await step.sleep("pause", "1 hour")
+            b = await step.do("b", lambda: "from b")
+            return {"a": a, "b": b}
+
+
+def test_a_deploy_that_reorders_the_steps_of_a_running_instance_fails_it_with_non_determinism(lax_versions):
+    deploy_v1()
+    inst = get_workflow("rel-deploy").create(id="reordered")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+
+    @register("rel-deploy")
+    class Reordered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("a", "1 hour")  # "a" was checkpointed as a do step
+            return await step.do("pause", lambda: "never")
+
+    inst.skip_sleep()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored" and status.error["name"] == NonDeterminismError.__name__
+    assert 'step "a" was checkpointed as do' in status.error["message"]
+    assert StepRecord.objects.get(instance__instance_id="reordered", name="a").output == "from a"
+    assert not StepRecord.objects.filter(instance__instance_id="reordered", name="b").exists()
+
+
+def test_a_renamed_step_runs_as_new_and_never_receives_another_step_s_checkpoint(lax_versions):
+    deploy_v1()
+    inst = get_workflow("rel-deploy").create(id="renamed")
+    testing.run_until_idle()
+    calls: list[str] = []
+
+    @register("rel-deploy")
+    class Renamed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.do("a renamed", lambda: calls.append("a renamed") or "from a renamed")
+            await step.sleep("pause", "1 hour")
+            b = await step.do("b", lambda: calls.append("b") or "from b")
+            return {"a": a, "b": b}
+
+    inst.skip_sleep()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "complete", status
+    assert status.output == {"a": "from a renamed", "b": "from b"}
+    assert calls == ["a renamed", "b"]  # the renamed step ran; the sleep replayed from its checkpoint
+    outputs = dict(StepRecord.objects.filter(instance__instance_id="renamed", kind="do").values_list("name", "output_json"))
+    assert {k: json.loads(v) for k, v in outputs.items()} == {
+        "a": "from a", "a renamed": "from a renamed", "b": "from b"}
+
+
+# --- soak only (scripts/soak) ---------------------------------------------------------------
+
+
+@soak_only
+def test_ten_thousand_simultaneous_timers_all_fire_and_checkpoint_once(workers):
+    size = 10_000
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("rel-timer")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"t{n}"} for n in range(start, start + 100)])
+    workers(2, WFDASH_LEASE_SECONDS="30")
+    wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="complete").count() == size,
+               900, "every timer to fire and its instance to complete", interval=1)
+    assert_one_checkpoint_per_step("rel-timer", 1, size)
+    assert StepRecord.objects.filter(instance__workflow="rel-timer", kind="sleep", status="complete").count() == size
+    assert set(executions("t").values()) == {1}
+
+
+@soak_only
+def test_sqlite_held_by_an_external_exclusive_lock_delays_but_loses_and_duplicates_nothing(workers):
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only: the external lock is a SQLite BEGIN EXCLUSIVE")
+    import sqlite3
+
+    size = 200
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("fleet")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"x{n}"} for n in range(start, start + 100)])
+    # Leases outlast the lock: nothing may be taken over, so nothing may run twice.
+    workers(2, FLEET_STEP_SECONDS="0.01", WFDASH_LEASE_SECONDS="30")
+    wait_until(lambda: len(fleet_workflows.ledger_rows()) >= size, 60, "the fleet to be busy")
+    outsider = sqlite3.connect(connection.settings_dict["NAME"], timeout=30, isolation_level=None)
+    outsider.execute("BEGIN EXCLUSIVE")
+    time.sleep(5)  # the injected fault itself: the database is unavailable for five seconds
+    outsider.execute("COMMIT")
+    outsider.close()
+    wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
+               300, "every instance to complete after the lock")
+    assert_one_checkpoint_per_step("fleet", 5, size)
+    assert set(executions("x").values()) == {1}

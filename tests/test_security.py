@@ -1,0 +1,448 @@
+"""Bad input at every entry point, and the dashboard's and API's security boundaries.
+
+Every refusal is checked three ways: a clear error naming the problem, nothing stored
+(a snapshot of every row before and after), and the engine still running instances after.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.core.management import CommandError, call_command
+from django.test import Client
+
+from tests.dashboard.helpers import make_user
+from tests.surface_flows import snapshot
+from wfdash.asgi import router
+from workflows_app import testing, tokens
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.errors import (
+    InstanceNotFound,
+    InvalidEventType,
+    InvalidInput,
+    LimitExceeded,
+    UnknownWorkflow,
+)
+from workflows_app.models import Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LIMIT = 512  # max_event_payload_bytes of the workflow under test
+WF = "sec-waiter"
+DEEP = "[" * 10_000 + "]" * 10_000
+HUGE_NUMBER = "1" + "0" * 400  # 10**400 as JSON
+
+
+def nested(levels: int) -> list:
+    """A list nested `levels` deep, built without recursion."""
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+XSS = ["<script>alert(1)</script>", '"onmouseover=alert(1)']
+
+
+@pytest.fixture
+def waiter(registered: list[str]) -> Any:
+    """A workflow parked on an event wait, with a small payload limit; returns its instance."""
+
+    @register(WF, limits={"max_event_payload_bytes": LIMIT})
+    class Waiter(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            got = await step.wait_for_event("wait", type="go", timeout="1 hour")
+            return await step.do("after", lambda: got.payload)
+
+    inst = get_workflow(WF).create(id="w1")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    return inst
+
+
+def string_of_bytes(size: int) -> str:
+    """A JSON string payload whose encoding is exactly `size` bytes."""
+    return "x" * (size - 2)
+
+
+def engine_still_runs(inst: Any) -> None:
+    inst.send_event("go", {"fine": True})
+    testing.run_until_idle()
+    assert inst.status().status == "complete" and inst.status().output == {"fine": True}
+
+
+def delivered(payload_json_text: str) -> Any:
+    """Send a payload to a fresh instance and return what its step received."""
+    inst = get_workflow(WF).create()
+    testing.run_until_idle()
+    inst.send_event("go", json.loads(payload_json_text))
+    testing.run_until_idle()
+    assert inst.status().status == "complete"
+    return inst.status().output
+
+
+# --- 14. the Python API ------------------------------------------------------------------
+
+
+PYTHON_BAD = {  # id: (event type, payload factory, error, message)
+    "invalid event type": ("bad type!", dict, InvalidEventType, "invalid event type 'bad type!'"),
+    "event type of a wrong type": (5, dict, InvalidEventType, "invalid event type 5"),
+    "event type too long": ("x" * 101, dict, InvalidEventType, "1-100 letters"),
+    "a set": ("go", lambda: {1, 2}, InvalidInput, "not JSON-serialisable"),
+    "NaN": ("go", lambda: float("nan"), InvalidInput, "not JSON-serialisable"),
+    "infinity": ("go", lambda: float("inf"), InvalidInput, "not JSON-serialisable"),
+    "nested 10000 levels": ("go", lambda: nested(10_000), InvalidInput, "nested too deeply"),
+    "one byte over the limit": ("go", lambda: string_of_bytes(LIMIT + 1), LimitExceeded,
+                                f"max_event_payload_bytes is {LIMIT} bytes, got {LIMIT + 1} bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(PYTHON_BAD))
+def test_the_python_api_refuses_bad_events_naming_the_problem_and_stores_nothing(waiter, case):
+    event_type, payload_factory, error, message = PYTHON_BAD[case]
+    payload = payload_factory()
+    before = snapshot()
+    with pytest.raises(error) as caught:
+        waiter.send_event(event_type, payload)
+    assert message in str(caught.value)
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine/limits.py check_size: len(text.encode()) raises UnicodeEncodeError (not a WorkflowError) "
+    "for a payload holding a lone surrogate; encode_json(ensure_ascii=False) lets it through"))
+def test_the_python_api_refuses_a_payload_that_is_not_valid_unicode_with_invalid_input(waiter):
+    before = snapshot()
+    with pytest.raises(InvalidInput):
+        waiter.send_event("go", "\ud800")
+    assert snapshot() == before
+
+
+def test_the_python_api_refuses_unknown_workflows_and_ids(waiter):
+    before = snapshot()
+    with pytest.raises(UnknownWorkflow):
+        get_workflow("no-such-workflow")
+    with pytest.raises(InstanceNotFound, match="no instance 'nope'"):
+        get_workflow(WF).get("nope").send_event("go", {})
+    with pytest.raises(InvalidInput, match="instance id must be a string"):
+        get_workflow(WF).get(5)
+    with pytest.raises(InvalidInput, match="not JSON-serialisable"):
+        get_workflow(WF).create(params={"f": object()})
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+def test_payloads_one_byte_under_and_exactly_at_the_limit_are_accepted_and_round_trip(waiter):
+    for size in (LIMIT - 1, LIMIT):
+        assert delivered(json.dumps(string_of_bytes(size))) == string_of_bytes(size)
+
+
+def test_a_huge_integer_round_trips_exactly_through_every_layer(waiter):
+    assert delivered(HUGE_NUMBER) == 10**400
+
+
+# --- 14. the HTTP API --------------------------------------------------------------------
+
+
+@pytest.fixture
+def api() -> Any:
+    _, secret = tokens.issue("sec-service")
+    client = Client(raise_request_exception=False)
+
+    def post(path: str, raw: bytes) -> tuple[int, str, str]:
+        response = client.generic("POST", path, raw, content_type="application/json",
+                                  headers={"Authorization": f"Bearer {secret}"})
+        if response.status_code >= 500:
+            return response.status_code, "ServerError", response.content.decode(errors="replace")[:200]
+        body = response.json()
+        if body["success"]:
+            return response.status_code, "", ""
+        return response.status_code, body["errors"][0]["code"], body["errors"][0]["message"]
+
+    return post
+
+
+EVENT = f"/api/workflows/{WF}/instances/w1/events/go"
+HTTP_BAD = [
+    (EVENT, b"{", 400, "InvalidJSON", "not valid JSON"),
+    (EVENT, b'{"a": NaN}', 400, "InvalidJSON", "NaN is not valid JSON"),
+    (EVENT, b"\xff\xfe{}", 400, "InvalidEncoding", "not UTF-8"),
+    (EVENT, b"1e400", 400, "InvalidInput", "not JSON-serialisable"),
+    (f"/api/workflows/{WF}/instances/w1/events/bad%20type", b"{}", 400, "InvalidEventType", "invalid event type"),
+    (f"/api/workflows/{WF}/instances/nope/events/go", b"{}", 404, "InstanceNotFound", "no instance 'nope'"),
+    ("/api/workflows/no-such/instances/w1/events/go", b"{}", 404, "UnknownWorkflow", "no-such"),
+    (f"/api/workflows/{WF}/instances", b'{"id": 5}', 400, "InvalidInput", "instance id must be a non-empty string"),
+    (f"/api/workflows/{WF}/instances", b'{"params": 1, "bogus": 2}', 400, "InvalidInput", "unknown field(s) ['bogus']"),
+    (f"/api/workflows/{WF}/instances/batch", b'{"id": "a"}', 400, "InvalidInput", "must be a JSON array"),
+]
+
+
+@pytest.mark.parametrize("path,raw,status,code,message", HTTP_BAD, ids=lambda v: str(v)[:24])
+def test_the_http_api_refuses_bad_input_with_a_4xx_naming_the_problem_and_stores_nothing(waiter, api, path, raw, status, code, message):
+    before = snapshot()
+    assert api(path, raw)[:2] == (status, code)
+    assert message in api(path, raw)[2]
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "workflows_app/api.py Call.body: json.loads of 10,000 nested arrays raises RecursionError, which "
+    "`except ValueError` does not catch: the request ends in a 500 instead of 400 InvalidJSON"))
+def test_the_http_api_refuses_json_nested_ten_thousand_levels_deep_with_400(waiter, api):
+    before = snapshot()
+    assert api(EVENT, DEEP.encode())[:2] == (400, "InvalidJSON")
+    assert snapshot() == before
+
+
+def test_the_http_api_accepts_payloads_under_and_at_the_limit(waiter, api):
+    for size, name in ((LIMIT - 1, "a"), (LIMIT, "b")):
+        get_workflow(WF).create(id=name)
+        assert api(f"/api/workflows/{WF}/instances/{name}/events/go", json.dumps(string_of_bytes(size)).encode())[0] == 200
+    assert api(f"/api/workflows/{WF}/instances/w1/events/go", HUGE_NUMBER.encode())[0] == 200
+    testing.run_until_idle()
+    assert get_workflow(WF).get("w1").status().output == 10**400
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "workflows_app/api.py ERROR_STATUS maps LimitExceeded (max_event_payload_bytes) to 400, not 413: "
+    "only the API's own body limit answers 413"))
+def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_with_413(waiter, api):
+    before = snapshot()
+    status, code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
+    assert snapshot() == before
+    assert f"max_event_payload_bytes is {LIMIT} bytes" in message
+    assert status == 413
+
+
+def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_naming_it(waiter, api):
+    before = snapshot()
+    status, code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
+    assert 400 <= status < 500 and code == "LimitExceeded"
+    assert f"max_event_payload_bytes is {LIMIT} bytes, got {LIMIT + 1} bytes" in message
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+def test_the_http_api_refuses_a_body_over_its_own_limit_with_413(waiter, api, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_MAX_BODY_BYTES": 1024}
+    before = snapshot()
+    assert api(EVENT, json.dumps("x" * 2000).encode())[:2] == (413, "PayloadTooLarge")
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+# --- 14. the management command ----------------------------------------------------------
+
+
+COMMAND_BAD = [
+    (["send-event", "w1", "go", "--payload", "{"], "--payload is not valid JSON"),
+    (["send-event", "w1", "bad type!", "--payload", "{}"], "invalid event type"),
+    (["send-event", "nope", "go"], "no instance 'nope'"),
+    (["send-event", "w1", "go", "--payload", "1e400"], "not JSON-serialisable"),
+    (["send-event", "w1", "go", "--payload", json.dumps(string_of_bytes(LIMIT + 1))], f"max_event_payload_bytes is {LIMIT} bytes"),
+    (["start", WF, "--params", "["], "--params is not valid JSON"),
+    (["start", WF, "--id", "bad id!"], "invalid instance id"),
+    (["start", "no-such-workflow"], "no-such-workflow"),
+]
+
+
+@pytest.mark.parametrize("args,message", COMMAND_BAD, ids=lambda v: str(v)[:30])
+def test_the_wf_command_refuses_bad_input_with_a_command_error_and_stores_nothing(waiter, args, message):
+    before = snapshot()
+    with pytest.raises(CommandError) as caught:
+        call_command("wf", *args)
+    assert message in str(caught.value)
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "workflows_app/management/commands/wf.py parse_json: json.loads of deeply nested JSON raises "
+    "RecursionError, and only json.JSONDecodeError is turned into a CommandError"))
+def test_the_wf_command_refuses_json_nested_ten_thousand_levels_with_a_command_error(waiter):
+    before = snapshot()
+    with pytest.raises(CommandError):
+        call_command("wf", "send-event", "w1", "go", "--payload", DEEP)
+    assert snapshot() == before
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "workflows_app/management/commands/wf.py parse_json: an @file that is not UTF-8 raises "
+    "UnicodeDecodeError from read_text(); only OSError is turned into a CommandError"))
+def test_the_wf_command_refuses_a_payload_file_that_is_not_utf8_with_a_command_error(waiter, tmp_path: Path):
+    bad = tmp_path / "payload.json"
+    bad.write_bytes(b'{"a": "\xff\xfe"}')
+    before = snapshot()
+    with pytest.raises(CommandError):
+        call_command("wf", "send-event", "w1", "go", "--payload", f"@{bad}")
+    assert snapshot() == before
+
+
+# --- 14. the WebSocket -------------------------------------------------------------------
+
+
+def staff_cookie(*perms: str, staff: bool = True, name: str = "sock") -> bytes:
+    client = Client()
+    client.force_login(make_user(name, *perms, staff=staff))
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver") -> tuple[WebsocketCommunicator, bool]:
+    headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
+    communicator = WebsocketCommunicator(router, path, headers=headers)
+    connected, _ = await communicator.connect(timeout=5)
+    return communicator, connected
+
+
+async def next_error(communicator: WebsocketCommunicator) -> str:
+    while True:
+        message = await communicator.receive_json_from(timeout=5)
+        if message["type"] == "error":
+            return message["error"]
+
+
+WS_BAD = [
+    ({"text_data": "{"}, "frame is not JSON"),
+    ({"bytes_data": b"\xff\xfe"}, "binary frames are not accepted"),
+    ({"text_data": json.dumps({"type": "terminate"})}, "unknown message"),
+    ({"text_data": json.dumps({"type": 5})}, "unknown message"),
+    ({"text_data": json.dumps({"type": "send-event", "event": "go", "payload": {}})}, "unknown message"),
+    ({"text_data": "1e400"}, "unknown message"),
+    ({"text_data": HUGE_NUMBER}, "unknown message"),
+    ({"text_data": DEEP}, "frame larger than 8192 bytes"),
+    ({"text_data": json.dumps(string_of_bytes(9000))}, "frame larger than 8192 bytes"),
+]
+
+
+@pytest.mark.parametrize("frame,message", WS_BAD, ids=lambda v: str(v)[:24])
+async def test_a_forged_or_malformed_socket_frame_gets_an_error_frame_and_changes_nothing(waiter, frame, message):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance", "change_instance")
+    communicator, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected
+    before = await database_sync_to_async(snapshot)()
+    await communicator.send_to(**frame)
+    assert message in await next_error(communicator)
+    await communicator.send_json_to({"type": "ping"})  # the socket is still alive
+    while (await communicator.receive_json_from(timeout=5))["type"] != "pong":
+        pass
+    assert await database_sync_to_async(snapshot)() == before
+    await communicator.disconnect()
+    await database_sync_to_async(engine_still_runs)(waiter)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "workflows_app/consumers.py DashboardConsumer.receive: json.loads of a frame nested ~4,000 levels "
+    "(within MAX_CLIENT_FRAME) raises RecursionError, not caught by `except ValueError`: the consumer "
+    "crashes instead of answering an error frame"))
+async def test_a_socket_frame_nested_four_thousand_levels_gets_an_error_frame(waiter):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected
+    await communicator.send_to(text_data="[" * 4000 + "]" * 4000)
+    assert "not JSON" in await next_error(communicator)
+    await communicator.disconnect()
+
+
+async def test_a_socket_for_an_unknown_instance_id_is_refused(waiter):
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    _, connected = await connect("/ws/instances/987654321/", cookie)
+    assert not connected
+
+
+# --- 15. security --------------------------------------------------------------------------
+
+
+async def test_a_socket_from_a_foreign_origin_is_refused(waiter):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    for origin in (b"https://evil.example", b"http://testserver.evil.example", b"null"):
+        _, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin)
+        assert not connected, origin
+
+
+async def test_an_anonymous_socket_is_refused(waiter):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    for path in (f"/ws/instances/{pk}/", "/ws/instances/", "/ws/overview/"):
+        _, connected = await connect(path, None)
+        assert not connected, path
+
+
+def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(waiter):
+    client = Client()
+    client.force_login(make_user("looker", "view_instance"))
+    pk = waiter.row().pk
+    before = snapshot()
+    response = client.post(f"/instances/{pk}/terminate/")
+    assert response.status_code == 403
+    assert snapshot() == before and waiter.status().status == "waiting"
+
+
+def test_a_dashboard_post_without_a_csrf_token_is_refused(waiter):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(make_user("operator", "view_instance", "change_instance"))
+    pk = waiter.row().pk
+    before = snapshot()
+    response = client.post(f"/instances/{pk}/terminate/")
+    assert response.status_code == 403 and b"CSRF" in response.content
+    assert snapshot() == before and waiter.status().status == "waiting"
+    # With the token it works: the refusal was the missing token, nothing else.
+    client.get(f"/instances/{pk}/")
+    response = client.post(f"/instances/{pk}/terminate/", {"csrfmiddlewaretoken": client.cookies["csrftoken"].value})
+    assert response.status_code == 302 and waiter.status().status == "terminated"
+
+
+def test_a_revoked_api_token_is_refused(waiter):
+    _, secret = tokens.issue("short-lived")
+    client = Client()
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert client.get(f"/api/workflows/{WF}/instances/w1", headers=headers).status_code == 200
+    tokens.revoke("short-lived")
+    before = snapshot()
+    for response in (
+        client.get(f"/api/workflows/{WF}/instances/w1", headers=headers),
+        client.post(EVENT, "{}", content_type="application/json", headers=headers),
+        client.patch(f"/api/workflows/{WF}/instances/w1/status", '{"status": "terminate"}',
+                     content_type="application/json", headers=headers),
+    ):
+        assert response.status_code == 401 and "revoked" in response.json()["errors"][0]["message"]
+    assert snapshot() == before and waiter.status().status == "waiting"
+
+
+@pytest.fixture
+def failing(registered: list[str]) -> Any:
+    @register("sec-xss")
+    class Failing(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.wait_for_event("wait", type="go", timeout="1 hour")
+            await step.do("explode", lambda: (_ for _ in ()).throw(ValueError(" ".join(XSS))), retries={"limit": 0})
+
+    inst = get_workflow("sec-xss").create(id="xss", params={"p": XSS})
+    testing.run_until_idle()
+    inst.send_event("go", {"e": XSS})
+    testing.run_until_idle()
+    assert inst.status().status == "errored" and XSS[0] in inst.status().error["message"]
+    return inst
+
+
+def test_script_in_an_error_message_and_a_payload_is_rendered_escaped(failing):
+    client = Client()
+    client.force_login(make_user("viewer", "view_instance"))
+    pk = failing.row().pk
+    for path in (f"/instances/{pk}/", f"/instances/{pk}/live/", "/errors/"):
+        response = client.get(path)
+        assert response.status_code == 200, path
+        page = response.content.decode()
+        for raw in XSS:
+            assert raw not in page, f"{path} renders {raw!r} unescaped"
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, path
+    detail = client.get(f"/instances/{pk}/").content.decode()
+    assert "onmouseover=alert(1)" in detail  # shown, but only inside an escaped attribute-safe text
+    assert '"onmouseover' not in detail
