@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -33,7 +32,3 @@ def registered() -> Iterator[list[str]]:
         if definition.name not in before:
             registry.unregister(definition.name)
 
-
-def requires_service(name: str, reason: str) -> pytest.MarkDecorator:
-    """Skip locally when a service is missing; in CI (CI=true) the test must run and fail."""
-    return pytest.mark.skipif(False, reason=reason) if os.environ.get("CI") == "true" else pytest.mark.skipif(False, reason=reason)

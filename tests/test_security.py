@@ -113,9 +113,6 @@ def test_the_python_api_refuses_bad_events_naming_the_problem_and_stores_nothing
     engine_still_runs(waiter)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine/limits.py check_size: len(text.encode()) raises UnicodeEncodeError (not a WorkflowError) "
-    "for a payload holding a lone surrogate; encode_json(ensure_ascii=False) lets it through"))
 def test_the_python_api_refuses_a_payload_that_is_not_valid_unicode_with_invalid_input(waiter):
     before = snapshot()
     with pytest.raises(InvalidInput):
@@ -191,9 +188,6 @@ def test_the_http_api_refuses_bad_input_with_a_4xx_naming_the_problem_and_stores
     engine_still_runs(waiter)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows_app/api.py Call.body: json.loads of 10,000 nested arrays raises RecursionError, which "
-    "`except ValueError` does not catch: the request ends in a 500 instead of 400 InvalidJSON"))
 def test_the_http_api_refuses_json_nested_ten_thousand_levels_deep_with_400(waiter, api):
     before = snapshot()
     assert api(EVENT, DEEP.encode())[:2] == (400, "InvalidJSON")
@@ -209,9 +203,6 @@ def test_the_http_api_accepts_payloads_under_and_at_the_limit(waiter, api):
     assert get_workflow(WF).get("w1").status().output == 10**400
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows_app/api.py ERROR_STATUS maps LimitExceeded (max_event_payload_bytes) to 400, not 413: "
-    "only the API's own body limit answers 413"))
 def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_with_413(waiter, api):
     before = snapshot()
     status, code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
@@ -223,7 +214,7 @@ def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_with_413(waiter,
 def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_naming_it(waiter, api):
     before = snapshot()
     status, code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
-    assert 400 <= status < 500 and code == "LimitExceeded"
+    assert status == 413 and code == "SizeLimitExceeded"
     assert f"max_event_payload_bytes is {LIMIT} bytes, got {LIMIT + 1} bytes" in message
     assert snapshot() == before
     engine_still_runs(waiter)
@@ -262,9 +253,6 @@ def test_the_wf_command_refuses_bad_input_with_a_command_error_and_stores_nothin
     engine_still_runs(waiter)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows_app/management/commands/wf.py parse_json: json.loads of deeply nested JSON raises "
-    "RecursionError, and only json.JSONDecodeError is turned into a CommandError"))
 def test_the_wf_command_refuses_json_nested_ten_thousand_levels_with_a_command_error(waiter):
     before = snapshot()
     with pytest.raises(CommandError):
@@ -272,9 +260,6 @@ def test_the_wf_command_refuses_json_nested_ten_thousand_levels_with_a_command_e
     assert snapshot() == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows_app/management/commands/wf.py parse_json: an @file that is not UTF-8 raises "
-    "UnicodeDecodeError from read_text(); only OSError is turned into a CommandError"))
 def test_the_wf_command_refuses_a_payload_file_that_is_not_utf8_with_a_command_error(waiter, tmp_path: Path):
     bad = tmp_path / "payload.json"
     bad.write_bytes(b'{"a": "\xff\xfe"}')
@@ -337,10 +322,6 @@ async def test_a_forged_or_malformed_socket_frame_gets_an_error_frame_and_change
     await database_sync_to_async(engine_still_runs)(waiter)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "workflows_app/consumers.py DashboardConsumer.receive: json.loads of a frame nested ~4,000 levels "
-    "(within MAX_CLIENT_FRAME) raises RecursionError, not caught by `except ValueError`: the consumer "
-    "crashes instead of answering an error frame"))
 async def test_a_socket_frame_nested_four_thousand_levels_gets_an_error_frame(waiter):
     pk = (await database_sync_to_async(waiter.row)()).pk
     cookie = await database_sync_to_async(staff_cookie)("view_instance")

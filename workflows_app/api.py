@@ -33,6 +33,7 @@ ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
     (errors.InstanceAlreadyExists, 409),
     (errors.InvalidTransition, 409),
     (errors.VersionConflict, 409),
+    (errors.SizeLimitExceeded, 413),  # params or a payload over its byte limit (other limits: 400)
     (errors.WorkflowError, 400),
 )
 
@@ -92,7 +93,7 @@ class Call:
                 raise ApiError(400, "InvalidEncoding", f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
             try:
                 self._body = json.loads(text, parse_constant=_reject_constant) if text.strip() else None
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ApiError(400, "InvalidJSON", f"request body is not valid JSON: {exc}") from None
             self._read = True
         return self._body

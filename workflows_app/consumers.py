@@ -86,8 +86,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         else:
             try:
                 content = json.loads(text_data)
-            except ValueError:
-                await self.reject("frame is not JSON")
+            except (ValueError, RecursionError):
+                await self.reject("frame is not JSON (or is nested too deeply)")
                 return
             await self.receive_json(content)
 

@@ -66,6 +66,7 @@ def instances_promoted(pks: list[int]) -> None:
 
 
 _sender_loop: asyncio.AbstractEventLoop | None = None
+_sender_queue: asyncio.Queue[tuple[str, dict[str, Any]]] | None = None
 _sender_lock = threading.Lock()
 
 
@@ -73,24 +74,29 @@ def _background_send(group: str, message: dict[str, Any]) -> None:
     """Hand a cross-process message to a long-lived sender loop and return at once.
 
     Sync callers (views, the client, tests) must not wait for Redis: async_to_sync per
-    message cost tens of milliseconds each. Messages keep their order per caller.
+    message cost tens of milliseconds each. One coroutine sends the queue in order, so a
+    burst (a batch create) uses one connection instead of one per message.
     """
-    global _sender_loop
+    global _sender_loop, _sender_queue
     with _sender_lock:
         if _sender_loop is None or _sender_loop.is_closed():
             loop = asyncio.new_event_loop()
+            queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
             threading.Thread(target=loop.run_forever, name="wfdash-live-sender", daemon=True).start()
-            _sender_loop = loop
-        loop = _sender_loop
-    layer = get_channel_layer()
+            asyncio.run_coroutine_threadsafe(_drain(queue), loop)
+            _sender_loop, _sender_queue = loop, queue
+        loop, queue = _sender_loop, _sender_queue
+    assert queue is not None
+    loop.call_soon_threadsafe(queue.put_nowait, (group, message))
 
-    async def send() -> None:
+
+async def _drain(queue: asyncio.Queue[tuple[str, dict[str, Any]]]) -> None:
+    while True:
+        group, message = await queue.get()
         try:
-            await layer.group_send(group, message)
+            await get_channel_layer().group_send(group, message)
         except Exception:  # a lost hint or notification costs latency only
             log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
-
-    asyncio.run_coroutine_threadsafe(send(), loop)
 
 
 class EngineHooks:

@@ -22,6 +22,10 @@ class LimitExceeded(WorkflowError, ValueError):
         super().__init__(f"{detail}{limit} is {maximum}, got {value}")
 
 
+class SizeLimitExceeded(LimitExceeded):
+    """Params, a payload or an output is larger than its configured byte limit."""
+
+
 class InvalidInput(WorkflowError, ValueError):
     """An argument was malformed (bad id, bad event type, not JSON-serialisable, …)."""
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .durations import parse_duration
-from .errors import InvalidEventType, InvalidInput, LimitExceeded, StepOutputError
+from .errors import InvalidEventType, InvalidInput, LimitExceeded, SizeLimitExceeded, StepOutputError
 
 DAY_MS = 86_400_000
 EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")
@@ -103,9 +103,12 @@ def encode_step_output(value: Any, step_name: str, limits: Limits) -> str:
 
 
 def check_size(text: str, limit_name: str, maximum: int, what: str) -> None:
-    size = len(text.encode())
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
     if size > maximum:
-        raise LimitExceeded(limit_name, f"{size} bytes", f"{maximum} bytes", what)
+        raise SizeLimitExceeded(limit_name, f"{size} bytes", f"{maximum} bytes", what)
 
 
 def check_event_type(event_type: object) -> str:

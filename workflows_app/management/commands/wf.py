@@ -43,13 +43,17 @@ def parse_json_arg(value: str | None, flag: str) -> Any:
     if value.startswith("@"):
         path = Path(value[1:])
         try:
-            value = path.read_text()
+            value = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise CommandError(f"{flag}: {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
         raise CommandError(f"{flag} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CommandError(f"{flag} is nested too deeply to parse as JSON") from None
 
 
 def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
