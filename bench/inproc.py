@@ -16,6 +16,7 @@ class CountingHooks(EngineHooks):
     """EngineHooks (spans stored after each run) that also count run outcomes."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.outcomes: Counter[str] = Counter()
         self.cond = threading.Condition()
 

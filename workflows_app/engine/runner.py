@@ -305,6 +305,15 @@ class Run:
             "span_id": span_id,
         }
 
+    def notify(self, hook: str, *args: Any) -> None:
+        """Tell the app's hooks (live updates); their failure never affects the run."""
+        if self.hooks is None:
+            return
+        try:
+            getattr(self.hooks, hook)(*args)
+        except Exception:
+            log.exception("hook %s failed for instance #%s", hook, self.pk)
+
     # --- what the step API uses -------------------------------------------------------
 
     def begin_op(self, name: str, kind: str) -> StepRecord | None:
@@ -384,8 +393,7 @@ class Run:
         self.checkpoints[record.name] = record
         if status == "waitingForPause" and not self.pause_requested:
             self.request_pause()
-        if self.hooks is not None:
-            self.hooks.step_written(self, record, history)
+        self.notify("step_written", self, record, history)
 
     async def attempt(self, record: StepRecord, fn: Callable[..., Any], timeout_ms: int) -> Any:
         """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""
@@ -434,8 +442,7 @@ class Run:
             ],
             error=self.error_record("workflow.step", name, message, stack, span, record.name, record.attempts),
         )
-        if self.hooks is not None:
-            self.hooks.attempt_failed(self, record, exc)
+        self.notify("attempt_failed", self, record, exc)
 
     async def fail_step(
         self, record: StepRecord, exc: BaseException | None, nonretryable: bool, history: list[History] | None = None
@@ -474,8 +481,8 @@ class Run:
             progress=True,
             error=error,
         )
-        if self.hooks is not None and exc is not None:
-            self.hooks.attempt_failed(self, record, exc)
+        if exc is not None:
+            self.notify("attempt_failed", self, record, exc)
         return self.stored_failure(record)
 
     def stored_failure(self, record: StepRecord) -> BaseException:

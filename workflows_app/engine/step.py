@@ -208,8 +208,7 @@ class Step:
             # No write before the attempt: its start is recorded with its outcome, in the one
             # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
             started = [History("step.started", {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()})]
-            if run.hooks is not None:
-                run.hooks.step_started(run, record)
+            run.notify("step_started", run, record)
             try:
                 result = await run.attempt(record, fn, timeout_ms)
                 output_json = encode_step_output(result, name, run.limits)

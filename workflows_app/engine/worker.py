@@ -228,7 +228,10 @@ class Worker:
         self.tokens.pop(pk, None)
         self.runs.pop(pk, None)
         if self.hooks is not None and not task.cancelled():
-            self.hooks.run_finished(pk, task.result())
+            try:
+                self.hooks.run_finished(pk, task.result())
+            except Exception:
+                log.exception("hook run_finished failed for instance #%s", pk)
         if self._wake is not None:
             self._wake.set()
 
