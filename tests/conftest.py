@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from workflows_app import testing
+from tests.workers import WorkerProcess
 from workflows_app.engine import clock, registry
 
 
@@ -32,3 +33,18 @@ def registered() -> Iterator[list[str]]:
         if definition.name not in before:
             registry.unregister(definition.name)
 
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., list[WorkerProcess]]]:
+    """Start real `runworker workflows` processes on the test database; stopped after the test."""
+    started: list[WorkerProcess] = []
+
+    def start(count: int = 1, **env: str) -> list[WorkerProcess]:
+        new = [WorkerProcess(env=env) for _ in range(count)]
+        started.extend(new)
+        return new
+
+    yield start
+    for worker in started:
+        worker.stop()

@@ -12,7 +12,6 @@ from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
-from tests.workers import WorkerProcess
 from workflows_app.client import get_workflow
 from workflows_app.engine import store
 from workflows_app.engine.store import History, LeaseLost
@@ -20,20 +19,6 @@ from workflows_app.models import Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 FLEET_SIZE = 500 if connection.vendor == "postgresql" else 150
-
-
-@pytest.fixture
-def workers():
-    started: list[WorkerProcess] = []
-
-    def start(count: int = 1, **env: str) -> list[WorkerProcess]:
-        new = [WorkerProcess(env=env) for _ in range(count)]
-        started.extend(new)
-        return new
-
-    yield start
-    for worker in started:
-        worker.stop()
 
 
 def test_a_killed_worker_s_instances_are_taken_over_and_every_step_checkpoints_once(workers):

@@ -20,14 +20,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from django.db import close_old_connections, connection
+from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
-from tests.workers import WorkerProcess
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import InvalidTransition, NonDeterminismError
 from workflows_app.models import HistoryRecord, InboxEvent, Instance, StepRecord
 
@@ -36,20 +35,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SOAK = os.environ.get("WFDASH_SOAK") == "1"
 SEED = int(os.environ.get("WFDASH_SEED", "8"))
 soak_only = pytest.mark.skipif(not SOAK, reason="soak only")
-
-
-@pytest.fixture
-def workers():
-    started: list[WorkerProcess] = []
-
-    def start(count: int = 1, **env: str) -> list[WorkerProcess]:
-        new = [WorkerProcess(env=env) for _ in range(count)]
-        started.extend(new)
-        return new
-
-    yield start
-    for worker in started:
-        worker.stop()
 
 
 # --- comparing the ledger with the checkpoints -----------------------------------------

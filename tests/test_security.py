@@ -29,7 +29,6 @@ from workflows_app.engine.errors import (
     LimitExceeded,
     UnknownWorkflow,
 )
-from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -13,7 +13,7 @@ from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, registry, register
 from workflows_app.engine.errors import VersionConflict, WorkflowFailed, WorkflowTerminated, ResultTimeout
 from workflows_app.engine.worker import sync_catalog
-from workflows_app.models import HistoryRecord, Instance, StepRecord, WorkflowVersion
+from workflows_app.models import Instance, StepRecord, WorkflowVersion
 
 pytestmark = pytest.mark.django_db(transaction=True)
 calls: Counter[str] = Counter()

@@ -24,17 +24,14 @@ from ..models import StepKind, StepRecord, StepStatus
 from . import clock, faults, spans
 from .durations import parse_duration, parse_instant
 from .errors import (
-    DuplicateStepName,
     EventTimeout,
     InvalidInput,
     LimitExceeded,
-    NonDeterminismError,
     NonRetryableError,
     StepOutputError,
-    StepTimeout,
     WorkflowError,
 )
-from .limits import BACKOFFS, check_event_type, check_step_name, encode_json, encode_step_output
+from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output
 from .store import History
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Min, Q
+from django.db.models import Min, Q
 
 from ..models import (
     ACTIVE_STATUSES,
