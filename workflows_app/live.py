@@ -59,6 +59,31 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
         _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
 
 
+# Hints that only say "something may be runnable": any one worker may act on them, so a
+# burst of them is sent once, to the engine's channel, instead of to every worker.
+WAKE_KINDS = frozenset({"created", "event", "resume", "wake", "promoted", "restart"})
+ENGINE_CHANNEL = "workflows"
+
+
+def _coalesce(batch: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None, dict[str, Any]]]:
+    """Drop duplicates; fold every wake hint of a burst into one message to the engine
+    channel (group None means: send to ENGINE_CHANNEL). Order is kept otherwise."""
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    seen: set[str] = set()
+    woke = False
+    for group, message in batch:
+        if group == WORKERS_GROUP and message.get("kind") in WAKE_KINDS:
+            if not woke:
+                out.append((None, {"type": "wf.hint", "kind": "wake", "pk": None}))
+                woke = True
+            continue
+        key = f"{group}|{sorted(message.items())}"
+        if key not in seen:
+            seen.add(key)
+            out.append((group, message))
+    return out
+
+
 def instances_promoted(pks: list[int]) -> None:
     """Queued instances were started (a place freed up): tell workers and dashboards."""
     for pk in pks:
@@ -92,11 +117,18 @@ def _background_send(group: str, message: dict[str, Any]) -> None:
 
 async def _drain(queue: asyncio.Queue[tuple[str, dict[str, Any]]]) -> None:
     while True:
-        group, message = await queue.get()
-        try:
-            await get_channel_layer().group_send(group, message)
-        except Exception:  # a lost hint or notification costs latency only
-            log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
+        batch = [await queue.get()]
+        while not queue.empty():  # whatever piled up while the last burst was sent
+            batch.append(queue.get_nowait())
+        layer = get_channel_layer()
+        for group, message in _coalesce(batch):
+            try:
+                if group is None:
+                    await layer.send(ENGINE_CHANNEL, message)
+                else:
+                    await layer.group_send(group, message)
+            except Exception:  # a lost hint or notification costs latency only
+                log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
 
 
 class EngineHooks:
