@@ -140,3 +140,10 @@ class RelTimer(WorkflowEntrypoint):
     async def run(self, event, step):
         await step.sleep("timer", "3 seconds")
         return await step.do("after", record_execution)
+
+
+@register("fleet-sleeper")
+class FleetSleeper(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.sleep("nap", "1 hour")
+        return await step.do("after", lambda: os.getpid())

@@ -151,3 +151,23 @@ def test_sigterm_lets_running_steps_finish_and_releases_leases(workers):
     assert running_steps == 0  # every step that started finished and was checkpointed
     (other,) = workers(1)
     wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == 20, 60, "all to complete")
+
+
+def test_a_timer_that_came_due_while_no_worker_ran_fires_as_soon_as_a_worker_starts(workers):
+    from datetime import timedelta
+
+    from workflows_app import testing
+
+    inst = get_workflow("fleet-sleeper").create()
+    testing.run_until_idle()  # parks on the one-hour sleep; then no worker runs
+    assert inst.status().status == "waiting"
+    past = inst.row().created_at - timedelta(minutes=1)
+    StepRecord.objects.filter(instance=inst.row(), name="nap").update(wake_at=past)  # the hour went by
+    Instance.objects.filter(pk=inst.row().pk).update(wake_at=past)
+    started = time.monotonic()
+    (worker,) = workers(1, WFDASH_POLL_SECONDS="30")
+    wait_until(lambda: inst.status().status == "complete", 25, "the due timer to fire")
+    elapsed = time.monotonic() - started
+    assert inst.status().output == worker.pid
+    assert elapsed < 30  # within one poll interval of the worker starting (boot included)
+    print(f"\ndue timer fired {elapsed:.2f} s after the worker process was started")
