@@ -156,3 +156,39 @@ async def test_forged_and_malformed_client_messages_get_an_error_frame_and_chang
     await communicator.send_json_to({"type": "ping"})
     await receive_until(communicator, "pong")
     await communicator.disconnect()
+
+
+async def test_after_lost_messages_a_reconnected_socket_shows_exactly_the_database_state(
+    approval_workflow,
+):
+    """The channel layer is lossy (capacity, a Redis restart); the database is the truth."""
+    from channels.layers import get_channel_layer
+
+    from workflows_app.models import Instance
+
+    inst = await get_workflow(approval_workflow).acreate(id="lost-1")
+    pk = (await database_sync_to_async(inst.row)()).pk
+    cookie = await staff_cookie()
+    communicator, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected
+    assert (await receive_until(communicator, "snapshot"))["instance"]["status"] == "running"
+    layer = get_channel_layer()
+    sent = layer.group_send
+
+    async def drop(*args: Any, **kwargs: Any) -> None:
+        return None  # every notification is lost
+
+    layer.group_send = drop
+    try:
+        await testing.arun_until_idle()  # the instance parks: nobody hears of it
+        await inst.apause(actor="test")
+        assert await communicator.receive_nothing(timeout=0.3)  # the page missed both changes
+    finally:
+        layer.group_send = sent
+    await communicator.disconnect()
+    reconnected, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected
+    snapshot = (await receive_until(reconnected, "snapshot"))["instance"]
+    row = await database_sync_to_async(Instance.objects.get)(pk=pk)
+    assert snapshot["status"] == row.status == "paused"
+    await reconnected.disconnect()
