@@ -207,21 +207,6 @@ class EngineHooks:
                 },
             )
 
-    def error_recorded(self, error: Any) -> None:
-        """For the engine, after it stores an ErrorRecord."""
-        if error.instance_id is not None:
-            publish(
-                instance_group(error.instance_id),
-                {
-                    "type": "wf.error",
-                    "pk": error.instance_id,
-                    "step": error.step_name,
-                    "attempt": error.attempt,
-                    "name": error.name,
-                    "message": error.message[:1000],
-                },
-            )
-
 
 def bind_socket_loop() -> None:
     """Called by dashboard consumers on connect: remember the loop their groups live in."""

@@ -167,10 +167,6 @@ def configure() -> TracerProvider:
         return provider
 
 
-def span_store() -> DatabaseSpanProcessor | None:
-    return _store
-
-
 def flush_spans() -> list[Any]:
     """Write queued spans to the database; called from the engine's database thread."""
     if _store is None:

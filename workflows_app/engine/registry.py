@@ -56,7 +56,6 @@ class Definition:
 
 _lock = threading.Lock()
 _definitions: dict[str, dict[int, Definition]] = {}
-_listeners: list[Callable[[], None]] = []
 
 
 def source_hash(cls: type) -> str:
@@ -87,7 +86,6 @@ def register(
         definition = Definition(name, version, cls, dict(limits or {}), source_hash(cls))
         with _lock:
             _definitions.setdefault(name, {})[version] = definition
-        _changed()
         return cls
 
     return decorate
@@ -102,7 +100,6 @@ def unregister(name: str, version: int | None = None) -> None:
             _definitions[name].pop(version, None)
             if not _definitions[name]:
                 del _definitions[name]
-    _changed()
 
 
 def get_definition(name: str, version: int | None = None) -> Definition:
@@ -127,12 +124,3 @@ def find_definition(name: str, version: int) -> Definition | None:
 def all_definitions() -> list[Definition]:
     with _lock:
         return [d for versions in _definitions.values() for d in versions.values()]
-
-
-def on_change(listener: Callable[[], None]) -> None:
-    _listeners.append(listener)
-
-
-def _changed() -> None:
-    for listener in list(_listeners):
-        listener()
