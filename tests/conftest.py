@@ -47,4 +47,6 @@ def workers() -> Iterator[Callable[..., list[WorkerProcess]]]:
 
     yield start
     for worker in started:
-        worker.stop()
+        log = worker.stop()
+        if log.strip():  # shown by pytest when the test fails
+            print(f"--- worker {worker.pid} (exit {worker.process.returncode}) logged:\n{log}")

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+
+
+def instance_summary() -> str:
+    """What the instances look like now: counts by workflow, status and lease holder."""
+    from workflows_app.models import Instance
+
+    rows = Instance.objects.values_list("workflow", "status", "lease_owner")
+    counts = Counter((workflow, status, owner or "-") for workflow, status, owner in rows)
+    return "; ".join(f"{w} {s} owner={o}: {n}" for (w, s, o), n in sorted(counts.items())) or "no instances"
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll a condition with a bound; fail naming what never happened."""
+    """Poll a condition with a bound; fail naming what never happened and what was there instead."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; instances: {instance_summary()}")
         time.sleep(interval)

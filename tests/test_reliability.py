@@ -26,7 +26,7 @@ from tests import fleet_workflows
 from tests.polling import wait_until
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine import WorkflowEntrypoint, faults, register
 from workflows_app.engine.errors import InvalidTransition, NonDeterminismError
 from workflows_app.models import HistoryRecord, InboxEvent, Instance, StepRecord
 
@@ -177,6 +177,57 @@ def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_hi
     received = HistoryRecord.objects.filter(instance__instance_id="drop", type="event.received")
     assert received.count() == 1
     assert_history_gap_free("rel-checkpoint")
+
+
+def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_from_its_checkpoint():
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-race").create(id="cut")
+    faults.configure("after_checkpoint=raise@1")  # the first checkpoint commits, then the database fails
+    try:
+        testing.run_until_idle()  # no lease to wait out: the same pass claims it again
+    finally:
+        faults.configure("")
+    status = inst.status()
+    assert status.status == "complete", status
+    assert executions("cut") == {("cut", f"step {i}"): 1 for i in range(3)}
+    assert_one_checkpoint_per_step("rel-race", 3, 1)
+    runs = HistoryRecord.objects.filter(instance__instance_id="cut", type="run.started").count()
+    assert runs == 2
+    assert_history_gap_free("rel-race")
+
+
+def test_a_write_refused_by_sqlite_s_writer_lock_is_retried_and_lands_once():
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only: its writer lock refuses a BEGIN IMMEDIATE definitely")
+    import sqlite3
+
+    inst = get_workflow("rel-checkpoint").create(id="locked")
+    before = HistoryRecord.objects.filter(instance__instance_id="locked").count()
+    connection.ensure_connection()
+    raw = connection.connection
+    outsider = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+    outsider.execute("BEGIN EXCLUSIVE")
+    begins: list[str] = []
+
+    def lift_the_lock_on_the_retry(sql: str) -> None:
+        if sql.startswith("BEGIN"):
+            begins.append(sql)
+            if len(begins) == 2:
+                outsider.execute("COMMIT")
+
+    raw.execute("PRAGMA busy_timeout = 0")  # refused at once instead of after 30 s
+    raw.set_trace_callback(lift_the_lock_on_the_retry)
+    try:
+        assert inst.pause() == "paused"
+    finally:
+        raw.set_trace_callback(None)
+        raw.execute("PRAGMA busy_timeout = 30000")
+        outsider.close()
+    assert len(begins) == 2  # refused once, then retried
+    assert inst.status().status == "paused"
+    paused = HistoryRecord.objects.filter(instance__instance_id="locked", type="instance.paused")
+    assert paused.count() == 1
+    assert HistoryRecord.objects.filter(instance__instance_id="locked").count() == before + 1
 
 
 # --- 4. no instance runs in two places at once -------------------------------------------

@@ -7,7 +7,7 @@
 Points: after_claim (instances leased, before their runs), after_side_effect (a step's
 callable returned, before its checkpoint), after_checkpoint (a checkpoint committed).
 Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
-thread's database connection), raise (an OperationalError-like failure).
+thread's database connection), raise (an OperationalError).
 Unused, a fault point costs one dictionary lookup.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+
+from django.db import OperationalError
 
 _plan: dict[str, tuple[str, int | None]] = {}
 _hits: dict[str, int] = {}
@@ -33,8 +35,8 @@ def configure(spec: str | None = None) -> None:
         _plan[point.strip()] = (action.strip(), int(nth) if nth else None)
 
 
-class InjectedFault(Exception):
-    """Raised by the `raise` action: a failure the engine must survive."""
+class InjectedFault(OperationalError):
+    """Raised by the `raise` action: a database failure the engine must survive."""
 
 
 def hit(point: str) -> None:

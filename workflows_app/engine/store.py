@@ -8,6 +8,7 @@ or another worker takes it over, the old run's writes match no row and are refus
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.db.models import Min, Q
 
 from ..models import (
@@ -55,6 +56,39 @@ UPSERT_STEP_SQL = (
     "ON CONFLICT (instance_id, name) DO UPDATE SET "
     + ", ".join(f"{c} = excluded.{c}" for c in STEP_COLUMNS[2:])
 )
+
+
+# --- SQLite's writer lock ----------------------------------------------------------
+
+
+LOCKED_RETRIES = 3
+
+
+def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Retry a one-transaction write that SQLite refused with "database is locked".
+
+    The refusal is definite (BEGIN IMMEDIATE did not get the lock, nothing was written),
+    so trying again is safe; each try already waited the busy timeout. Inside a caller's
+    transaction the error is the caller's to handle, as is any other database error.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(LOCKED_RETRIES + 1):
+            try:
+                return fn(*args, **kwargs)
+            except OperationalError as exc:
+                retry = (
+                    connection.vendor == "sqlite"
+                    and "locked" in str(exc)
+                    and not connection.in_atomic_block
+                    and attempt < LOCKED_RETRIES
+                )
+                if not retry:
+                    raise
+        raise AssertionError("unreachable")
+
+    return wrapper
 
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
@@ -140,6 +174,7 @@ def append_history(pk: int, records: Sequence[History], now: datetime | None = N
 # --- catalog and admission ----------------------------------------------------------
 
 
+@retry_while_locked
 def sync_catalog(name: str, version: int, source_hash: str, class_path: str, strict: bool) -> None:
     """Record a registered version; refuse a changed source under an existing version."""
     now = clock.now()
@@ -182,6 +217,7 @@ def _free_slots(name: str, limits: Limits) -> int | None:
     return max(0, limits.max_concurrent_instances - active)
 
 
+@retry_while_locked
 def create_instances(
     name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str = ""
 ) -> list[tuple[Instance, bool]]:
@@ -274,6 +310,7 @@ def promote_queued(name: str, limits: Limits, now: datetime) -> list[int]:
     return pks
 
 
+@retry_while_locked
 def promote_all_queued(workflows: Sequence[tuple[str, Limits]]) -> int:
     """At worker start: queued instances start wherever there is room (after a restart too)."""
     now = clock.now()
@@ -314,15 +351,28 @@ def claim_and_load(
 ) -> list[tuple[int, str, LoadedRun | None]]:
     """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
     claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
-    if claimed:
-        faults.hit("after_claim")
-    loaded = load_runs([pk for pk, _ in claimed]) if claimed else {}
+    if not claimed:
+        return []
+    faults.hit("after_claim")
+    try:
+        loaded = load_runs([pk for pk, _ in claimed])
+    except DatabaseError:
+        # The claims are committed but cannot run here: hand them back rather than leave
+        # them leased to nobody until the leases run out (best effort: expiry is the net).
+        connection.close()  # a broken connection is not reused; the release reconnects
+        try:
+            for pk, token in claimed:
+                release(pk, token)
+        except DatabaseError:
+            pass
+        raise
     return [(pk, token, loaded.get(pk)) for pk, token in claimed]
 
 
 # --- claims and leases --------------------------------------------------------------
 
 
+@retry_while_locked
 def claim_runnable(
     worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
 ) -> list[tuple[int, str]]:
@@ -375,6 +425,7 @@ def claim_runnable(
     return claimed
 
 
+@retry_while_locked
 def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
     """Extend the leases held under these tokens; returns the tokens that were lost."""
     if not tokens:
@@ -386,6 +437,7 @@ def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
     return set(tokens) - held
 
 
+@retry_while_locked
 def release(pk: int, token: str) -> None:
     """Give the lease back without changing status (shutdown, or a run that was cut short)."""
     Instance.objects.filter(id=pk, lease_token=token).update(lease_token=None, lease_owner="", lease_expires_at=None)
@@ -424,6 +476,7 @@ def _fence(
     return row[0], row[1] - history_count + 1
 
 
+@retry_while_locked
 def write_step(
     pk: int,
     token: str,
@@ -462,6 +515,7 @@ def write_step(
     return status
 
 
+@retry_while_locked
 def finish(
     pk: int,
     token: str,
@@ -501,6 +555,7 @@ def finish(
     return True
 
 
+@retry_while_locked
 def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason: str = "") -> str:
     """Free the worker: store when the instance is due next and release the lease.
 
@@ -534,6 +589,7 @@ def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason:
 VERSION_MISSING = "version-missing: "
 
 
+@retry_while_locked
 def wake_registered_versions(versions: Sequence[tuple[str, int]]) -> int:
     """Instances parked because their version was missing continue once it is registered."""
     now = clock.now()
@@ -546,6 +602,7 @@ def wake_registered_versions(versions: Sequence[tuple[str, int]]) -> int:
     return woken
 
 
+@retry_while_locked
 def park_unrunnable(pk: int, token: str, reason: str) -> None:
     """Park an instance this process cannot run (its version is not registered here)."""
     with transaction.atomic():
@@ -583,6 +640,7 @@ def _clear_lease() -> dict[str, Any]:
     return {"lease_token": None, "lease_owner": "", "lease_expires_at": None}
 
 
+@retry_while_locked
 def pause(name: str, instance_id: str, actor: str = "") -> str:
     now = clock.now()
     with transaction.atomic():
@@ -607,6 +665,7 @@ def pause(name: str, instance_id: str, actor: str = "") -> str:
     return new_status
 
 
+@retry_while_locked
 def resume(name: str, instance_id: str, actor: str = "") -> str:
     now = clock.now()
     with transaction.atomic():
@@ -621,6 +680,7 @@ def resume(name: str, instance_id: str, actor: str = "") -> str:
     return Status.RUNNING
 
 
+@retry_while_locked
 def terminate(name: str, instance_id: str, limits: Limits, actor: str = "", reason: str = "") -> bool:
     """Terminate a live instance; returns False if it had already finished."""
     with transaction.atomic():
@@ -643,6 +703,7 @@ def _terminate_locked(inst: Instance, limits: Limits, actor: str, reason: str, n
     promote_queued(inst.workflow, limits, now)
 
 
+@retry_while_locked
 def restart(name: str, instance_id: str, limits: Limits, from_step: str | None = None, actor: str = "") -> str:
     """Drop checkpoints (all, or from_step and every step started after it) and run again."""
     now = clock.now()
@@ -675,6 +736,7 @@ def restart(name: str, instance_id: str, limits: Limits, from_step: str | None =
     return Status.RUNNING if admitted else Status.QUEUED
 
 
+@retry_while_locked
 def skip_sleep(name: str, instance_id: str, actor: str = "") -> int:
     """Make the current sleeps of an instance due now; returns how many were woken."""
     now = clock.now()
@@ -691,6 +753,7 @@ def skip_sleep(name: str, instance_id: str, actor: str = "") -> int:
     return woken
 
 
+@retry_while_locked
 def send_event(
     name: str, instance_id: str, event_type: str, payload_json: str, validate: Any = None, actor: str = ""
 ) -> InboxEvent:
@@ -740,6 +803,7 @@ def prune(now: datetime | None = None, batch: int = 500) -> int:
         total += len(pks)
 
 
+@retry_while_locked
 def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor: str = "") -> str:
     """Cancel: terminate at once, or first run the compensations of completed steps."""
     now = clock.now()

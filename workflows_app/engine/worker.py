@@ -281,19 +281,26 @@ class Worker:
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks)
             self.runs[pk] = run
             outcome = await run.execute()
-            if outcome == "aborted" and run.abort_reason == "worker shutting down":
-                await self.db(store.release, pk, token)
+            if outcome == "aborted":
+                # Shutdown, a database error, an operator action: give the lease back now
+                # (fenced: a no-op when the lease is no longer ours), so the instance is
+                # claimed again at once instead of when the lease runs out.
+                await self._release(pk, token)
             await self.flush_hooks()
             return outcome
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("run of instance #%s failed inside the engine; releasing it for a retry", pk)
-            try:
-                await self.db(store.release, pk, token)
-            except Exception:
-                log.exception("could not release instance #%s", pk)
+            await self._release(pk, token)
             return "aborted"
+
+    async def _release(self, pk: int, token: str) -> None:
+        assert self.db is not None
+        try:
+            await self.db(store.release, pk, token)
+        except Exception:
+            log.exception("could not release instance #%s; it is claimable when its lease runs out", pk)
 
     # --- loops --------------------------------------------------------------------------
 
