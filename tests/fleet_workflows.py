@@ -147,3 +147,13 @@ class FleetSleeper(WorkflowEntrypoint):
     async def run(self, event, step):
         await step.sleep("nap", "1 hour")
         return await step.do("after", lambda: os.getpid())
+
+
+@register("rel-outage")
+class RelOutage(WorkflowEntrypoint):
+    """Five ledger steps; a step whose own query meets a dropped connection retries soon."""
+
+    async def run(self, event, step):
+        for i in range(5):
+            await step.do(f"step {i}", record_execution, retries={"limit": 10, "delay": "50 ms", "backoff": "constant"})
+        return "done"

@@ -230,6 +230,51 @@ def test_a_write_refused_by_sqlite_s_writer_lock_is_retried_and_lands_once():
     assert HistoryRecord.objects.filter(instance__instance_id="locked").count() == before + 1
 
 
+WORKER_APP = "wfdash-reliability-worker"
+
+
+def terminate_worker_backends() -> int:
+    """pg_terminate_backend every connection of the test's workers; returns how many."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s AND pid <> pg_backend_pid()",
+            [WORKER_APP],
+        )
+        return cursor.fetchone()[0]
+
+
+def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exits(workers):
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: the fault is pg_terminate_backend")
+    size, rounds = (500, 20) if SOAK else (60, 4)
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("rel-outage")
+    for start in range(0, size, 100):
+        wf.create_batch([{"id": f"o{n}"} for n in range(start, min(size, start + 100))])
+    fleet = workers(2, PGAPPNAME=WORKER_APP, FLEET_STEP_SECONDS="0.005", WFDASH_LEASE_SECONDS="5")
+    terminated = 0
+    for done in range(1, rounds + 1):
+        # Terminate at fixed points of the work, not of time: mid-load every time.
+        wait_until(lambda: len(fleet_workflows.ledger_rows()) >= size * 5 * done // (rounds + 1), 120,
+                   f"the fleet to reach {done}/{rounds + 1} of the work")
+        terminated += terminate_worker_backends()
+    wait_until(lambda: Instance.objects.filter(workflow="rel-outage", status="complete").count() == size,
+               180, "every instance to complete after the terminations")
+    assert [w.process.poll() for w in fleet] == [None] * len(fleet), "a worker exited"
+    assert terminated >= rounds  # every round cut at least one live backend
+    assert_one_checkpoint_per_step("rel-outage", 5, size)
+    ran = executions("o")
+    assert len(ran) == size * 5
+    # A step re-runs only when a termination cut its run between side effect and checkpoint:
+    # at most once per round, and never more often than there were backends cut.
+    reruns = sum(n - 1 for n in ran.values())
+    assert max(ran.values()) <= 1 + rounds and reruns <= terminated
+    assert_history_gap_free("rel-outage")
+    assert not Instance.objects.filter(workflow="rel-outage").exclude(status="complete").exists()
+    print(f"\npg_terminate_backend: {size} instances, {rounds} rounds, {terminated} backends cut, {reruns} steps re-ran")
+
+
 # --- 4. no instance runs in two places at once -------------------------------------------
 
 

@@ -217,20 +217,22 @@ def bind_socket_loop() -> None:
 def publish(group: str, message: dict[str, Any]) -> None:
     """Send to a channel-layer group from any thread or loop; lossy by design, never raises.
 
-    A cross-process layer (Redis) is safe from any thread. The in-memory layer is only
-    safe in the loop its consumers run in, so the send is scheduled there; if no dashboard
-    socket ever connected in this process, nobody can be listening and nothing is sent.
+    A cross-process layer (Redis) gets every message through the one ordered sender, from
+    any thread or loop: a busy worker's burst then uses one connection, not one per
+    message (a task per message exhausted the Redis connection pool). The in-memory layer
+    is only safe in the loop its consumers run in, so the send is scheduled there; if no
+    dashboard socket ever connected in this process, nobody can be listening.
     """
     layer = get_channel_layer()
     if layer is None:
         return
-    current = running_loop()
     if not isinstance(layer, InMemoryChannelLayer):
-        target = current
-    else:
-        target = _socket_loop
-        if target is None or target.is_closed():
-            return
+        _background_send(group, message)
+        return
+    current = running_loop()
+    target = _socket_loop
+    if target is None or target.is_closed():
+        return
 
     async def send() -> None:
         try:
@@ -244,12 +246,10 @@ def publish(group: str, message: dict[str, Any]) -> None:
         task.add_done_callback(_in_flight.discard)
 
     try:
-        if target is not None and target is current:
+        if target is current:
             start()
-        elif target is not None:
-            target.call_soon_threadsafe(start)
         else:
-            _background_send(group, message)  # a sync thread, cross-process layer
+            target.call_soon_threadsafe(start)
     except RuntimeError:  # the loop closed meanwhile
         pass
 

@@ -37,6 +37,17 @@ def engine_settings() -> dict[str, Any]:
     return getattr(settings, "WFDASH", {})
 
 
+def _close_broken(opened: list[Any]) -> None:
+    """Close connections that saw an error and no longer answer (a backend terminated,
+    a restart), also when the code that saw the error caught it: the thread reconnects."""
+    for conn in opened:
+        if conn.errors_occurred and not conn.in_atomic_block:
+            if conn.connection is not None and conn.is_usable():
+                conn.errors_occurred = False
+            else:
+                conn.close()
+
+
 class ConnectionThreads:
     """A thread pool whose threads keep their own database connections until close().
 
@@ -64,6 +75,7 @@ class ConnectionThreads:
             connections.close_all()
             raise
         finally:
+            _close_broken(connections.all(initialized_only=True))
             opened = list(connections.all(initialized_only=True))
             with self._lock:
                 self._busy.discard(ident)
