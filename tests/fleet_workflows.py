@@ -137,8 +137,10 @@ class RelCollector(WorkflowEntrypoint):
 
 @register("rel-timer")
 class RelTimer(WorkflowEntrypoint):
+    """Sleeps until the instant params["at"] (epoch ms); the ledger shows when it woke."""
+
     async def run(self, event, step):
-        await step.sleep("timer", "3 seconds")
+        await step.sleep_until("timer", event.payload["at"])
         return await step.do("after", record_execution)
 
 

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SOAK = os.environ.get("WFDASH_SOAK") == "1"
 SEED = int(os.environ.get("WFDASH_SEED", "8"))
 soak_only = pytest.mark.skipif(not SOAK, reason="soak only")
+# Scaled up, a test may run for many minutes: scripts/soak bounds the whole run instead.
+long_when_soaking = pytest.mark.timeout(1800 if SOAK else 120)
 
 
 # --- comparing the ledger with the checkpoints -----------------------------------------
@@ -85,6 +87,7 @@ def expire_leases_of(pid: int) -> None:
 # --- 1. kill -9 at seeded points ---------------------------------------------------------
 
 
+@long_when_soaking
 def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_flight_steps_rerun(workers):
     rng = random.Random(SEED)
     size = 500 if SOAK else 100
@@ -244,6 +247,7 @@ def terminate_worker_backends() -> int:
         return cursor.fetchone()[0]
 
 
+@long_when_soaking
 def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exits(workers):
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL only: the fault is pg_terminate_backend")
@@ -539,21 +543,35 @@ def test_a_renamed_step_runs_as_new_and_never_receives_another_step_s_checkpoint
 
 
 @soak_only
+@long_when_soaking
 def test_ten_thousand_simultaneous_timers_all_fire_and_checkpoint_once(workers):
     size = 10_000
     fleet_workflows.ensure_ledger()
     wf = get_workflow("rel-timer")
+    # One instant for all, late enough that every instance is parked on it beforehand.
+    instant = time.time() + 150
     for start in range(0, size, 100):
-        wf.create_batch([{"id": f"t{n}"} for n in range(start, start + 100)])
+        wf.create_batch([{"id": f"t{n}", "params": {"at": int(instant * 1000)}} for n in range(start, start + 100)])
     workers(2, WFDASH_LEASE_SECONDS="30")
+    wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="waiting").count() == size,
+               150, "every instance to park on its timer", interval=1)
+    parked_at = time.time()
+    assert parked_at < instant, "the instances parked too late for their instant to be simultaneous"
     wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="complete").count() == size,
                900, "every timer to fire and its instance to complete", interval=1)
     assert_one_checkpoint_per_step("rel-timer", 1, size)
-    assert StepRecord.objects.filter(instance__workflow="rel-timer", kind="sleep", status="complete").count() == size
+    assert StepRecord.objects.filter(instance__workflow="rel-timer", kind="sleepUntil", status="complete").count() == size
     assert set(executions("t").values()) == {1}
+    woke = sorted(started - instant for _, step, _, started, _ in fleet_workflows.ledger_rows() if step == "after")
+    assert len(woke) == size
+    assert woke[0] >= 0, f"a timer fired {-woke[0]:.3f} s early"
+    p50, p95 = woke[size // 2], woke[size * 95 // 100]
+    print(f"\n10k timers: parked {instant - parked_at:.1f} s before the instant; lateness "
+          f"p50 {p50:.2f} s, p95 {p95:.2f} s, max {woke[-1]:.2f} s (all woken {woke[-1]:.2f} s after it)")
 
 
 @soak_only
+@long_when_soaking
 def test_sqlite_held_by_an_external_exclusive_lock_delays_but_loses_and_duplicates_nothing(workers):
     if connection.vendor != "sqlite":
         pytest.skip("SQLite only: the external lock is a SQLite BEGIN EXCLUSIVE")
