@@ -72,6 +72,29 @@ def test_pause_while_a_step_runs_is_waiting_for_pause_then_paused_at_the_boundar
     assert calls == {"gated": 1, "next": 1}
 
 
+def test_resume_before_the_boundary_cancels_a_pending_pause(registered):
+    gate = Gate()
+
+    @register("pause-undone")
+    class PauseUndone(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("slow", gate())
+            await step.do("next", lambda: calls.update(["next"]))
+            return "done"
+
+    inst = get_workflow("pause-undone").create()
+    thread, _ = run_engine_in_background()
+    assert gate.started.wait(10)
+    assert inst.pause() == "waitingForPause"
+    assert inst.resume() == "running"  # changed one's mind while the step still runs
+    gate.release.set()
+    thread.join(20)
+    assert inst.status().status == "complete", inst.status()
+    assert calls == {"gated": 1, "next": 1}
+    kinds = [h.type for h in inst.history()]
+    assert "instance.resumed" in kinds and "instance.paused" not in kinds
+
+
 def test_pause_holds_against_events_and_due_timers(registered):
     @register("holder")
     class Holder(WorkflowEntrypoint):

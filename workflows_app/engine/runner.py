@@ -393,6 +393,8 @@ class Run:
         self.checkpoints[record.name] = record
         if status == "waitingForPause" and not self.pause_requested:
             self.request_pause()
+        elif status == "running" and self.pause_requested:
+            self.pause_requested = False  # resumed before this boundary: the pause is off
         self.notify("step_written", self, record, history)
 
     async def attempt(self, record: StepRecord, fn: Callable[..., Any], timeout_ms: int) -> Any:
