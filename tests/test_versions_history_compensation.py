@@ -91,6 +91,23 @@ def test_registering_changed_code_under_an_existing_version_is_refused(registere
         settings.WFDASH["STRICT_VERSIONS"] = True
 
 
+def test_runserver_refuses_to_serve_when_a_version_s_code_changed(registered, settings):
+    from django.core.management import CommandError, call_command
+
+    define_v1()
+    sync_catalog()
+    registry.unregister("versioned")
+
+    @register("versioned", version=1)
+    class Changed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "different code, same version"
+
+    settings.WFDASH = {**settings.WFDASH, "EMBEDDED_WORKER": True}
+    with pytest.raises(CommandError, match=r"'versioned' version 1 .*bump the version"):
+        call_command("runserver", "--noreload", "127.0.0.1:0")
+
+
 def test_concurrent_creates_with_one_idempotency_key_give_one_instance(registered):
     define_v1()
     wf = get_workflow("versioned")

@@ -42,7 +42,8 @@ async def _serve(worker: Worker) -> None:
     try:
         await worker.serve()
     except Exception:
-        log.exception("embedded wfdash worker stopped with an error")
+        # Nothing runs from now on: say so as loudly as the log allows.
+        log.critical("embedded wfdash worker stopped: no workflow runs in this process", exc_info=True)
 
 
 def embedded_worker() -> Worker | None:

@@ -7,6 +7,8 @@ import asyncio
 from typing import Any
 
 from daphne.management.commands.runserver import Command as DaphneRunserver
+from django.core.management.base import CommandError
+from django.db import DatabaseError
 from daphne.server import Server
 
 
@@ -27,3 +29,19 @@ class EngineServer(Server):
 
 class Command(DaphneRunserver):
     server_cls = EngineServer
+
+    def inner_run(self, *args: Any, **options: Any) -> Any:
+        # Refuse to serve with an engine that could not start: a version registered with
+        # changed code would otherwise stop the embedded worker while pages still load.
+        from workflows_app.embedded import embedded_enabled
+        from workflows_app.engine.errors import VersionConflict
+        from workflows_app.engine.worker import sync_catalog
+
+        if embedded_enabled():
+            try:
+                sync_catalog()
+            except VersionConflict as exc:
+                raise CommandError(str(exc)) from None
+            except DatabaseError:
+                pass  # not migrated yet: the migration check says so; the worker retries
+        return super().inner_run(*args, **options)
