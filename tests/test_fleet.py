@@ -15,7 +15,7 @@ from tests.polling import wait_until
 from workflows_app.client import get_workflow
 from workflows_app.engine import store
 from workflows_app.engine.store import History, LeaseLost
-from workflows_app.models import Instance, StepRecord
+from workflows_app.models import ErrorRecord, Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 FLEET_SIZE = 500 if connection.vendor == "postgresql" else 150
@@ -133,6 +133,9 @@ def test_a_poison_instance_errors_after_bounded_takeovers_and_resumes_after_a_fi
     assert status.status == "errored" and status.error["name"] == "PoisonInstance"
     assert "taken over 3 times" in status.error["message"]
     assert crashes == 3  # the first claim plus two takeovers crashed; the third takeover errored it
+    recorded = ErrorRecord.objects.get(instance=inst.row())
+    assert (recorded.source, recorded.name) == ("workflow.instance", "PoisonInstance")
+    assert recorded.trace_id == inst.row().trace_id
     inst.restart()
     workers(1, FLEET_POISON_FIXED="1")
     wait_until(lambda: inst.status().status == "complete", 30, "the fixed instance to complete")

@@ -222,3 +222,17 @@ def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Pa
         server.shutdown()
         server.server_close()
     assert {"create exported", "workflow exported", "step only step"} <= set(_OtlpReceiver.received)
+
+
+def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_spans_are_not(registered):
+    @register("traced-create")
+    class TracedCreate(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    with trace.get_tracer("project").start_as_current_span("project request"):
+        inst = get_workflow("traced-create").create(id="tc")  # no worker in this process now
+    stored = list(Span.objects.filter(trace_id=inst.row().trace_id).values_list("name", "instance_id"))
+    assert stored == [("create traced-create", inst.row().pk)]
+    tracing.flush_spans()
+    assert not Span.objects.filter(name="project request").exists()  # not an instance's span

@@ -30,6 +30,8 @@ from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, find_definition, get_definition
 from .engine.store import NewInstance
+from .engine.worker import running_in_this_process
+from .tracing import flush_spans
 from .models import FINISHED_STATUSES, HistoryRecord, Instance, Status, StepKind, StepRecord, StepStatus, decode_json
 
 
@@ -156,6 +158,8 @@ class WorkflowBinding:
             if is_new:
                 spans.creation_span(instance.trace_id, self.name, instance.instance_id, actor=_actor(actor))
                 _after_commit("created", instance, self.name)
+        if not running_in_this_process():
+            flush_spans()  # no engine here to store the `create` spans (a fleet's web process)
         return [InstanceHandle(self.name, instance.instance_id, instance, created=is_new) for instance, is_new in created]
 
     async def acreate(self, *args: Any, **kwargs: Any) -> InstanceHandle:

@@ -2,8 +2,9 @@
 database for the dashboard, and OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
 
 Spans end on the engine's event loop, where the ORM must not run; the processor only
-queues them, and the engine flushes the queue from its database thread after each run
-(and a background flush catches spans that end outside runs).
+queues them, and the engine flushes the queue from its database thread after runs and
+when idle. Where no engine runs (a web process of a fleet), the client flushes the
+`create` spans it makes itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from .engine import spans as engine_spans
 
@@ -39,12 +41,37 @@ class StoredSpan(NamedTuple):
     status_code: str
 
 
-class InstanceTraceIds(RandomIdGenerator):
-    """Root spans of a run take the instance's trace id: one trace per instance."""
+MAX_KNOWN_TRACES = 100_000
+
+
+class InstanceTraceIds(IdGenerator):
+    """Root spans of a run take the instance's trace id: one trace per instance.
+
+    It remembers (boundedly) which trace ids belong to instances, so the database keeps
+    the spans of workflow instances and not every span the project's own code makes.
+    """
+
+    def __init__(self, fallback: IdGenerator | None = None) -> None:
+        self.known: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.fallback = fallback or RandomIdGenerator()
+
+    def generate_span_id(self) -> int:
+        return self.fallback.generate_span_id()
 
     def generate_trace_id(self) -> int:
         forced = engine_spans.forced_trace_id.get()
-        return forced if forced else super().generate_trace_id()
+        if not forced:
+            return self.fallback.generate_trace_id()
+        with self._lock:
+            self.known[forced] = None
+            self.known.move_to_end(forced)
+            if len(self.known) > MAX_KNOWN_TRACES:
+                self.known.popitem(last=False)
+        return forced
+
+    def is_instance_trace(self, trace_id: int) -> bool:
+        return trace_id in self.known
 
 
 def _jsonable(value: Any) -> Any:
@@ -62,12 +89,15 @@ def _when(nanoseconds: int | None) -> datetime:
 class DatabaseSpanProcessor(SpanProcessor):
     """Queues finished spans; flush() writes them in one bulk insert."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_ids: InstanceTraceIds) -> None:
         self._queue: list[ReadableSpan] = []
         self._lock = threading.Lock()
+        self.trace_ids = trace_ids
         self.dropped = 0
 
     def on_end(self, span: ReadableSpan) -> None:
+        if not self.trace_ids.is_instance_trace(span.context.trace_id):
+            return  # not a workflow instance's span: exported, if at all, by the project's own set-up
         with self._lock:
             if len(self._queue) >= MAX_QUEUED_SPANS:
                 self.dropped += 1
@@ -145,11 +175,12 @@ def configure() -> TracerProvider:
     with _configure_lock:
         if _provider is not None:
             return _provider
+        trace_ids = InstanceTraceIds()
         provider = TracerProvider(
             resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}),
-            id_generator=InstanceTraceIds(),
+            id_generator=trace_ids,
         )
-        _store = DatabaseSpanProcessor()
+        _store = DatabaseSpanProcessor(trace_ids)
         provider.add_span_processor(_store)
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -157,7 +188,10 @@ def configure() -> TracerProvider:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):
-            # The project already installed an SDK provider: add our storage to it.
+            # The project already installed an SDK provider: add our storage to it, and our
+            # trace ids in front of its generator (tracers made from now on use them).
+            trace_ids.fallback = current.id_generator
+            current.id_generator = trace_ids
             current.add_span_processor(_store)
             provider = current
         else:

@@ -110,6 +110,12 @@ _local_workers: set[Worker] = set()
 _local_lock = threading.Lock()
 
 
+def running_in_this_process() -> bool:
+    """Whether an engine worker runs in this process (and so flushes its spans)."""
+    with _local_lock:
+        return bool(_local_workers)
+
+
 def notify_local(kind: str = "wake", pk: int | None = None) -> None:
     """Tell every worker of this process that something changed (thread-safe)."""
     with _local_lock:
@@ -288,6 +294,8 @@ class Worker:
                 await self.db(
                     store.finish, pk, token, "errored", definition.limits(), None, ("PoisonInstance", message, ""),
                     [History("instance.errored", {"error": {"name": "PoisonInstance", "message": message}})],
+                    {"workflow": inst.workflow, "source": "workflow.instance", "name": "PoisonInstance",
+                     "message": message, "stack": "", "trace_id": inst.trace_id, "span_id": ""},
                 )
                 return "errored"
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks)
