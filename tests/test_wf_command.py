@@ -72,6 +72,29 @@ def test_start_with_the_same_idempotency_key_returns_the_same_instance():
     assert Instance.objects.filter(workflow=SIMPLE).count() == 1
 
 
+class Terminal(StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_start_count_creates_many_in_batches_with_a_progress_bar(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    out = wf("start", SIMPLE, "--params", '{"x": 2}', "--count", "250")
+    assert out.strip() == f"started 250 instances of {SIMPLE}"
+    rows = Instance.objects.filter(workflow=SIMPLE)
+    assert rows.count() == 250 and {tuple(r.params.items()) for r in rows} == {(("x", 2),)}
+    assert "starting" in terminal.getvalue() and "250/250" in terminal.getvalue()
+    data = wf_json("start", SIMPLE, "--count", "3")
+    assert data["count"] == 3 and len(set(data["ids"])) == 3
+
+
+def test_start_count_refuses_an_id_or_key_and_a_count_below_one():
+    assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--id", "x")
+    assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--idempotency-key", "k")
+    assert refused("start", SIMPLE, "--count", "0") == "--count must be at least 1, got 0"
+
+
 def test_start_refuses_bad_json_and_creates_nothing():
     assert refused("start", SIMPLE, "--params", "{nope").startswith("--params is not valid JSON")
 

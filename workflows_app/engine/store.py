@@ -794,8 +794,17 @@ def send_event(
     return event
 
 
-def prune(now: datetime | None = None, batch: int = 500) -> int:
-    """Delete finished instances past their retention, with every row that belongs to them."""
+def prunable(now: datetime | None = None) -> int:
+    """How many finished instances are past their retention."""
+    return Instance.objects.filter(expires_at__lte=now or clock.now()).count()
+
+
+def prune(now: datetime | None = None, batch: int = 500, on_batch: Callable[[int], None] | None = None) -> int:
+    """Delete finished instances past their retention, with every row that belongs to them.
+
+    One transaction per batch, so a large backlog never holds the database for long;
+    on_batch hears how many each batch deleted (a progress bar).
+    """
     now = now or clock.now()
     total = 0
     while True:
@@ -805,6 +814,8 @@ def prune(now: datetime | None = None, batch: int = 500) -> int:
                 return total
             Instance.objects.filter(id__in=pks).delete()  # cascades to steps, events, history, spans
         total += len(pks)
+        if on_batch is not None:
+            on_batch(len(pks))
 
 
 @retry_while_locked

@@ -1,6 +1,6 @@
 """Operate workflows from a shell: `python manage.py wf <verb>`.
 
-    wf list [--workflow W] [--status S] [--limit N]      wf start W [--params JSON|@file] [--id ID]
+    wf list [--workflow W] [--status S] [--limit N]      wf start W [--params JSON|@file] [--id ID | --count N]
     wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
     wf pause|resume|terminate|skip-sleep ID              wf restart ID [--from-step NAME]
     wf cancel ID [--no-compensate]                       wf prune
@@ -27,13 +27,15 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
+from tqdm import tqdm
 
 from workflows_app import surfaces, testing, tokens
 from workflows_app.client import InstanceHandle
-from workflows_app.engine import errors, store
+from workflows_app.engine import clock, errors, store
 from workflows_app.models import FINISHED_STATUSES, ApiToken, Instance
 
 POLL_SECONDS = 0.5
+START_BATCH = 100  # instances per create_batch of `start --count`
 
 
 def parse_json_arg(value: str | None, flag: str) -> Any:
@@ -122,6 +124,7 @@ class Command(BaseCommand):
         sub.add_argument("--id", dest="instance_id")
         sub.add_argument("--idempotency-key")
         sub.add_argument("--version", type=int)
+        sub.add_argument("--count", type=int, default=1, help="start N instances with these params")
 
         by_id(verb("status", self.do_status, "show an instance: status, output, error, steps, pending events"))
         by_id(verb("history", self.do_history, "show an instance's history records"))
@@ -243,12 +246,38 @@ class Command(BaseCommand):
     # --- write verbs ----------------------------------------------------------------
 
     def do_start(self, opts: argparse.Namespace) -> None:
+        params = parse_json_arg(opts.params, "--params")
+        if opts.count != 1:
+            self.start_many(opts, params)
+            return
         handle = surfaces.binding(opts.workflow).create(
-            params=parse_json_arg(opts.params, "--params"), id=opts.instance_id,
+            params=params, id=opts.instance_id,
             idempotency_key=opts.idempotency_key, actor="cli", version=opts.version,
         )
         data = surfaces.created_json(handle)
         self.emit(opts, data, f"started {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
+
+    def start_many(self, opts: argparse.Namespace, params: Any) -> None:
+        """--count N: N instances with the same params, created in batches of START_BATCH."""
+        if opts.count < 1:
+            raise CommandError(f"--count must be at least 1, got {opts.count}")
+        if opts.instance_id or opts.idempotency_key:
+            raise CommandError("--id and --idempotency-key name one instance; leave them out with --count")
+        binding = surfaces.binding(opts.workflow)
+        ids: list[str] = []
+        with self.progress(opts, opts.count, "starting") as bar:
+            for start in range(0, opts.count, START_BATCH):
+                size = min(START_BATCH, opts.count - start)
+                handles = binding.create_batch([{"params": params} for _ in range(size)], actor="cli")
+                ids += [h.id for h in handles]
+                bar.update(size)
+        self.emit(opts, {"workflow": opts.workflow, "count": len(ids), "ids": ids},
+                  f"started {len(ids)} instances of {opts.workflow}")
+
+    def progress(self, opts: argparse.Namespace, total: int, what: str) -> tqdm:
+        """A progress bar on stderr for long work; off with --json and when not a terminal."""
+        return tqdm(total=total, desc=what, unit=" instances", disable=True if opts.json else None,
+                    file=sys.stderr)
 
     def do_send_event(self, opts: argparse.Namespace) -> None:
         payload = parse_json_arg(opts.payload, "--payload")
@@ -281,7 +310,9 @@ class Command(BaseCommand):
                   f"{what}: {handle.workflow}/{handle.id} is now {status}")
 
     def do_prune(self, opts: argparse.Namespace) -> None:
-        deleted = store.prune()
+        now = clock.now()
+        with self.progress(opts, store.prunable(now), "pruning") as bar:
+            deleted = store.prune(now, on_batch=bar.update)
         self.emit(opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention")
 
     # --- tokens ---------------------------------------------------------------------
