@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any
 import jsonschema
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from . import live
 from .engine import errors, spans, store
@@ -33,6 +34,8 @@ from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
 from .tracing import flush_spans
 from .models import FINISHED_STATUSES, HistoryRecord, Instance, Status, StepKind, StepRecord, StepStatus, decode_json
+
+log = logging.getLogger("workflows_app.client")
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,10 @@ class WorkflowBinding:
                 spans.creation_span(instance.trace_id, self.name, instance.instance_id, actor=_actor(actor))
                 _after_commit("created", instance, self.name)
         if not running_in_this_process():
-            flush_spans()  # no engine here to store the `create` spans (a fleet's web process)
+            try:
+                flush_spans()  # no engine here to store the `create` spans (a fleet's web process)
+            except DatabaseError:  # the instances exist; a span is not worth failing the create
+                log.warning("could not store the create spans of %s", self.name, exc_info=True)
         return [InstanceHandle(self.name, instance.instance_id, instance, created=is_new) for instance, is_new in created]
 
     async def acreate(self, *args: Any, **kwargs: Any) -> InstanceHandle:

@@ -108,15 +108,27 @@ class DatabaseSpanProcessor(SpanProcessor):
         return len(self._queue)
 
     def flush(self) -> list[StoredSpan]:
-        """Store the queued spans in one multi-row INSERT (call where the ORM may run)."""
-        from django.db import connection
-
-        from .models import Instance, Span
+        """Store the queued spans in one transaction (call where the ORM may run)."""
+        from django.db import DatabaseError, IntegrityError
 
         with self._lock:
             batch, self._queue = self._queue, []
         if not batch:
             return []
+        try:
+            return self._store(batch)
+        except IntegrityError:
+            self.dropped += len(batch)  # an instance was deleted meanwhile: never storable
+            raise
+        except DatabaseError:
+            self._requeue(batch)  # nothing of the batch was stored: try it again next time
+            raise
+
+    def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:
+        from django.db import connection, transaction
+
+        from .models import Instance, Span
+
         trace_ids = {format(s.context.trace_id, "032x") for s in batch}
         instances = dict(Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id"))
         json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
@@ -146,7 +158,7 @@ class DatabaseSpanProcessor(SpanProcessor):
                 ]),
             ]
         values = f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {json_value}, {json_value}, {json_value})"
-        with connection.cursor() as cursor:
+        with transaction.atomic(), connection.cursor() as cursor:
             for start in range(0, len(stored), FLUSH_ROWS):
                 chunk = stored[start : start + FLUSH_ROWS]
                 cursor.execute(
@@ -156,6 +168,12 @@ class DatabaseSpanProcessor(SpanProcessor):
                     params[start * 13 : (start + len(chunk)) * 13],
                 )
         return stored
+
+    def _requeue(self, batch: list[ReadableSpan]) -> None:
+        with self._lock:
+            room = max(0, MAX_QUEUED_SPANS - len(self._queue))
+            self.dropped += max(0, len(batch) - room)
+            self._queue[:0] = batch[:room]
 
     def shutdown(self) -> None:
         pass

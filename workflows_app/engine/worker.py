@@ -192,10 +192,7 @@ class Worker:
             _local_workers.discard(self)
         if self._unsubscribe_clock:
             self._unsubscribe_clock()
-        try:
-            await self.flush_hooks(force=True)
-        except Exception:
-            log.exception("worker %s: could not store the last spans", self.worker_id)
+        await self.flush_hooks(force=True)
         await self._close_threads()
 
     async def _close_threads(self) -> None:
@@ -271,7 +268,10 @@ class Worker:
         if force or now - self._last_flush >= FLUSH_SECONDS:
             self._last_flush = now
             assert self.db is not None
-            await self.db(self.hooks.flush)
+            try:
+                await self.db(self.hooks.flush)
+            except Exception:  # the spans stay queued for the next flush; the worker goes on
+                log.warning("worker %s: could not store spans; will retry", self.worker_id, exc_info=True)
 
     async def _execute(self, pk: int, token: str, loaded: store.LoadedRun | None) -> str:
         assert self.db is not None
