@@ -142,16 +142,23 @@ def test_a_poison_instance_errors_after_bounded_takeovers_and_resumes_after_a_fi
     assert inst.status().output == "fixed"
 
 
-def test_sigterm_lets_running_steps_finish_and_releases_leases(workers):
+def test_sigterm_lets_running_steps_finish_starts_no_new_ones_and_releases_leases(workers):
     fleet_workflows.ensure_ledger()
     wf = get_workflow("fleet")
     wf.create_batch([{"id": f"g{n}"} for n in range(20)])
     (worker,) = workers(1, FLEET_STEP_SECONDS="0.2")
     wait_until(lambda: len(fleet_workflows.ledger_rows()) >= 5, 30, "steps to start")
+    signalled = time.time()
     assert worker.terminate(timeout=30) == 0
     assert not Instance.objects.filter(workflow="fleet", lease_token__isnull=False).exists()
     running_steps = StepRecord.objects.filter(instance__workflow="fleet", status="running").count()
     assert running_steps == 0  # every step that started finished and was checkpointed
+    # Draining: no instance went on to further steps after the signal (one may have been
+    # starting as it arrived); the rest are parked due at once for the next worker.
+    after = Counter(i for i, _, _, started, _ in fleet_workflows.ledger_rows() if started > signalled)
+    assert max(after.values(), default=0) <= 1, after
+    unfinished = Instance.objects.filter(workflow="fleet").exclude(status="complete")
+    assert unfinished.exists() and set(unfinished.values_list("status", flat=True)) == {"waiting"}
     (other,) = workers(1)
     wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == 20, 60, "all to complete")
 

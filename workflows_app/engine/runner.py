@@ -117,6 +117,8 @@ class Run:
         self.blocked = 0
         self.awaited_types: list[str] = []
         self.pause_requested = loaded.instance.status == "waitingForPause"
+        self.draining = False  # its worker is shutting down: stop at the next step boundary
+        self.sync_attempts_running = 0  # step callables still running in threads
         self.abort_reason: str | None = None
         self.fatal: BaseException | None = None
         self.changed = asyncio.Event()
@@ -134,6 +136,16 @@ class Run:
     def request_pause(self) -> None:
         self.pause_requested = True
         self.changed.set()
+
+    def drain(self) -> None:
+        """Start no more work: park at the next step boundary, due at once for another worker."""
+        self.draining = True
+        self.changed.set()
+
+    @property
+    def holding(self) -> bool:
+        """Work may not start (a pause is pending or the worker is draining)."""
+        return self.pause_requested or self.draining
 
     def abort(self, reason: str) -> None:
         """Stop this run now (terminate, restart, lost lease): it writes nothing more."""
@@ -194,7 +206,7 @@ class Run:
                     await self._cancel(task)
                     if self.abort_reason is not None:
                         return "aborted"
-                    if self.compensating and not self.unwinding and not self.pause_requested:
+                    if self.compensating and not self.unwinding and not self.holding:
                         return await self._unwind()
                     return await self._park()
         if self.compensating and not self.unwinding and self.abort_reason is None:
@@ -229,7 +241,7 @@ class Run:
             )
 
     def _quiescent(self) -> bool:
-        return self.in_flight == 0 and (self.blocked > 0 or self.pause_requested)
+        return self.in_flight == 0 and (self.blocked > 0 or self.holding)
 
     async def _cancel(self, task: asyncio.Task[Any]) -> None:
         task.cancel()
@@ -240,7 +252,7 @@ class Run:
 
     async def _park(self) -> str:
         try:
-            status = await self.db(store.park, self.pk, self.token, self.pause_requested, list(self.awaited_types))
+            status = await self.db(store.park, self.pk, self.token, self.holding, list(self.awaited_types))
         except LeaseLost:
             return "aborted"
         return str(status)
@@ -360,7 +372,7 @@ class Run:
         activity = Activity(self)
         self.in_flight += 1
         try:
-            if self.pause_requested or (self.compensating and not self.unwinding):
+            if self.holding or (self.compensating and not self.unwinding):
                 await activity.block()
             yield activity
         finally:
@@ -419,12 +431,18 @@ class Run:
                 _current_step.reset(token)
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
-        future = asyncio.wrap_future(self.step_threads.submit(ctx.run, call))
+        thread_future = self.step_threads.submit(ctx.run, call)
+        self.sync_attempts_running += 1
+        thread_future.add_done_callback(self._sync_attempt_ended)
+        future = asyncio.wrap_future(thread_future)
         done, _ = await asyncio.wait({future}, timeout=timeout_ms / 1000)
         if not done:
             future.cancel()  # the thread's late result is discarded: attempts never overlap in effect
             raise timed_out
         return future.result()
+
+    def _sync_attempt_ended(self, _: Any) -> None:
+        self.sync_attempts_running -= 1  # in the step's thread: an int update under the GIL
 
     async def schedule_retry(
         self, record: StepRecord, exc: BaseException, delay_ms: int, history: list[History] | None = None

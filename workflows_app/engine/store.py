@@ -562,16 +562,17 @@ def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason:
     The wake time is read from the step rows (sleep ends, retry times, event timeouts), so
     a skip_sleep that landed during the run is honoured. An event of an awaited type that
     arrived during the run makes the instance due at once: no wake-up is lost. The row,
-    not the run, says whether a pause holds: a run that stopped for a pause which was
-    resumed meanwhile is due again at once.
+    not the run, says whether a pause holds: a run that stopped early (for a pause
+    resumed meanwhile, or because its worker is shutting down) is due again at once.
     """
     now = clock.now()
     with transaction.atomic():
         status, _ = _fence(pk, token, now, 0, None)
         if status in (Status.WAITING_FOR_PAUSE, Status.PAUSED):
             new_status, wake_at = Status.PAUSED, None
-        elif pause and status == Status.RUNNING:
-            new_status, wake_at = Status.WAITING, now
+        elif pause:  # stopped early (a pause resumed meanwhile, a worker draining): due at once
+            new_status = Status.COMPENSATING if status == Status.COMPENSATING else Status.WAITING
+            wake_at = now
         else:
             new_status = Status.COMPENSATING if status == Status.COMPENSATING else Status.WAITING
             wake_at = StepRecord.objects.filter(

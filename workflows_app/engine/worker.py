@@ -179,9 +179,13 @@ class Worker:
         self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
 
     async def stop(self, grace_seconds: float = 10.0) -> None:
-        """Stop claiming, let running steps finish for a grace period, release the rest."""
+        """Stop claiming; running steps may finish for a grace period but no new step
+        starts: each run parks at its next step boundary, due at once for another worker.
+        Runs still going after the grace period are cut short and their leases released."""
         self._stopping = True
         self.hint("stop")
+        for run in list(self.runs.values()):
+            run.drain()
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=grace_seconds)
         for pk, run in list(self.runs.items()):
@@ -301,10 +305,12 @@ class Worker:
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks)
             self.runs[pk] = run
             outcome = await run.execute()
-            if outcome == "aborted":
+            if outcome == "aborted" and not run.sync_attempts_running:
                 # Shutdown, a database error, an operator action: give the lease back now
                 # (fenced: a no-op when the lease is no longer ours), so the instance is
-                # claimed again at once instead of when the lease runs out.
+                # claimed again at once instead of when the lease runs out. Not while a
+                # step callable still runs in a thread here: another worker would run it
+                # at the same time; the lease runs out after it instead.
                 await self._release(pk, token)
             await self.flush_hooks()
             return outcome
