@@ -287,4 +287,34 @@ def test_compensate_on_failure_unwinds_then_errors_with_the_original_error(regis
     assert inst.status().status == "errored"
     assert inst.status().error["name"] == "ZeroDivisionError"
     assert calls == {"cancel hotel-1": 1}
-    assert "compensation.completed" in [h.type for h in inst.history()]
+    kinds = [h.type for h in inst.history()]
+    assert kinds.index("compensation.started") < kinds.index("compensation.completed") < kinds.index("instance.errored")
+    started = next(h for h in inst.history() if h.type == "compensation.started")
+    assert started.data == {"reason": "failure", "error": {"name": "ZeroDivisionError", "message": "division by zero"}}
+
+
+def test_a_failure_unwinding_across_runs_shows_compensating_and_starts_compensation_once(registered):
+    @register("slow-unwinder")
+    class SlowUnwinder(WorkflowEntrypoint):
+        compensate_on_failure = True
+
+        async def run(self, event, step):
+            await step.do("book hotel", lambda: "hotel-1", compensate=cancel_after_a_retry)
+            await step.do("book flight", lambda: 1 / 0, retries={"limit": 0})
+
+    def cancel_after_a_retry(out):
+        calls.update(["cancel attempt"])
+        if calls["cancel attempt"] == 1:
+            raise RuntimeError("hotel API down")
+        return f"cancelled {out}"
+
+    with testing.fake_clock() as clock:
+        inst = get_workflow("slow-unwinder").create()
+        testing.run_until_idle()
+        assert inst.status().status == "compensating"  # parked on the compensation's retry
+        clock.advance("1 hour")
+        testing.run_until_idle()
+    assert inst.status().status == "errored" and inst.status().error["name"] == "ZeroDivisionError"
+    kinds = [h.type for h in inst.history()]
+    assert kinds.count("compensation.started") == 1 and kinds.count("compensation.completed") == 1
+    assert calls["cancel attempt"] == 2

@@ -296,6 +296,12 @@ class Run:
         ):
             # Unwind first; replays fail the same way, so a parked unwinding resumes.
             self.failure = exc
+            name, message, _ = error_fields(exc)
+            data = {"reason": "failure", "error": {"name": name, "message": message}}
+            try:
+                await self.db(store.begin_compensation, self.pk, self.token, data)
+            except LeaseLost:
+                return "aborted"
             return await self._unwind()
         name, message, stack = error_fields(exc)
         self.error_message = f"{name}: {message}"

@@ -591,6 +591,21 @@ def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason:
     return new_status
 
 
+
+@retry_while_locked
+def begin_compensation(pk: int, token: str, data: dict[str, Any]) -> None:
+    """A run failed and unwinds: show the instance compensating, record why, once.
+
+    A replay that fails the same way finds the row compensating already and adds nothing.
+    """
+    now = clock.now()
+    with transaction.atomic():
+        status, _ = _fence(pk, token, now, 0, None)
+        if status == Status.COMPENSATING:
+            return
+        Instance.objects.filter(id=pk).update(status=Status.COMPENSATING)
+        append_history(pk, [History("compensation.started", data)], now)
+
 VERSION_MISSING = "version-missing: "
 
 
