@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 
@@ -177,6 +178,24 @@ def test_pending_events_list_waits_with_their_schema(registered):
     (pending,) = inst.pending_events()
     assert (pending.name, pending.type, pending.schema) == ("approval", "approve", schema)
     assert pending.timeout_at is not None
+
+
+def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(registered):
+    @register("typed-late")
+    class TypedLate(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "approval", type="approve", timeout="2 hours", schema={"type": "object", "required": ["ok"]}
+            )
+            return got.payload
+
+    inst = get_workflow("typed-late").create()
+    inst.send_event("approve", {"nope": 1})  # sent before the wait: buffered unvalidated
+    inst.send_event("approve", {"ok": True, "n": 2})
+    testing.run_until_idle()
+    assert inst.status().output == {"ok": True, "n": 2}
+    inbox = {json.dumps(e.payload, sort_keys=True): e.consumed_by for e in inst.row().events.order_by("id")}
+    assert inbox == {'{"nope": 1}': "", '{"n": 2, "ok": true}': "approval"}
 
 
 def saga():

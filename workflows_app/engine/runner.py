@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..models import InboxEvent, StepKind, StepRecord, StepStatus
+import jsonschema
 from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from ..models import InboxEvent, StepKind, StepRecord, StepStatus
 from . import clock, spans, store
 from .errors import (
     DuplicateStepName,
@@ -525,10 +526,15 @@ class Run:
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
-    def take_event(self, event_type: str) -> InboxEvent | None:
-        """The oldest undelivered event of a type, reserved for the caller (program order)."""
+    def take_event(self, event_type: str, schema: dict[str, Any] | None = None) -> InboxEvent | None:
+        """The oldest undelivered event of a type, reserved for the caller (program order).
+
+        With a schema (a typed wait), events buffered before the wait whose payload does
+        not match it are passed over: they stay in the inbox, never delivered to this wait.
+        """
+        validator = jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
         for index, event in enumerate(self.events):
-            if event.type == event_type:
+            if event.type == event_type and (validator is None or validator.is_valid(event.payload)):
                 return self.events.pop(index)
         return None
 
