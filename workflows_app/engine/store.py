@@ -8,6 +8,7 @@ or another worker takes it over, the old run's writes match no row and are refus
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import uuid
@@ -432,9 +433,13 @@ def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
         return set()
     lease_until = clock.now() + timedelta(seconds=lease_seconds)
     with transaction.atomic():
-        held = set(Instance.objects.filter(lease_token__in=list(tokens)).values_list("lease_token", flat=True))
-        Instance.objects.filter(lease_token__in=list(held)).update(lease_expires_at=lease_until)
-    return set(tokens) - held
+        # Lock in instance order, as group commits do (write_steps): no deadlock cycle.
+        rows = Instance.objects.filter(lease_token__in=list(tokens)).order_by("id")
+        if connection.features.has_select_for_update:
+            rows = rows.select_for_update()
+        held = dict(rows.values_list("id", "lease_token"))
+        Instance.objects.filter(id__in=list(held)).update(lease_expires_at=lease_until)
+    return set(tokens) - set(held.values())
 
 
 @retry_while_locked
@@ -491,27 +496,91 @@ def write_step(
     consume_event marks that inbox event consumed by this step in the same transaction, so
     an event is never both lost and checkpointed, nor consumed twice.
     """
-    now = clock.now()
     with transaction.atomic():
-        status, first_seq = _fence(pk, token, now, len(history), step.seq, progress)
-        if consume_event is not None:
-            taken = InboxEvent.objects.filter(id=consume_event, consumed_at__isnull=True).update(
-                consumed_at=now, consumed_by=step.name
-            )
-            if not taken:
-                raise LeaseLost(f"event #{consume_event} was consumed by another run")
-        step.instance_id = pk
-        with connection.cursor() as cursor:
-            cursor.execute(UPSERT_STEP_SQL, [
-                pk, step.name, step.kind, step.seq, step.status, step.output_json, step.attempts,
-                step.max_attempts, step.last_error_name, step.last_error_message, step.last_error_stack,
-                _db_time(step.started_at), _db_time(step.completed_at), _db_time(step.wake_at),
-                step.event_type, step.event_schema_json, step.has_compensation,
-            ])
-        _insert_history(pk, first_seq, history, now)
-        if error is not None:
-            ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
+        status = _write_step(pk, token, step, history, consume_event, progress, error)
     faults.hit("after_checkpoint")
+    return status
+
+
+@dataclass
+class StepWrite:
+    """One run's checkpoint, queued for a group commit (write_steps)."""
+
+    pk: int
+    token: str
+    step: StepRecord
+    history: Sequence[History]
+    consume_event: int | None = None
+    progress: bool = False
+    error: dict[str, Any] | None = None
+
+
+@retry_while_locked
+def write_steps(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
+    """Several runs' checkpoints in one transaction: one commit instead of one each.
+
+    Each write is fenced on its own, so a run that lost its lease gets its LeaseLost back
+    while the others commit. Rows are locked in instance order, so two
+    concurrent group commits can never deadlock on each other.
+    """
+    if len(writes) == 1:  # no savepoint needed: a LeaseLost rolls the one write back
+        w = writes[0]
+        try:
+            with transaction.atomic():
+                status = _write_step(w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error)
+        except LeaseLost as exc:
+            return [exc]
+        faults.hit("after_checkpoint")
+        return [status]
+    if connection.vendor == "postgresql" and connection.connection is not None and not connection.is_usable():
+        # A connection the server dropped while idle (a restart, pg_terminate_backend) would
+        # fail every write of the group; one round trip per group finds out first.
+        connection.close()
+    results: dict[int, str | LeaseLost] = {}
+    with transaction.atomic():
+        for index in sorted(range(len(writes)), key=lambda i: writes[i].pk):
+            w = writes[index]
+            # The fence is a write's first statement and changes nothing when it fails;
+            # only a write consuming an event can fail after changing rows: a savepoint.
+            scope = transaction.atomic() if w.consume_event is not None else contextlib.nullcontext()
+            try:
+                with scope:
+                    results[index] = _write_step(w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error)
+            except LeaseLost as exc:
+                results[index] = exc
+    for _ in writes:
+        faults.hit("after_checkpoint")
+    return [results[i] for i in range(len(writes))]
+
+
+def _write_step(
+    pk: int,
+    token: str,
+    step: StepRecord,
+    history: Sequence[History],
+    consume_event: int | None,
+    progress: bool,
+    error: dict[str, Any] | None,
+) -> str:
+    now = clock.now()
+    status, first_seq = _fence(pk, token, now, len(history), step.seq, progress)
+    if consume_event is not None:
+        taken = InboxEvent.objects.filter(id=consume_event, consumed_at__isnull=True).update(
+            consumed_at=now, consumed_by=step.name
+        )
+        if not taken:
+            raise LeaseLost(f"event #{consume_event} was consumed by another run")
+    step.instance_id = pk
+    with connection.cursor() as cursor:
+        cursor.execute(UPSERT_STEP_SQL, [
+            pk, step.name, step.kind, step.seq, step.status, step.output_json, step.attempts,
+            step.max_attempts, step.last_error_name, step.last_error_message, step.last_error_stack,
+            _db_time(step.started_at), _db_time(step.completed_at), _db_time(step.wake_at),
+            step.event_type, step.event_schema_json, step.has_compensation,
+        ])
+    _insert_history(pk, first_seq, history, now)
+    if error is not None:
+        ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
     return status
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 
 from . import clock, registry, store
 from .runner import Run
@@ -31,6 +31,7 @@ log = logging.getLogger("workflows_app.engine")
 # Takeovers without any step completing before an instance is declared poison and errored.
 MAX_UNPRODUCTIVE_CLAIMS = 3
 FLUSH_SECONDS = 0.1  # spans are stored in batches at most this often while busy
+STARTUP_ATTEMPTS = 30  # a database restarting at start-up is waited out for about this many seconds
 
 
 def engine_settings() -> dict[str, Any]:
@@ -106,6 +107,52 @@ class ConnectionThreads:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+class GroupCommit:
+    """Checkpoints of concurrent runs share transactions: one commit for many steps.
+
+    A checkpoint never waits for company: it goes at once when a database thread is
+    free; the ones that arrive while all are busy go together in the next transaction.
+    """
+
+    MAX_BATCH = 100
+
+    def __init__(self, db: ConnectionThreads) -> None:
+        self.db = db
+        self.pending: list[tuple[store.StepWrite, asyncio.Future[str]]] = []
+        self.flushing = 0
+
+    async def __call__(self, write: store.StepWrite) -> str:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.pending.append((write, future))
+        if self.flushing < self.db.threads:
+            self.flushing += 1
+            asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending[: self.MAX_BATCH], self.pending[self.MAX_BATCH :]
+                try:
+                    results = await self.db(store.write_steps, [write for write, _ in batch])
+                except BaseException as exc:  # the whole transaction failed: every run hears it
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self.flushing -= 1
+
+
 _local_workers: set[Worker] = set()
 _local_lock = threading.Lock()
 
@@ -158,6 +205,7 @@ class Worker:
         self._unsubscribe_clock: Callable[[], None] | None = None
         self.db: ConnectionThreads | None = None
         self.step_threads: ConnectionThreads | None = None
+        self.group_commit: GroupCommit | None = None
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -165,18 +213,34 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
+        if engine_settings().get("GROUP_COMMIT", connection.vendor == "sqlite"):
+            self.group_commit = GroupCommit(self.db)
         self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step")
         try:
-            await self.db(sync_catalog)
-            definitions = registry.all_definitions()
-            await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
-            await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
+            for attempt in range(STARTUP_ATTEMPTS):
+                try:
+                    await self._prepare()
+                    break
+                except DatabaseError:
+                    # The database is restarting or dropped us: a worker outlives that.
+                    if attempt == STARTUP_ATTEMPTS - 1:
+                        raise
+                    log.warning("worker %s: database error at start; retrying", self.worker_id, exc_info=True)
+                    await asyncio.sleep(min(self.poll_seconds, 1.0))
         except BaseException:
             await self._close_threads()
             raise
         with _local_lock:
             _local_workers.add(self)
         self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
+
+    async def _prepare(self) -> None:
+        """Catalog this process's versions; wake and admit what they make runnable."""
+        assert self.db is not None
+        await self.db(sync_catalog)
+        definitions = registry.all_definitions()
+        await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
+        await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
 
     async def stop(self, grace_seconds: float = 10.0) -> None:
         """Stop claiming; running steps may finish for a grace period but no new step
@@ -302,7 +366,7 @@ class Worker:
                      "message": message, "stack": "", "trace_id": inst.trace_id, "span_id": ""},
                 )
                 return "errored"
-            run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks)
+            run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit)
             self.runs[pk] = run
             outcome = await run.execute()
             if outcome == "aborted" and not run.sync_attempts_running:
