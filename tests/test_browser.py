@@ -340,43 +340,58 @@ def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveSe
     assert_not_reloaded(page)
 
 
-SEED_SPANS = """
-from datetime import timedelta
-from workflows_app.models import Instance, Span
-inst = Instance.objects.get(instance_id="e2e-pipeline")
-t0 = inst.started_at
-def ms(n): return t0 + timedelta(milliseconds=n)
-rows = [
-    ("root", "", "workflow.run data-pipeline", 0, 1120, "OK", {"workflow.name": "data-pipeline", "workflow.run": 1}, []),
-    ("a1", "root", "step.do extract", 5, 40, "ERROR", {"step.name": "extract", "step.attempt": 1},
-     [{"name": "exception", "timestamp": ms(38).isoformat(),
-       "attributes": {"exception.type": "ConnectionError", "exception.message": "upstream API timed out (attempt 1)"}}]),
-    ("a2", "root", "step.do extract", 1045, 1070, "OK", {"step.name": "extract", "step.attempt": 2}, []),
-    ("db1", "a2", "db.write_step", 1062, 1068, "OK", {"db.system": "sqlite"}, []),
-    ("ev", "root", "step.do sum evens", 1072, 1088, "OK", {"step.name": "sum evens"}, []),
-    ("od", "root", "step.do sum odds", 1073, 1089, "OK", {"step.name": "sum odds"}, []),
-    ("ld", "root", "step.do load", 1092, 1110, "OK", {"step.name": "load"}, []),
-]
-for sid, parent, name, a, b, code, attrs, events in rows:
-    Span.objects.create(instance=inst, trace_id=inst.trace_id or "0" * 32, span_id=sid, parent_span_id=parent,
-                        name=name, kind="INTERNAL", start_time=ms(a), end_time=ms(b), status_code=code,
-                        attributes=attrs, events=events)
-"""
+def trace_span(page: Page, name: str) -> Any:
+    """The waterfall rows (li.span) of the detail page's trace named exactly `name`."""
+    return page.locator('[data-section="trace"] ol.waterfall > li.span').filter(
+        has=page.locator(".span-name", has_text=re.compile(rf"^{re.escape(name)}$"))
+    )
 
 
-def test_screenshots_of_overview_list_and_detail(page: Page, server: LiveServer) -> None:
+def test_screenshots_of_overview_list_and_detail(page: Page) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
+    # extract fails its first attempt (ConnectionError), is retried after 1 s, then succeeds.
     create_from_form(page, "data-pipeline", "e2e-pipeline", '{"rows": 12, "flaky_attempts": 1}')
+    mark_page(page)
     expect(badge(page)).to_have_attribute("data-status", "complete", timeout=30_000)
-    # The engine does not store spans yet: store a realistic trace so the waterfall shows.
-    server.manage("shell", "-c", SEED_SPANS)
-    page.reload()
-    failed = page.locator("#span-a1")
-    expect(failed).to_have_class("span span-error")
+
+    # The engine's own spans: stored by its worker and pushed to the open page (no reload).
+    # Two runs (the retry parked the instance), each a root `workflow` span over its steps.
+    spans = page.locator('[data-section="trace"] ol.waterfall > li.span')
+    expect(spans).to_have_count(8)
+    expect(trace_span(page, "create data-pipeline")).to_have_count(1)
+    runs = trace_span(page, "workflow data-pipeline")
+    expect(runs).to_have_count(2)
+    for run in (runs.nth(0), runs.nth(1)):
+        expect(run).to_have_attribute("style", re.compile(r"--depth: 0\b"))
+    extract = trace_span(page, "step extract")
+    expect(extract).to_have_count(2)  # the failed attempt's run and the retry's run
+    for name in ("sum evens", "sum odds", "load"):
+        expect(trace_span(page, f"step {name}")).to_have_count(1)
+    for step in spans.filter(has=page.locator(".span-name", has_text=re.compile(r"^step "))).all():
+        expect(step).to_have_attribute("style", re.compile(r"--depth: 1\b"))
+    # The retry succeeded: nothing in the trace is styled as an error.
+    expect(page.locator('[data-section="trace"] li.span-error')).to_have_count(0)
+
+    # The failed attempt is an event on the first run's `step extract` span: a marker on its
+    # bar, and the Errors panel links to that very span.
+    marker = extract.locator('.span-event[title="step.retry_error"]')
+    expect(marker).to_have_count(1)
+    failed = extract.filter(has=page.locator('.span-event[title="step.retry_error"]'))
+    error_link = page.locator('[data-section="errors"] a[href^="#span-"]')
+    expect(error_link).to_have_count(1)
+    expect(failed).to_have_attribute("id", (error_link.get_attribute("href") or "#")[1:])
     failed.locator(".span-row").click()
-    expect(page.locator("#span-detail-a1")).to_be_visible()
-    expect(page.locator("#span-detail-a1")).to_contain_text("upstream API timed out")
+    expect(failed.locator(".span-row")).to_have_attribute("aria-expanded", "true")
+    detail = failed.locator(".span-detail")
+    expect(detail).to_be_visible()
+    expect(detail).to_contain_text("step.retry_error")
+    expect(detail).to_contain_text("upstream API timed out (attempt 1)")
+    expect(detail).to_contain_text('"workflow.step.name": "extract"')
+    first_run = (runs.nth(0).get_attribute("id") or "").removeprefix("span-")
+    expect(detail).to_contain_text(f"parent {first_run}")  # nested under the first run's span
+    assert_not_reloaded(page)
     page.screenshot(path=ARTIFACTS / "detail.png", full_page=True)
+
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")
     page.screenshot(path=ARTIFACTS / "list.png", full_page=True)
@@ -387,3 +402,23 @@ def test_screenshots_of_overview_list_and_detail(page: Page, server: LiveServer)
     page.screenshot(path=ARTIFACTS / "overview-dark.png", full_page=True)
     for name in ("overview", "list", "detail"):
         assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
+
+
+def test_the_trace_marks_a_failed_step_and_its_run_as_errors(page: Page) -> None:
+    # validate raises a NonRetryableError: the step and the instance fail for good.
+    create_from_form(page, "data-pipeline", "e2e-corrupt", '{"corrupt": true, "flaky_attempts": 0}')
+    expect(badge(page)).to_have_attribute("data-status", "errored", timeout=30_000)
+    expect(page.locator('[data-section="trace"] ol.waterfall > li.span')).to_have_count(4)
+    expect(trace_span(page, "create data-pipeline")).not_to_have_class(re.compile(r"\bspan-error\b"))
+    expect(trace_span(page, "step extract")).not_to_have_class(re.compile(r"\bspan-error\b"))
+    run = trace_span(page, "workflow data-pipeline")
+    expect(run).to_have_class("span span-error")
+    validate = trace_span(page, "step validate")
+    expect(validate).to_have_class("span span-error")
+    expect(validate).to_have_attribute("style", re.compile(r"--depth: 1\b"))
+    expect(validate.locator('.span-event[title="exception"]')).to_have_count(1)
+    validate.locator(".span-row").click()
+    detail = validate.locator(".span-detail")
+    expect(detail).to_be_visible()
+    expect(detail).to_contain_text("status ERROR")
+    expect(detail).to_contain_text("input contains corrupt rows")

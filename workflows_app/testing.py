@@ -29,7 +29,7 @@ from .engine.errors import InstanceNotFound, InvalidInput
 from .engine.runner import overrides
 from .engine.worker import Worker
 from .live import EngineHooks
-from .models import Instance
+from .models import Instance, StepKind, StepRecord, StepStatus
 
 _MISSING = object()
 
@@ -89,8 +89,13 @@ def mock_step(
 
 
 def disable_sleeps(instance_id: str | None = None) -> None:
-    """Sleeps of that instance (or of every instance) end at once."""
+    """Sleeps of that instance (or of every instance) end at once; makes a parked sleep due."""
     overrides.sleeps_disabled.add(instance_id)
+    sleeping = StepRecord.objects.filter(kind__in=(StepKind.SLEEP, StepKind.SLEEP_UNTIL), status=StepStatus.WAITING)
+    if instance_id is not None:
+        sleeping = sleeping.filter(instance__instance_id=instance_id)
+    parked = Instance.objects.filter(pk__in=sleeping.values("instance_id"), status="waiting")
+    parked.update(wake_at=engine_clock.now())
 
 
 def mock_event(instance_id: str, type: str, payload: Any = None) -> None:
@@ -121,10 +126,18 @@ def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 1
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AssertionError(f"instance {instance.id!r} is {current!r}, not {statuses} after {timeout} s")
-        if run_until_idle(timeout=remaining) == 0:
+        try:
+            runs = run_until_idle(timeout=remaining)
+        except TimeoutError:  # a run was still going at the deadline
+            raise AssertionError(
+                f"instance {instance.id!r} is {instance.status().status!r}, not {statuses} after {timeout} s"
+            ) from None
+        if runs == 0:
             due = store.next_wake_at()
             if due is None:
-                raise AssertionError(f"instance {instance.id!r} is {current!r} and nothing is due to change it")
+                raise AssertionError(
+                    f"instance {instance.id!r} is {current!r}, not {statuses}, and nothing is due to change it"
+                )
             time.sleep(min(remaining, max(0.0, (due - engine_clock.now()).total_seconds())))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -427,11 +428,11 @@ class Run:
 
     async def attempt(self, record: StepRecord, fn: Callable[..., Any], timeout_ms: int) -> Any:
         """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""
+        context = StepContext(self.instance_id, record.name, record.attempts)
+        call = functools.partial(fn, context) if _takes_context(fn) else fn
         mock = overrides.step_mocks.get((self.instance_id, record.name))
         if mock is not None:
-            fn = _mocked(mock, fn)
-        context = StepContext(self.instance_id, record.name, record.attempts)
-        call = (lambda: fn(context)) if _takes_context(fn) else fn
+            fn = call = _mocked(mock, call)
         timed_out = StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
         if _is_async(fn):
             # In this task, under a deadline: no extra task per step; cancelled at the timeout.
@@ -548,7 +549,9 @@ class Run:
         return None
 
     def event_timed_out(self, record: StepRecord) -> bool:
-        if (self.instance_id, record.event_type) in overrides.forced_event_timeouts:
+        forced = (self.instance_id, record.event_type)
+        if forced in overrides.forced_event_timeouts:
+            overrides.forced_event_timeouts.discard(forced)  # the next wait only
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
@@ -563,6 +566,7 @@ def _mocked(mock: dict[str, Any], real: Callable[..., Any]) -> Callable[[], Any]
             raise mock["error"]
         if "result" in mock:
             return mock["result"]
-        return real() if not _is_async(real) else asyncio.run(real())
+        result = real()
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
 
     return call

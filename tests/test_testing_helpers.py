@@ -1,0 +1,298 @@
+"""workflows_app.testing: the helpers users of wfdash write their workflow tests with."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.errors import EventTimeout, InstanceNotFound
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+calls: Counter[str] = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _reset_calls():
+    calls.clear()
+
+
+def history_types(inst) -> list[str]:
+    return [h.type for h in inst.history()]
+
+
+def test_mock_step_fails_n_times_through_the_retry_loop_then_returns_its_result(registered):
+    @register("mocked-charge")
+    class MockedCharge(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def charge():
+                calls["charge"] += 1
+                return {"real": True}
+            return await step.do("charge card", charge, retries={"limit": 5, "delay": 0})
+
+    with_result = get_workflow("mocked-charge").create()
+    testing.mock_step(with_result.id, "charge card", error=ConnectionError("down"), times=2, result={"mocked": 1})
+    real_after = get_workflow("mocked-charge").create()
+    testing.mock_step(real_after.id, "charge card", error=ConnectionError("down"), times=2)
+    testing.run_until_idle()
+
+    # Two failures, then the mocked result; the real callable never ran for this instance.
+    assert with_result.status().status == "complete"
+    assert with_result.status().output == {"mocked": 1}
+    (record,) = with_result.steps()
+    assert record.attempts == 3
+    assert record.last_error_name == "ConnectionError"
+    failures = [h.data for h in with_result.history() if h.type == "step.failed"]
+    assert [(f["attempt"], f["error"]) for f in failures] == [
+        (1, {"name": "ConnectionError", "message": "down"}),
+        (2, {"name": "ConnectionError", "message": "down"}),
+    ]
+    # Without result=, the third attempt calls the real callable.
+    assert real_after.status().output == {"real": True}
+    assert real_after.steps()[0].attempts == 3
+    assert calls == {"charge": 1}
+
+
+def test_mock_step_without_a_result_calls_through_to_a_callable_taking_the_context(registered):
+    @register("mocked-ctx")
+    class MockedCtx(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("ctx step", lambda ctx: f"attempt {ctx.attempt}", retries={"limit": 3, "delay": 0})
+
+    inst = get_workflow("mocked-ctx").create()
+    testing.mock_step(inst.id, "ctx step", error=ConnectionError("down"), times=1)
+    testing.run_until_idle()
+    assert inst.status().output == "attempt 2"
+
+
+def test_force_event_timeout_times_out_only_the_next_wait(registered):
+    @register("wait-twice")
+    class WaitTwice(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.wait_for_event("first", type="go", timeout="1 hour")
+            except EventTimeout:
+                calls["timed out"] += 1
+            got = await step.wait_for_event("second", type="go", timeout="1 hour")
+            return got.payload
+
+    inst = get_workflow("wait-twice").create()
+    testing.force_event_timeout(inst.id, "go")
+    testing.run_until_idle()
+    assert calls == {"timed out": 1} and inst.status().status == "waiting"  # the second wait parks
+    inst.send_event("go", {"n": 2})
+    testing.run_until_idle()
+    assert inst.status().output == {"n": 2}
+
+
+def test_disable_sleeps_lets_a_long_sleep_end_in_one_run_for_that_instance_only(registered):
+    @register("long-nap")
+    class LongNap(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "30 days")
+            return "awake"
+
+    skipped = get_workflow("long-nap").create()
+    kept = get_workflow("long-nap").create()
+    testing.disable_sleeps(skipped.id)
+    testing.run_until_idle()  # real clock: without the helper, 30 days stay 30 days
+    assert skipped.status().status == "complete"
+    assert skipped.status().output == "awake"
+    assert "sleep.completed" in history_types(skipped)
+    assert kept.status().status == "waiting"
+    assert "sleep.completed" not in history_types(kept)
+
+
+def test_disable_sleeps_for_every_instance_also_ends_a_sleep_already_parked(registered):
+    @register("parked-nap")
+    class ParkedNap(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "30 days")
+            return "awake"
+
+    inst = get_workflow("parked-nap").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"  # parked on the sleep
+    testing.disable_sleeps()
+    assert testing.run_until_idle() == 1
+    assert inst.status().status == "complete"
+    assert inst.status().output == "awake"
+
+
+def test_mock_event_delivers_its_payload_to_a_parked_wait(registered):
+    @register("awaits-approval")
+    class AwaitsApproval(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("approve", type="approval", timeout="1 hour")
+            return {"type": got.type, "payload": got.payload}
+
+    inst = get_workflow("awaits-approval").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    testing.mock_event(inst.id, "approval", {"ok": True, "by": "ada"})
+    testing.run_until_idle()
+    assert inst.status().status == "complete"
+    assert inst.status().output == {"type": "approval", "payload": {"ok": True, "by": "ada"}}
+    (sent,) = [h for h in inst.history() if h.type == "event.sent"]
+    assert sent.actor == "testing"
+    with pytest.raises(InstanceNotFound, match="no-such-instance"):
+        testing.mock_event("no-such-instance", "approval")
+
+
+def test_force_event_timeout_times_a_wait_out_with_event_timeout(registered):
+    @register("times-out")
+    class TimesOut(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.wait_for_event("approve", type="approval", timeout="1 hour")
+            except EventTimeout as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "an event came"
+
+    parked = get_workflow("times-out").create()
+    testing.run_until_idle()
+    assert parked.status().status == "waiting"  # the real timeout is an hour away
+    testing.force_event_timeout(parked.id, "approval")
+    assert testing.run_until_idle() == 1
+    assert parked.status().status == "complete"
+    assert parked.status().output.startswith("EventTimeout: ")
+    assert "approval" in parked.status().output
+    assert "event.timeout" in history_types(parked)
+
+    # Forced before the wait is reached: the wait times out in the first run.
+    @register("times-out-uncaught")
+    class TimesOutUncaught(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("approve", type="approval", timeout="1 hour")
+
+    early = get_workflow("times-out-uncaught").create()
+    testing.force_event_timeout(early.id, "approval")
+    testing.run_until_idle()
+    assert early.status().status == "errored"
+    assert early.status().error["name"] == "EventTimeout"
+
+
+def test_wait_for_status_runs_the_engine_until_the_status_including_real_timers(registered):
+    @register("short-nap")
+    class ShortNap(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("before", lambda: "x")
+            await step.sleep("short", "200 ms")
+            return "done"
+
+    @register("waits")
+    class Waits(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("approve", type="approval", timeout="1 hour")
+
+    napper = get_workflow("short-nap").create()
+    assert napper.status().status == "running"  # admitted, but nothing runs it but the helper
+    # Not only final statuses; the first of several that is reached is returned.
+    assert testing.wait_for_status(napper, "errored", "complete") == "complete"
+    assert napper.status().output == "done"
+
+    waiter = get_workflow("waits").create()
+    assert testing.wait_for_status(waiter, "waiting") == "waiting"
+
+
+def test_wait_for_status_raises_naming_the_status_it_did_not_reach(registered):
+    @register("never-done")
+    class NeverDone(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("approve", type="approval", timeout="1 hour")
+
+    inst = get_workflow("never-done").create()
+    with pytest.raises(AssertionError, match=r"is 'waiting', not \('complete',\) after 0.3 s"):
+        testing.wait_for_status(inst, "complete", timeout=0.3)
+
+    inst.terminate()  # its timer, an hour away, would count as something due
+    paused = get_workflow("never-done").create()
+    paused.pause()
+    with pytest.raises(AssertionError, match=r"is 'paused', not \('complete',\), and nothing is due"):
+        testing.wait_for_status(paused, "complete", timeout=5)
+
+
+def test_wait_for_status_raises_naming_the_status_when_a_step_is_still_running(registered):
+    gate = threading.Event()
+
+    @register("slow-step")
+    class SlowStep(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("slow", lambda: gate.wait(30))
+
+    inst = get_workflow("slow-step").create()
+    try:
+        with pytest.raises(AssertionError, match=r"is 'running', not \('complete',\) after 0.3 s"):
+            testing.wait_for_status(inst, "complete", timeout=0.3)
+    finally:
+        gate.set()  # lets the abandoned step thread end
+
+
+def test_step_result_returns_a_completed_steps_output_and_does_not_wait(registered):
+    @register("two-steps")
+    class TwoSteps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("first", lambda: {"n": 1, "items": [1, None, "x"]})
+            await step.wait_for_event("approve", type="approval", timeout="1 hour")
+            await step.do("last", lambda: "end")
+
+    inst = get_workflow("two-steps").create()
+    # Not run yet: step_result reports what is checkpointed now, it does not run the engine.
+    with pytest.raises(AssertionError, match=r"has no completed step 'first'"):
+        testing.step_result(inst, "first")
+    testing.run_until_idle()
+    assert testing.step_result(inst, "first") == {"n": 1, "items": [1, None, "x"]}
+    with pytest.raises(AssertionError, match=rf"instance '{inst.id}' has no completed step 'approve'"):
+        testing.step_result(inst, "approve")  # still waiting
+    with pytest.raises(AssertionError, match=r"has no completed step 'no such step'"):
+        testing.step_result(inst, "no such step")
+
+
+def test_reset_forgets_mocks_disabled_sleeps_and_forced_timeouts(registered):
+    @register("all-kinds")
+    class AllKinds(WorkflowEntrypoint):
+        async def run(self, event, step):
+            value = await step.do("work", lambda: "real")
+            await step.sleep("nap", "1 hour")
+            got = await step.wait_for_event("approve", type="approval", timeout="1 hour")
+            return {"value": value, "payload": got.payload}
+
+    inst = get_workflow("all-kinds").create()
+    testing.mock_step(inst.id, "work", result="mocked")
+    testing.disable_sleeps()
+    testing.disable_sleeps(inst.id)
+    testing.force_event_timeout(inst.id, "approval")
+    testing.reset()
+
+    with testing.fake_clock() as clock:
+        testing.run_until_idle()
+        assert testing.step_result(inst, "work") == "real"  # the mock is gone
+        assert inst.status().status == "waiting"  # the sleep is a real one again
+        clock.advance("1 hour")
+        testing.run_until_idle()
+        assert inst.status().status == "waiting"  # the wait parks: no forced timeout
+        assert [p.name for p in inst.pending_events()] == ["approve"]
+        inst.send_event("approval", "yes")
+        testing.run_until_idle()
+    assert inst.status().output == {"value": "real", "payload": "yes"}
+
+
+def test_the_readme_example_test_passes(registered):
+    import workflows_app.demo  # noqa: F401  (registers order-approval when WFDASH_DEMO is off)
+
+    # From README.md, "Testing your workflows", unchanged but for this comment.
+    inst = get_workflow("order-approval").create(params={"amount": 30})
+    with testing.fake_clock() as clock:        # the engine's clock: timers, timestamps, history
+        testing.run_until_idle()               # runs until nothing is runnable now; returns runs made
+        assert inst.status().status == "waiting"
+        inst.send_event("approval", {"ok": True})
+        testing.run_until_idle()               # …now it sleeps "cool-off" for 10 seconds
+        clock.advance("10 seconds")
+        testing.run_until_idle()
+    assert inst.status().status == "complete"
+    assert testing.step_result(inst, "ship order")["tracking"].startswith("TRK-")
