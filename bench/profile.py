@@ -9,8 +9,8 @@ building, driver execute, transaction handling, span storage, engine code).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import os
 import pstats
 import threading

@@ -4,8 +4,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from workflows_app import testing
 from tests.workers import WorkerProcess
+from workflows_app import testing
 from workflows_app.engine import clock, registry
 
 

@@ -12,7 +12,14 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from tests.surface_flows import APPROVAL, COMPENSATIONS, SIMPLE, register_flows, snapshot, waiting_approval
+from tests.surface_flows import (
+    APPROVAL,
+    COMPENSATIONS,
+    SIMPLE,
+    register_flows,
+    snapshot,
+    waiting_approval,
+)
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.models import (

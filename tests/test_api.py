@@ -15,7 +15,15 @@ from django.test import Client
 from django.urls import get_resolver, resolve
 from openapi_spec_validator import validate as validate_openapi
 
-from tests.surface_flows import APPROVAL, COMPENSATIONS, OTHER, SIMPLE, register_flows, snapshot, waiting_approval
+from tests.surface_flows import (
+    APPROVAL,
+    COMPENSATIONS,
+    OTHER,
+    SIMPLE,
+    register_flows,
+    snapshot,
+    waiting_approval,
+)
 from workflows_app import api, openapi, testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.models import ApiToken, HistoryRecord, Instance

@@ -10,7 +10,7 @@ import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, registry, register, store
+from workflows_app.engine import WorkflowEntrypoint, register, registry, store
 from workflows_app.models import HistoryRecord, InboxEvent, Instance, Status, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -161,7 +161,9 @@ class _OtlpReceiver(BaseHTTPRequestHandler):
     received: list[str] = []
 
     def do_POST(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         body = self.rfile.read(int(self.headers["Content-Length"]))
         request = ExportTraceServiceRequest()

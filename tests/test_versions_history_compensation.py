@@ -11,8 +11,13 @@ from django.conf import settings
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, registry, register
-from workflows_app.engine.errors import VersionConflict, WorkflowFailed, WorkflowTerminated, ResultTimeout
+from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.engine.errors import (
+    ResultTimeout,
+    VersionConflict,
+    WorkflowFailed,
+    WorkflowTerminated,
+)
 from workflows_app.engine.worker import sync_catalog
 from workflows_app.models import Instance, StepRecord, WorkflowVersion
 

@@ -13,7 +13,15 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from tests.surface_flows import APPROVAL, COMPENSATIONS, OTHER, SIMPLE, register_flows, snapshot, waiting_approval
+from tests.surface_flows import (
+    APPROVAL,
+    COMPENSATIONS,
+    OTHER,
+    SIMPLE,
+    register_flows,
+    snapshot,
+    waiting_approval,
+)
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.models import ApiToken, Instance

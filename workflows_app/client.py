@@ -32,8 +32,17 @@ from .engine.limits import Limits, check_event_type, check_instance_id, check_si
 from .engine.registry import Definition, find_definition, get_definition
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
+from .models import (
+    FINISHED_STATUSES,
+    HistoryRecord,
+    Instance,
+    Status,
+    StepKind,
+    StepRecord,
+    StepStatus,
+    decode_json,
+)
 from .tracing import flush_spans
-from .models import FINISHED_STATUSES, HistoryRecord, Instance, Status, StepKind, StepRecord, StepStatus, decode_json
 
 log = logging.getLogger("workflows_app.client")
 

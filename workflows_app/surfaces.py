@@ -9,7 +9,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .client import HistoryEntry, InstanceHandle, InstanceInfo, PendingEvent, WorkflowBinding, get_workflow
+from .client import (
+    HistoryEntry,
+    InstanceHandle,
+    InstanceInfo,
+    PendingEvent,
+    WorkflowBinding,
+    get_workflow,
+)
 from .engine import errors
 from .engine.registry import all_definitions
 from .models import Instance, StepRecord

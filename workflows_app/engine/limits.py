@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .durations import parse_duration
-from .errors import InvalidEventType, InvalidInput, LimitExceeded, SizeLimitExceeded, StepOutputError
+from .errors import (
+    InvalidEventType,
+    InvalidInput,
+    LimitExceeded,
+    SizeLimitExceeded,
+    StepOutputError,
+)
 
 DAY_MS = 86_400_000
 EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")

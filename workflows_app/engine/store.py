@@ -22,8 +22,8 @@ from django.db.models import Min, Q
 
 from ..models import (
     ACTIVE_STATUSES,
-    ErrorRecord,
     FINISHED_STATUSES,
+    ErrorRecord,
     HistoryRecord,
     InboxEvent,
     Instance,

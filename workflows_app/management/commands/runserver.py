@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 from daphne.management.commands.runserver import Command as DaphneRunserver
+from daphne.server import Server
 from django.core.management.base import CommandError
 from django.db import DatabaseError
-from daphne.server import Server
 
 
 class EngineServer(Server):

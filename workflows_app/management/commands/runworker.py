@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+
 from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
 
