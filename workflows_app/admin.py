@@ -179,8 +179,10 @@ class InstanceAdmin(admin.ModelAdmin):
         deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
         return deleted, counts, set(), protected
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # action_location: Django 6.1+ passes it (the change list or change form); 5.2 never does.
+        extra = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **extra)
         actions.pop("delete_selected", None)
         return actions
 
