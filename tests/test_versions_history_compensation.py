@@ -78,7 +78,8 @@ def test_an_instance_whose_version_is_gone_waits_with_a_reason_then_continues(re
     assert inst.status().output == "v1 code"
 
 
-def test_registering_changed_code_under_an_existing_version_is_refused(registered):
+def deploy_changed_code_under_version_1():
+    """Version 1 is in the catalog; then a deploy registers other code under version 1."""
     define_v1()
     sync_catalog()
     registry.unregister("versioned")
@@ -88,6 +89,9 @@ def test_registering_changed_code_under_an_existing_version_is_refused(registere
         async def run(self, event, step):
             return "different code, same version"
 
+
+def test_registering_changed_code_under_an_existing_version_is_refused(registered):
+    deploy_changed_code_under_version_1()
     with pytest.raises(VersionConflict, match=r"'versioned' version 1 .*bump the version"):
         sync_catalog()
     settings.WFDASH["STRICT_VERSIONS"] = False
@@ -100,15 +104,7 @@ def test_registering_changed_code_under_an_existing_version_is_refused(registere
 def test_runserver_refuses_to_serve_when_a_version_s_code_changed(registered, settings):
     from django.core.management import CommandError, call_command
 
-    define_v1()
-    sync_catalog()
-    registry.unregister("versioned")
-
-    @register("versioned", version=1)
-    class Changed(WorkflowEntrypoint):
-        async def run(self, event, step):
-            return "different code, same version"
-
+    deploy_changed_code_under_version_1()
     settings.WFDASH = {**settings.WFDASH, "EMBEDDED_WORKER": True}
     with pytest.raises(CommandError, match=r"'versioned' version 1 .*bump the version"):
         call_command("runserver", "--noreload", "127.0.0.1:0")
