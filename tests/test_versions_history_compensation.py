@@ -199,6 +199,26 @@ def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(regist
     assert inbox == {'{"nope": 1}': "", '{"n": 2, "ok": true}': "approval"}
 
 
+def test_a_buffered_event_refused_by_a_typed_wait_does_not_wake_the_instance_again(registered):
+    @register("typed-refused")
+    class TypedRefused(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "approval", type="approve", timeout="2 hours", schema={"type": "object", "required": ["ok"]}
+            )
+            return got.payload
+
+    inst = get_workflow("typed-refused").create()
+    inst.send_event("approve", {"nope": 1})  # buffered before the wait; the wait passes it over
+    assert testing.run_until_idle() == 1  # parked once, not claimed again and again
+    row = inst.row()
+    (wait,) = inst.steps()
+    assert row.status == "waiting" and row.wake_at == wait.wake_at  # due at the wait's timeout
+    inst.send_event("approve", {"ok": True})
+    testing.run_until_idle()
+    assert inst.status().output == {"ok": True}
+
+
 def saga():
     @register("saga")
     class Saga(WorkflowEntrypoint):

@@ -101,6 +101,7 @@ def test_start_count_refuses_an_id_or_key_and_a_count_below_one():
     assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--id", "x")
     assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--idempotency-key", "k")
     assert refused("start", SIMPLE, "--count", "0") == "--count must be at least 1, got 0"
+    assert "version 9" in refused("start", SIMPLE, "--count", "2", "--version", "9")
 
 
 def test_start_refuses_bad_json_and_creates_nothing():

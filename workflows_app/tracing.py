@@ -73,6 +73,13 @@ class InstanceTraceIds(IdGenerator):
     def is_instance_trace(self, trace_id: int) -> bool:
         return trace_id in self.known
 
+    def touch(self, trace_id: int) -> None:
+        """A span of an instance's trace started: keep the trace among the recent ones."""
+        if trace_id in self.known:
+            with self._lock:
+                if trace_id in self.known:
+                    self.known.move_to_end(trace_id)
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
@@ -95,6 +102,9 @@ class DatabaseSpanProcessor(SpanProcessor):
         self.trace_ids = trace_ids
         self.dropped = 0
 
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.trace_ids.touch(span.context.trace_id)  # a long run's trace is not forgotten
+
     def on_end(self, span: ReadableSpan) -> None:
         if not self.trace_ids.is_instance_trace(span.context.trace_id):
             return  # not a workflow instance's span: exported, if at all, by the project's own set-up
@@ -109,7 +119,7 @@ class DatabaseSpanProcessor(SpanProcessor):
 
     def flush(self) -> list[StoredSpan]:
         """Store the queued spans in one transaction (call where the ORM may run)."""
-        from django.db import DatabaseError, IntegrityError
+        from django.db import DatabaseError, InterfaceError, OperationalError
 
         with self._lock:
             batch, self._queue = self._queue, []
@@ -117,11 +127,11 @@ class DatabaseSpanProcessor(SpanProcessor):
             return []
         try:
             return self._store(batch)
-        except IntegrityError:
-            self.dropped += len(batch)  # an instance was deleted meanwhile: never storable
+        except (OperationalError, InterfaceError):
+            self._requeue(batch)  # the database was away; nothing was stored: again next time
             raise
         except DatabaseError:
-            self._requeue(batch)  # nothing of the batch was stored: try it again next time
+            self.dropped += len(batch)  # would fail again (an instance deleted meanwhile, bad data)
             raise
 
     def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:

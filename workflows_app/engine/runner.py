@@ -115,6 +115,7 @@ class Run:
         self.limits = definition.limits()
         self.checkpoints = loaded.steps
         self.events: list[InboxEvent] = loaded.events
+        self.events_seen = max((e.pk for e in loaded.events), default=0)  # newer ones arrived during the run
         self.seen: set[str] = set()
         self.op_count = 0
         self.next_seq = max([loaded.instance.step_seq, *(s.seq for s in loaded.steps.values())])
@@ -125,6 +126,7 @@ class Run:
         self.draining = False  # its worker is shutting down: stop at the next step boundary
         self.sync_attempts_running = 0  # step callables still running in threads
         self.abort_reason: str | None = None
+        self.abort_error: BaseException | None = None  # the database error that cut the run short
         self.fatal: BaseException | None = None
         self.changed = asyncio.Event()
         self.compensations: dict[str, Callable[..., Any]] = {}
@@ -257,7 +259,9 @@ class Run:
 
     async def _park(self) -> str:
         try:
-            status = await self.db(store.park, self.pk, self.token, self.holding, list(self.awaited_types))
+            status = await self.db(
+                store.park, self.pk, self.token, self.holding, list(self.awaited_types), "", self.events_seen
+            )
         except LeaseLost:
             return "aborted"
         return str(status)
@@ -409,8 +413,9 @@ class Run:
             self.abort(str(exc))
             raise RunAborted(str(exc)) from None
         except DatabaseError as exc:
-            # Not the workflow's business (it must not catch it): stop this run; the worker
-            # releases the instance and it is run again from its last checkpoint.
+            # Not the workflow's business (it must not catch it): stop this run; it is run
+            # again from its last checkpoint.
+            self.abort_error = exc
             self.abort(f"database error: {exc}")
             raise RunAborted(f"database error: {exc}") from exc
         self.checkpoints[record.name] = record
@@ -448,6 +453,7 @@ class Run:
                 _current_step.reset(token)
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
+        self.loop = asyncio.get_running_loop()
         thread_future = self.step_threads.submit(ctx.run, call)
         self.sync_attempts_running += 1
         thread_future.add_done_callback(self._sync_attempt_ended)
@@ -459,7 +465,14 @@ class Run:
         return future.result()
 
     def _sync_attempt_ended(self, _: Any) -> None:
-        self.sync_attempts_running -= 1  # in the step's thread: an int update under the GIL
+        # Called in the step's thread: count on the loop, where the increments happen.
+        try:
+            self.loop.call_soon_threadsafe(self._count_sync_attempt_ended)
+        except RuntimeError:
+            pass  # the loop is closed: nobody reads the count any more
+
+    def _count_sync_attempt_ended(self) -> None:
+        self.sync_attempts_running -= 1
 
     async def schedule_retry(
         self, record: StepRecord, exc: BaseException, delay_ms: int, history: list[History] | None = None

@@ -625,14 +625,16 @@ def finish(
 
 
 @retry_while_locked
-def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason: str = "") -> str:
+def park(
+    pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason: str = "", events_seen: int = 0
+) -> str:
     """Free the worker: store when the instance is due next and release the lease.
 
     The wake time is read from the step rows (sleep ends, retry times, event timeouts), so
     a skip_sleep that landed during the run is honoured. An event of an awaited type that
-    arrived during the run makes the instance due at once: no wake-up is lost. The row,
-    not the run, says whether a pause holds: a run that stopped early (for a pause
-    resumed meanwhile, or because its worker is shutting down) is due again at once.
+    arrived during the run (id above events_seen) makes the instance due at once: no
+    wake-up is lost. The row, not the run, says whether a pause holds: a run that stopped
+    early (for a pause resumed meanwhile, or its worker shutting down) is due at once.
     """
     now = clock.now()
     with transaction.atomic():
@@ -647,8 +649,10 @@ def park(pk: int, token: str, pause: bool, awaited_types: Sequence[str], reason:
             wake_at = StepRecord.objects.filter(
                 instance_id=pk, status__in=(StepStatus.WAITING, StepStatus.RETRYING)
             ).aggregate(m=Min("wake_at"))["m"]
+            # Only events the run did not see: one it saw and passed over (a typed wait's
+            # schema refused it) must not make the instance due again and again.
             if awaited_types and InboxEvent.objects.filter(
-                instance_id=pk, consumed_at__isnull=True, type__in=list(awaited_types)
+                instance_id=pk, consumed_at__isnull=True, type__in=list(awaited_types), id__gt=events_seen
             ).exists():
                 wake_at = now
         Instance.objects.filter(id=pk).update(

@@ -119,42 +119,50 @@ class GroupCommit:
     def __init__(self, db: ConnectionThreads) -> None:
         self.db = db
         self.pending: list[tuple[store.StepWrite, asyncio.Future[str]]] = []
-        self.flushing = 0
+        self.flushing: set[asyncio.Task[None]] = set()  # referenced: a task may not vanish mid-flush
 
     async def __call__(self, write: store.StepWrite) -> str:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pending.append((write, future))
-        if self.flushing < self.db.threads:
-            self.flushing += 1
-            asyncio.ensure_future(self._flush())
+        if len(self.flushing) < self.db.threads:
+            self.flushing.add(asyncio.ensure_future(self._flush()))
         return await future
 
     async def _flush(self) -> None:
         try:
-            while self.pending:
-                batch, self.pending = self.pending[: self.MAX_BATCH], self.pending[self.MAX_BATCH :]
-                try:
-                    results = await self.db(store.write_steps, [write for write, _ in batch])
-                except BaseException as exc:  # the whole transaction failed: every run hears it
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    continue
-                for (_, future), result in zip(batch, results):
-                    if future.done():
-                        continue
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+            await self._flush_pending()
         finally:
-            self.flushing -= 1
+            # At once, not in a done callback: a write arriving in between must see a free slot.
+            self.flushing.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def _flush_pending(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending[: self.MAX_BATCH], self.pending[self.MAX_BATCH :]
+            try:
+                results = await self.db(store.write_steps, [write for write, _ in batch])
+            except BaseException as exc:  # the whole transaction failed: every run hears it
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            for (_, future), result in zip(batch, results):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
 
 _local_workers: set[Worker] = set()
 _local_lock = threading.Lock()
+
+
+def transient(error: BaseException | None) -> bool:
+    """No error, or one a new connection may not meet again (restart, dropped connection)."""
+    return error is None or isinstance(error, (OperationalError, InterfaceError))
 
 
 def running_in_this_process() -> bool:
@@ -369,20 +377,24 @@ class Worker:
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit)
             self.runs[pk] = run
             outcome = await run.execute()
-            if outcome == "aborted" and not run.sync_attempts_running:
-                # Shutdown, a database error, an operator action: give the lease back now
+            if outcome == "aborted" and not run.sync_attempts_running and transient(run.abort_error):
+                # Shutdown, an operator action, a dropped connection: give the lease back now
                 # (fenced: a no-op when the lease is no longer ours), so the instance is
                 # claimed again at once instead of when the lease runs out. Not while a
-                # step callable still runs in a thread here: another worker would run it
-                # at the same time; the lease runs out after it instead.
+                # step callable still runs in a thread here (another worker would run it at
+                # the same time), nor after an error that would recur (the lease runs out
+                # and the takeover counts towards the poison-instance limit).
                 await self._release(pk, token)
             await self.flush_hooks()
             return outcome
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("run of instance #%s failed inside the engine; releasing it for a retry", pk)
-            await self._release(pk, token)
+        except Exception as exc:
+            if transient(exc):
+                log.warning("run of instance #%s cut short by a database error; released", pk, exc_info=True)
+                await self._release(pk, token)
+            else:
+                log.exception("run of instance #%s failed inside the engine; its lease will run out", pk)
             return "aborted"
 
     async def _release(self, pk: int, token: str) -> None:

@@ -258,17 +258,20 @@ class Command(BaseCommand):
         self.emit(opts, data, f"started {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
 
     def start_many(self, opts: argparse.Namespace, params: Any) -> None:
-        """--count N: N instances with the same params, created in batches of START_BATCH."""
+        """--count N: N instances with the same params, in batches (START_BATCH at most)."""
         if opts.count < 1:
             raise CommandError(f"--count must be at least 1, got {opts.count}")
         if opts.instance_id or opts.idempotency_key:
             raise CommandError("--id and --idempotency-key name one instance; leave them out with --count")
         binding = surfaces.binding(opts.workflow)
+        per_batch = min(START_BATCH, binding.definition(opts.version).limits().max_batch_size)
         ids: list[str] = []
         with self.progress(opts, opts.count, "starting") as bar:
-            for start in range(0, opts.count, START_BATCH):
-                size = min(START_BATCH, opts.count - start)
-                handles = binding.create_batch([{"params": params} for _ in range(size)], actor="cli")
+            for start in range(0, opts.count, per_batch):
+                size = min(per_batch, opts.count - start)
+                handles = binding.create_batch(
+                    [{"params": params} for _ in range(size)], actor="cli", version=opts.version
+                )
                 ids += [h.id for h in handles]
                 bar.update(size)
         self.emit(opts, {"workflow": opts.workflow, "count": len(ids), "ids": ids},
