@@ -19,8 +19,8 @@ from .helpers import make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# 20,000 keeps the suite quick while the query-shape checks still bite; the figures in the
-# README were measured with WFDASH_SCALE_ROWS=100000.
+# 20,000 keeps the suite quick while the query-shape checks still bite; the figures in
+# docs/performance.md were measured with WFDASH_SCALE_ROWS=100000.
 ROWS = int(os.environ.get("WFDASH_SCALE_ROWS", "20000"))
 STATUSES = ["complete"] * 6 + ["errored", "waiting", "running", "terminated"]
 WORKFLOWS = ["order-approval", "data-pipeline", "trial-reminder"]
