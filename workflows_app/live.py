@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 from channels.layers import InMemoryChannelLayer, get_channel_layer
@@ -90,45 +91,89 @@ def instances_promoted(pks: list[int]) -> None:
         instance_changed("promoted", pk)
 
 
-_sender_loop: asyncio.AbstractEventLoop | None = None
-_sender_queue: asyncio.Queue[tuple[str, dict[str, Any]]] | None = None
+class Sender:
+    """A long-lived loop in its own thread that sends cross-process messages (Redis).
+
+    Callers (views, the client, the engine's loop) hand a message over and return at
+    once. Hints to workers go first: they are what wakes the engine, and a burst of
+    dashboard updates must not delay them. Dashboard updates are sent in order per group,
+    several groups at a time; when more than MAX_UPDATES wait, the oldest are dropped
+    (live updates are lossy by design: a dashboard resyncs from the database).
+    """
+
+    MAX_UPDATES = 10_000
+    PARALLEL_GROUPS = 8
+    CHUNK = 200
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.hints: list[tuple[str, dict[str, Any]]] = []
+        self.updates: deque[tuple[str, dict[str, Any]]] = deque()
+        self.dropped = 0
+        self.wake = asyncio.Event()
+        threading.Thread(target=self.loop.run_forever, name="wfdash-live-sender", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
+
+    def put(self, group: str, message: dict[str, Any]) -> None:
+        """From any thread."""
+        self.loop.call_soon_threadsafe(self._put, group, message)
+
+    def _put(self, group: str, message: dict[str, Any]) -> None:
+        if group == WORKERS_GROUP:
+            self.hints.append((group, message))
+        else:
+            if len(self.updates) >= self.MAX_UPDATES:
+                self.updates.popleft()
+                self.dropped += 1
+            self.updates.append((group, message))
+        self.wake.set()
+
+    async def _drain(self) -> None:
+        semaphore = asyncio.Semaphore(self.PARALLEL_GROUPS)
+
+        async def send_in_order(group: str | None, messages: list[dict[str, Any]]) -> None:
+            async with semaphore:
+                for message in messages:
+                    await self._send(group, message)
+
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.hints or self.updates:
+                if self.hints:
+                    batch, self.hints = self.hints, []
+                    for group, message in _coalesce(batch):
+                        await self._send(group, message)
+                    continue
+                chunk = [self.updates.popleft() for _ in range(min(self.CHUNK, len(self.updates)))]
+                by_group: dict[str | None, list[dict[str, Any]]] = {}
+                for group, message in _coalesce(chunk):
+                    by_group.setdefault(group, []).append(message)
+                await asyncio.gather(*(send_in_order(g, ms) for g, ms in by_group.items()))
+
+    async def _send(self, group: str | None, message: dict[str, Any]) -> None:
+        layer = get_channel_layer()
+        try:
+            if group is None:
+                await layer.send(ENGINE_CHANNEL, message)
+            else:
+                await layer.group_send(group, message)
+        except Exception:  # a lost hint or notification costs latency only
+            log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
+
+
+_sender: Sender | None = None
 _sender_lock = threading.Lock()
 
 
 def _background_send(group: str, message: dict[str, Any]) -> None:
-    """Hand a cross-process message to a long-lived sender loop and return at once.
-
-    Sync callers (views, the client, tests) must not wait for Redis: async_to_sync per
-    message cost tens of milliseconds each. One coroutine sends the queue in order, so a
-    burst (a batch create) uses one connection instead of one per message.
-    """
-    global _sender_loop, _sender_queue
+    """Hand a cross-process message to this process's Sender and return at once."""
+    global _sender
     with _sender_lock:
-        if _sender_loop is None or _sender_loop.is_closed():
-            loop = asyncio.new_event_loop()
-            queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-            threading.Thread(target=loop.run_forever, name="wfdash-live-sender", daemon=True).start()
-            asyncio.run_coroutine_threadsafe(_drain(queue), loop)
-            _sender_loop, _sender_queue = loop, queue
-        loop, queue = _sender_loop, _sender_queue
-    assert queue is not None
-    loop.call_soon_threadsafe(queue.put_nowait, (group, message))
-
-
-async def _drain(queue: asyncio.Queue[tuple[str, dict[str, Any]]]) -> None:
-    while True:
-        batch = [await queue.get()]
-        while not queue.empty():  # whatever piled up while the last burst was sent
-            batch.append(queue.get_nowait())
-        layer = get_channel_layer()
-        for group, message in _coalesce(batch):
-            try:
-                if group is None:
-                    await layer.send(ENGINE_CHANNEL, message)
-                else:
-                    await layer.group_send(group, message)
-            except Exception:  # a lost hint or notification costs latency only
-                log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
+        if _sender is None or _sender.loop.is_closed():
+            _sender = Sender()
+        sender = _sender
+    sender.put(group, message)
 
 
 class EngineHooks:
