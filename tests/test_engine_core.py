@@ -119,6 +119,8 @@ def test_a_step_failing_twice_then_succeeding_completes_with_three_attempts(regi
     assert record.last_error_name == "ConnectionError"
     failures = [h.data for h in inst.history() if h.type == "step.failed"]
     assert [f["attempt"] for f in failures] == [1, 2]
+    scheduled = [h.data for h in inst.history() if h.type == "step.retry_scheduled"]
+    assert [(r["step"], r["delay_ms"]) for r in scheduled] == [("flaky", 1000), ("flaky", 1000)]
 
 
 @pytest.mark.parametrize(

@@ -203,11 +203,13 @@ def test_list_pages_with_a_cursor_and_filters(waiter):
         waiter.create(id=f"p{n}")
     first = waiter.list(limit=2)
     assert [i.id for i in first.instances] == ["p4", "p3"]
+    waiter.create(id="p5")  # created between pages: the next page neither repeats nor skips
     second = waiter.list(limit=2, cursor=first.cursor)
     assert [i.id for i in second.instances] == ["p2", "p1"]
     third = waiter.list(limit=2, cursor=second.cursor)
     assert [i.id for i in third.instances] == ["p0"] and third.cursor is None
     assert waiter.list(status="complete").instances == []
+    assert len(waiter.list(version=1).instances) == 6 and waiter.list(version=2).instances == []
     with pytest.raises(InvalidInput, match="unknown status"):
         waiter.list(status="bogus")
     with pytest.raises(InvalidInput, match="invalid cursor"):
