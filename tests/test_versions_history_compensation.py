@@ -181,16 +181,22 @@ def test_pending_events_list_waits_with_their_schema(registered):
     assert pending.timeout_at is not None
 
 
-def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(registered):
-    @register("typed-late")
-    class TypedLate(WorkflowEntrypoint):
+def typed_approval():
+    """A workflow whose one wait takes only `approve` events with an `ok` field."""
+
+    @register("typed-approval")
+    class TypedApproval(WorkflowEntrypoint):
         async def run(self, event, step):
             got = await step.wait_for_event(
                 "approval", type="approve", timeout="2 hours", schema={"type": "object", "required": ["ok"]}
             )
             return got.payload
 
-    inst = get_workflow("typed-late").create()
+    return get_workflow("typed-approval")
+
+
+def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(registered):
+    inst = typed_approval().create()
     inst.send_event("approve", {"nope": 1})  # sent before the wait: buffered unvalidated
     inst.send_event("approve", {"ok": True, "n": 2})
     testing.run_until_idle()
@@ -200,15 +206,7 @@ def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(regist
 
 
 def test_a_buffered_event_refused_by_a_typed_wait_does_not_wake_the_instance_again(registered):
-    @register("typed-refused")
-    class TypedRefused(WorkflowEntrypoint):
-        async def run(self, event, step):
-            got = await step.wait_for_event(
-                "approval", type="approve", timeout="2 hours", schema={"type": "object", "required": ["ok"]}
-            )
-            return got.payload
-
-    inst = get_workflow("typed-refused").create()
+    inst = typed_approval().create()
     inst.send_event("approve", {"nope": 1})  # buffered before the wait; the wait passes it over
     assert testing.run_until_idle() == 1  # parked once, not claimed again and again
     row = inst.row()
