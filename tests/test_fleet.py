@@ -12,6 +12,7 @@ from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
+from wfdash.settings import redis_channel_layer
 from workflows_app.client import get_workflow
 from workflows_app.engine import store
 from workflows_app.engine.store import History, LeaseLost
@@ -95,14 +96,17 @@ needs_redis = pytest.mark.skipif(
 
 @needs_redis
 def test_an_event_sent_from_one_process_wakes_an_instance_parked_by_another(workers, settings):
-    from channels.layers import channel_layers
+    from channels.layers import channel_layers, get_channel_layer
 
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}}
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
     channel_layers.backends.clear()
     try:
         (worker,) = workers(1, REDIS_URL=redis_url, WFDASH_POLL_SECONDS="60")  # only a hint can wake it in time
         inst = get_workflow("fleet-waiter").create()
         wait_until(lambda: inst.status().status == "waiting", 30, "the worker to park the instance")
+        # Stay idle past the channel layer's blocking pop (5 s): the worker's listener must
+        # still be receiving then (with redis-py 8's default read timeout it had died).
+        time.sleep(get_channel_layer().brpop_timeout + 1)
         sent = time.monotonic()
         inst.send_event("go", {"from": os.getpid()})
         wait_until(lambda: inst.status().status == "complete", 10, "the hinted worker to finish the instance")

@@ -9,6 +9,7 @@ from channels.layers import channel_layers
 
 from tests.dashboard.test_consumers import connect, receive_until, staff_cookie
 from tests.test_fleet import needs_redis, redis_url
+from wfdash.settings import redis_channel_layer
 from workflows_app.client import get_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -16,9 +17,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @needs_redis
 async def test_steps_run_by_a_worker_process_are_streamed_to_a_dashboard_socket(workers, settings):
-    settings.CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url]}}
-    }
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
     channel_layers.backends.clear()
     try:
         inst = await get_workflow("fleet-waiter").acreate(id="live-1")

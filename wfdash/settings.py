@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 
@@ -92,14 +93,25 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 else:
     DATABASES["default"].setdefault("OPTIONS", {})
 
+
+def redis_channel_layer(url: str) -> dict[str, Any]:
+    """The Redis channel layer wfdash uses between processes (daphne, workers)."""
+    return {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            # redis-py 8 reads with a 5 s socket timeout by default, the same as the
+            # layer's blocking BZPOPMIN: an idle receive() then raised TimeoutError,
+            # closing dashboard sockets and killing workers' hint listeners.
+            "hosts": [{"address": url, "socket_timeout": 30, "socket_connect_timeout": 5}],
+            "capacity": 1000,
+            "expiry": 30,
+        },
+    }
+
+
 REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
-    CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
-        }
-    }
+    CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

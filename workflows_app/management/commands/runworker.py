@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
@@ -22,6 +23,7 @@ from workflows_app.live import EngineHooks, join_workers_group
 
 log = logging.getLogger("workflows_app.engine")
 ENGINE_CHANNEL = "workflows"
+LISTEN_RETRY_SECONDS = 1.0
 
 
 class EngineChannelsWorker(ChannelsWorker):
@@ -37,8 +39,8 @@ class EngineChannelsWorker(ChannelsWorker):
         # A private channel in the workers' group, so broadcast hints (terminate) reach us.
         private = await self.channel_layer.new_channel()
         await join_workers_group(private)
-        listeners = [asyncio.ensure_future(self.listener(c)) for c in self.channels]
-        listeners.append(asyncio.ensure_future(self.hints(private)))
+        listeners = [asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels]
+        listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
         log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
         try:
             await engine.serve(stop)
@@ -46,6 +48,18 @@ class EngineChannelsWorker(ChannelsWorker):
             for listener in listeners:
                 listener.cancel()
 
+
+    async def keep_listening(self, listen: Callable[[str], Awaitable[None]], channel: str) -> None:
+        """A channel-layer error (Redis restarting, a read timeout) must not silence the
+        worker for good: the engine would still poll, but hints would be lost until restart."""
+        while True:
+            try:
+                await listen(channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("wfdash worker: receiving on %s failed; listening again", channel, exc_info=True)
+                await asyncio.sleep(LISTEN_RETRY_SECONDS)
 
     async def hints(self, channel: str) -> None:
         while True:
