@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from tests.workers import WorkerProcess
+
 
 def instance_summary() -> str:
     """What the instances look like now: counts by workflow, status and lease holder."""
@@ -23,5 +25,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}; instances: {instance_summary()}")
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what}; instances: {instance_summary()}; "
+                + ("; ".join(w.describe() for w in WorkerProcess.live) or "no worker processes")
+            )
         time.sleep(interval)

@@ -7,13 +7,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOT = (
+    # SIGUSR1 dumps every thread's stack to the log: what a stuck worker was doing.
+    "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
     "import django; django.setup(); import tests.fleet_workflows; "
     "from django.core.management import call_command; call_command('runworker', 'workflows')"
 )
@@ -30,6 +34,9 @@ def database_url() -> str:
 
 
 class WorkerProcess:
+    # The workers not yet stopped, for the failure message of a multi-process test.
+    live: ClassVar[list[WorkerProcess]] = []
+
     def __init__(self, env: dict[str, str] | None = None, **settings: Any) -> None:
         full_env = {
             **os.environ,
@@ -46,6 +53,8 @@ class WorkerProcess:
             [sys.executable, "-c", BOOT], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log, text=True
         )
 
+        WorkerProcess.live.append(self)
+
     @property
     def pid(self) -> int:
         return self.process.pid
@@ -58,8 +67,28 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
 
+    def describe(self) -> str:
+        """One line: alive (and where its threads are) or its exit code, how many
+        tracebacks it logged, its last line. For the failure message of a test."""
+        self.log.seek(0, os.SEEK_END)
+        before = self.log.tell()
+        alive = self.process.poll() is None
+        if alive:
+            os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(0.5)  # failure path only: let faulthandler write the dump
+        self.log.seek(0)
+        text = self.log.read()
+        logged, dump = text[:before], text[before:]
+        lines = [line for line in logged.splitlines() if line.strip()]
+        state = f"alive, threads: {thread_summary(dump)}" if alive else f"exit {self.process.returncode}"
+        tracebacks = logged.count("Traceback (most recent call last)")
+        last = lines[-1][:200] if lines else ""
+        return f"worker {self.pid} {state}; {tracebacks} tracebacks, last line: {last!r}"
+
     def stop(self) -> str:
         """Kill if still running; returns what the worker logged."""
+        if self in WorkerProcess.live:
+            WorkerProcess.live.remove(self)
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(10)
@@ -67,3 +96,34 @@ class WorkerProcess:
         output = self.log.read()
         self.log.close()
         return output
+
+
+def thread_summary(dump: str) -> str:
+    """A faulthandler dump folded to one line: per thread its innermost frame and the
+    innermost frame of wfdash's own code, counted."""
+    threads: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append([])
+        elif line.startswith("  File") and threads:
+            threads[-1].append(_short(line))
+    counts: Counter[str] = Counter()
+    for frames in threads:
+        own = next((f for f in frames if f.startswith(OWN_CODE)), "")
+        if frames:
+            counts[frames[0] + (f" < {own}" if own and own != frames[0] else "")] += 1
+    return "; ".join(f"{n}x {where}" for where, n in counts.most_common()) or "no dump"
+
+
+OWN_CODE = ("workflows_app/", "tests/")
+
+
+def _short(frame: str) -> str:
+    """'  File "/x/workflows_app/engine/step.py", line 12 in do' -> 'workflows_app/engine/step.py:12 do'"""
+    try:
+        _, path, rest = frame.split('"', 2)
+        line, func = rest.split("line ", 1)[1].split(" in ", 1)
+    except ValueError:
+        return frame.strip()
+    relative = path.split(str(ROOT) + "/", 1)[-1] if path.startswith(str(ROOT)) else Path(path).name
+    return f"{relative}:{line} {func}"
