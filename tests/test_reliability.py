@@ -199,6 +199,47 @@ def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_fro
     assert_history_gap_free("rel-race")
 
 
+def test_a_lease_the_database_refused_to_take_back_is_given_back_at_the_next_turn():
+    """A release can fail like any write (the database is out of connections): the
+    instance must not stay leased to a worker that no longer runs it until the lease
+    runs out."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-race").create(id="unreleased")
+    faults.configure("after_checkpoint=raise@1,before_release=raise@1")
+    try:
+        testing.run_until_idle()  # the lease comes back at the next turn, not in 30 s
+    finally:
+        faults.configure("")
+    status = inst.status()
+    assert status.status == "complete", status
+    assert executions("unreleased") == {("unreleased", f"step {i}"): 1 for i in range(3)}
+    assert_one_checkpoint_per_step("rel-race", 3, 1)
+
+
+def test_a_step_thread_gives_its_connection_back_after_each_step():
+    """One thread per concurrent run: were each to keep its connection, a few workers
+    would exhaust PostgreSQL's max_connections. Like a request, a step closes it."""
+    from django.db import connection as thread_connection
+
+    from workflows_app.engine.worker import ConnectionThreads
+
+    def query_then_report() -> bool:
+        with thread_connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return thread_connection.connection is not None
+
+    def still_connected() -> bool:
+        return thread_connection.connection is not None
+
+    for per_call, kept in ((True, False), (False, True)):
+        threads = ConnectionThreads(1, "test-step", per_call=per_call)
+        try:
+            assert threads.submit(query_then_report).result() is True  # open while the step runs
+            assert threads.submit(still_connected).result() is kept
+        finally:
+            threads.close()
+
+
 def test_a_write_refused_by_sqlite_s_writer_lock_is_retried_and_lands_once():
     if connection.vendor != "sqlite":
         pytest.skip("SQLite only: its writer lock refuses a BEGIN IMMEDIATE definitely")

@@ -5,7 +5,8 @@
     WFDASH_FAULTS="after_claim=sleep:5,after_checkpoint=kill@3"   # @N: only the N-th time
 
 Points: after_claim (instances leased, before their runs), after_side_effect (a step's
-callable returned, before its checkpoint), after_checkpoint (a checkpoint committed).
+callable returned, before its checkpoint), after_checkpoint (a checkpoint committed),
+before_release (a worker gives back the leases of runs cut short).
 Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
 thread's database connection), raise (an OperationalError).
 Unused, a fault point costs one dictionary lookup.

@@ -443,9 +443,16 @@ def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
 
 
 @retry_while_locked
-def release(pk: int, token: str) -> None:
-    """Give the lease back without changing status (shutdown, or a run that was cut short)."""
-    Instance.objects.filter(id=pk, lease_token=token).update(lease_token=None, lease_owner="", lease_expires_at=None)
+@retry_while_locked
+def release(leases: Sequence[tuple[int, str]]) -> None:
+    """Give leases back without changing status (shutdown, or runs that were cut short);
+    fenced by token: a lease that moved on is left alone."""
+    faults.hit("before_release")
+    with transaction.atomic():
+        for pk, token in leases:
+            Instance.objects.filter(id=pk, lease_token=token).update(
+                lease_token=None, lease_owner="", lease_expires_at=None
+            )
 
 
 def next_wake_at() -> datetime | None:

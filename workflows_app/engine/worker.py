@@ -57,8 +57,12 @@ class ConnectionThreads:
     closes its own when its call returns.
     """
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, per_call: bool = False) -> None:
         self.threads = threads
+        # Step threads are many (one per concurrent run): like a request, each call ends by
+        # closing its connections unless CONN_MAX_AGE keeps them, so a worker holds as many
+        # connections as steps are using the database now, not one per thread ever used.
+        self.per_call = per_call
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._busy: set[int] = set()
@@ -77,6 +81,9 @@ class ConnectionThreads:
             raise
         finally:
             _close_broken(connections.all(initialized_only=True))
+            if self.per_call:
+                for conn in connections.all(initialized_only=True):
+                    conn.close_if_unusable_or_obsolete()
             opened = list(connections.all(initialized_only=True))
             with self._lock:
                 self._busy.discard(ident)
@@ -205,6 +212,7 @@ class Worker:
         self.runs: dict[int, Run] = {}
         self.tasks: dict[int, asyncio.Task[str]] = {}
         self.tokens: dict[int, str] = {}
+        self.unreleased: dict[int, str] = {}  # leases of runs cut short, not yet given back
         self.runs_started = 0
         self._last_flush = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,7 +231,7 @@ class Worker:
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         if engine_settings().get("GROUP_COMMIT", connection.vendor == "sqlite"):
             self.group_commit = GroupCommit(self.db)
-        self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step")
+        self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step", per_call=True)
         try:
             for attempt in range(STARTUP_ATTEMPTS):
                 try:
@@ -268,6 +276,7 @@ class Worker:
             _local_workers.discard(self)
         if self._unsubscribe_clock:
             self._unsubscribe_clock()
+        await self.release_pending()
         await self.flush_hooks(force=True)
         await self._close_threads()
 
@@ -398,11 +407,26 @@ class Worker:
             return "aborted"
 
     async def _release(self, pk: int, token: str) -> None:
+        self.unreleased[pk] = token
+        await self.release_pending()
+
+    async def release_pending(self) -> None:
+        """Give back the leases of runs cut short. When the database refuses (it is down,
+        or out of connections) they are tried again at every turn of the serve loop: an
+        instance must not sit leased to a worker that no longer runs it until the lease
+        runs out."""
+        if not self.unreleased:
+            return
         assert self.db is not None
+        leases = list(self.unreleased.items())
         try:
-            await self.db(store.release, pk, token)
+            await self.db(store.release, leases)
         except Exception:
-            log.exception("could not release instance #%s; it is claimable when its lease runs out", pk)
+            log.warning("worker %s: could not release %s leases; will retry", self.worker_id, len(leases), exc_info=True)
+            return
+        for pk, token in leases:
+            if self.unreleased.get(pk) == token:
+                del self.unreleased[pk]
 
     # --- loops --------------------------------------------------------------------------
 
@@ -415,6 +439,7 @@ class Worker:
                 assert self._wake is not None and self.db is not None
                 self._wake.clear()
                 try:
+                    await self.release_pending()
                     started = await self.claim_and_start()
                     if started and len(self.tasks) < self.concurrency:
                         continue
@@ -451,6 +476,7 @@ class Worker:
         async def drain() -> None:
             nonlocal runs
             while True:
+                await self.release_pending()
                 runs += await self.claim_and_start()
                 if not self.tasks:
                     await self.flush_hooks(force=True)
