@@ -175,6 +175,7 @@ def test_a_token_whose_user_lacks_the_change_permission_may_read_but_not_write()
     assert refused(lambda: reader.post(base(), {"id": "new"}))[0] == 403
     assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True}))[0] == 403
     assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/cancel"))[0] == 403
+    assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/skip-sleep"))[0] == 403
 
 
 def test_a_token_whose_user_has_the_change_permission_acts_under_the_token_name():
@@ -390,6 +391,23 @@ def test_cancel_compensates_by_default_and_not_when_told(service):
         "terminated")
     assert COMPENSATIONS == [{"amount": 4}]
     assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/cancel"))[:2] == (409, "InvalidTransition")
+
+
+def test_skip_sleep_ends_the_current_sleep_and_is_refused_when_nothing_sleeps(service):
+    handle = waiting_approval("o-1", amount=3)
+    path = base(APPROVAL, "o-1") + "/skip-sleep"
+    assert refused(lambda: service.post(path))[:2] == (409, "InvalidTransition")  # waits for an event
+    service.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True})
+    testing.run_until_idle()
+    assert handle.status().status == "waiting"  # now in its 1-hour cool-off
+    assert refused(lambda: service.post(path, {"now": True}))[:2] == (400, "InvalidInput")
+    result = service.post(path).json()["result"]
+    assert result == {"id": "o-1", "workflow": APPROVAL, "status": "waiting", "skipped": 1}
+    testing.run_until_idle()
+    assert handle.status().status == "complete" and handle.status().output == {"charged": 3, "ok": True}
+    skipped = HistoryRecord.objects.get(instance__instance_id="o-1", type="sleep.skipped")
+    assert skipped.actor == "service"
+    assert refused(lambda: service.post(base(APPROVAL, "nobody") + "/skip-sleep"))[0] == 404
 
 
 def test_cancel_refuses_a_non_boolean_compensate(service):

@@ -250,6 +250,13 @@ def cancel(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok(state(handle))
 
 
+def skip_sleep(call: Call, name: str, instance_id: str) -> JsonResponse:
+    call.object_body(set())  # no options: an empty body or {}
+    handle = instance(name, instance_id)
+    skipped = handle.skip_sleep(actor=call.actor)
+    return ok({**state(handle), "skipped": skipped})
+
+
 def state(handle: InstanceHandle) -> dict[str, Any]:
     return {"id": handle.id, "workflow": handle.workflow, "status": handle.status().status}
 
@@ -271,3 +278,4 @@ history = endpoint(GET=get_history)
 status = endpoint(PATCH=change_status)
 events = endpoint(POST=send_event)
 cancel_view = endpoint(POST=cancel)
+skip_sleep_view = endpoint(POST=skip_sleep)

@@ -19,4 +19,5 @@ urlpatterns = [
     path(f"{INSTANCE}/status", api.status, name="status"),
     path(f"{INSTANCE}/events/<str:event_type>", api.events, name="event"),
     path(f"{INSTANCE}/cancel", api.cancel_view, name="cancel"),
+    path(f"{INSTANCE}/skip-sleep", api.skip_sleep_view, name="skip-sleep"),
 ]

@@ -118,6 +118,8 @@ SCHEMAS: dict[str, Any] = {
     }, required=["status"]),
     "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
     "EventSent": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}),
+    "SleepSkipped": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status"),
+                         "skipped": {"type": "integer", "minimum": 1, "description": "sleeps made due now"}}),
 }
 
 
@@ -224,6 +226,17 @@ def document() -> dict[str, Any]:
                                     "content": {"application/json": {"schema": ref("Cancel")}}},
                     "responses": responses(json_body(success(ref("InstanceState")),
                                                      "compensating or terminated"), "400", "403", "404", "409", "413"),
+                },
+            },
+            instance_path + "/skip-sleep": {
+                "parameters": [WORKFLOW, INSTANCE],
+                "post": {
+                    "summary": "End the instance's current sleeps now (the steps after them run)",
+                    "operationId": "skipSleep", "description": WRITE,
+                    "requestBody": {"required": False, "description": "no options: empty or {}",
+                                    "content": {"application/json": {"schema": obj({}, required=[])}}},
+                    "responses": responses(json_body(success(ref("SleepSkipped")), "the sleeps are due now"),
+                                           "400", "403", "404", "409", "413"),
                 },
             },
         },
