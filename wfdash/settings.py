@@ -97,7 +97,7 @@ else:
 def redis_channel_layer(url: str) -> dict[str, Any]:
     """The Redis channel layer wfdash uses between processes (daphne, workers)."""
     return {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "wfdash.redis_layer.RedisChannelLayer",
         "CONFIG": {
             # redis-py 8 reads with a 5 s socket timeout by default, the same as the
             # layer's blocking BZPOPMIN: an idle receive() then raised TimeoutError,

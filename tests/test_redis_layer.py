@@ -1,0 +1,56 @@
+"""The Redis channel layer wfdash configures: receives that wait past the blocking pop,
+and receives that stop when cancelled (real Redis; skipped locally without one)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from channels.layers import channel_layers, get_channel_layer
+
+from tests.test_fleet import needs_redis, redis_url
+from wfdash.settings import redis_channel_layer
+
+
+@pytest.fixture
+def redis_layer(settings):
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
+    channel_layers.backends.clear()
+    yield get_channel_layer()
+    channel_layers.backends.clear()
+
+
+@needs_redis
+async def test_a_cancelled_receive_stops_and_loses_no_message(redis_layer):
+    # redis-py swallows a cancellation landing mid-BZPOPMIN; channels_redis then popped
+    # again for ever (a closed socket's consumer never ended). Cancel at many points.
+    channel = await redis_layer.new_channel()
+    swallowed = 0
+    for n in range(400):
+        receive = asyncio.ensure_future(redis_layer.receive(channel))
+        await asyncio.sleep((n % 30) * 0.0005)
+        receive.cancel()
+        cancelled_at = time.monotonic()
+        done, _ = await asyncio.wait([receive], timeout=redis_layer.brpop_timeout + 5)
+        assert done, f"receive #{n} went on after it was cancelled"
+        if time.monotonic() - cancelled_at > 0.5:  # the cancel landed mid-pop: the case at issue
+            swallowed += 1
+            if swallowed == 3:
+                break
+    await redis_layer.send(channel, {"type": "after.cancels", "n": 1})
+    assert await asyncio.wait_for(redis_layer.receive(channel), 5) == {"type": "after.cancels", "n": 1}
+
+
+@needs_redis
+async def test_an_idle_receive_outlasts_the_blocking_pop(redis_layer):
+    # With redis-py 8's default 5 s read timeout, equal to the pop's, this raised TimeoutError.
+    channel = await redis_layer.new_channel()
+
+    async def send_later() -> None:
+        await asyncio.sleep(redis_layer.brpop_timeout + 1)
+        await redis_layer.send(channel, {"type": "late"})
+
+    sender = asyncio.ensure_future(send_later())
+    assert await asyncio.wait_for(redis_layer.receive(channel), redis_layer.brpop_timeout + 10) == {"type": "late"}
+    await sender
