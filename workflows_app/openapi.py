@@ -127,6 +127,21 @@ def failure(description: str) -> dict[str, Any]:
     return json_body(ref("Failure"), description)
 
 
+def instance_action(
+    summary: str, operation_id: str, options: dict[str, Any], options_note: str, result: str, result_note: str
+) -> dict[str, Any]:
+    """A POST on an instance with an optional JSON object of options."""
+    return {
+        "parameters": [WORKFLOW, INSTANCE],
+        "post": {
+            "summary": summary, "operationId": operation_id, "description": WRITE,
+            "requestBody": {"required": False, "description": options_note,
+                            "content": {"application/json": {"schema": options}}},
+            "responses": responses(json_body(success(ref(result)), result_note), "400", "403", "404", "409", "413"),
+        },
+    }
+
+
 def document() -> dict[str, Any]:
     instance_path = "/api/workflows/{name}/instances/{instance_id}"
     return {
@@ -217,28 +232,12 @@ def document() -> dict[str, Any]:
                                            "400", "403", "404", "409", "413"),
                 },
             },
-            instance_path + "/cancel": {
-                "parameters": [WORKFLOW, INSTANCE],
-                "post": {
-                    "summary": "Cancel, compensating completed steps first (unless compensate is false)",
-                    "operationId": "cancelInstance", "description": WRITE,
-                    "requestBody": {"required": False, "description": "options",
-                                    "content": {"application/json": {"schema": ref("Cancel")}}},
-                    "responses": responses(json_body(success(ref("InstanceState")),
-                                                     "compensating or terminated"), "400", "403", "404", "409", "413"),
-                },
-            },
-            instance_path + "/skip-sleep": {
-                "parameters": [WORKFLOW, INSTANCE],
-                "post": {
-                    "summary": "End the instance's current sleeps now (the steps after them run)",
-                    "operationId": "skipSleep", "description": WRITE,
-                    "requestBody": {"required": False, "description": "no options: empty or {}",
-                                    "content": {"application/json": {"schema": obj({}, required=[])}}},
-                    "responses": responses(json_body(success(ref("SleepSkipped")), "the sleeps are due now"),
-                                           "400", "403", "404", "409", "413"),
-                },
-            },
+            instance_path + "/cancel": instance_action(
+                "Cancel, compensating completed steps first (unless compensate is false)", "cancelInstance",
+                ref("Cancel"), "options", "InstanceState", "compensating or terminated"),
+            instance_path + "/skip-sleep": instance_action(
+                "End the instance's current sleeps now (the steps after them run)", "skipSleep",
+                obj({}, required=[]), "no options: empty or {}", "SleepSkipped", "the sleeps are due now"),
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
