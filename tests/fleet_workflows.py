@@ -122,6 +122,34 @@ class RelCheckpoint(WorkflowEntrypoint):
         return got.payload
 
 
+def reserve_step() -> dict:
+    ctx = current_step()
+    return {"instance": ctx.instance_id, "step": ctx.step_name}
+
+
+def undo_in_ledger(output: dict) -> str:
+    """A compensation; with FLEET_DIE_IN_COMPENSATION=1 the process dies as it begins
+    undoing step "a" (after "b" was undone: compensations run newest first)."""
+    if output["step"] == "a" and os.environ.get("FLEET_DIE_IN_COMPENSATION") == "1":
+        os._exit(137)
+    now = time.time()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_ledger (instance_id, step, pid, started, ended) VALUES (%s, %s, %s, %s, %s)",
+            [output["instance"], f"undo {output['step']}", os.getpid(), now, now],
+        )
+    return f"undid {output['step']}"
+
+
+@register("rel-compensate")
+class RelCompensate(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.do("a", reserve_step, compensate=undo_in_ledger)
+        await step.do("b", reserve_step, compensate=undo_in_ledger)
+        await step.wait_for_event("wait", type="go", timeout="1 hour")
+        return "done"
+
+
 @register("rel-collector")
 class RelCollector(WorkflowEntrypoint):
     """Ten waits of one type in program order, collecting the payloads."""

@@ -311,6 +311,30 @@ def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exit
     print(f"\npg_terminate_backend: {size} instances, {rounds} rounds, {terminated} backends cut, {reruns} steps re-ran")
 
 
+# --- a worker killed while it compensates ------------------------------------------------
+
+
+def test_a_worker_killed_mid_compensation_is_taken_over_and_each_undo_runs_once(workers):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-compensate").create(id="comp")
+    (doomed,) = workers(1, FLEET_DIE_IN_COMPENSATION="1", WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "waiting", 30, "the worker to run both steps and park")
+    assert inst.cancel(compensate=True) == "compensating"
+    wait_until(lambda: doomed.process.poll() is not None, 30, "the worker to die undoing step a")
+    assert doomed.process.returncode == 137
+    assert inst.status().status == "compensating"  # b undone and checkpointed, a not yet
+    expire_leases_of(doomed.pid)
+    (heir,) = workers(1, WFDASH_POLL_SECONDS="0.2")
+    wait_until(lambda: inst.status().status == "terminated", 30, "the new worker to finish compensating")
+    undone = {step: pid for instance_id, step, pid, *_ in fleet_workflows.ledger_rows() if instance_id == "comp"}
+    assert undone == {"undo b": doomed.pid, "undo a": heir.pid}  # each once: b was not undone again
+    assert executions("comp") == {("comp", "undo b"): 1, ("comp", "undo a"): 1}
+    types = [h.type for h in inst.history()]
+    assert types.count("compensation.started") == 1
+    assert types[-2:] == ["compensation.completed", "instance.cancelled"]
+    assert_history_gap_free("rel-compensate")
+
+
 # --- 4. no instance runs in two places at once -------------------------------------------
 
 

@@ -137,6 +137,19 @@ def test_concurrent_creates_with_one_idempotency_key_give_one_instance(registere
     assert wf.create(idempotency_key="order-42").id == results[0]
 
 
+def test_an_idempotency_key_is_scoped_to_its_workflow_version(registered):
+    define_v1()
+    first = get_workflow("versioned").create(idempotency_key="order-7")
+    define_v2()
+    wf = get_workflow("versioned")
+    under_v2 = wf.create(idempotency_key="order-7")  # the newest version: a new instance
+    assert under_v2.id != first.id
+    assert (first.row().version, under_v2.row().version) == (1, 2)
+    assert wf.create(idempotency_key="order-7", version=1).id == first.id
+    assert wf.create(idempotency_key="order-7").id == under_v2.id
+    assert Instance.objects.filter(workflow="versioned", idempotency_key="order-7").count() == 2
+
+
 def test_history_records_every_kind_of_event_with_actors(registered):
     @register("audited")
     class Audited(WorkflowEntrypoint):
