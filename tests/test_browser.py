@@ -155,6 +155,8 @@ def page(browser: Browser, server: LiveServer) -> Iterator[Page]:
     context = browser.new_context(base_url=server.url, viewport={"width": 1360, "height": 900})
     context.set_default_timeout(UI_TIMEOUT_MS)
     page = context.new_page()
+    refused: list[str] = []  # anything the page's Content-Security-Policy blocked
+    page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
     page.goto("/admin/login/?next=/")
     page.fill("#id_username", "admin")
     page.fill("#id_password", "admin")
@@ -162,6 +164,7 @@ def page(browser: Browser, server: LiveServer) -> Iterator[Page]:
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")
     yield page
     context.close()
+    assert refused == [], f"the dashboard broke its own Content-Security-Policy: {refused[:3]}"
 
 
 def create_from_form(page: Page, workflow: str, instance_id: str, params: str) -> None:

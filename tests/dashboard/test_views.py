@@ -525,3 +525,14 @@ def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, app
     assert not listed(
         created_from=before_it, created_to=after_it, tz=0
     )  # read as UTC it is 2 h off
+
+
+def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(operator_client, approval_workflow):
+    get_workflow(approval_workflow).create(id="csp-1")
+    for name in ("workflows:overview", "workflows:instances"):
+        policy = operator_client.get(reverse(name))["Content-Security-Policy"]
+        directives = dict(part.strip().split(" ", 1) for part in policy.split(";"))
+        assert directives["script-src"] == "'self'"  # no inline script, no eval
+        assert directives["default-src"] == "'self'" and directives["frame-ancestors"] == "'none'"
+    # The admin is served as Django ships it.
+    assert "Content-Security-Policy" not in operator_client.get("/admin/login/")
