@@ -443,7 +443,6 @@ def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
 
 
 @retry_while_locked
-@retry_while_locked
 def release(leases: Sequence[tuple[int, str]]) -> None:
     """Give leases back without changing status (shutdown, or runs that were cut short);
     fenced by token: a lease that moved on is left alone."""
