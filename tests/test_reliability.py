@@ -231,6 +231,31 @@ def test_a_step_thread_gives_its_connection_back_after_each_step():
             threads.close()
 
 
+def test_on_postgresql_fifty_concurrent_steps_share_the_process_s_bounded_pool():
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: the pool is psycopg's")
+    from django.conf import settings
+    from django.db import connection as thread_connection
+
+    from workflows_app.engine.worker import ConnectionThreads
+
+    pool_size = settings.DATABASES["default"]["OPTIONS"]["pool"]["max_size"]
+
+    def step_using_the_database() -> int:
+        with thread_connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid() FROM pg_sleep(0.02)")
+            return cursor.fetchone()[0]
+
+    threads = ConnectionThreads(50, "test-step", per_call=True)
+    try:
+        backends = {f.result() for f in [threads.submit(step_using_the_database) for _ in range(200)]}
+    finally:
+        threads.close()
+    # 50 threads, yet no more server connections than the pool holds (this test's own
+    # connection comes from the same pool).
+    assert 1 < len(backends) <= pool_size
+
+
 def test_a_write_refused_by_sqlite_s_writer_lock_is_retried_and_lands_once():
     if connection.vendor != "sqlite":
         pytest.skip("SQLite only: its writer lock refuses a BEGIN IMMEDIATE definitely")

@@ -114,6 +114,16 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
 else:
     DATABASES["default"].setdefault("OPTIONS", {})
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and env_bool("WFDASH_DB_POOL", True):
+        # psycopg's pool (Django's "pool" option): each process holds at most this many
+        # connections, and a step that uses the database borrows one for its duration
+        # instead of opening its own (3.4 ms per step on this machine) or keeping one per
+        # worker thread (4 workers x 50 threads exceeded max_connections = 100).
+        DATABASES["default"]["OPTIONS"]["pool"] = {
+            "min_size": 2,
+            "max_size": int(os.environ.get("WFDASH_DB_POOL_SIZE", "16")),
+            "timeout": 30,  # seconds a thread waits for a free connection before an error
+        }
 
 
 def redis_channel_layer(url: str) -> dict[str, Any]:
