@@ -91,7 +91,7 @@ class ServingWorker:
             raise RuntimeError(f"serving worker did not start: {self.error!r}")
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.loop is not None and self.stop_event is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.stop_event.set)
         self.thread.join(60)

@@ -112,7 +112,7 @@ class QueryCounter:
         connection_created.connect(self._install)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         connection_created.disconnect(self._install)
 
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -42,7 +42,7 @@ def test_it_refuses_anything_else_naming_the_value(value):
 
 
 def test_sleep_until_takes_aware_datetimes_and_epoch_milliseconds():
-    instant = datetime(2027, 1, 1, tzinfo=timezone.utc)
+    instant = datetime(2027, 1, 1, tzinfo=UTC)
     assert parse_instant(instant) == instant
     assert parse_instant(int(instant.timestamp() * 1000)) == instant
     with pytest.raises(InvalidDuration, match="timezone-aware"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -231,21 +231,21 @@ def test_sleep_parks_the_instance_until_the_clock_reaches_its_end(registered):
 
 
 def test_sleep_until_parks_until_the_instant_and_replays_the_stored_wake_time(registered):
-    start = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    start = datetime(2026, 12, 1, tzinfo=UTC)
 
     @register("until")
     class Until(WorkflowEntrypoint):
         async def run(self, event, step):
-            await step.sleep_until("launch", datetime(2027, 1, 1, tzinfo=timezone.utc))
+            await step.sleep_until("launch", datetime(2027, 1, 1, tzinfo=UTC))
             return "launched"
 
     with testing.fake_clock(start) as clock:
         inst = get_workflow("until").create()
         testing.run_until_idle()
-        assert inst.steps()[0].wake_at == datetime(2027, 1, 1, tzinfo=timezone.utc)
-        clock.set(datetime(2026, 12, 31, 23, 59, tzinfo=timezone.utc))
+        assert inst.steps()[0].wake_at == datetime(2027, 1, 1, tzinfo=UTC)
+        clock.set(datetime(2026, 12, 31, 23, 59, tzinfo=UTC))
         assert testing.run_until_idle() == 0
-        clock.set(datetime(2027, 1, 1, tzinfo=timezone.utc))
+        clock.set(datetime(2027, 1, 1, tzinfo=UTC))
         testing.run_until_idle()
     assert inst.status().output == "launched"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -15,7 +15,7 @@ from workflows_app.models import HistoryRecord, InboxEvent, Instance, Status, St
 
 pytestmark = pytest.mark.django_db(transaction=True)
 calls: Counter[str] = Counter()
-START = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
+START = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture(autouse=True)

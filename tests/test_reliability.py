@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -81,7 +81,7 @@ def lease_holders(pid: int) -> set[str]:
 
 def expire_leases_of(pid: int) -> None:
     """A SIGKILLed worker's leases: expire them now rather than wait for them to run out."""
-    Instance.objects.filter(lease_owner__contains=f":{pid}:").update(lease_expires_at=datetime(2000, 1, 1, tzinfo=timezone.utc))
+    Instance.objects.filter(lease_owner__contains=f":{pid}:").update(lease_expires_at=datetime(2000, 1, 1, tzinfo=UTC))
 
 
 # --- 1. kill -9 at seeded points ---------------------------------------------------------

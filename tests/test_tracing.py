@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from workflows_app.engine import WorkflowEntrypoint, current_step, register, sto
 from workflows_app.models import ErrorRecord, Span
 
 pytestmark = pytest.mark.django_db(transaction=True)
-START = datetime(2026, 3, 1, tzinfo=timezone.utc)
+START = datetime(2026, 3, 1, tzinfo=UTC)
 _exporter = InMemorySpanExporter()
 tracing.add_processor(SimpleSpanProcessor(_exporter))
 

@@ -10,13 +10,13 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
 
-from workflows_app.consumers import EngineConsumer  # noqa: E402
-from workflows_app.embedded import start_embedded_worker  # noqa: E402
-from workflows_app.routing import websocket_urlpatterns  # noqa: E402
+from workflows_app.consumers import EngineConsumer
+from workflows_app.embedded import start_embedded_worker
+from workflows_app.routing import websocket_urlpatterns
 
 router = ProtocolTypeRouter(
     {

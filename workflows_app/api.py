@@ -190,9 +190,8 @@ def create_instance(call: Call, name: str) -> JsonResponse:
     if len(set(map(repr, ids.values()))) > 1:
         raise ApiError(400, "InvalidInput", "give the instance id as id or instance_id, not two different ids")
     instance_id = next(iter(ids.values()), None)
-    if "id" in body or "instance_id" in body:
-        if not isinstance(instance_id, str) or not instance_id:
-            raise ApiError(400, "InvalidInput", f"instance id must be a non-empty string, got {instance_id!r}")
+    if ids and (not isinstance(instance_id, str) or not instance_id):
+        raise ApiError(400, "InvalidInput", f"instance id must be a non-empty string, got {instance_id!r}")
     handle = surfaces.binding(name).create(
         params=body.get("params"), id=instance_id, idempotency_key=body.get("idempotency_key"),
         actor=call.actor, retention=body.get("retention"),

@@ -399,4 +399,4 @@ for _name in ("status", "history", "steps", "pending_events", "result", "pause",
               "restart", "skip_sleep", "send_event", "cancel"):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
-__all__ = ["get_workflow", "WorkflowBinding", "InstanceHandle", "InstanceStatus", "Page", "FINISHED_STATUSES"]
+__all__ = ["FINISHED_STATUSES", "InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -90,7 +90,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _when(nanoseconds: int | None) -> datetime:
-    return datetime.fromtimestamp((nanoseconds or 0) / 1e9, tz=timezone.utc)
+    return datetime.fromtimestamp((nanoseconds or 0) / 1e9, tz=UTC)
 
 
 class DatabaseSpanProcessor(SpanProcessor):

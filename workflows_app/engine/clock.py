@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from .durations import parse_duration
 
 
 class RealClock:
     def now(self) -> datetime:
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
 
 
 class ControllableClock:
     """A clock that only moves when told to."""
 
     def __init__(self, start: datetime | None = None) -> None:
-        self._now = (start or datetime.now(timezone.utc)).astimezone(timezone.utc)
+        self._now = (start or datetime.now(UTC)).astimezone(UTC)
         self._lock = threading.Lock()
 
     def now(self) -> datetime:
@@ -39,7 +39,7 @@ class ControllableClock:
 
     def set(self, instant: datetime) -> None:
         with self._lock:
-            self._now = instant.astimezone(timezone.utc)
+            self._now = instant.astimezone(UTC)
         _notify_moved()
 
 
@@ -68,5 +68,5 @@ def on_clock_moved(listener: Callable[[], None]) -> Callable[[], None]:
 
 
 def _notify_moved() -> None:
-    for listener in list(_moved_listeners):
+    for listener in tuple(_moved_listeners):  # a copy: a listener may unsubscribe (another thread)
         listener()

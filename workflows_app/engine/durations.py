@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from .errors import InvalidDuration
 
@@ -52,11 +53,11 @@ def parse_duration(value: object) -> int:
         raise InvalidDuration(
             f"invalid duration {value!r} of type {type(value).__name__}: expected milliseconds, a string or a timedelta"
         )
-    if ms != ms or ms in (float("inf"), float("-inf")):
+    if not math.isfinite(ms):
         raise InvalidDuration(f"invalid duration {value!r}: not a finite number")
     if ms < 0:
         raise InvalidDuration(f"invalid duration {value!r}: must not be negative")
-    return int(round(ms))
+    return round(ms)
 
 
 def parse_instant(value: object) -> datetime:
@@ -64,10 +65,10 @@ def parse_instant(value: object) -> datetime:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidDuration(f"invalid instant {value!r}: the datetime must be timezone-aware")
-        return value.astimezone(timezone.utc)
+        return value.astimezone(UTC)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
-            return datetime.fromtimestamp(value / 1000, tz=timezone.utc)
+            return datetime.fromtimestamp(value / 1000, tz=UTC)
         except (OverflowError, OSError, ValueError) as exc:
             raise InvalidDuration(f"invalid instant {value!r}: {exc}") from None
     raise InvalidDuration(f"invalid instant {value!r}: expected an aware datetime or epoch milliseconds")

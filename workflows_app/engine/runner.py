@@ -9,6 +9,7 @@ instance in the database. Parked instances cost a row, not a coroutine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -252,10 +253,8 @@ class Run:
 
     async def _cancel(self, task: asyncio.Task[Any]) -> None:
         task.cancel()
-        try:
+        with contextlib.suppress(BaseException):  # the workflow's own unwinding is not our result
             await task
-        except BaseException:  # noqa: BLE001 - the workflow's own unwinding is not our result
-            pass
 
     async def _park(self) -> str:
         try:
@@ -272,7 +271,7 @@ class Run:
         exc = task.exception() if not task.cancelled() else RunAborted("cancelled")
         if self.abort_reason is not None:
             return "aborted"
-        if isinstance(exc, RunAborted) or isinstance(exc, asyncio.CancelledError):
+        if isinstance(exc, (RunAborted, asyncio.CancelledError)):
             return "aborted"
         if self.fatal is not None:
             exc = self.fatal

@@ -128,7 +128,8 @@ def _takes_context(fn: Callable[..., Any]) -> bool:
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     target = fn.func if isinstance(fn, functools.partial) else fn
-    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+    # An object whose __call__ is async counts too.
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
 
 
 class Step:

@@ -685,6 +685,7 @@ def begin_compensation(pk: int, token: str, data: dict[str, Any]) -> None:
         Instance.objects.filter(id=pk).update(status=Status.COMPENSATING)
         append_history(pk, [History("compensation.started", data)], now)
 
+
 VERSION_MISSING = "version-missing: "
 
 
