@@ -207,6 +207,22 @@ def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_fro
     assert_history_gap_free("rel-race")
 
 
+def test_claims_whose_load_failed_are_handed_back_at_once():
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-race").create(id="unloaded")
+    faults.configure("after_claim=raise@1")  # claimed and committed, then the load fails
+    try:
+        with pytest.raises(faults.InjectedFault):
+            testing.run_until_idle()
+        row = inst.row()
+        assert (row.lease_token, row.lease_owner) == (None, "")  # not left leased to nobody
+        testing.run_until_idle()
+    finally:
+        faults.configure("")
+    assert inst.status().status == "complete"
+    assert executions("unloaded") == {("unloaded", f"step {i}"): 1 for i in range(3)}
+
+
 def test_a_step_thread_gives_its_connection_back_after_each_step():
     """One thread per concurrent run: were each to keep its connection, a few workers
     would exhaust PostgreSQL's max_connections. Like a request, a step closes it."""

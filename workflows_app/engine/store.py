@@ -354,16 +354,15 @@ def claim_and_load(
     claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
     if not claimed:
         return []
-    faults.hit("after_claim")
     try:
+        faults.hit("after_claim")
         loaded = load_runs([pk for pk, _ in claimed])
     except DatabaseError:
         # The claims are committed but cannot run here: hand them back rather than leave
         # them leased to nobody until the leases run out (best effort: expiry is the net).
         connection.close()  # a broken connection is not reused; the release reconnects
         try:
-            for pk, token in claimed:
-                release(pk, token)
+            release(claimed)
         except DatabaseError:
             pass
         raise
