@@ -108,8 +108,7 @@ class Sender:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.hints: list[tuple[str, dict[str, Any]]] = []
-        self.updates: deque[tuple[str, dict[str, Any]]] = deque()
-        self.dropped = 0
+        self.updates: deque[tuple[str, dict[str, Any]]] = deque(maxlen=self.MAX_UPDATES)  # drops the oldest
         self.wake = asyncio.Event()
         threading.Thread(target=self.loop.run_forever, name="wfdash-live-sender", daemon=True).start()
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
@@ -122,9 +121,6 @@ class Sender:
         if group == WORKERS_GROUP:
             self.hints.append((group, message))
         else:
-            if len(self.updates) >= self.MAX_UPDATES:
-                self.updates.popleft()
-                self.dropped += 1
             self.updates.append((group, message))
         self.wake.set()
 
