@@ -228,7 +228,7 @@ def test_a_step_thread_gives_its_connection_back_after_each_step():
     would exhaust PostgreSQL's max_connections. Like a request, a step closes it."""
     from django.db import connection as thread_connection
 
-    from workflows_app.engine.worker import ConnectionThreads
+    from workflows_app.engine.worker import ConnectionThreads, StepThreads
 
     def query_then_report() -> bool:
         with thread_connection.cursor() as cursor:
@@ -238,8 +238,8 @@ def test_a_step_thread_gives_its_connection_back_after_each_step():
     def still_connected() -> bool:
         return thread_connection.connection is not None
 
-    for per_call, kept in ((True, False), (False, True)):
-        threads = ConnectionThreads(1, "test-step", per_call=per_call)
+    # Step threads give it back; the engine's few database threads keep theirs.
+    for threads, kept in ((StepThreads("test-step"), False), (ConnectionThreads(1, "test-db"), True)):
         try:
             assert threads.submit(query_then_report).result() is True  # open while the step runs
             assert threads.submit(still_connected).result() is kept
@@ -253,7 +253,7 @@ def test_on_postgresql_fifty_concurrent_steps_share_the_process_s_bounded_pool()
     from django.conf import settings
     from django.db import connection as thread_connection
 
-    from workflows_app.engine.worker import ConnectionThreads
+    from workflows_app.engine.worker import StepThreads
 
     pool_size = settings.DATABASES["default"]["OPTIONS"]["pool"]["max_size"]
 
@@ -262,7 +262,7 @@ def test_on_postgresql_fifty_concurrent_steps_share_the_process_s_bounded_pool()
             cursor.execute("SELECT pg_backend_pid() FROM pg_sleep(0.02)")
             return cursor.fetchone()[0]
 
-    threads = ConnectionThreads(50, "test-step", per_call=True)
+    threads = StepThreads("test-step")
     try:
         backends = {f.result() for f in [threads.submit(step_using_the_database) for _ in range(200)]}
     finally:

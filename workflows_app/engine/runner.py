@@ -15,6 +15,7 @@ import functools
 import inspect
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -126,6 +127,8 @@ class Run:
         self.pause_requested = loaded.instance.status == "waitingForPause"
         self.draining = False  # its worker is shutting down: stop at the next step boundary
         self.sync_attempts_running = 0  # step callables still running in threads
+        self.sync_attempts: set[StepContext] = set()  # their contexts, told when the run stops
+        self.abandoned: dict[str, Any] = {}  # step name -> the thread future of its timed-out attempt
         self.abort_reason: str | None = None
         self.abort_error: BaseException | None = None  # the database error that cut the run short
         self.fatal: BaseException | None = None
@@ -159,6 +162,8 @@ class Run:
         """Stop this run now (terminate, restart, lost lease): it writes nothing more."""
         if self.abort_reason is None:
             self.abort_reason = reason
+        for context in self.sync_attempts:
+            context.abandon()  # a sync step that checks ctx.cancelled stops early
         self.changed.set()
 
     # --- the run ----------------------------------------------------------------------
@@ -450,28 +455,51 @@ class Run:
                 raise
             finally:
                 _current_step.reset(token)
+        previous = self.abandoned.pop(record.name, None)
+        if previous is not None and not previous.done():
+            # The last attempt timed out but its thread still runs (it was told through
+            # ctx.cancelled): give it up to one more timeout to stop before the next
+            # attempt starts, so attempts overlap only when a step ignores cancellation.
+            await asyncio.wait({asyncio.wrap_future(previous)}, timeout=timeout_ms / 1000)
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
         self.loop = asyncio.get_running_loop()
-        thread_future = self.step_threads.submit(ctx.run, call)
-        self.sync_attempts_running += 1
-        thread_future.add_done_callback(self._sync_attempt_ended)
-        future = asyncio.wrap_future(thread_future)
-        done, _ = await asyncio.wait({future}, timeout=timeout_ms / 1000)
-        if not done:
-            future.cancel()  # the thread's late result is discarded: attempts never overlap in effect
-            raise timed_out
-        return future.result()
+        began: list[float] = []
 
-    def _sync_attempt_ended(self, _: Any) -> None:
+        def in_thread() -> Any:
+            began.append(time.monotonic())
+            return ctx.run(call)
+
+        thread_future = self.step_threads.submit(in_thread)
+        self.sync_attempts_running += 1
+        self.sync_attempts.add(context)
+        thread_future.add_done_callback(functools.partial(self._sync_attempt_ended, context))
+        future = asyncio.wrap_future(thread_future)
+        remaining = timeout_ms / 1000
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=remaining)
+            if done:
+                return future.result()
+            # The timeout counts running time only: not the wait for a thread to start it.
+            remaining = timeout_ms / 1000 if not began else began[0] + timeout_ms / 1000 - time.monotonic()
+            if remaining <= 0:
+                break
+        # Abandoned: its late result is discarded, so attempts never overlap in effect.
+        context.abandon()
+        self.abandoned[record.name] = thread_future
+        future.cancel()
+        raise timed_out
+
+    def _sync_attempt_ended(self, context: StepContext, _: Any) -> None:
         # Called in the step's thread: count on the loop, where the increments happen.
         try:
-            self.loop.call_soon_threadsafe(self._count_sync_attempt_ended)
+            self.loop.call_soon_threadsafe(self._count_sync_attempt_ended, context)
         except RuntimeError:
             pass  # the loop is closed: nobody reads the count any more
 
-    def _count_sync_attempt_ended(self) -> None:
+    def _count_sync_attempt_ended(self, context: StepContext) -> None:
         self.sync_attempts_running -= 1
+        self.sync_attempts.discard(context)
 
     async def schedule_retry(
         self, record: StepRecord, exc: BaseException, delay_ms: int, history: list[History] | None = None

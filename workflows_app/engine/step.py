@@ -12,9 +12,10 @@ import contextvars
 import functools
 import inspect
 import json
+import threading
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -63,10 +64,27 @@ class StepContext:
     instance_id: str
     step_name: str
     attempt: int
+    _abandoned: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
         return f"{self.instance_id}:{self.step_name}"
+
+    @property
+    def cancelled(self) -> bool:
+        """True once this attempt was abandoned (it timed out, or its run was stopped).
+
+        An async step is cancelled outright; a sync one cannot be, so it may check this
+        and stop early: whatever it returns now is discarded.
+        """
+        return self._abandoned.is_set()
+
+    def wait_cancelled(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking early if the attempt is abandoned; returns cancelled."""
+        return self._abandoned.wait(seconds)
+
+    def abandon(self) -> None:
+        self._abandoned.set()
 
 
 _current_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("wfdash_step", default=None)

@@ -11,12 +11,13 @@ import asyncio
 import functools
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
@@ -30,7 +31,9 @@ log = logging.getLogger("workflows_app.engine")
 
 # Takeovers without any step completing before an instance is declared poison and errored.
 MAX_UNPRODUCTIVE_CLAIMS = 3
-FLUSH_SECONDS = 0.1  # spans are stored in batches at most this often while busy
+FLUSH_SECONDS = 0.1
+CONTENDED_WAIT_SECONDS = 0.02  # a due instance that could not be claimed is looked at again after this  # spans are stored in batches at most this often while busy
+ABORT_WAIT_SECONDS = 5.0  # at shutdown, how long aborted runs may take to unwind
 STARTUP_ATTEMPTS = 30  # a database restarting at start-up is waited out for about this many seconds
 
 
@@ -50,19 +53,14 @@ def _close_broken(opened: list[Any]) -> None:
 
 
 class ConnectionThreads:
-    """A thread pool whose threads keep their own database connections until close().
+    """The engine's database threads: a small pool whose threads keep their connections.
 
     Each thread's connections are remembered, so close() can close them all from outside,
-    except those of a thread still running an abandoned (timed-out) step: that thread
-    closes its own when its call returns.
+    except those of a thread still busy: it closes its own when its call returns.
     """
 
-    def __init__(self, threads: int, name: str, per_call: bool = False) -> None:
+    def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
-        # Step threads are many (one per concurrent run): like a request, each call ends by
-        # closing its connections unless CONN_MAX_AGE keeps them, so a worker holds as many
-        # connections as steps are using the database now, not one per thread ever used.
-        self.per_call = per_call
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._busy: set[int] = set()
@@ -81,9 +79,6 @@ class ConnectionThreads:
             raise
         finally:
             _close_broken(connections.all(initialized_only=True))
-            if self.per_call:
-                for conn in connections.all(initialized_only=True):
-                    conn.close_if_unusable_or_obsolete()
             opened = list(connections.all(initialized_only=True))
             with self._lock:
                 self._busy.discard(ident)
@@ -112,6 +107,83 @@ class ConnectionThreads:
                 finally:
                     conn.dec_thread_sharing()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StepThreads:
+    """Threads for sync step callables, started as they are needed and never capped.
+
+    A timed-out attempt is abandoned but its thread may hang on: a fixed pool would lose
+    that place, and time queued for a thread would count against the next step's timeout.
+    Here a step always gets a thread at once (idle ones are reused, and leave after
+    IDLE_SECONDS), and the threads are daemons, so a hung one never keeps a worker
+    process alive after its shutdown. Like a request, each call ends by closing its
+    database connections unless CONN_MAX_AGE keeps them, so a worker holds as many
+    connections as steps are using the database now.
+    """
+
+    IDLE_SECONDS = 30.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for work that no submit has reserved yet
+        self._started = 0
+        self._closing = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1  # reserve an idle thread: it takes the next item
+            else:
+                self._started += 1
+                thread = threading.Thread(
+                    target=self._serve, name=f"{self.name}_{self._started}", daemon=True
+                )
+                thread.start()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self.IDLE_SECONDS)
+                except queue.Empty:
+                    with self._lock:
+                        if self._idle > 0:  # nobody reserved this thread: leave
+                            self._idle -= 1
+                            return
+                    continue  # a submit reserved it just now: its item is on the way
+                if item is None:
+                    return
+                future, fn, args = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as exc:
+                        future.set_exception(exc)
+                    finally:
+                        _close_broken(connections.all(initialized_only=True))
+                        for conn in connections.all(initialized_only=True):
+                            conn.close_if_unusable_or_obsolete()
+                with self._lock:
+                    if self._closing:
+                        return
+                    self._idle += 1
+        finally:
+            connections.close_all()
+
+    def close(self) -> None:
+        """Let idle threads go; busy ones leave when their call returns."""
+        with self._lock:
+            self._closing = True
+            idle, self._idle = self._idle, 0
+        for _ in range(idle):
+            self._queue.put(None)
 
 
 class GroupCommit:
@@ -220,7 +292,7 @@ class Worker:
         self._stopping = False
         self._unsubscribe_clock: Callable[[], None] | None = None
         self.db: ConnectionThreads | None = None
-        self.step_threads: ConnectionThreads | None = None
+        self.step_threads: StepThreads | None = None
         self.group_commit: GroupCommit | None = None
 
     # --- life cycle ---------------------------------------------------------------------
@@ -231,7 +303,7 @@ class Worker:
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         if engine_settings().get("GROUP_COMMIT", connection.vendor == "sqlite"):
             self.group_commit = GroupCommit(self.db)
-        self.step_threads = ConnectionThreads(self.concurrency, "wfdash-step", per_call=True)
+        self.step_threads = StepThreads("wfdash-step")
         try:
             for attempt in range(STARTUP_ATTEMPTS):
                 try:
@@ -268,10 +340,14 @@ class Worker:
             run.drain()
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=grace_seconds)
-        for pk, run in list(self.runs.items()):
+        for run in list(self.runs.values()):
             run.abort("worker shutting down")
         if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=5)
+            await asyncio.wait(list(self.tasks.values()), timeout=ABORT_WAIT_SECONDS)
+        for pk, token in self.tokens.items():
+            # A run that did not even unwind (an async step ignoring cancellation): a drain
+            # is not a crash, so its lease goes back too; its writes are fenced off.
+            self.unreleased.setdefault(pk, token)
         with _local_lock:
             _local_workers.discard(self)
         if self._unsubscribe_clock:
@@ -340,9 +416,12 @@ class Worker:
         assert self.db is not None
         tokens = dict(self.tokens)
         lost = await self.db(store.heartbeat, list(tokens.values()), self.lease_seconds)
-        for pk, token in tokens.items():
-            if token in lost and pk in self.runs:
-                self.runs[pk].abort("lease lost")
+        for token in lost:
+            # By token, not by instance: while the heartbeat was in flight the instance may
+            # have parked and been claimed again here, and that new run's lease is fine.
+            run = next((r for r in self.runs.values() if r.token == token), None)
+            if run is not None:
+                run.abort("lease lost")
         return lost
 
     async def flush_hooks(self, force: bool = False) -> None:
@@ -386,13 +465,19 @@ class Worker:
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit)
             self.runs[pk] = run
             outcome = await run.execute()
-            if outcome == "aborted" and not run.sync_attempts_running and transient(run.abort_error):
+            if (
+                outcome == "aborted"
+                and transient(run.abort_error)
+                and (not run.sync_attempts_running or self._stopping)
+            ):
                 # Shutdown, an operator action, a dropped connection: give the lease back now
                 # (fenced: a no-op when the lease is no longer ours), so the instance is
-                # claimed again at once instead of when the lease runs out. Not while a
-                # step callable still runs in a thread here (another worker would run it at
-                # the same time), nor after an error that would recur (the lease runs out
-                # and the takeover counts towards the poison-instance limit).
+                # claimed again at once instead of when the lease runs out, and the takeover
+                # is not counted as a crash. Not while a step callable still runs in a
+                # thread here (another worker would run it at the same time) unless this
+                # process is shutting down (its daemon step threads end with it), nor after
+                # an error that would recur (the lease runs out and the takeover counts
+                # towards the poison-instance limit).
                 await self._release(pk, token)
             await self.flush_hooks()
             return outcome
@@ -438,19 +523,24 @@ class Worker:
             while not self._stopping and not (stop is not None and stop.is_set()):
                 assert self._wake is not None and self.db is not None
                 self._wake.clear()
+                timeout, due, started = self.poll_seconds, None, 0
                 try:
                     await self.release_pending()
                     started = await self.claim_and_start()
-                    if started and len(self.tasks) < self.concurrency:
+                    full = len(self.tasks) >= self.concurrency
+                    if started and not full:
                         continue
-                    timeout = self.poll_seconds
-                    due = await self.db(store.next_wake_at)
+                    if not full:  # a full worker cannot claim a due timer: a run ending wakes it
+                        due = await self.db(store.next_wake_at)
                 except Exception:
                     log.exception("worker %s: database error; retrying after the poll interval", self.worker_id)
-                    started, timeout, due = 0, self.poll_seconds, None
                 if due is not None:
                     timeout = max(0.0, min(timeout, (due - clock.now()).total_seconds()))
-                await self.flush_hooks(force=True)  # going idle: store what is queued
+                    if timeout == 0.0 and not started:
+                        # Due but not claimable (another worker is committing its claim):
+                        # look again soon rather than spin on the same answer.
+                        timeout = CONTENDED_WAIT_SECONDS
+                await self.flush_hooks(force=not self.tasks)  # going idle: store what is queued
                 waiters = [asyncio.ensure_future(self._wake.wait())]
                 if stop is not None:
                     waiters.append(asyncio.ensure_future(stop.wait()))

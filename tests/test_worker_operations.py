@@ -1,0 +1,254 @@
+"""The worker under everyday operations: a full worker, hung steps, slow heartbeats, deploys.
+
+Each test drives a real Worker on the test database from an event loop in a thread of
+its own, so the test thread can use the ORM and wait on the engine's own signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from tests.polling import wait_until
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, current_step, register, store
+from workflows_app.engine.worker import Worker
+from workflows_app.live import EngineHooks
+from workflows_app.models import HistoryRecord, Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class LoopThread:
+    """An event loop in a thread: the worker lives there, the test talks to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def new_worker(**kwargs: Any) -> Worker:
+    return Worker(hooks=EngineHooks(), **kwargs)
+
+
+def statuses(workflow: str) -> dict[str, str]:
+    return dict(Instance.objects.filter(workflow=workflow).values_list("instance_id", "status"))
+
+
+# --- 1. a full worker waits instead of spinning -------------------------------------------
+
+
+def test_a_full_worker_with_due_instances_waiting_does_not_spin(registered, loop_thread, monkeypatch):
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    @register("full-house")
+    class FullHouse(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def hold():
+                started.release()
+                gate.wait(20)
+                return "done"
+
+            return await step.do("hold", hold)
+
+    wf = get_workflow("full-house")
+    for n in range(20):
+        wf.create(id=f"f{n}")
+    queries = []
+    real = store.next_wake_at
+    monkeypatch.setattr(store, "next_wake_at", lambda: queries.append(1) or real())
+    worker = new_worker(concurrency=2, poll_seconds=5)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        assert started.acquire(timeout=20) and started.acquire(timeout=20)
+        before = len(queries)
+        time.sleep(0.5)  # a window to count the loop's turns in, not a wait for an outcome
+        spins = len(queries) - before
+        assert spins <= 2, f"a full worker asked for the next wake time {spins} times in 0.5 s"
+    finally:
+        gate.set()
+    wait_until(lambda: set(statuses("full-house").values()) == {"complete"}, 60, "all 20 instances complete")
+    loop_thread.loop.call_soon_threadsafe(stop.set)
+    serving.result(30)
+
+
+# --- 2. hung sync steps -------------------------------------------------------------------
+
+
+def test_hung_sync_steps_take_no_capacity_and_their_timeouts_count_running_time_only(registered, loop_thread):
+    release = threading.Event()
+    ran: list[str] = []
+
+    @register("hangs")
+    class Hangs(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def hang():
+                release.wait(30)  # ignores cancellation: a really hung call
+                return "late"
+
+            return await step.do("hang", hang, timeout=100, retries={"limit": 0})
+
+    @register("quick")
+    class Quick(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def work():
+                time.sleep(0.05)
+                ran.append(current_step().instance_id)
+                return "ok"
+
+            return await step.do("work", work, timeout=200, retries={"limit": 0})
+
+    get_workflow("hangs").create(id="h1")
+    get_workflow("hangs").create(id="h2")
+    worker = new_worker(concurrency=2)
+    try:
+        loop_thread.call(worker.start())
+        loop_thread.call(worker.run_until_idle(timeout=20))
+        assert statuses("hangs") == {"h1": "errored", "h2": "errored"}
+        # Both threads still hang; an unrelated instance must still get a thread at once.
+        quick = get_workflow("quick").create(id="q1")
+        loop_thread.call(worker.run_until_idle(timeout=20))
+        assert quick.status().status == "complete", quick.status()
+        assert ran == ["q1"]
+    finally:
+        release.set()
+        loop_thread.call(worker.stop(grace_seconds=0))
+
+
+def test_an_abandoned_sync_attempt_sees_it_was_cancelled_and_the_retry_starts_after_it_stops(registered):
+    from workflows_app import testing
+
+    events: list[str] = []
+
+    @register("polite")
+    class Polite(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def careful(ctx):
+                events.append(f"start {ctx.attempt}")
+                if ctx.attempt == 1:
+                    cancelled = ctx.wait_cancelled(10)
+                    events.append(f"attempt 1 saw cancelled={cancelled}")
+                    return "late"
+                return "second"
+
+            return await step.do("careful", careful, timeout=100, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow("polite").create()
+    testing.run_until_idle()
+    assert inst.status().output == "second"
+    assert events == ["start 1", "attempt 1 saw cancelled=True", "start 2"]
+
+
+# --- 3. a slow heartbeat aborts only the run whose lease it lost ----------------------------
+
+
+def test_a_heartbeat_in_flight_across_a_reclaim_does_not_abort_the_new_run(registered, loop_thread, monkeypatch):
+    gate_a, gate_b, proceed, in_heartbeat = (threading.Event() for _ in range(4))
+
+    @register("reclaimed")
+    class Reclaimed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("a", lambda: gate_a.wait(20))
+            await step.wait_for_event("go", type="go")
+            await step.do("b", lambda: gate_b.wait(20))
+            return "done"
+
+    real = store.heartbeat
+
+    def slow_heartbeat(tokens, lease_seconds):
+        in_heartbeat.set()
+        proceed.wait(20)
+        return real(tokens, lease_seconds)
+
+    monkeypatch.setattr(store, "heartbeat", slow_heartbeat)
+    inst = get_workflow("reclaimed").create(id="r1")
+    worker = new_worker(concurrency=4, db_threads=2)
+    try:
+        loop_thread.call(worker.start())
+        assert loop_thread.call(worker.claim_and_start()) == 1
+        first_token = next(iter(worker.tokens.values()))
+        beat = loop_thread.spawn(worker.heartbeat_once())  # snapshot: the first run's token
+        assert in_heartbeat.wait(10)
+        gate_a.set()
+        wait_until(lambda: inst.status().status == "waiting", 20, "the first run to park on its event wait")
+        inst.send_event("go")
+        wait_until(lambda: loop_thread.call(worker.claim_and_start()) == 1, 20, "the second run to be claimed")
+        second = next(iter(worker.runs.values()))
+        assert second.token != first_token
+        proceed.set()
+        assert beat.result(20) == {first_token}
+        assert second.abort_reason is None
+        gate_b.set()
+        loop_thread.call(worker.run_until_idle(timeout=20))
+        assert inst.status().status == "complete"
+    finally:
+        proceed.set()
+        gate_a.set()
+        gate_b.set()
+        loop_thread.call(worker.stop(grace_seconds=0))
+
+
+# --- 4. a deploy is not a crash -------------------------------------------------------------
+
+
+def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poison(registered, loop_thread):
+    finish = threading.Event()
+    attempts: list[int] = []
+
+    @register("long-step")
+    class LongStep(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def long(ctx):
+                attempts.append(ctx.attempt)
+                if not finish.is_set():
+                    ctx.wait_cancelled(30)
+                return "done"
+
+            return await step.do("long", long, timeout="10 minutes")
+
+    inst = get_workflow("long-step").create(id="deployed")
+    for deploy in range(3):
+        worker = new_worker(concurrency=2, lease_seconds=30)
+        loop_thread.call(worker.start())
+        assert loop_thread.call(worker.claim_and_start()) == 1
+        wait_until(lambda: len(attempts) == deploy + 1, 20, f"the step to start under deploy {deploy + 1}")
+        loop_thread.call(worker.stop(grace_seconds=0.1))  # SIGTERM: the step outlives the grace
+        row = Instance.objects.get(pk=inst.row().pk)
+        assert row.lease_token is None, "a drained worker kept its lease"
+    finish.set()
+    worker = new_worker(concurrency=2)
+    loop_thread.call(worker.start())
+    try:
+        loop_thread.call(worker.run_until_idle(timeout=20))
+    finally:
+        loop_thread.call(worker.stop(grace_seconds=0))
+    row = Instance.objects.get(pk=inst.row().pk)
+    assert row.status == "complete", (row.status, row.error_name, row.error_message)
+    assert row.unproductive_claims == 0
+    assert HistoryRecord.objects.filter(instance=row, type="run.started").count() == 4
