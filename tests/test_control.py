@@ -243,6 +243,31 @@ def test_paused_instances_hold_their_place_under_the_limit(registered):
     assert second.status().status == "waiting"
 
 
+def test_a_queued_instance_paused_then_resumed_goes_back_to_the_queue_not_past_it(registered):
+    @register("limited-queue-pause", limits={"max_concurrent_instances": 1})
+    class LimitedQueuePause(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go")
+
+    wf = get_workflow("limited-queue-pause")
+    first, second, third = wf.create(id="first"), wf.create(id="second"), wf.create(id="third")
+    testing.run_until_idle()
+    assert second.pause() == "paused"
+    assert second.resume() == "queued"  # the place is taken: it waits its turn
+    testing.run_until_idle()
+    assert [i.status().status for i in (first, second, third)] == ["waiting", "queued", "queued"]
+    third.pause()  # paused while queued: it holds no place either
+    first.send_event("go")
+    testing.run_until_idle()
+    assert [i.status().status for i in (first, second, third)] == ["complete", "waiting", "paused"]
+    second.send_event("go")
+    testing.run_until_idle()
+    assert third.status().status == "paused"
+    assert third.resume() == "running"  # a free place: admitted at once
+    testing.run_until_idle()
+    assert third.status().status == "waiting"
+
+
 def test_a_restart_rechecks_the_limit(registered):
     @register("limited-restart", limits={"max_concurrent_instances": 1})
     class LimitedRestart(WorkflowEntrypoint):

@@ -332,7 +332,7 @@ class InstanceHandle:
         return status
 
     def resume(self, actor: Any = None) -> str:
-        status = store.resume(self.workflow, self.id, _actor(actor))
+        status = store.resume(self.workflow, self.id, self._limits(), _actor(actor))
         _after_commit("resume", self.row(refresh=False).pk, self.workflow)
         return status
 

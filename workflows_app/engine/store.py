@@ -21,8 +21,6 @@ from django.db import DatabaseError, IntegrityError, OperationalError, connectio
 from django.db.models import Min, Q
 
 from ..models import (
-    ACTIVE_STATUSES,
-    FINISHED_STATUSES,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
@@ -33,7 +31,7 @@ from ..models import (
     StepStatus,
     WorkflowVersion,
 )
-from . import clock, faults
+from . import clock, faults, lifecycle
 from .errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -210,11 +208,18 @@ def _lock_workflow(name: str) -> None:
     list(WorkflowVersion.objects.select_for_update().filter(name=name).values_list("id", flat=True))
 
 
+def holding_places(instances: Any) -> Any:
+    """The instances of a queryset that hold a place under max_concurrent_instances."""
+    return instances.filter(
+        Q(status__in=lifecycle.HOLDS_PLACE - {Status.PAUSED}) | Q(status=Status.PAUSED, started_at__isnull=False)
+    )
+
+
 def _free_slots(name: str, limits: Limits) -> int | None:
     """Places left under max_concurrent_instances, or None for no limit."""
     if limits.max_concurrent_instances is None:
         return None
-    active = Instance.objects.filter(workflow=name, status__in=ACTIVE_STATUSES).count()
+    active = holding_places(Instance.objects.filter(workflow=name)).count()
     return max(0, limits.max_concurrent_instances - active)
 
 
@@ -744,18 +749,11 @@ def pause(name: str, instance_id: str, actor: str = "") -> str:
     now = clock.now()
     with transaction.atomic():
         inst = _locked(name, instance_id)
-        leased = inst.lease_token is not None and inst.lease_expires_at and inst.lease_expires_at > now
-        if inst.status == Status.RUNNING and leased:
-            new_status = Status.WAITING_FOR_PAUSE  # takes effect at the next step boundary
-        elif inst.status in (Status.RUNNING, Status.WAITING, Status.QUEUED, Status.WAITING_FOR_PAUSE):
-            new_status = Status.PAUSED
-        else:
-            raise InvalidTransition(f"cannot pause instance {instance_id!r}: it is {inst.status}")
+        held = inst.lease_token is not None and inst.lease_expires_at is not None and inst.lease_expires_at > now
+        new_status = lifecycle.after(lifecycle.PAUSE, inst.status, instance_id, held_by_run=held)
         updates: dict[str, Any] = {"status": new_status, "updated_at": now}
         if new_status == Status.PAUSED:
             updates.update(wake_at=None, **_clear_lease())
-            if inst.status == Status.QUEUED:
-                updates["started_at"] = now  # admitted: paused instances hold a place
         Instance.objects.filter(id=inst.pk).update(**updates)
         if new_status == Status.PAUSED:
             append_history(inst.pk, [History("instance.paused", {"from": inst.status}, actor)], now)
@@ -765,18 +763,24 @@ def pause(name: str, instance_id: str, actor: str = "") -> str:
 
 
 @retry_while_locked
-def resume(name: str, instance_id: str, actor: str = "") -> str:
+def resume(name: str, instance_id: str, limits: Limits, actor: str = "") -> str:
+    """Resume a paused instance; one paused while still queued goes back through admission."""
     now = clock.now()
     with transaction.atomic():
         inst = _locked(name, instance_id)
-        if inst.status == Status.WAITING_FOR_PAUSE:
+        new_status = lifecycle.after(lifecycle.RESUME, inst.status, instance_id, admitted=inst.started_at is not None)
+        if new_status == Status.QUEUED:
+            Instance.objects.filter(id=inst.pk).update(status=Status.QUEUED, wake_at=None, updated_at=now)
+            append_history(inst.pk, [History("instance.resumed", {"to": Status.QUEUED}, actor)], now)
+            if inst.pk in promote_queued(name, limits, now):
+                new_status = Status.RUNNING
+        elif inst.status == Status.WAITING_FOR_PAUSE:
             Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, updated_at=now)
-        elif inst.status == Status.PAUSED:
-            Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, wake_at=now, updated_at=now)
+            append_history(inst.pk, [History("instance.resumed", {}, actor)], now)
         else:
-            raise InvalidTransition(f"cannot resume instance {instance_id!r}: it is {inst.status}, not paused")
-        append_history(inst.pk, [History("instance.resumed", {}, actor)], now)
-    return Status.RUNNING
+            Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, wake_at=now, updated_at=now)
+            append_history(inst.pk, [History("instance.resumed", {}, actor)], now)
+    return new_status
 
 
 @retry_while_locked
@@ -784,7 +788,7 @@ def terminate(name: str, instance_id: str, limits: Limits, actor: str = "", reas
     """Terminate a live instance; returns False if it had already finished."""
     with transaction.atomic():
         inst = _locked(name, instance_id)
-        if inst.status in FINISHED_STATUSES:
+        if not lifecycle.can(lifecycle.TERMINATE, inst.status):
             return False
         _terminate_locked(inst, limits, actor, reason, clock.now())
     return True
@@ -816,13 +820,14 @@ def restart(name: str, instance_id: str, limits: Limits, from_step: str | None =
             steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
         dropped = steps.count()
         steps.delete()
-        was_active = inst.status in ACTIVE_STATUSES
+        was_active = holding_places(Instance.objects.filter(id=inst.pk)).exists()
         if limits.max_concurrent_instances is not None:
             _lock_workflow(name)
         slots = _free_slots(name, limits)
         admitted = was_active or slots is None or slots > 0
         Instance.objects.filter(id=inst.pk).update(
             status=Status.RUNNING if admitted else Status.QUEUED, wake_at=now if admitted else None,
+            started_at=(inst.started_at or now) if admitted else None,
             output_json=None, error_name="", error_message="", error_stack="", finished_at=None,
             expires_at=None, waiting_reason="", updated_at=now, unproductive_claims=0,
             compensate_on_cancel=False, **_clear_lease(),
@@ -864,7 +869,7 @@ def send_event(
     now = clock.now()
     with transaction.atomic():
         inst = _locked(name, instance_id)
-        if inst.status in FINISHED_STATUSES:
+        if not lifecycle.can(lifecycle.SEND_EVENT, inst.status):
             raise InvalidTransition(
                 f"cannot send event {event_type!r} to instance {instance_id!r}: it is {inst.status}"
             )
@@ -919,8 +924,7 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
     now = clock.now()
     with transaction.atomic():
         inst = _locked(name, instance_id)
-        if inst.status in FINISHED_STATUSES:
-            raise InvalidTransition(f"cannot cancel instance {instance_id!r}: it is already {inst.status}")
+        lifecycle.after(lifecycle.CANCEL, inst.status, instance_id)
         compensable = compensate and StepRecord.objects.filter(
             instance_id=inst.pk, kind=StepKind.DO, status=StepStatus.COMPLETE, has_compensation=True
         ).exists()
