@@ -183,14 +183,45 @@ def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_hi
 
 
 @pytest.mark.parametrize("plan", [
-    # The first checkpoint commits, then the database fails: no lease to wait out, the
-    # same pass claims the instance again.
+    # The first checkpoint commits, then the database fails before answering: the retry
+    # finds it landed and writes nothing twice.
     "after_checkpoint=raise@1",
+    # The first checkpoint fails before it writes: the retry writes it; the step does not
+    # run again.
+    "before_checkpoint=raise@1",
+    "before_checkpoint=raise@1-2",
+])
+def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_the_step(plan):
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-race").create(id="retried")
+    faults.configure(plan)
+    try:
+        testing.run_until_idle()
+    finally:
+        faults.configure("")
+    status = inst.status()
+    assert status.status == "complete", status
+    assert executions("retried") == {("retried", f"step {i}"): 1 for i in range(3)}
+    assert_one_checkpoint_per_step("rel-race", 3, 1)
+    runs = HistoryRecord.objects.filter(instance__instance_id="retried", type="run.started").count()
+    assert runs == 1
+    assert_history_gap_free("rel-race")
+
+
+@pytest.mark.parametrize("plan", [
+    # Every try of the first checkpoint fails: the run is cut short, and no lease is left
+    # to wait out: the same pass claims the instance again.
+    "before_checkpoint=raise@1-3",
     # And the release fails too (the database is out of connections): the lease is given
     # back at the worker's next turn, not left to run out with no run behind it.
-    "after_checkpoint=raise@1,before_release=raise@1",
+    "before_checkpoint=raise@1-3,before_release=raise@1",
 ])
-def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_from_its_checkpoint(plan):
+def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_from_its_checkpoint(
+    plan, monkeypatch
+):
+    from workflows_app.engine import runner
+
+    monkeypatch.setattr(runner, "WRITE_RETRY_DELAYS", (0.01, 0.01))  # two retries, then give up
     fleet_workflows.ensure_ledger()
     inst = get_workflow("rel-race").create(id="cut")
     faults.configure(plan)
@@ -200,7 +231,8 @@ def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_fro
         faults.configure("")
     status = inst.status()
     assert status.status == "complete", status
-    assert executions("cut") == {("cut", f"step {i}"): 1 for i in range(3)}
+    # The first step's work was done, but its checkpoint never landed: it runs again.
+    assert executions("cut") == {("cut", "step 0"): 2, ("cut", "step 1"): 1, ("cut", "step 2"): 1}
     assert_one_checkpoint_per_step("rel-race", 3, 1)
     runs = HistoryRecord.objects.filter(instance__instance_id="cut", type="run.started").count()
     assert runs == 2

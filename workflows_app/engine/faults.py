@@ -3,9 +3,11 @@
     WFDASH_FAULTS="after_side_effect=kill"            # die between a step's work and its checkpoint
     WFDASH_FAULTS="after_checkpoint=drop_connection"  # lose the connection right after a commit
     WFDASH_FAULTS="after_claim=sleep:5,after_checkpoint=kill@3"   # @N: only the N-th time
+    WFDASH_FAULTS="before_checkpoint=raise@1-3"       # @N-M: the N-th to the M-th time
 
 Points: after_claim (instances leased, before their runs), after_side_effect (a step's
-callable returned, before its checkpoint), after_checkpoint (a checkpoint committed),
+callable returned, before its checkpoint), before_checkpoint (inside a checkpoint's
+transaction, before it writes), after_checkpoint (a checkpoint committed),
 before_release (a worker gives back the leases of runs cut short).
 Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
 thread's database connection), raise (an OperationalError).
@@ -20,7 +22,7 @@ import time
 
 from django.db import OperationalError
 
-_plan: dict[str, tuple[str, int | None]] = {}
+_plan: dict[str, tuple[str, tuple[int, int] | None]] = {}
 _hits: dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -33,7 +35,8 @@ def configure(spec: str | None = None) -> None:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         point, _, action = item.partition("=")
         action, _, nth = action.partition("@")
-        _plan[point.strip()] = (action.strip(), int(nth) if nth else None)
+        first, _, last = nth.partition("-")
+        _plan[point.strip()] = (action.strip(), (int(first), int(last or first)) if nth else None)
 
 
 class InjectedFault(OperationalError):
@@ -50,7 +53,7 @@ def hit(point: str) -> None:
     with _lock:
         _hits[point] = _hits.get(point, 0) + 1
         count = _hits[point]
-    if nth is not None and count != nth:
+    if nth is not None and not nth[0] <= count <= nth[1]:
         return
     if action == "kill":
         os._exit(137)

@@ -57,7 +57,9 @@ from .store import History, LeaseLost
 log = logging.getLogger("workflows_app.engine")
 
 DbCall = Callable[..., Awaitable[Any]]
-QUIESCENCE_TICKS = 10  # loop iterations to let sibling branches start before calling a run blocked
+QUIESCENCE_TICKS = 10
+# Waits before each new try of a checkpoint after a passing database error: about 10 s in all.
+WRITE_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0)  # loop iterations to let sibling branches start before calling a run blocked
 
 
 @dataclass
@@ -409,25 +411,40 @@ class Run:
     ) -> None:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
+        write = store.StepWrite(self.pk, self.token, record, history, consume_event, progress, error)
         try:
-            status = await self.checkpoint(
-                store.StepWrite(self.pk, self.token, record, history, consume_event, progress, error)
-            )
+            status = await self.checkpoint(write)
         except LeaseLost as exc:
             self.abort(str(exc))
             raise RunAborted(str(exc)) from None
         except DatabaseError as exc:
-            # Not the workflow's business (it must not catch it): stop this run; it is run
-            # again from its last checkpoint.
-            self.abort_error = exc
-            self.abort(f"database error: {exc}")
-            raise RunAborted(f"database error: {exc}") from exc
+            status = await self._write_again(write, exc)
         self.checkpoints[record.name] = record
         if status == "waitingForPause" and not self.pause_requested:
             self.request_pause()
         elif status == "running" and self.pause_requested:
             self.pause_requested = False  # resumed before this boundary: the pause is off
         self.notify("step_written", self, record, history)
+
+    async def _write_again(self, write: store.StepWrite, error: DatabaseError) -> str:
+        """Retry a checkpoint the database refused for a passing reason (a restart, a dropped
+        connection), with backoff: the write is fenced and idempotent, while re-running the
+        step would repeat its side effects. Anything else stops this run (it is not the
+        workflow's business, and it must not catch it); it runs again from its checkpoint."""
+        for delay in WRITE_RETRY_DELAYS:
+            if not store.transient(error) or self.abort_reason is not None:
+                break
+            await asyncio.sleep(delay)
+            try:
+                return str(await self.db(store.rewrite_step, write))
+            except LeaseLost as exc:
+                self.abort(str(exc))
+                raise RunAborted(str(exc)) from None
+            except DatabaseError as exc:
+                error = exc
+        self.abort_error = error
+        self.abort(f"database error: {error}")
+        raise RunAborted(f"database error: {error}") from error
 
     async def _checkpoint_alone(self, write: store.StepWrite) -> str:
         (result,) = await self.db(store.write_steps, [write])

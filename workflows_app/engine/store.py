@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Min, Q
 
 from ..models import (
@@ -572,6 +572,7 @@ def _write_step(
     progress: bool,
     error: dict[str, Any] | None,
 ) -> str:
+    faults.hit("before_checkpoint")
     now = clock.now()
     status, first_seq = _fence(pk, token, now, len(history), step.seq, progress)
     if consume_event is not None:
@@ -591,6 +592,31 @@ def _write_step(
     _insert_history(pk, first_seq, history, now)
     if error is not None:
         ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
+    return status
+
+
+def transient(error: BaseException | None) -> bool:
+    """No error, or one a new connection may not meet again (restart, dropped connection)."""
+    return error is None or isinstance(error, (OperationalError, InterfaceError))
+
+
+@retry_while_locked
+def rewrite_step(w: StepWrite) -> str:
+    """Write a checkpoint again after a transient error, unless the first try landed.
+
+    The error may have come after the commit (the connection dropped before the answer):
+    the step row then already holds this write's status and attempt, and writing it again
+    would duplicate its history. The fence makes both paths safe: a lost lease raises.
+    """
+    with transaction.atomic():
+        held = Instance.objects.filter(id=w.pk, lease_token=w.token).values_list("status", flat=True).first()
+        if held is None:
+            raise LeaseLost(f"instance #{w.pk}: lease {w.token[:8]} is no longer held")
+        stored = StepRecord.objects.filter(instance_id=w.pk, name=w.step.name).values_list("status", "attempts").first()
+        if stored == (w.step.status, w.step.attempts):
+            return held
+        status = _write_step(w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error)
+    faults.hit("after_checkpoint")
     return status
 
 

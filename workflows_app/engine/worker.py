@@ -239,11 +239,6 @@ _local_workers: set[Worker] = set()
 _local_lock = threading.Lock()
 
 
-def transient(error: BaseException | None) -> bool:
-    """No error, or one a new connection may not meet again (restart, dropped connection)."""
-    return error is None or isinstance(error, (OperationalError, InterfaceError))
-
-
 def running_in_this_process() -> bool:
     """Whether an engine worker runs in this process (and so flushes its spans)."""
     with _local_lock:
@@ -467,7 +462,7 @@ class Worker:
             outcome = await run.execute()
             if (
                 outcome == "aborted"
-                and transient(run.abort_error)
+                and store.transient(run.abort_error)
                 and (not run.sync_attempts_running or self._stopping)
             ):
                 # Shutdown, an operator action, a dropped connection: give the lease back now
@@ -484,7 +479,7 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if transient(exc):
+            if store.transient(exc):
                 log.warning("run of instance #%s cut short by a database error; released", pk, exc_info=True)
                 await self._release(pk, token)
             else:
