@@ -9,6 +9,7 @@ WFDASH_SOAK=1 scales the tests up (scripts/soak); the soak-only tests skip other
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -643,29 +644,117 @@ def test_a_deploy_that_reorders_the_steps_of_a_running_instance_fails_it_with_no
     assert not StepRecord.objects.filter(instance__instance_id="reordered", name="b").exists()
 
 
-def test_a_renamed_step_runs_as_new_and_never_receives_another_step_s_checkpoint(lax_versions):
+def redeploy_and_replay(inst, run) -> None:
+    """Register other code under the same version (lax), then replay the parked instance."""
+    register("rel-deploy")(type("Changed", (WorkflowEntrypoint,), {"run": run}))
+    inst.skip_sleep()
+    testing.run_until_idle()
+
+
+def assert_non_determinism(inst, *fragments: str) -> None:
+    status = inst.status()
+    assert status.status == "errored" and status.error["name"] == NonDeterminismError.__name__, status
+    for fragment in fragments:
+        assert fragment in status.error["message"], status.error["message"]
+
+
+def test_a_renamed_step_fails_naming_both_before_the_new_step_runs(lax_versions):
     deploy_v1()
     inst = get_workflow("rel-deploy").create(id="renamed")
     testing.run_until_idle()
     calls: list[str] = []
 
-    @register("rel-deploy")
-    class Renamed(WorkflowEntrypoint):
-        async def run(self, event, step):
-            a = await step.do("a renamed", lambda: calls.append("a renamed") or "from a renamed")
-            await step.sleep("pause", "1 hour")
-            b = await step.do("b", lambda: calls.append("b") or "from b")
-            return {"a": a, "b": b}
+    async def run(self, event, step):
+        a = await step.do("a renamed", lambda: calls.append("a renamed") or "from a renamed")
+        await step.sleep("pause", "1 hour")
+        return a
 
+    redeploy_and_replay(inst, run)
+    assert_non_determinism(inst, 'asks for do step "a renamed"', 'checkpointed do step "a"')
+    assert calls == []  # it never ran
+    assert StepRecord.objects.get(instance__instance_id="renamed", name="a").output == "from a"
+
+
+def test_a_removed_step_fails_naming_the_step_that_now_follows(lax_versions):
+    deploy_v1()
+    inst = get_workflow("rel-deploy").create(id="removed")
+    testing.run_until_idle()
+
+    async def run(self, event, step):
+        await step.sleep("pause", "1 hour")  # "a" is gone
+        return await step.do("b", lambda: "from b")
+
+    redeploy_and_replay(inst, run)
+    assert_non_determinism(inst, 'sleep step "pause" was checkpointed after step "a"', "the start of its branch")
+
+
+def test_reordered_steps_of_the_same_kind_fail_with_non_determinism(lax_versions):
+    @register("rel-deploy")
+    class Two(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("first", lambda: 1)
+            await step.do("second", lambda: 2)
+            await step.sleep("pause", "1 hour")
+
+    inst = get_workflow("rel-deploy").create(id="swapped")
+    testing.run_until_idle()
+
+    async def run(self, event, step):
+        await step.do("second", lambda: 2)
+        await step.do("first", lambda: 1)
+        await step.sleep("pause", "1 hour")
+
+    redeploy_and_replay(inst, run)
+    assert_non_determinism(inst, 'do step "second" was checkpointed after step "first"')
+
+
+def test_gathered_branches_replay_whatever_order_their_steps_finished_in(registered):
+    order: list[str] = []
+
+    @register("rel-branches")
+    class Branches(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def branch(tag: str, delay: float) -> str:
+                async def slow() -> str:
+                    await asyncio.sleep(delay)
+                    order.append(tag)
+                    return tag
+
+                await step.do(f"{tag} 1", slow)
+                return await step.do(f"{tag} 2", slow)
+
+            await step.do("before", lambda: "before")
+            result = await asyncio.gather(branch("slow", 0.05), branch("fast", 0))
+            await step.sleep("pause", "1 hour")
+            return result
+
+    inst = get_workflow("rel-branches").create()
+    testing.run_until_idle()
+    assert order == ["fast", "fast", "slow", "slow"]  # the fast branch's second step started first
     inst.skip_sleep()
     testing.run_until_idle()
-    status = inst.status()
-    assert status.status == "complete", status
-    assert status.output == {"a": "from a renamed", "b": "from b"}
-    assert calls == ["a renamed", "b"]  # the renamed step ran; the sleep replayed from its checkpoint
-    outputs = dict(StepRecord.objects.filter(instance__instance_id="renamed", kind="do").values_list("name", "output_json"))
-    assert {k: json.loads(v) for k, v in outputs.items()} == {
-        "a": "from a", "a renamed": "from a renamed", "b": "from b"}
+    assert inst.status().output == ["slow", "fast"]
+
+
+def test_a_compensation_cannot_collide_with_a_step_named_like_it(registered):
+    undone: list[str] = []
+
+    @register("rel-collide")
+    class Collide(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("charge", lambda: "charged", compensate=lambda out: undone.append(out))
+            await step.do("compensate:charge", lambda: "a step of the user's")
+            await step.wait_for_event("w", type="go")
+
+    inst = get_workflow("rel-collide").create()
+    testing.run_until_idle()
+    inst.cancel(compensate=True)
+    testing.run_until_idle()
+    assert inst.status().status == "terminated"
+    assert undone == ["charged"]
+    rows = set(StepRecord.objects.filter(instance__instance_id=inst.id).values_list("kind", "name", "output_json"))
+    assert ("do", "compensate:charge", '"a step of the user\'s"') in rows
+    assert ("compensate", "charge", "null") in rows
 
 
 # --- soak only (scripts/soak) ---------------------------------------------------------------

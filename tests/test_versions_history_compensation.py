@@ -255,7 +255,8 @@ def test_cancel_with_compensation_undoes_completed_steps_newest_first(registered
     testing.run_until_idle()
     assert inst.status().status == "terminated"
     comp = [s for s in inst.steps() if s.kind == "compensate"]
-    assert [s.name for s in comp] == ["compensate:ship", "compensate:charge", "compensate:reserve"]
+    assert [s.name for s in comp] == ["ship", "charge", "reserve"]
+    assert [s.label for s in comp] == ["compensate:ship", "compensate:charge", "compensate:reserve"]
     assert [s.output for s in comp] == ["undid ship", "undid charge", "undid reserve"]
     types = [h.type for h in inst.history()]
     assert "compensation.started" in types

@@ -177,9 +177,15 @@ class StepRecord(models.Model):
     event_type = models.CharField(max_length=100, blank=True)
     event_schema_json = models.TextField(null=True, blank=True)
     has_compensation = models.BooleanField(default=False)
+    # The step before this one in the same branch (asyncio task) when it was first
+    # checkpointed, "" for a branch's first step: replay compares it to notice steps that
+    # were renamed, added, removed or reordered. NULL on rows from before it was kept.
+    after = models.CharField(max_length=300, null=True, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["instance", "name"], name="step_name_per_instance")]
+        # A compensation is checkpointed under the name of the step it undoes, with its
+        # own kind: it cannot collide with any name a workflow gives its steps.
+        constraints = [models.UniqueConstraint(fields=["instance", "kind", "name"], name="step_kind_name_per_instance")]
         ordering = ["instance", "seq"]
 
     def __str__(self) -> str:
@@ -188,6 +194,11 @@ class StepRecord(models.Model):
     @property
     def output(self) -> Any:
         return decode_json(self.output_json)
+
+    @property
+    def label(self) -> str:
+        """How history, spans and errors name it: a compensation says what it undoes."""
+        return f"compensate:{self.name}" if self.kind == StepKind.COMPENSATE else self.name
 
     @property
     def duration_ms(self) -> float | None:

@@ -58,6 +58,9 @@ log = logging.getLogger("workflows_app.engine")
 
 DbCall = Callable[..., Awaitable[Any]]
 QUIESCENCE_TICKS = 10
+# The latest step asked for in this branch of the workflow: asyncio tasks copy the context,
+# so each gathered branch carries its own from the step before the fork.
+_previous_step: contextvars.ContextVar[str] = contextvars.ContextVar("wfdash_previous_step", default="")
 # Waits before each new try of a checkpoint after a passing database error: about 10 s in all.
 WRITE_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0)  # loop iterations to let sibling branches start before calling a run blocked
 
@@ -118,9 +121,16 @@ class Run:
         self.hooks = hooks
         self.limits = definition.limits()
         self.checkpoints = loaded.steps
+        self.compensation_checkpoints = loaded.compensations
+        # Checkpoints by the step before them in their branch: where replay must go next.
+        self.successors: dict[str, list[StepRecord]] = {}
+        for checkpoint in self.checkpoints.values():
+            if checkpoint.after is not None:
+                self.successors.setdefault(checkpoint.after, []).append(checkpoint)
         self.events: list[InboxEvent] = loaded.events
         self.events_seen = max((e.pk for e in loaded.events), default=0)  # newer ones arrived during the run
         self.seen: set[str] = set()
+        self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0
         self.next_seq = max([loaded.instance.step_seq, *(s.seq for s in loaded.steps.values())])
         self.in_flight = 0
@@ -190,6 +200,7 @@ class Run:
         # The workflow coroutine runs with the run's span current: user spans nest under it.
         ctx = contextvars.copy_context()
         ctx.run(otel_context.attach, trace.set_span_in_context(self.span))
+        ctx.run(_previous_step.set, "")
         self.task = asyncio.get_running_loop().create_task(workflow.run(event, Step(self)), context=ctx)
         outcome = "aborted"
         try:
@@ -251,8 +262,7 @@ class Run:
                     f'step "{record.name}" has a compensation but the replay did not reach it', "CompensationMissing"
                 )
             await step._do(
-                f"compensate:{record.name}", functools.partial(fn, record.output), None, None, None,
-                kind=StepKind.COMPENSATE,
+                record.name, functools.partial(fn, record.output), None, None, None, kind=StepKind.COMPENSATE
             )
 
     def _quiescent(self) -> bool:
@@ -354,20 +364,49 @@ class Run:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         check_step_name(name, self.limits)
+        if kind == StepKind.COMPENSATE:  # the engine's own: undoes the step of that name
+            return self.compensation_checkpoints.get(name)
         if name in self.seen:
             raise DuplicateStepName(f'step name "{name}" is used twice in one execution; step names must be unique')
-        self.seen.add(name)
         self.op_count += 1
         if self.op_count > self.limits.max_steps_per_workflow:
             raise LimitExceeded("max_steps_per_workflow", self.op_count, self.limits.max_steps_per_workflow)
+        previous = _previous_step.get()
         record = self.checkpoints.get(name)
+        self._check_determinism(name, kind, previous, record)
+        self.seen.add(name)
+        self._after[name] = previous
+        _previous_step.set(name)  # in this branch's context: a gathered branch has its own
+        return record
+
+    def _check_determinism(self, name: str, kind: str, previous: str, record: StepRecord | None) -> None:
+        """Replay must ask for the steps the instance checkpointed, in each branch's order.
+
+        Every checkpoint remembers the step before it in its branch; a step asked for
+        after another one than it followed, or a new step where a checkpointed one followed
+        the same step, means the code changed under the instance (register a new version).
+        """
+        changed = None
         if record is not None and record.kind != kind:
+            changed = f'step "{name}" was checkpointed as {record.kind} but the workflow now asks for it as {kind}'
+        elif record is not None and record.after is not None and record.after != previous:
+            changed = (
+                f'{kind} step "{name}" was checkpointed after {_step_label(record.after)} but the workflow now '
+                f"asks for it after {_step_label(previous)}"
+            )
+        elif record is None:
+            skipped = next((r for r in self.successors.get(previous, ()) if r.name not in self.seen), None)
+            if skipped is not None:
+                changed = (
+                    f'the workflow now asks for {kind} step "{name}" after {_step_label(previous)}, where it '
+                    f'checkpointed {skipped.kind} step "{skipped.name}"'
+                )
+        if changed is not None:
             self.fatal = NonDeterminismError(
-                f'step "{name}" was checkpointed as {record.kind} but the workflow now asks for it as {kind}; '
-                "the workflow code changed under a running instance (register a new version instead)"
+                f"{changed}: steps were renamed, added, removed or reordered under a running instance "
+                "(register a new version instead)"
             )
             raise self.fatal
-        return record
 
     def span_attributes(self, name: str, kind: str) -> dict[str, Any]:
         return {
@@ -383,7 +422,11 @@ class Run:
 
     def new_record(self, name: str, kind: str, status: str) -> StepRecord:
         self.next_seq += 1
-        return new_step_record(name, kind, status, self.next_seq)
+        record = new_step_record(name, kind, status, self.next_seq)
+        if kind != StepKind.COMPENSATE:
+            # begin_op made this step the branch's latest: the one before it was saved there.
+            record.after = self._after.get(name, "")
+        return record
 
     @asynccontextmanager
     async def activity(self) -> AsyncIterator[Activity]:
@@ -419,7 +462,7 @@ class Run:
             raise RunAborted(str(exc)) from None
         except DatabaseError as exc:
             status = await self._write_again(write, exc)
-        self.checkpoints[record.name] = record
+        (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[record.name] = record
         if status == "waitingForPause" and not self.pause_requested:
             self.request_pause()
         elif status == "running" and self.pause_requested:
@@ -459,7 +502,7 @@ class Run:
         mock = overrides.step_mocks.get((self.instance_id, record.name))
         if mock is not None:
             fn = call = _mocked(mock, call)
-        timed_out = StepTimeout(f'step "{record.name}" attempt {record.attempts} timed out after {timeout_ms} ms')
+        timed_out = StepTimeout(f'step "{record.label}" attempt {record.attempts} timed out after {timeout_ms} ms')
         if _is_async(fn):
             # In this task, under a deadline: no extra task per step; cancelled at the timeout.
             token = _current_step.set(context)
@@ -531,10 +574,10 @@ class Run:
             record,
             [
                 *(history or []),
-                History("step.failed", {"step": record.name, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
-                History("step.retry_scheduled", {"step": record.name, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
+                History("step.failed", {"step": record.label, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
+                History("step.retry_scheduled", {"step": record.label, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
             ],
-            error=self.error_record("workflow.step", name, message, stack, span, record.name, record.attempts),
+            error=self.error_record("workflow.step", name, message, stack, span, record.label, record.attempts),
         )
         self.notify("attempt_failed", self, record, exc)
 
@@ -547,7 +590,7 @@ class Run:
             record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
         elif not record.last_error_name:
             record.last_error_name = "StepFailed"
-            record.last_error_message = f'step "{record.name}" used all {record.attempts} attempts'
+            record.last_error_message = f'step "{record.label}" used all {record.attempts} attempts'
         record.status = StepStatus.FAILED
         record.completed_at = clock.now()
         record.wake_at = None
@@ -559,7 +602,7 @@ class Run:
             if record.kind in (StepKind.DO, StepKind.COMPENSATE):
                 spans.record_failed_attempt(span, record.attempts, record.max_attempts - 1, name, message, stack)
             spans.mark_error(span, exc)
-            error = self.error_record("workflow.step", name, message, stack, span, record.name, record.attempts)
+            error = self.error_record("workflow.step", name, message, stack, span, record.label, record.attempts)
         await self.write(
             record,
             [
@@ -567,7 +610,7 @@ class Run:
                 History(
                     "step.failed",
                     {
-                        "step": record.name, "attempt": record.attempts, "final": True,
+                        "step": record.label, "attempt": record.attempts, "final": True,
                         "error": {"name": record.last_error_name, "message": record.last_error_message},
                     },
                 ),
@@ -611,6 +654,10 @@ class Run:
             overrides.forced_event_timeouts.discard(forced)  # the next wait only
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
+
+
+def _step_label(name: str) -> str:
+    return f'step "{name}"' if name else "the start of its branch"
 
 
 def _mocked(mock: dict[str, Any], real: Callable[..., Any]) -> Callable[[], Any]:

@@ -207,14 +207,14 @@ class Step:
                 record = run.new_record(name, kind, StepStatus.RUNNING)
             record.max_attempts = policy.limit + 1
             record.has_compensation = compensate is not None
-            with spans.child_span(run.span, f"step {name}", run.span_attributes(name, kind)):
+            with spans.child_span(run.span, f"step {record.label}", run.span_attributes(record.label, kind)):
                 return await self._attempts(record, fn, policy, timeout_ms, activity)
 
     async def _attempts(
         self, record: StepRecord, fn: Callable[..., Any], policy: RetryPolicy, timeout_ms: int, activity: Any
     ) -> Any:
         """Attempt the step until it succeeds, fails for good, or must wait for a retry."""
-        run, name = self._run, record.name
+        run, name = self._run, record.label
         while True:
             if record.attempts >= policy.limit + 1:
                 # The limit may have been lowered after a crash: fail with the real last error.

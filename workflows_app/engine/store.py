@@ -47,13 +47,14 @@ HISTORY_TABLE = HistoryRecord._meta.db_table
 STEP_COLUMNS = (
     "instance_id", "name", "kind", "seq", "status", "output_json", "attempts", "max_attempts",
     "last_error_name", "last_error_message", "last_error_stack", "started_at", "completed_at",
-    "wake_at", "event_type", "event_schema_json", "has_compensation",
+    "wake_at", "event_type", "event_schema_json", "has_compensation", "after",
 )
-# One statement whether the step is new or not: a checkpoint is an upsert keyed by name.
+# One statement whether the step is new or not: a checkpoint is an upsert keyed by name
+# and kind (a compensation shares the name of the step it undoes).
 UPSERT_STEP_SQL = (
     f"INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join(['%s'] * len(STEP_COLUMNS))}) "
-    "ON CONFLICT (instance_id, name) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in STEP_COLUMNS[2:])
+    "ON CONFLICT (instance_id, kind, name) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in STEP_COLUMNS[3:])
 )
 
 
@@ -118,8 +119,9 @@ class NewInstance:
 @dataclass
 class LoadedRun:
     instance: Instance
-    steps: dict[str, StepRecord]
+    steps: dict[str, StepRecord]  # by name: the workflow's own steps
     events: list[InboxEvent]
+    compensations: dict[str, StepRecord] = field(default_factory=dict)  # by the name of the step undone
 
 
 # --- history -------------------------------------------------------------------------
@@ -346,7 +348,8 @@ def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
     """Several instances with all their checkpoints and unconsumed events: three queries."""
     runs = {i.pk: LoadedRun(i, {}, []) for i in Instance.objects.filter(id__in=list(pks))}
     for step in StepRecord.objects.filter(instance_id__in=list(runs)):
-        runs[step.instance_id].steps[step.name] = step
+        loaded = runs[step.instance_id]
+        (loaded.compensations if step.kind == StepKind.COMPENSATE else loaded.steps)[step.name] = step
     for event in InboxEvent.objects.filter(instance_id__in=list(runs), consumed_at__isnull=True).order_by("id"):
         runs[event.instance_id].events.append(event)
     return runs
@@ -587,7 +590,7 @@ def _write_step(
             pk, step.name, step.kind, step.seq, step.status, step.output_json, step.attempts,
             step.max_attempts, step.last_error_name, step.last_error_message, step.last_error_stack,
             _db_time(step.started_at), _db_time(step.completed_at), _db_time(step.wake_at),
-            step.event_type, step.event_schema_json, step.has_compensation,
+            step.event_type, step.event_schema_json, step.has_compensation, step.after,
         ])
     _insert_history(pk, first_seq, history, now)
     if error is not None:
@@ -612,7 +615,11 @@ def rewrite_step(w: StepWrite) -> str:
         held = Instance.objects.filter(id=w.pk, lease_token=w.token).values_list("status", flat=True).first()
         if held is None:
             raise LeaseLost(f"instance #{w.pk}: lease {w.token[:8]} is no longer held")
-        stored = StepRecord.objects.filter(instance_id=w.pk, name=w.step.name).values_list("status", "attempts").first()
+        stored = (
+            StepRecord.objects.filter(instance_id=w.pk, kind=w.step.kind, name=w.step.name)
+            .values_list("status", "attempts")
+            .first()
+        )
         if stored == (w.step.status, w.step.attempts):
             return held
         status = _write_step(w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error)
@@ -840,7 +847,7 @@ def restart(name: str, instance_id: str, limits: Limits, from_step: str | None =
         inst = _locked(name, instance_id)
         steps = StepRecord.objects.filter(instance_id=inst.pk)
         if from_step is not None:
-            anchor = steps.filter(name=from_step).values_list("seq", flat=True).first()
+            anchor = steps.exclude(kind=StepKind.COMPENSATE).filter(name=from_step).values_list("seq", flat=True).first()
             if anchor is None:
                 raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
             steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
