@@ -15,6 +15,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import permission_required
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
@@ -22,7 +23,7 @@ from django.views.decorators.http import require_GET, require_POST
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
 from .engine.errors import WorkflowError
-from .models import Instance
+from .models import Instance, Status
 
 View = Callable[..., HttpResponse]
 
@@ -51,7 +52,7 @@ def overview(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "workflows/overview.html",
-        {"summaries": dashboard.workflow_summaries(), "page": "overview"},
+        {"summaries": dashboard.workflow_summaries(), "page": "overview", "live": True},
     )
 
 
@@ -72,6 +73,7 @@ def instance_list(request: HttpRequest) -> HttpResponse:
         "workflows/instance_list.html",
         {
             "page": "instances",
+            "live": True,
             "form": form,
             "rows": page.rows,
             "older": page.older,
@@ -113,6 +115,7 @@ def _detail_context(pk: int) -> dict[str, Any]:
         raise Http404(f"no instance #{pk}") from None
     return {
         "page": "instances",
+        "live": True,
         "d": detail,
         "inst": detail.instance,
     }
@@ -178,36 +181,48 @@ def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
 
 
 def _pause(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Pause: instance is now {h.pause(actor=actor)}."
+    if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE:
+        return "Pause requested: the instance pauses when its running step finishes."
+    return "Paused."
 
 
 def _resume(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Resumed: instance is now {h.resume(actor=actor)}."
+    # resume() reports `running` for a moment; the run may park again at once (a sleep,
+    # an event wait), so the message promises only what resume does.
+    h.resume(actor=actor)
+    return "Resumed: the instance continues from its last checkpoint."
 
 
 def _terminate(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return "Terminated." if h.terminate(actor=actor) else "The instance had already finished."
+    if h.terminate(actor=actor):
+        return "Terminated."
+    return "Nothing to terminate: the instance had already finished."
 
 
 def _restart(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     from_step = _form_data(forms.RestartForm, request)["from_step"] or None
-    status = h.restart(from_step=from_step, actor=actor)
-    return f"Restarted{f' from step {from_step!r}' if from_step else ''}: instance is now {status}."
+    h.restart(from_step=from_step, actor=actor)
+    return f"Restarted from step “{from_step}”." if from_step else "Restarted from the beginning."
 
 
 def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Skipped {h.skip_sleep(actor=actor)} sleep(s)."
+    woken = h.skip_sleep(actor=actor)
+    if not woken:
+        return "Nothing to skip: the instance is not sleeping."
+    return "Skipped the sleep." if woken == 1 else f"Skipped {woken} sleeps."
 
 
 def _send_event(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     data = _form_data(forms.SendEventForm, request)
     h.send_event(data["type"], data["payload"], actor=actor)
-    return f"Sent event {data['type']!r}."
+    return f"Sent event “{data['type']}”."
 
 
 def _cancel(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     compensate = _form_data(forms.CancelForm, request)["compensate"]
-    return f"Cancelled: instance is now {h.cancel(compensate=compensate, actor=actor)}."
+    if h.cancel(compensate=compensate, actor=actor) == Status.COMPENSATING:
+        return "Cancelled: compensations are running, newest step first."
+    return "Cancelled."
 
 
 ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
@@ -230,8 +245,11 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     try:
         messages.success(request, ACTIONS[action](handle, request, request.user.get_username()))
     except (WorkflowError, ActionInputInvalid) as exc:
-        messages.error(request, f"{action}: {exc}")
+        messages.error(request, f"Could not {action.replace('-', ' ')}: {exc}")
     return _back(request, reverse("workflows:instance", args=[pk]))
+
+
+BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
 
 
 @dashboard_action
@@ -251,7 +269,7 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
         except WorkflowError as exc:
             failed.append(f"{row.instance_id}: {exc}")
     if done:
-        messages.success(request, f"{action.title()}: {done} instance(s).")
+        messages.success(request, f"{BULK_DONE[action]} {done} instance{pluralize(done)}.")
     for error in failed[:10]:
         messages.error(request, error)
     if len(failed) > 10:

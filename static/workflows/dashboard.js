@@ -291,8 +291,6 @@
   if (page && body.dataset.ws && "WebSocket" in window) {
     connect(page, MIN_BACKOFF_MS);
   } else {
-    body.dataset.socket = "off";
-    const label = document.querySelector(".live-label");
-    if (label) label.textContent = "static";
+    body.dataset.socket = "off"; // a page without live updates shows no live indicator
   }
 })();

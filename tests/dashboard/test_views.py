@@ -360,7 +360,7 @@ def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_
         reverse("workflows:bulk"), {"action": "resume", "pk": [*pks, c.row().pk]}, follow=True
     )
     page = response.content.decode()
-    assert "Resume: 2 instance(s)." in page and "cannot resume" in page
+    assert "Resumed 2 instances." in page and "cannot resume" in page
     operator_client.post(reverse("workflows:bulk"), {"action": "terminate", "pk": pks})
     assert a.status().status == "terminated" and b.status().status == "terminated"
 
@@ -369,6 +369,106 @@ def test_bulk_refuses_unknown_actions(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
     operator_client.post(reverse("workflows:bulk"), {"action": "restart", "pk": [inst.row().pk]})
     assert inst.status().status == "waiting"
+
+
+# --- words an operator reads (issue 17, item 3) --------------------------------------------
+
+
+@pytest.fixture
+def rejecting_workflow():
+    from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
+
+    def reject():
+        raise NonRetryableError("order 7 is missing its address", "ValidationError")
+
+    @register("dash-reject")
+    class DashReject(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("validate", reject, retries={"limit": 5, "delay": "1 second"})
+
+    yield "dash-reject"
+    registry.unregister("dash-reject")
+
+
+def detail_page(client, inst) -> str:
+    return client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+
+
+def step_row(page: str, name: str) -> str:
+    return re.search(rf'<tr data-step="{re.escape(name)}">.*?</tr>', page, re.DOTALL).group(0)
+
+
+def test_a_non_retryable_failure_shows_its_error_not_an_engine_marker_nor_a_retry_budget(
+    operator_client, rejecting_workflow
+):
+    inst = get_workflow(rejecting_workflow).create()
+    testing.run_until_idle()
+    assert inst.status().status == "errored"
+    page = detail_page(operator_client, inst)
+    row = step_row(page, "validate")
+    assert re.search(r'data-field="output"></td>', row)  # not the engine's {"nonretryable": true}
+    assert re.search(r'data-field="attempts">1 \(not retryable\)<', row)
+    assert "/6" not in row
+    assert "order 7 is missing its address" in row
+    assert "no output yet" not in page and "none: the instance errored" in page
+
+
+def test_a_wait_cut_short_by_cancel_reads_cancelled_not_failed(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(action_url(inst, "cancel"), {"compensate": "on"})
+    row = step_row(detail_page(operator_client, inst), "approval")
+    assert 'data-status="cancelled"' in row and 'data-status="failed"' not in row
+    assert "InstanceFinished" not in row and "the instance ended first" in row
+    assert "none: the instance was terminated" in detail_page(operator_client, inst)
+
+
+def test_the_head_says_what_a_waiting_instance_waits_for(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    assert inst.row().waiting_reason == ""  # the engine leaves it empty for an event wait
+    head = detail_page(operator_client, inst).split('data-section="actions"')[0]
+    assert "waiting for event “approval” (approval)" in head
+    inst.send_event("approval", {"ok": True})
+    testing.run_until_idle()
+    head = detail_page(operator_client, inst).split('data-section="actions"')[0]
+    assert "sleeping in “cool-off” until <time" in head
+
+
+def test_action_messages_say_what_happened_in_one_voice(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+
+    def say(action, data=None):
+        response = operator_client.post(action_url(inst, action), data or {}, follow=True)
+        return [str(m) for m in response.context["messages"]]
+
+    assert say("pause") == ["Paused."]
+    resumed = say("resume")
+    assert resumed == ["Resumed: the instance continues from its last checkpoint."]
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"  # so "now running" would have been wrong
+    [skipped] = say("skip-sleep")
+    assert skipped.startswith("Could not skip sleep: ") and "is not sleeping" in skipped
+    assert say("restart", {"from_step": "approval"}) == ["Restarted from step “approval”."]
+    assert say("resume") == ["Could not resume: " + str(_resume_error(inst))]
+    assert say("terminate") == ["Terminated."]
+    assert say("terminate") == ["Nothing to terminate: the instance had already finished."]
+
+
+def _resume_error(inst):
+    from workflows_app.engine.errors import WorkflowError
+
+    try:
+        inst.resume()
+    except WorkflowError as exc:
+        return exc
+    raise AssertionError("resume of a running instance should be refused")
+
+
+def test_pages_without_live_updates_show_no_live_indicator(operator_client):
+    errors_page = operator_client.get(reverse("workflows:errors")).content.decode()
+    assert "live-indicator" not in errors_page and "static" not in errors_page.lower().replace(
+        "/static/", ""
+    )
+    assert "live-indicator" in operator_client.get(reverse("workflows:instances")).content.decode()
 
 
 # --- escaping ------------------------------------------------------------------------------
@@ -527,7 +627,9 @@ def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, app
     )  # read as UTC it is 2 h off
 
 
-def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(operator_client, approval_workflow):
+def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(
+    operator_client, approval_workflow
+):
     get_workflow(approval_workflow).create(id="csp-1")
     for name in ("workflows:overview", "workflows:instances"):
         policy = operator_client.get(reverse(name))["Content-Security-Policy"]
