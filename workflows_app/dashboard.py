@@ -525,6 +525,15 @@ class InstanceDetail:
         )
 
     @property
+    def compensable_steps(self) -> list[str]:
+        """Completed steps whose compensation a cancel would run, newest first."""
+        return [
+            s.record.name
+            for s in reversed(self.steps)
+            if s.record.has_compensation and s.record.status == StepStatus.COMPLETE
+        ]
+
+    @property
     def restartable_steps(self) -> list[str]:
         return [s.record.name for s in self.steps if s.record.kind != StepKind.COMPENSATE]
 

@@ -178,6 +178,7 @@ def test_the_detail_page_shows_steps_history_pending_events_and_only_applicable_
     assert "Pending events" in page and "&quot;ok&quot;" in page  # the schema, escaped
     buttons = re.findall(r"<button[^>]*>([^<]+)</button>", page)
     assert {"Pause", "Terminate", "Restart", "Send event", "Cancel"} <= set(buttons)
+    assert "Restart from step" not in buttons
     assert "Resume" not in buttons and "Skip sleep" not in buttons
 
 
@@ -461,6 +462,45 @@ def _resume_error(inst):
     except WorkflowError as exc:
         return exc
     raise AssertionError("resume of a running instance should be refused")
+
+
+# --- the action bar (issue 17, item 5) -------------------------------------------------------
+
+
+def action_forms(page: str) -> dict[str, str]:
+    """Each action form of the detail page's action bar, by the action its URL names."""
+    bar = re.search(r'<section data-section="actions".*?</section>', page, re.DOTALL).group(0)
+    return {
+        m.group(2): m.group(0)
+        for m in re.finditer(r'<form[^>]*action="[^"]*/(\d+)/([\w-]+)/".*?</form>', bar, re.DOTALL)
+    }
+
+
+def test_the_action_bar_groups_stop_actions_explains_each_and_confirms_irreversible_ones(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow)
+    page = detail_page(operator_client, inst)
+    forms = action_forms(page)
+    assert set(forms) == {"pause", "restart", "terminate", "cancel"}
+    # One Restart, whose step list starts with "the beginning".
+    assert re.findall(r">Restart</button>", page) == [">Restart</button>"]
+    assert re.search(r'<select name="from_step"><option value="">the beginning</option>', page)
+    # Terminate and Cancel stand together, apart from the rest; no checkbox between them.
+    stop = re.search(r'class="action-group danger-zone".*?</div>', page, re.DOTALL).group(0)
+    assert ">Terminate</button>" in stop and ">Cancel</button>" in stop
+    assert 'type="checkbox"' not in stop
+    # Every button is described by a line that exists.
+    for action, form in forms.items():
+        hint_id = re.search(r'aria-describedby="([\w-]+)"', form).group(1)
+        assert re.search(rf'<span class="hint" id="{hint_id}">[^<]+', page), action
+    # Irreversible actions ask first; reversible ones do not, and the bar says so.
+    confirming = {action for action, form in forms.items() if "data-confirm=" in form}
+    assert confirming == {"restart", "terminate", "cancel"}
+    assert "Pause and Resume take effect at once and can be reversed" in page
+    assert "no completed step has a compensation yet" in forms["cancel"]
+    operator_client.post(action_url(inst, "pause"))
+    assert "data-confirm=" not in action_forms(detail_page(operator_client, inst))["resume"]
 
 
 def test_pages_without_live_updates_show_no_live_indicator(operator_client):
