@@ -524,6 +524,13 @@ class InstanceDetail:
             for s in self.steps
         )
 
+    def schema_for(self, event_type: str | None) -> str:
+        """The pretty schema a payload of that type must match (else the first wait's)."""
+        for p in self.pending:
+            if p.type == event_type:
+                return p.schema
+        return self.pending[0].schema if self.pending and not event_type else ""
+
     @property
     def compensable_steps(self) -> list[str]:
         """Completed steps whose compensation a cancel would run, newest first."""

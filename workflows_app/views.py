@@ -22,6 +22,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
+from .engine import errors
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 
@@ -108,16 +109,19 @@ def instance_fragment(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "workflows/_instance_live.html", _detail_context(pk))
 
 
-def _detail_context(pk: int) -> dict[str, Any]:
+def _detail_context(pk: int, event_form: forms.SendEventForm | None = None) -> dict[str, Any]:
     try:
         detail = dashboard.instance_detail(pk)
     except Instance.DoesNotExist:
         raise Http404(f"no instance #{pk}") from None
+    event_type = event_form["type"].value() if event_form is not None else None
     return {
         "page": "instances",
         "live": True,
         "d": detail,
         "inst": detail.instance,
+        "event_form": event_form,
+        "event_schema": detail.schema_for(event_type),
     }
 
 
@@ -212,12 +216,6 @@ def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     return "Skipped the sleep." if woken == 1 else f"Skipped {woken} sleeps."
 
 
-def _send_event(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    data = _form_data(forms.SendEventForm, request)
-    h.send_event(data["type"], data["payload"], actor=actor)
-    return f"Sent event “{data['type']}”."
-
-
 def _cancel(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     compensate = _form_data(forms.CancelForm, request)["compensate"]
     if h.cancel(compensate=compensate, actor=actor) == Status.COMPENSATING:
@@ -231,17 +229,18 @@ ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
     "terminate": _terminate,
     "restart": _restart,
     "skip-sleep": _skip_sleep,
-    "send-event": _send_event,
     "cancel": _cancel,
 }
 
 
 @dashboard_action
 def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
-    if action not in ACTIONS:
+    if action not in ACTIONS and action != "send-event":
         raise Http404(f"no action {action!r}")
     row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
     handle = InstanceHandle(row.workflow, row.instance_id, row)
+    if action == "send-event":
+        return _send_event_keeping_input(request, handle, pk)
     try:
         messages.success(request, ACTIONS[action](handle, request, request.user.get_username()))
     except (WorkflowError, ActionInputInvalid) as exc:
@@ -250,6 +249,33 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 
 
 BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
+
+
+def _send_event_keeping_input(request: HttpRequest, h: InstanceHandle, pk: int) -> HttpResponse:
+    """Send, or show the page again with the typed event kept and the error beside the form.
+
+    A refused payload is usually one field off: clearing it, or reporting it at the top of
+    the page, would make the operator retype it and hunt for the reason.
+    """
+    form = forms.SendEventForm(request.POST)
+    if form.is_valid():
+        try:
+            h.send_event(
+                form.cleaned_data["type"],
+                form.cleaned_data["payload"],
+                actor=request.user.get_username(),
+            )
+        except errors.EventPayloadInvalid as exc:
+            form.add_error("payload", str(exc))
+        except errors.InvalidEventType as exc:
+            form.add_error("type", str(exc))
+        except WorkflowError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Sent event “{form.cleaned_data['type']}”.")
+            return _back(request, reverse("workflows:instance", args=[pk]))
+    context = _detail_context(pk, event_form=form)
+    return render(request, "workflows/instance_detail.html", context, status=400)
 
 
 @dashboard_action

@@ -220,7 +220,10 @@
       keep.add(name);
       let current = root.querySelector(`:scope > [data-section="${name}"]`);
       const html = comparable(section.outerHTML);
-      if (!current || lastHTML.get(name) !== html) {
+      // A section holding input the server refused (data-keep) stays as it is: the
+      // operator is correcting it, and a refresh would wipe both the input and the error.
+      const held = current && current.dataset.keep;
+      if (!held && (!current || lastHTML.get(name) !== html)) {
         const node = document.importNode(section, true);
         if (current) { carryState(current, node); current.replaceWith(node); } else { root.append(node); }
         formatTimes(node);

@@ -268,12 +268,6 @@ def test_terminate_stops_the_instance(operator_client, approval_workflow):
 
 def test_send_event_validates_the_payload_against_the_schema(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
-    refused = operator_client.post(
-        action_url(inst, "send-event"),
-        {"type": "approval", "payload": '{"ok": "yes"}'},
-        follow=True,
-    )
-    assert "does not match the schema" in refused.content.decode()
     malformed = operator_client.post(
         action_url(inst, "send-event"), {"type": "approval", "payload": "{"}, follow=True
     )
@@ -283,6 +277,36 @@ def test_send_event_validates_the_payload_against_the_schema(operator_client, ap
     )
     testing.run_until_idle()
     assert [s.name for s in inst.steps()] == ["prepare", "approval", "cool-off"]
+
+
+def send_event_section(page: str) -> str:
+    return re.search(r'<section data-section="send-event".*?</section>', page, re.DOTALL).group(0)
+
+
+def test_a_refused_payload_stays_in_the_form_with_the_error_and_schema_beside_it(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow)
+    refused = operator_client.post(
+        action_url(inst, "send-event"), {"type": "approval", "payload": '{"ok": "yes", "n": 1}'}
+    )
+    assert refused.status_code == 400
+    page = refused.content.decode()
+    form = send_event_section(page)
+    assert ">{&quot;ok&quot;: &quot;yes&quot;, &quot;n&quot;: 1}</textarea>" in form
+    assert 'id="ev-type"' in form and 'value="approval"' in form
+    error = re.search(r'data-error-for="payload" role="alert">([^<]*)</p>', form).group(1)
+    assert "does not match the schema" in error and "&#x27;yes&#x27; is not of type" in error
+    assert '<details class="expected-payload" open>' in form and "&quot;required&quot;" in form
+    assert 'data-keep="refused input"' in form  # the live refresh leaves it alone
+    assert 'class="messages"' not in page  # not at the top of the page, far from the form
+    assert [p.type for p in inst.pending_events()] == ["approval"]  # nothing was consumed
+    bad_type = operator_client.post(action_url(inst, "send-event"), {"type": "-no", "payload": ""})
+    assert bad_type.status_code == 400
+    type_error = re.search(
+        r'data-error-for="type" role="alert">([^<]*)</p>', bad_type.content.decode()
+    )
+    assert "invalid event type" in type_error.group(1)
 
 
 def test_skip_sleep_wakes_the_sleeping_instance(operator_client, approval_workflow):
