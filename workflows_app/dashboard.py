@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, TypedDict
 
 from django.db.models import Count, Q, QuerySet
+from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
@@ -275,6 +276,49 @@ def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> li
 
 
 # --- instance detail ----------------------------------------------------------------------
+
+
+def instance_url(instance: Instance) -> str:
+    """The page of an instance: /workflows/<name>/<id>/, or by primary key when the
+    workflow's name cannot be a path segment (it may contain a slash)."""
+    try:
+        return reverse("workflows:instance", args=[instance.workflow, instance.instance_id])
+    except NoReverseMatch:
+        return reverse("workflows:instance-by-pk", args=[instance.pk])
+
+
+def find_instance_pk(workflow: str, instance_id: str) -> int | None:
+    return (
+        Instance.objects.filter(workflow=workflow, instance_id=instance_id)
+        .values_list("id", flat=True)
+        .first()
+    )
+
+
+RECENT_ON_WORKFLOW_PAGE = 20
+
+
+@dataclass
+class WorkflowPage:
+    summary: WorkflowSummary
+    catalog: list[WorkflowVersion]
+    registered_versions: set[int]
+    recent: list[Instance]
+
+
+def workflow_page(name: str) -> WorkflowPage | None:
+    """A workflow's versions, counts by status and newest instances; None if unknown."""
+    [summary] = workflow_summaries(only=name) or [WorkflowSummary(name)]
+    if not summary.versions and not summary.counts:
+        return None
+    catalog = list(WorkflowVersion.objects.filter(name=name).order_by("-version"))
+    registered = {d.version for d in all_definitions() if d.name == name}
+    recent = list(
+        Instance.objects.only(*ROW_FIELDS)
+        .filter(workflow=name)
+        .order_by("-id")[:RECENT_ON_WORKFLOW_PAGE]
+    )
+    return WorkflowPage(summary, catalog, registered, recent)
 
 
 def pretty_json(text: str | None) -> str:

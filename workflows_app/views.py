@@ -99,8 +99,28 @@ def instance_rows(request: HttpRequest) -> HttpResponse:
 
 
 @dashboard_page
-def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
+def workflow_detail(request: HttpRequest, name: str) -> HttpResponse:
+    page = dashboard.workflow_page(name)
+    if page is None:
+        raise Http404(f"no workflow {name!r}")
+    return render(
+        request, "workflows/workflow_detail.html", {"page": "overview", "live": False, "w": page}
+    )
+
+
+@dashboard_page
+def instance_detail(request: HttpRequest, name: str, instance_id: str) -> HttpResponse:
+    pk = dashboard.find_instance_pk(name, instance_id)
+    if pk is None:
+        raise Http404(f"workflow {name!r} has no instance {instance_id!r}")
     return render(request, "workflows/instance_detail.html", _detail_context(pk))
+
+
+@dashboard_page
+def instance_by_pk(request: HttpRequest, pk: int) -> HttpResponse:
+    """The old numeric address: redirect to the page named by workflow and instance id."""
+    row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
+    return redirect(dashboard.instance_url(row))
 
 
 @dashboard_page
@@ -165,7 +185,7 @@ def create_instance(request: HttpRequest) -> HttpResponse:
             form.add_error(None, str(exc))
         else:
             messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
-            return redirect("workflows:instance", pk=handle.row(refresh=False).pk)
+            return redirect(dashboard.instance_url(handle.row(refresh=False)))
     return render(
         request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400
     )
@@ -240,18 +260,20 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
     handle = InstanceHandle(row.workflow, row.instance_id, row)
     if action == "send-event":
-        return _send_event_keeping_input(request, handle, pk)
+        return _send_event_keeping_input(request, handle, row)
     try:
         messages.success(request, ACTIONS[action](handle, request, request.user.get_username()))
     except (WorkflowError, ActionInputInvalid) as exc:
         messages.error(request, f"Could not {action.replace('-', ' ')}: {exc}")
-    return _back(request, reverse("workflows:instance", args=[pk]))
+    return _back(request, dashboard.instance_url(row))
 
 
 BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
 
 
-def _send_event_keeping_input(request: HttpRequest, h: InstanceHandle, pk: int) -> HttpResponse:
+def _send_event_keeping_input(
+    request: HttpRequest, h: InstanceHandle, row: Instance
+) -> HttpResponse:
     """Send, or show the page again with the typed event kept and the error beside the form.
 
     A refused payload is usually one field off: clearing it, or reporting it at the top of
@@ -273,8 +295,8 @@ def _send_event_keeping_input(request: HttpRequest, h: InstanceHandle, pk: int) 
             form.add_error(None, str(exc))
         else:
             messages.success(request, f"Sent event “{form.cleaned_data['type']}”.")
-            return _back(request, reverse("workflows:instance", args=[pk]))
-    context = _detail_context(pk, event_form=form)
+            return _back(request, dashboard.instance_url(row))
+    context = _detail_context(row.pk, event_form=form)
     return render(request, "workflows/instance_detail.html", context, status=400)
 
 

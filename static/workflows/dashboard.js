@@ -145,7 +145,7 @@
     set("last_hour", String(s.last_hour));
     set("error_rate", s.error_rate === null ? "—" : `${(s.error_rate * 100).toFixed(1)}%`);
     const counts = card.querySelector(".counts");
-    const base = card.querySelector("h2 a").getAttribute("href");
+    const base = card.querySelector("h2 a").dataset.listUrl;
     const badges = Object.entries(s.counts).filter(([, n]) => n > 0).map(([status, n]) => {
       const a = document.createElement("a");
       a.className = "badge"; a.dataset.status = status;

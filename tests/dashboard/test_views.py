@@ -27,6 +27,11 @@ def waiting_instance(workflow: str, **kwargs):
     return inst
 
 
+def page_url(row) -> str:
+    """The detail page of an instance row, by workflow name and instance id."""
+    return reverse("workflows:instance", args=[row.workflow, row.instance_id])
+
+
 def action_url(inst, action: str) -> str:
     return reverse("workflows:action", args=[inst.row().pk, action])
 
@@ -83,7 +88,7 @@ def test_actions_enforce_csrf(operator, approval_workflow):
     client.force_login(operator)
     assert client.post(action_url(inst, "terminate")).status_code == 403
     assert inst.status().status == "waiting"
-    page = client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    page = client.get(page_url(inst.row())).content.decode()
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
     assert (
         client.post(action_url(inst, "terminate"), {"csrfmiddlewaretoken": token}).status_code
@@ -169,9 +174,7 @@ def test_the_detail_page_shows_steps_history_pending_events_and_only_applicable_
 ):
     inst = waiting_instance(approval_workflow, params={"items": 3})
     with django_assert_max_num_queries(12):
-        page = operator_client.get(
-            reverse("workflows:instance", args=[inst.row().pk])
-        ).content.decode()
+        page = operator_client.get(page_url(inst.row())).content.decode()
     assert 'data-status="waiting"' in page
     assert 'data-step="prepare"' in page and 'data-step="approval"' in page
     assert "instance.created" in page or "instance." in page
@@ -220,7 +223,7 @@ def test_create_makes_an_instance_and_redirects_to_it(operator_client, approval_
         },
     )
     inst = Instance.objects.get(instance_id="from-form")
-    assert response["Location"] == reverse("workflows:instance", args=[inst.pk])
+    assert response["Location"] == "/workflows/dash-approval/from-form/"
     assert inst.params == {"items": 2} and inst.created_by == "operator"
 
 
@@ -313,7 +316,7 @@ def test_skip_sleep_wakes_the_sleeping_instance(operator_client, approval_workfl
     inst = waiting_instance(approval_workflow)
     inst.send_event("approval", {"ok": True})
     testing.run_until_idle()
-    page = operator_client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    page = operator_client.get(page_url(inst.row())).content.decode()
     assert ">Skip sleep</button>" in page
     operator_client.post(action_url(inst, "skip-sleep"))
     testing.run_until_idle()
@@ -356,7 +359,10 @@ def test_unknown_actions_and_instances_are_404(operator_client, approval_workflo
     assert (
         operator_client.post(reverse("workflows:action", args=[999999, "pause"])).status_code == 404
     )
-    assert operator_client.get(reverse("workflows:instance", args=[999999])).status_code == 404
+    assert (
+        operator_client.get(reverse("workflows:instance-by-pk", args=[999999])).status_code == 404
+    )
+    assert operator_client.get(f"/workflows/{approval_workflow}/nope/").status_code == 404
 
 
 def test_actions_redirect_back_only_to_this_site(operator_client, approval_workflow):
@@ -369,7 +375,7 @@ def test_actions_redirect_back_only_to_this_site(operator_client, approval_workf
     )
     assert operator_client.post(action_url(inst, "resume"), {"next": "https://evil.example/"})[
         "Location"
-    ].startswith("/instances/")
+    ] == page_url(inst.row())
 
 
 def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_workflow):
@@ -416,7 +422,7 @@ def rejecting_workflow():
 
 
 def detail_page(client, inst) -> str:
-    return client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    return client.get(page_url(inst.row())).content.decode()
 
 
 def step_row(page: str, name: str) -> str:
@@ -535,6 +541,44 @@ def test_pages_without_live_updates_show_no_live_indicator(operator_client):
     assert "live-indicator" in operator_client.get(reverse("workflows:instances")).content.decode()
 
 
+# --- addresses (issue 17, item 7) ------------------------------------------------------------
+
+
+def test_an_instance_page_is_addressed_by_workflow_and_instance_id(
+    operator_client, approval_workflow
+):
+    inst = get_workflow(approval_workflow).create(id="order-1001")
+    response = operator_client.get("/workflows/dash-approval/order-1001/")
+    assert response.status_code == 200
+    assert '<h1 class="mono">order-1001</h1>' in response.content.decode()
+    # Ids are scoped by workflow: the same id under another name is not this instance.
+    assert operator_client.get("/workflows/other/order-1001/").status_code == 404
+    # The numeric address an old link or bookmark holds redirects to the named one.
+    old = operator_client.get(f"/instances/{inst.row().pk}/")
+    assert old.status_code == 302 and old["Location"] == "/workflows/dash-approval/order-1001/"
+    # Links on the list and the errors page use the named address; ids with ':' and '.' work.
+    get_workflow(approval_workflow).create(id="tenant:7.order-2")
+    listing = operator_client.get(reverse("workflows:instances")).content.decode()
+    assert 'href="/workflows/dash-approval/order-1001/"' in listing
+    assert operator_client.get("/workflows/dash-approval/tenant:7.order-2/").status_code == 200
+
+
+def test_the_workflow_page_shows_versions_counts_and_recent_instances(
+    operator_client, approval_workflow
+):
+    waiting_instance(approval_workflow, id="first")
+    get_workflow(approval_workflow).create(id="second").terminate()
+    page = operator_client.get("/workflows/dash-approval/").content.decode()
+    assert '<h1 class="mono">dash-approval</h1>' in page
+    assert 'data-version="1"' in page and ">yes<" in page  # registered in this process
+    assert re.search(r'data-status="waiting"[^>]*>waiting <b>1</b>', page)
+    assert re.search(r'data-status="terminated"[^>]*>terminated <b>1</b>', page)
+    assert page.index('data-instance-id="second"') < page.index('data-instance-id="first"')
+    assert operator_client.get("/workflows/no-such-workflow/").status_code == 404
+    overview = operator_client.get(reverse("workflows:overview")).content.decode()
+    assert '<h2><a href="/workflows/dash-approval/"' in overview
+
+
 # --- escaping ------------------------------------------------------------------------------
 
 
@@ -575,7 +619,7 @@ def test_user_data_is_escaped_everywhere(operator_client, approval_workflow):
         error_name=XSS, error_message=XSS, error_stack=XSS, output_json=json.dumps({"o": XSS})
     )
     for url in (
-        reverse("workflows:instance", args=[row.pk]),
+        page_url(row),
         reverse("workflows:instances"),
         reverse("workflows:errors"),
         reverse("workflows:instance-live", args=[row.pk]),
@@ -664,7 +708,7 @@ def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
         and early.width == 40
         and early.events == [{"left": 50.0, "name": "retry"}]
     )
-    page = operator_client.get(reverse("workflows:instance", args=[row.pk])).content.decode()
+    page = operator_client.get(page_url(row)).content.decode()
     assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
 
 
