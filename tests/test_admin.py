@@ -35,7 +35,16 @@ from workflows_app.models import (
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-MODELS = [Instance, StepRecord, HistoryRecord, InboxEvent, Span, ErrorRecord, WorkflowVersion, ApiToken]
+MODELS = [
+    Instance,
+    StepRecord,
+    HistoryRecord,
+    InboxEvent,
+    Span,
+    ErrorRecord,
+    WorkflowVersion,
+    ApiToken,
+]
 XSS = "<script>alert('x')</script>"
 
 
@@ -70,8 +79,11 @@ def change(obj: object) -> str:
 
 def act(client: Client, action: str, *rows: Instance) -> list[str]:
     """Run an admin action on instances; returns the messages it showed."""
-    response = client.post(changelist(Instance), {"action": action, "_selected_action": [r.pk for r in rows]},
-                           follow=True)
+    response = client.post(
+        changelist(Instance),
+        {"action": action, "_selected_action": [r.pk for r in rows]},
+        follow=True,
+    )
     assert response.status_code == 200
     return [str(m) for m in response.context["messages"]]
 
@@ -83,10 +95,26 @@ def some_of_everything() -> Instance:
     handle.send_event("other", {"html": XSS})
     row = handle.row()
     now = timezone.now()
-    Span.objects.create(instance=row, trace_id=row.trace_id, span_id="a" * 16, name=f"step {XSS}", kind="INTERNAL",
-                        start_time=now, end_time=now + timedelta(milliseconds=5), attributes={"x": XSS})
-    ErrorRecord.objects.create(instance=row, workflow=APPROVAL, source="workflow.step", step_name="charge",
-                               attempt=1, name="ValueError", message=XSS, created_at=now)
+    Span.objects.create(
+        instance=row,
+        trace_id=row.trace_id,
+        span_id="a" * 16,
+        name=f"step {XSS}",
+        kind="INTERNAL",
+        start_time=now,
+        end_time=now + timedelta(milliseconds=5),
+        attributes={"x": XSS},
+    )
+    ErrorRecord.objects.create(
+        instance=row,
+        workflow=APPROVAL,
+        source="workflow.step",
+        step_name="charge",
+        attempt=1,
+        name="ValueError",
+        message=XSS,
+        created_at=now,
+    )
     ApiToken.objects.create(name="svc", token_hash="0" * 64, prefix="wf_abcde", created_at=now)
     return row
 
@@ -129,8 +157,12 @@ def test_an_instance_cannot_be_edited_added_or_deleted_while_it_runs_in_the_admi
     before = snapshot()
     assert admin_client.post(change(row), {"status": "complete"}).status_code == 403
     assert admin_client.get(reverse("admin:workflows_app_instance_add")).status_code == 403
-    assert admin_client.post(reverse("admin:workflows_app_instance_delete", args=[row.pk]),
-                             {"post": "yes"}).status_code == 403
+    assert (
+        admin_client.post(
+            reverse("admin:workflows_app_instance_delete", args=[row.pk]), {"post": "yes"}
+        ).status_code
+        == 403
+    )
     assert snapshot() == before
 
 
@@ -148,8 +180,15 @@ def test_pause_resume_terminate_and_restart_act_as_the_admin_user(admin_client):
     act(admin_client, "restart", row)
     assert Instance.objects.get(pk=row.pk).status == "running"
     actors = dict(HistoryRecord.objects.filter(instance=row).values_list("type", "actor"))
-    assert {actors[t] for t in ("instance.paused", "instance.resumed", "instance.terminated",
-                                "instance.restarted")} == {"boss"}
+    assert {
+        actors[t]
+        for t in (
+            "instance.paused",
+            "instance.resumed",
+            "instance.terminated",
+            "instance.restarted",
+        )
+    } == {"boss"}
 
 
 def test_cancel_runs_the_compensations(admin_client):
@@ -187,8 +226,9 @@ def test_a_staff_user_without_change_permission_cannot_run_actions():
 def test_a_finished_instance_can_be_deleted(admin_client):
     handle = get_workflow(SIMPLE).create(id="s-1")
     testing.run_until_idle()
-    response = admin_client.post(reverse("admin:workflows_app_instance_delete", args=[handle.row().pk]),
-                                 {"post": "yes"})
+    response = admin_client.post(
+        reverse("admin:workflows_app_instance_delete", args=[handle.row().pk]), {"post": "yes"}
+    )
     assert response.status_code == 302
     assert not Instance.objects.exists() and not StepRecord.objects.exists()
 
@@ -198,8 +238,9 @@ def test_a_finished_instance_can_be_deleted(admin_client):
 
 def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_client):
     ops = User.objects.create_user("ops")
-    response = admin_client.post(reverse("admin:workflows_app_apitoken_add"), {"name": "deploy", "user": ops.pk},
-                                 follow=True)
+    response = admin_client.post(
+        reverse("admin:workflows_app_apitoken_add"), {"name": "deploy", "user": ops.pk}, follow=True
+    )
     shown = [str(m) for m in response.context["messages"] if "copy it now" in str(m)]
     assert len(shown) == 1
     secret = re.search(r"(wf_\S+)", shown[0]).group(1)
@@ -212,7 +253,10 @@ def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_cli
 
 def test_revoking_tokens_in_the_admin(admin_client):
     ApiToken.objects.create(name="svc", token_hash="1" * 64, created_at=timezone.now())
-    response = admin_client.post(changelist(ApiToken), {
-        "action": "revoke_tokens", "_selected_action": [ApiToken.objects.get().pk]}, follow=True)
+    response = admin_client.post(
+        changelist(ApiToken),
+        {"action": "revoke_tokens", "_selected_action": [ApiToken.objects.get().pk]},
+        follow=True,
+    )
     assert "Revoked 1 token(s)." in [str(m) for m in response.context["messages"]]
     assert ApiToken.objects.get().revoked_at is not None

@@ -39,7 +39,9 @@ class EngineChannelsWorker(ChannelsWorker):
         # A private channel in the workers' group, so broadcast hints (terminate) reach us.
         private = await self.channel_layer.new_channel()
         await join_workers_group(private)
-        listeners = [asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels]
+        listeners = [
+            asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
+        ]
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
         log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
         try:
@@ -47,7 +49,6 @@ class EngineChannelsWorker(ChannelsWorker):
         finally:
             for listener in listeners:
                 listener.cancel()
-
 
     async def keep_listening(self, listen: Callable[[str], Awaitable[None]], channel: str) -> None:
         """A channel-layer error (Redis restarting, a read timeout) must not silence the
@@ -58,7 +59,9 @@ class EngineChannelsWorker(ChannelsWorker):
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.warning("wfdash worker: receiving on %s failed; listening again", channel, exc_info=True)
+                log.warning(
+                    "wfdash worker: receiving on %s failed; listening again", channel, exc_info=True
+                )
                 await asyncio.sleep(LISTEN_RETRY_SECONDS)
 
     async def hints(self, channel: str) -> None:
