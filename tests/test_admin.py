@@ -233,6 +233,57 @@ def test_a_finished_instance_can_be_deleted(admin_client):
     assert not Instance.objects.exists() and not StepRecord.objects.exists()
 
 
+# --- an instance's own page (issue 17, item 8) ------------------------------------------
+
+
+def test_an_instance_page_offers_the_actions_and_they_act_on_that_instance(admin_client):
+    row = waiting_approval("o-1").row()
+    other = waiting_approval("o-2").row()
+    page = admin_client.get(change(row)).content.decode()
+    act_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "pause"])
+    assert f'action="{act_url}"' in page and ">Pause</button>" in page
+    assert ">Cancel and compensate</button>" in page
+    response = admin_client.post(act_url, follow=True)
+    assert response.redirect_chain[-1][0] == change(row)
+    assert [str(m) for m in response.context["messages"]] == ["Pause: 1 instance(s)."]
+    assert Instance.objects.get(pk=row.pk).status == "paused"
+    assert Instance.objects.get(pk=other.pk).status == "waiting"
+    assert admin_client.get(act_url).status_code == 405
+    assert (
+        admin_client.post(
+            reverse("admin:workflows_app_instance_act", args=[row.pk, "x"])
+        ).status_code
+        == 404
+    )
+
+
+def test_an_instance_page_offers_no_actions_to_a_viewer_and_refuses_them():
+    row = waiting_approval("o-1").row()
+    viewer = staff_client("viewer", "view_instance")
+    page = viewer.get(change(row)).content.decode()
+    assert "wf-action" not in page.replace("workflows/admin.css", "")
+    before = snapshot()
+    act_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "terminate"])
+    assert viewer.post(act_url).status_code == 403
+    assert snapshot() == before
+
+
+def test_history_rows_read_as_sequence_and_type_not_as_object_numbers(admin_client):
+    row = waiting_approval("o-1").row()
+    page = admin_client.get(change(row)).content.decode()
+    assert "HistoryRecord object" not in page
+    assert "#1 instance.created" in page
+
+
+def test_the_instance_list_keeps_ids_on_one_line_in_few_columns(admin_client):
+    waiting_approval("order-with-a-rather-long-identifier-0001")
+    page = admin_client.get(changelist(Instance)).content.decode()
+    assert '<span class="wf-id">order-with-a-rather-long-identifier-0001</span>' in page
+    assert "workflows/admin.css" in page
+    headers = re.findall(r'<th scope="col" class="(?:sortable )?column-(\w+)', page)
+    assert len(headers) <= 7, headers
+
+
 # --- tokens -----------------------------------------------------------------------------
 
 
