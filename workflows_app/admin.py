@@ -196,8 +196,8 @@ class InstanceAdmin(admin.ModelAdmin):
         "workflow",
         "version",
         "status",
-        "created_at",
-        "finished_at",
+        "created",
+        "finished",
         "error_name",
     )
     list_display_links = ("instance_label",)
@@ -273,6 +273,16 @@ class InstanceAdmin(admin.ModelAdmin):
     def instance_label(self, obj: Instance) -> SafeString:
         # One line, monospaced, whatever its length: a UUID must not wrap onto four lines.
         return format_html('<span class="wf-id">{}</span>', obj.instance_id)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: Instance) -> str:
+        return timezone.localtime(obj.created_at).strftime("%Y-%m-%d %H:%M:%S")
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Instance) -> str:
+        if obj.finished_at is None:
+            return "-"
+        return timezone.localtime(obj.finished_at).strftime("%Y-%m-%d %H:%M:%S")
 
     def get_urls(self) -> list[Any]:
         return [
