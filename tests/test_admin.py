@@ -35,7 +35,16 @@ from workflows_app.models import (
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-MODELS = [Instance, StepRecord, HistoryRecord, InboxEvent, Span, ErrorRecord, WorkflowVersion, ApiToken]
+MODELS = [
+    Instance,
+    StepRecord,
+    HistoryRecord,
+    InboxEvent,
+    Span,
+    ErrorRecord,
+    WorkflowVersion,
+    ApiToken,
+]
 XSS = "<script>alert('x')</script>"
 
 
@@ -70,8 +79,11 @@ def change(obj: object) -> str:
 
 def act(client: Client, action: str, *rows: Instance) -> list[str]:
     """Run an admin action on instances; returns the messages it showed."""
-    response = client.post(changelist(Instance), {"action": action, "_selected_action": [r.pk for r in rows]},
-                           follow=True)
+    response = client.post(
+        changelist(Instance),
+        {"action": action, "_selected_action": [r.pk for r in rows]},
+        follow=True,
+    )
     assert response.status_code == 200
     return [str(m) for m in response.context["messages"]]
 
@@ -83,10 +95,26 @@ def some_of_everything() -> Instance:
     handle.send_event("other", {"html": XSS})
     row = handle.row()
     now = timezone.now()
-    Span.objects.create(instance=row, trace_id=row.trace_id, span_id="a" * 16, name=f"step {XSS}", kind="INTERNAL",
-                        start_time=now, end_time=now + timedelta(milliseconds=5), attributes={"x": XSS})
-    ErrorRecord.objects.create(instance=row, workflow=APPROVAL, source="workflow.step", step_name="charge",
-                               attempt=1, name="ValueError", message=XSS, created_at=now)
+    Span.objects.create(
+        instance=row,
+        trace_id=row.trace_id,
+        span_id="a" * 16,
+        name=f"step {XSS}",
+        kind="INTERNAL",
+        start_time=now,
+        end_time=now + timedelta(milliseconds=5),
+        attributes={"x": XSS},
+    )
+    ErrorRecord.objects.create(
+        instance=row,
+        workflow=APPROVAL,
+        source="workflow.step",
+        step_name="charge",
+        attempt=1,
+        name="ValueError",
+        message=XSS,
+        created_at=now,
+    )
     ApiToken.objects.create(name="svc", token_hash="0" * 64, prefix="wf_abcde", created_at=now)
     return row
 
@@ -129,8 +157,12 @@ def test_an_instance_cannot_be_edited_added_or_deleted_while_it_runs_in_the_admi
     before = snapshot()
     assert admin_client.post(change(row), {"status": "complete"}).status_code == 403
     assert admin_client.get(reverse("admin:workflows_app_instance_add")).status_code == 403
-    assert admin_client.post(reverse("admin:workflows_app_instance_delete", args=[row.pk]),
-                             {"post": "yes"}).status_code == 403
+    assert (
+        admin_client.post(
+            reverse("admin:workflows_app_instance_delete", args=[row.pk]), {"post": "yes"}
+        ).status_code
+        == 403
+    )
     assert snapshot() == before
 
 
@@ -148,8 +180,15 @@ def test_pause_resume_terminate_and_restart_act_as_the_admin_user(admin_client):
     act(admin_client, "restart", row)
     assert Instance.objects.get(pk=row.pk).status == "running"
     actors = dict(HistoryRecord.objects.filter(instance=row).values_list("type", "actor"))
-    assert {actors[t] for t in ("instance.paused", "instance.resumed", "instance.terminated",
-                                "instance.restarted")} == {"boss"}
+    assert {
+        actors[t]
+        for t in (
+            "instance.paused",
+            "instance.resumed",
+            "instance.terminated",
+            "instance.restarted",
+        )
+    } == {"boss"}
 
 
 def test_cancel_runs_the_compensations(admin_client):
@@ -188,10 +227,62 @@ def test_a_staff_user_without_change_permission_cannot_run_actions():
 def test_a_finished_instance_can_be_deleted(admin_client):
     handle = get_workflow(SIMPLE).create(id="s-1")
     testing.run_until_idle()
-    response = admin_client.post(reverse("admin:workflows_app_instance_delete", args=[handle.row().pk]),
-                                 {"post": "yes"})
+    response = admin_client.post(
+        reverse("admin:workflows_app_instance_delete", args=[handle.row().pk]), {"post": "yes"}
+    )
     assert response.status_code == 302
     assert not Instance.objects.exists() and not StepRecord.objects.exists()
+
+
+# --- an instance's own page (issue 17, item 8) ------------------------------------------
+
+
+def test_an_instance_page_offers_the_actions_and_they_act_on_that_instance(admin_client):
+    row = waiting_approval("o-1").row()
+    other = waiting_approval("o-2").row()
+    page = admin_client.get(change(row)).content.decode()
+    act_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "pause"])
+    assert f'action="{act_url}"' in page and ">Pause</button>" in page
+    assert ">Cancel and compensate</button>" in page
+    response = admin_client.post(act_url, follow=True)
+    assert response.redirect_chain[-1][0] == change(row)
+    assert [str(m) for m in response.context["messages"]] == ["Pause: 1 instance(s)."]
+    assert Instance.objects.get(pk=row.pk).status == "paused"
+    assert Instance.objects.get(pk=other.pk).status == "waiting"
+    assert admin_client.get(act_url).status_code == 405
+    assert (
+        admin_client.post(
+            reverse("admin:workflows_app_instance_act", args=[row.pk, "x"])
+        ).status_code
+        == 404
+    )
+
+
+def test_an_instance_page_offers_no_actions_to_a_viewer_and_refuses_them():
+    row = waiting_approval("o-1").row()
+    viewer = staff_client("viewer", "view_instance")
+    page = viewer.get(change(row)).content.decode()
+    assert "wf-action" not in page.replace("workflows/admin.css", "")
+    before = snapshot()
+    act_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "terminate"])
+    assert viewer.post(act_url).status_code == 403
+    assert snapshot() == before
+
+
+def test_history_rows_read_as_sequence_and_type_not_as_object_numbers(admin_client):
+    row = waiting_approval("o-1").row()
+    page = admin_client.get(change(row)).content.decode()
+    assert "HistoryRecord object" not in page
+    assert "#1 instance.created" in page
+
+
+def test_the_instance_list_keeps_ids_on_one_line_in_few_columns(admin_client):
+    waiting_approval("order-with-a-rather-long-identifier-0001")
+    page = admin_client.get(changelist(Instance)).content.decode()
+    assert '<span class="wf-id">order-with-a-rather-long-identifier-0001</span>' in page
+    assert "workflows/admin.css" in page
+    headers = re.findall(r'<th scope="col" class="(?:sortable )?column-(\w+)', page)
+    assert len(headers) <= 7, headers
 
 
 # --- tokens -----------------------------------------------------------------------------
@@ -199,8 +290,9 @@ def test_a_finished_instance_can_be_deleted(admin_client):
 
 def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_client):
     ops = User.objects.create_user("ops")
-    response = admin_client.post(reverse("admin:workflows_app_apitoken_add"), {"name": "deploy", "user": ops.pk},
-                                 follow=True)
+    response = admin_client.post(
+        reverse("admin:workflows_app_apitoken_add"), {"name": "deploy", "user": ops.pk}, follow=True
+    )
     shown = [str(m) for m in response.context["messages"] if "copy it now" in str(m)]
     assert len(shown) == 1
     secret = re.search(r"(wf_\S+)", shown[0]).group(1)
@@ -213,7 +305,10 @@ def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_cli
 
 def test_revoking_tokens_in_the_admin(admin_client):
     ApiToken.objects.create(name="svc", token_hash="1" * 64, created_at=timezone.now())
-    response = admin_client.post(changelist(ApiToken), {
-        "action": "revoke_tokens", "_selected_action": [ApiToken.objects.get().pk]}, follow=True)
+    response = admin_client.post(
+        changelist(ApiToken),
+        {"action": "revoke_tokens", "_selected_action": [ApiToken.objects.get().pk]},
+        follow=True,
+    )
     assert "Revoked 1 token(s)." in [str(m) for m in response.context["messages"]]
     assert ApiToken.objects.get().revoked_at is not None

@@ -156,7 +156,9 @@ def page(browser: Browser, server: LiveServer) -> Iterator[Page]:
     context.set_default_timeout(UI_TIMEOUT_MS)
     page = context.new_page()
     refused: list[str] = []  # anything the page's Content-Security-Policy blocked
-    page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
+    page.on(
+        "console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None
+    )
     page.goto("/admin/login/?next=/")
     page.fill("#id_username", "admin")
     page.fill("#id_password", "admin")
@@ -412,7 +414,9 @@ def test_the_trace_marks_a_failed_step_and_its_run_as_errors(page: Page) -> None
     create_from_form(page, "data-pipeline", "e2e-corrupt", '{"corrupt": true, "flaky_attempts": 0}')
     expect(badge(page)).to_have_attribute("data-status", "errored", timeout=30_000)
     expect(page.locator('[data-section="trace"] ol.waterfall > li.span')).to_have_count(4)
-    expect(trace_span(page, "create data-pipeline")).not_to_have_class(re.compile(r"\bspan-error\b"))
+    expect(trace_span(page, "create data-pipeline")).not_to_have_class(
+        re.compile(r"\bspan-error\b")
+    )
     expect(trace_span(page, "step extract")).not_to_have_class(re.compile(r"\bspan-error\b"))
     run = trace_span(page, "workflow data-pipeline")
     expect(run).to_have_class("span span-error")
@@ -425,3 +429,55 @@ def test_the_trace_marks_a_failed_step_and_its_run_as_errors(page: Page) -> None
     expect(detail).to_be_visible()
     expect(detail).to_contain_text("status ERROR")
     expect(detail).to_contain_text("input contains corrupt rows")
+
+
+def test_a_refused_payload_stays_in_the_form_beside_its_error(page: Page) -> None:
+    create_from_form(page, "order-approval", "e2e-refused", '{"amount": 5}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    page.fill("#ev-type", "approval")
+    page.fill("#ev-payload", '{"ok": "yes"}')
+    page.get_by_role("button", name="Send event", exact=True).click()
+    error = page.locator('[data-section="send-event"] [data-error-for="payload"]')
+    expect(error).to_contain_text("does not match the schema")
+    expect(page.locator("#ev-payload")).to_have_value('{"ok": "yes"}')
+    expect(page.locator("#ev-payload")).to_have_attribute("aria-invalid", "true")
+    expect(page.locator('[data-section="send-event"] .expected-payload pre')).to_contain_text(
+        '"required"'
+    )
+    expect(page.locator(".msg.error")).to_have_count(0)  # not at the top of the page
+    # A live update of the page (the instance pauses) leaves the corrected input alone.
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    page.fill("#ev-payload", '{"ok": tru')
+    page.evaluate(
+        """async () => {
+            const token = document.querySelector('[name=csrfmiddlewaretoken]').value;
+            await fetch(`/instances/${document.body.dataset.pk}/pause/`, { method: "POST",
+              redirect: "manual", headers: { "X-CSRFToken": token }, credentials: "same-origin" });
+        }"""
+    )
+    expect(badge(page)).to_have_attribute("data-status", "paused")
+    expect(page.locator('[data-section="actions"]')).to_contain_text("Resume")  # refreshed live
+    expect(page.locator("#ev-payload")).to_have_value('{"ok": tru')
+
+
+NARROW = {"width": 390, "height": 844}  # a phone
+
+
+def test_a_390px_wide_page_does_not_scroll_sideways(page: Page) -> None:
+    create_from_form(
+        page,
+        "data-pipeline",
+        "e2e-narrow-with-a-long-identifier-0001",
+        '{"corrupt": true, "flaky_attempts": 0}',
+    )
+    expect(badge(page)).to_have_attribute("data-status", "errored", timeout=30_000)
+    detail = page.url
+    page.set_viewport_size(NARROW)
+    for url in ("/", "/instances/", detail, "/errors/", "/workflows/data-pipeline/"):
+        page.goto(url)
+        expect(page.locator("main")).to_be_visible()
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= NARROW["width"], f"{url} is {width} px wide at 390 px"
+    page.goto("/instances/")
+    page.get_by_text("New instance").click()
+    assert page.evaluate("document.documentElement.scrollWidth") <= NARROW["width"]

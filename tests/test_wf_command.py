@@ -340,7 +340,7 @@ def test_demo_creates_instances_and_a_superuser_once():
     assert "created superuser 'admin'" in out
     user = User.objects.get(username="admin")
     assert user.is_superuser and user.is_staff and user.check_password("secret")
-    assert Instance.objects.filter(workflow__in=["order-approval", "data-pipeline", "trial-reminder"]).count() == 8
+    assert Instance.objects.filter(workflow__in=["order-approval", "data-pipeline", "trial-reminder"]).count() == 5
     assert "exists; left unchanged" in wf("demo", "--superuser", "admin:other")
     user.refresh_from_db()
     assert user.check_password("secret")

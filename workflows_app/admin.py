@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.shortcuts import redirect
+from django.urls import path
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -45,7 +47,9 @@ def pretty_json(value: Any) -> SafeString:
     return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
 
 
-def json_field(attribute: str | Callable[[Any], Any], description: str) -> Callable[[Any, Any], SafeString]:
+def json_field(
+    attribute: str | Callable[[Any], Any], description: str
+) -> Callable[[Any, Any], SafeString]:
     """A read-only admin column showing a (decoded) JSON attribute of the object."""
 
     def show(self: Any, obj: Any) -> SafeString:
@@ -82,8 +86,17 @@ class ReadOnlyInline(admin.TabularInline):
 
 class StepInline(ReadOnlyInline):
     model = StepRecord
-    fields = readonly_fields = ("seq", "name", "kind", "status", "attempts", "started_at", "completed_at",
-                                "last_error_name", "last_error_message")
+    fields = readonly_fields = (
+        "seq",
+        "name",
+        "kind",
+        "status",
+        "attempts",
+        "started_at",
+        "completed_at",
+        "last_error_name",
+        "last_error_message",
+    )
     ordering = ("seq",)
 
 
@@ -97,8 +110,13 @@ class HistoryInline(ReadOnlyInline):
 # --- instance actions -------------------------------------------------------------------------
 
 
-def run_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance],
-               verb: str, act: Callable[[InstanceHandle, str], Any]) -> None:
+def run_action(
+    modeladmin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Instance],
+    verb: str,
+    act: Callable[[InstanceHandle, str], Any],
+) -> None:
     """Apply one client call to each selected instance; report successes and each failure."""
     if not request.user.has_perm(CHANGE_INSTANCE):
         raise PermissionDenied
@@ -112,7 +130,9 @@ def run_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: Que
         except errors.WorkflowError as exc:
             modeladmin.message_user(request, f"Could not {verb} {row}: {exc}", messages.ERROR)
     if done:
-        modeladmin.message_user(request, f"{verb.capitalize()}: {done} instance(s).", messages.SUCCESS)
+        modeladmin.message_user(
+            request, f"{verb.capitalize()}: {done} instance(s).", messages.SUCCESS
+        )
 
 
 @admin.action(description="Pause selected instances", permissions=["change"])
@@ -121,31 +141,76 @@ def pause(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet
 
 
 @admin.action(description="Resume selected instances", permissions=["change"])
-def resume(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+def resume(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> None:
     run_action(modeladmin, request, queryset, "resume", lambda h, actor: h.resume(actor=actor))
 
 
 @admin.action(description="Terminate selected instances", permissions=["change"])
-def terminate(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
-    run_action(modeladmin, request, queryset, "terminate", lambda h, actor: h.terminate(actor=actor))
+def terminate(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> None:
+    run_action(
+        modeladmin, request, queryset, "terminate", lambda h, actor: h.terminate(actor=actor)
+    )
 
 
 @admin.action(description="Restart selected instances from the beginning", permissions=["change"])
-def restart(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
+def restart(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> None:
     run_action(modeladmin, request, queryset, "restart", lambda h, actor: h.restart(actor=actor))
 
 
-@admin.action(description="Cancel selected instances (compensating completed steps)", permissions=["change"])
-def cancel(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
-    run_action(modeladmin, request, queryset, "cancel", lambda h, actor: h.cancel(compensate=True, actor=actor))
+@admin.action(
+    description="Cancel selected instances (compensating completed steps)", permissions=["change"]
+)
+def cancel(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> None:
+    run_action(
+        modeladmin,
+        request,
+        queryset,
+        "cancel",
+        lambda h, actor: h.cancel(compensate=True, actor=actor),
+    )
+
+
+# The actions an instance's own admin page offers as buttons: verb, label, admin action.
+INSTANCE_PAGE_ACTIONS = {
+    "pause": ("Pause", pause),
+    "resume": ("Resume", resume),
+    "restart": ("Restart from the beginning", restart),
+    "terminate": ("Terminate", terminate),
+    "cancel": ("Cancel and compensate", cancel),
+}
 
 
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
-    list_display = ("instance_id", "workflow", "version", "status", "created_at", "updated_at", "finished_at",
-                    "error_name")
+    # Few, compact columns: at 1,400 px with the filter sidebar every column stays visible.
+    list_display = (
+        "instance_label",
+        "workflow",
+        "version",
+        "status",
+        "created",
+        "finished",
+        "error_name",
+    )
+    list_display_links = ("instance_label",)
+    change_form_template = "admin/workflows_app/instance/change_form.html"
     list_filter = ("status", "workflow", "version", "created_at")
-    search_fields = ("instance_id", "workflow", "idempotency_key", "created_by", "error_name", "error_message")
+    search_fields = (
+        "instance_id",
+        "workflow",
+        "idempotency_key",
+        "created_by",
+        "error_name",
+        "error_message",
+    )
     date_hierarchy = "created_at"
     ordering = ("-id",)
     actions = (pause, resume, terminate, restart, cancel)
@@ -153,14 +218,110 @@ class InstanceAdmin(admin.ModelAdmin):
     params = json_field("params", "params")
     output_pretty = json_field("output", "output")
     fieldsets = (
-        (None, {"fields": ("workflow", "instance_id", "version", "status", "waiting_reason", "created_by",
-                           "idempotency_key")}),
-        ("Data", {"fields": ("params", "output_pretty", "error_name", "error_message", "error_stack")}),
-        ("Times", {"fields": ("created_at", "updated_at", "started_at", "finished_at", "wake_at", "expires_at")}),
-        ("Engine", {"classes": ("collapse",), "fields": (
-            "run_count", "lease_owner", "lease_expires_at", "unproductive_claims", "trace_id", "retention_ms")}),
+        (
+            None,
+            {
+                "fields": (
+                    "workflow",
+                    "instance_id",
+                    "version",
+                    "status",
+                    "waiting_reason",
+                    "created_by",
+                    "idempotency_key",
+                )
+            },
+        ),
+        (
+            "Data",
+            {"fields": ("params", "output_pretty", "error_name", "error_message", "error_stack")},
+        ),
+        (
+            "Times",
+            {
+                "fields": (
+                    "created_at",
+                    "updated_at",
+                    "started_at",
+                    "finished_at",
+                    "wake_at",
+                    "expires_at",
+                )
+            },
+        ),
+        (
+            "Engine",
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    "run_count",
+                    "lease_owner",
+                    "lease_expires_at",
+                    "unproductive_claims",
+                    "trace_id",
+                    "retention_ms",
+                ),
+            },
+        ),
     )
     readonly_fields = tuple(f for _, options in fieldsets for f in options["fields"])
+
+    class Media:
+        css: ClassVar[dict[str, tuple[str, ...]]] = {"all": ("workflows/admin.css",)}
+
+    @admin.display(description="instance", ordering="instance_id")
+    def instance_label(self, obj: Instance) -> SafeString:
+        # One line, monospaced, whatever its length: a UUID must not wrap onto four lines.
+        return format_html('<span class="wf-id">{}</span>', obj.instance_id)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: Instance) -> str:
+        return timezone.localtime(obj.created_at).strftime("%Y-%m-%d %H:%M:%S")
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Instance) -> str:
+        if obj.finished_at is None:
+            return "-"
+        return timezone.localtime(obj.finished_at).strftime("%Y-%m-%d %H:%M:%S")
+
+    def get_urls(self) -> list[Any]:
+        return [
+            path(
+                "<int:pk>/act/<slug:verb>/",
+                self.admin_site.admin_view(self.instance_page_action),
+                name="workflows_app_instance_act",
+            ),
+            *super().get_urls(),
+        ]
+
+    def instance_page_action(self, request: HttpRequest, pk: int, verb: str) -> HttpResponse:
+        """A button of an instance's own page: the same admin action, on that one instance."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if verb not in INSTANCE_PAGE_ACTIONS:
+            raise Http404(f"no action {verb!r}")
+        _label, action = INSTANCE_PAGE_ACTIONS[verb]
+        action(self, request, Instance.objects.filter(pk=pk))  # checks the change permission
+        return redirect("admin:workflows_app_instance_change", pk)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        can_act = request.user.has_perm(CHANGE_INSTANCE)
+        buttons = [
+            (verb, label, verb in ("terminate", "cancel"))
+            for verb, (label, _action) in INSTANCE_PAGE_ACTIONS.items()
+        ]
+        return super().change_view(
+            request,
+            object_id,
+            form_url,
+            {**(extra_context or {}), "instance_actions": buttons if can_act else []},
+        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # instances start through the client (dashboard, API, `wf start`)
@@ -171,9 +332,15 @@ class InstanceAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Instance | None = None) -> bool:
         # Only finished instances may go (prune does it by retention); not under a live worker.
-        return obj is not None and obj.status in FINISHED_STATUSES and super().has_delete_permission(request, obj)
+        return (
+            obj is not None
+            and obj.status in FINISHED_STATUSES
+            and super().has_delete_permission(request, obj)
+        )
 
-    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, Any, set[str], Any]:
+    def get_deleted_objects(
+        self, objs: Any, request: HttpRequest
+    ) -> tuple[Any, Any, set[str], Any]:
         # Steps, events, history and spans belong to the instance: deleting it may take them
         # although their own admins refuse deleting them one by one.
         deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
@@ -196,9 +363,23 @@ class StepRecordAdmin(ReadOnlyAdmin):
     output_pretty = json_field("output", "output")
     event_schema = json_field(lambda step: decode_json(step.event_schema_json), "event schema")
     readonly_fields = fields = (
-        "instance", "name", "kind", "seq", "status", "output_pretty", "attempts", "max_attempts",
-        "last_error_name", "last_error_message", "last_error_stack", "started_at", "completed_at", "wake_at",
-        "event_type", "event_schema", "has_compensation",
+        "instance",
+        "name",
+        "kind",
+        "seq",
+        "status",
+        "output_pretty",
+        "attempts",
+        "max_attempts",
+        "last_error_name",
+        "last_error_message",
+        "last_error_stack",
+        "started_at",
+        "completed_at",
+        "wake_at",
+        "event_type",
+        "event_schema",
+        "has_compensation",
     )
 
 
@@ -209,7 +390,14 @@ class HistoryRecordAdmin(ReadOnlyAdmin):
     search_fields = ("instance__instance_id", "type", "actor")
     list_select_related = ("instance",)
     data_pretty = json_field("data", "data")
-    readonly_fields = fields = ("instance", "sequence", "created_at", "type", "actor", "data_pretty")
+    readonly_fields = fields = (
+        "instance",
+        "sequence",
+        "created_at",
+        "type",
+        "actor",
+        "data_pretty",
+    )
 
 
 @admin.register(InboxEvent)
@@ -219,8 +407,15 @@ class InboxEventAdmin(ReadOnlyAdmin):
     search_fields = ("type", "instance__instance_id", "actor", "consumed_by")
     list_select_related = ("instance",)
     payload_pretty = json_field("payload", "payload")
-    readonly_fields = fields = ("instance", "type", "payload_pretty", "actor", "created_at", "consumed_at",
-                                "consumed_by")
+    readonly_fields = fields = (
+        "instance",
+        "type",
+        "payload_pretty",
+        "actor",
+        "created_at",
+        "consumed_at",
+        "consumed_by",
+    )
 
 
 @admin.register(Span)
@@ -233,8 +428,19 @@ class SpanAdmin(ReadOnlyAdmin):
     events_pretty = json_field("events", "events")
     links_pretty = json_field("links", "links")
     readonly_fields = fields = (
-        "instance", "name", "kind", "trace_id", "span_id", "parent_span_id", "start_time", "end_time",
-        "status_code", "status_message", "attributes_pretty", "events_pretty", "links_pretty",
+        "instance",
+        "name",
+        "kind",
+        "trace_id",
+        "span_id",
+        "parent_span_id",
+        "start_time",
+        "end_time",
+        "status_code",
+        "status_message",
+        "attributes_pretty",
+        "events_pretty",
+        "links_pretty",
     )
 
     @admin.display(description="duration (ms)")
@@ -244,12 +450,32 @@ class SpanAdmin(ReadOnlyAdmin):
 
 @admin.register(ErrorRecord)
 class ErrorRecordAdmin(ReadOnlyAdmin):
-    list_display = ("created_at", "name", "short_message", "workflow", "instance", "step_name", "attempt", "source")
+    list_display = (
+        "created_at",
+        "name",
+        "short_message",
+        "workflow",
+        "instance",
+        "step_name",
+        "attempt",
+        "source",
+    )
     list_filter = ("workflow", "source", "name")
     search_fields = ("name", "message", "step_name", "trace_id", "instance__instance_id")
     list_select_related = ("instance",)
-    readonly_fields = fields = ("instance", "workflow", "source", "step_name", "attempt", "name", "message",
-                                "stack", "trace_id", "span_id", "created_at")
+    readonly_fields = fields = (
+        "instance",
+        "workflow",
+        "source",
+        "step_name",
+        "attempt",
+        "name",
+        "message",
+        "stack",
+        "trace_id",
+        "span_id",
+        "created_at",
+    )
 
     @admin.display(description="message")
     def short_message(self, obj: ErrorRecord) -> str:
@@ -261,7 +487,14 @@ class WorkflowVersionAdmin(ReadOnlyAdmin):
     list_display = ("name", "version", "short_hash", "class_path", "registered_at", "last_seen_at")
     list_filter = ("name",)
     search_fields = ("name", "class_path", "source_hash")
-    readonly_fields = fields = ("name", "version", "source_hash", "class_path", "registered_at", "last_seen_at")
+    readonly_fields = fields = (
+        "name",
+        "version",
+        "source_hash",
+        "class_path",
+        "registered_at",
+        "last_seen_at",
+    )
 
     @admin.display(description="source hash")
     def short_hash(self, obj: WorkflowVersion) -> str:
@@ -269,7 +502,9 @@ class WorkflowVersionAdmin(ReadOnlyAdmin):
 
 
 @admin.action(description="Revoke selected tokens", permissions=["change"])
-def revoke_tokens(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
+def revoke_tokens(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]
+) -> None:
     count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
     modeladmin.message_user(request, f"Revoked {count} token(s).", messages.SUCCESS)
 
@@ -283,12 +518,22 @@ class ApiTokenAdmin(admin.ModelAdmin):
     search_fields = ("name", "prefix", "user__username")
     actions = (revoke_tokens,)
     add_fields = ("name", "user")
-    all_fields = ("name", "user", "prefix", "token_hash", "created_at", "last_used_at", "revoked_at")
+    all_fields = (
+        "name",
+        "user",
+        "prefix",
+        "token_hash",
+        "created_at",
+        "last_used_at",
+        "revoked_at",
+    )
 
     def get_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
         return self.add_fields if obj is None else self.all_fields
 
-    def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ApiToken | None = None
+    ) -> tuple[str, ...]:
         return () if obj is None else self.all_fields
 
     def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:

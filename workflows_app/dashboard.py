@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, TypedDict
 
 from django.db.models import Count, Q, QuerySet
+from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
@@ -277,6 +278,49 @@ def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> li
 # --- instance detail ----------------------------------------------------------------------
 
 
+def instance_url(instance: Instance) -> str:
+    """The page of an instance: /workflows/<name>/<id>/, or by primary key when the
+    workflow's name cannot be a path segment (it may contain a slash)."""
+    try:
+        return reverse("workflows:instance", args=[instance.workflow, instance.instance_id])
+    except NoReverseMatch:
+        return reverse("workflows:instance-by-pk", args=[instance.pk])
+
+
+def find_instance_pk(workflow: str, instance_id: str) -> int | None:
+    return (
+        Instance.objects.filter(workflow=workflow, instance_id=instance_id)
+        .values_list("id", flat=True)
+        .first()
+    )
+
+
+RECENT_ON_WORKFLOW_PAGE = 20
+
+
+@dataclass
+class WorkflowPage:
+    summary: WorkflowSummary
+    catalog: list[WorkflowVersion]
+    registered_versions: set[int]
+    recent: list[Instance]
+
+
+def workflow_page(name: str) -> WorkflowPage | None:
+    """A workflow's versions, counts by status and newest instances; None if unknown."""
+    [summary] = workflow_summaries(only=name) or [WorkflowSummary(name)]
+    if not summary.versions and not summary.counts:
+        return None
+    catalog = list(WorkflowVersion.objects.filter(name=name).order_by("-version"))
+    registered = {d.version for d in all_definitions() if d.name == name}
+    recent = list(
+        Instance.objects.only(*ROW_FIELDS)
+        .filter(workflow=name)
+        .order_by("-id")[:RECENT_ON_WORKFLOW_PAGE]
+    )
+    return WorkflowPage(summary, catalog, registered, recent)
+
+
 def pretty_json(text: str | None) -> str:
     """Indented JSON for <pre> blocks (the template escapes it)."""
     if text is None:
@@ -370,11 +414,53 @@ def _event_time(event: Any) -> datetime | None:
     return None
 
 
+# The engine closes a step that never finished with this error when its instance ends
+# (terminated, cancelled): the step did not fail, it was cut short.
+STEP_CUT_SHORT = "InstanceFinished"
+
+
 @dataclass
 class StepView:
-    """A step row with its output pretty-printed once."""
+    """A step row as an operator reads it: the engine's bookkeeping turned into words."""
 
     record: StepRecord
+
+    @property
+    def was_cut_short(self) -> bool:
+        """The instance finished (terminate, cancel) while this step was still open."""
+        return (
+            self.record.status == StepStatus.FAILED
+            and self.record.last_error_name == STEP_CUT_SHORT
+        )
+
+    @property
+    def display_status(self) -> str:
+        return "cancelled" if self.was_cut_short else self.record.status
+
+    @property
+    def failed_for_good_at_once(self) -> bool:
+        """Failed by a NonRetryableError: no retry was ever scheduled, whatever the limit."""
+        if self.record.status != StepStatus.FAILED or self.was_cut_short:
+            return False
+        try:
+            marker = json.loads(self.record.output_json or "{}")
+        except ValueError:
+            return False
+        return isinstance(marker, dict) and marker.get("nonretryable") is True
+
+    @property
+    def attempts_label(self) -> str:
+        r = self.record
+        if r.kind in (StepKind.SLEEP, StepKind.SLEEP_UNTIL, StepKind.WAIT_FOR_EVENT):
+            return "—"  # a sleep or a wait has no attempts to count
+        if self.failed_for_good_at_once:
+            return f"{r.attempts} (not retryable)"
+        return f"{r.attempts}/{r.max_attempts}"
+
+    @property
+    def has_output(self) -> bool:
+        """Only a completed step has an output: a failed one stores an engine marker there."""
+        return self.record.status == StepStatus.COMPLETE and self.record.output_json is not None
 
     @cached_property
     def output_pretty(self) -> str:
@@ -386,6 +472,13 @@ class StepView:
             len(self.output_pretty) > LARGE_OUTPUT_CHARS
             or "\n" in self.output_pretty.strip()[:LARGE_OUTPUT_CHARS]
         )
+
+
+@dataclass
+class WaitReason:
+    text: str
+    at: datetime | None
+    at_label: str = ""
 
 
 @dataclass
@@ -412,6 +505,46 @@ class InstanceDetail:
         return pretty_json(self.instance.params_json)
 
     @property
+    def no_output_text(self) -> str:
+        """What the Output panel says when there is none."""
+        status = self.instance.status
+        if status == Status.ERRORED:
+            return "none: the instance errored"
+        if status == Status.TERMINATED:
+            return "none: the instance was terminated"
+        if status == Status.COMPLETE:
+            return "none"
+        return "no output yet"
+
+    @property
+    def waiting_on(self) -> list[WaitReason]:
+        """Why a waiting instance waits: the engine's reason, else what its open steps say."""
+        if self.instance.status not in (Status.WAITING, Status.PAUSED, Status.WAITING_FOR_PAUSE):
+            return []
+        if self.instance.waiting_reason:
+            return [WaitReason(self.instance.waiting_reason, None)]
+        reasons = []
+        for s in self.steps:
+            r = s.record
+            if r.status == StepStatus.WAITING and r.kind == StepKind.WAIT_FOR_EVENT:
+                reasons.append(
+                    WaitReason(
+                        f"waiting for event “{r.event_type}” ({r.name})", r.wake_at, "times out"
+                    )
+                )
+            elif r.status == StepStatus.WAITING:
+                reasons.append(WaitReason(f"sleeping in “{r.name}”", r.wake_at, "until"))
+            elif r.status == StepStatus.RETRYING:
+                reasons.append(
+                    WaitReason(
+                        f"retrying “{r.name}” (attempt {r.attempts + 1} of {r.max_attempts})",
+                        r.wake_at,
+                        "at",
+                    )
+                )
+        return reasons
+
+    @property
     def output_pretty(self) -> str:
         return pretty_json(self.instance.output_json)
 
@@ -434,6 +567,22 @@ class InstanceDetail:
             and s.record.status == StepStatus.WAITING
             for s in self.steps
         )
+
+    def schema_for(self, event_type: str | None) -> str:
+        """The pretty schema a payload of that type must match (else the first wait's)."""
+        for p in self.pending:
+            if p.type == event_type:
+                return p.schema
+        return self.pending[0].schema if self.pending and not event_type else ""
+
+    @property
+    def compensable_steps(self) -> list[str]:
+        """Completed steps whose compensation a cancel would run, newest first."""
+        return [
+            s.record.name
+            for s in reversed(self.steps)
+            if s.record.has_compensation and s.record.status == StepStatus.COMPLETE
+        ]
 
     @property
     def restartable_steps(self) -> list[str]:

@@ -244,6 +244,9 @@ class HistoryRecord(models.Model):
         constraints = [models.UniqueConstraint(fields=["instance", "sequence"], name="history_seq_per_instance")]
         ordering = ["instance", "sequence"]
 
+    def __str__(self) -> str:
+        return f"#{self.sequence} {self.type}"
+
 
 class Span(models.Model):
     """A finished OpenTelemetry span, stored for the dashboard's trace waterfall."""

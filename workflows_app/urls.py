@@ -10,7 +10,11 @@ urlpatterns = [
     path("instances/rows/", views.instance_rows, name="instance-rows"),
     path("instances/create/", views.create_instance, name="create"),
     path("instances/bulk/", views.bulk_action, name="bulk"),
-    path("instances/<int:pk>/", views.instance_detail, name="instance"),
+    # Pages are addressed by workflow and instance id, so an id from a log opens its page;
+    # the numeric address redirects there. Live fragments and actions keep the primary key.
+    path("workflows/<str:name>/", views.workflow_detail, name="workflow"),
+    path("workflows/<str:name>/<str:instance_id>/", views.instance_detail, name="instance"),
+    path("instances/<int:pk>/", views.instance_by_pk, name="instance-by-pk"),
     path("instances/<int:pk>/live/", views.instance_fragment, name="instance-live"),
     path("instances/<int:pk>/<slug:action>/", views.instance_action, name="action"),
     path("errors/", views.error_list, name="errors"),

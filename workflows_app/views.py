@@ -15,14 +15,16 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import permission_required
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
+from .engine import errors
 from .engine.errors import WorkflowError
-from .models import Instance
+from .models import Instance, Status
 
 View = Callable[..., HttpResponse]
 
@@ -51,7 +53,7 @@ def overview(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "workflows/overview.html",
-        {"summaries": dashboard.workflow_summaries(), "page": "overview"},
+        {"summaries": dashboard.workflow_summaries(), "page": "overview", "live": True},
     )
 
 
@@ -72,6 +74,7 @@ def instance_list(request: HttpRequest) -> HttpResponse:
         "workflows/instance_list.html",
         {
             "page": "instances",
+            "live": True,
             "form": form,
             "rows": page.rows,
             "older": page.older,
@@ -96,8 +99,28 @@ def instance_rows(request: HttpRequest) -> HttpResponse:
 
 
 @dashboard_page
-def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
+def workflow_detail(request: HttpRequest, name: str) -> HttpResponse:
+    page = dashboard.workflow_page(name)
+    if page is None:
+        raise Http404(f"no workflow {name!r}")
+    return render(
+        request, "workflows/workflow_detail.html", {"page": "overview", "live": False, "w": page}
+    )
+
+
+@dashboard_page
+def instance_detail(request: HttpRequest, name: str, instance_id: str) -> HttpResponse:
+    pk = dashboard.find_instance_pk(name, instance_id)
+    if pk is None:
+        raise Http404(f"workflow {name!r} has no instance {instance_id!r}")
     return render(request, "workflows/instance_detail.html", _detail_context(pk))
+
+
+@dashboard_page
+def instance_by_pk(request: HttpRequest, pk: int) -> HttpResponse:
+    """The old numeric address: redirect to the page named by workflow and instance id."""
+    row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
+    return redirect(dashboard.instance_url(row))
 
 
 @dashboard_page
@@ -106,15 +129,19 @@ def instance_fragment(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "workflows/_instance_live.html", _detail_context(pk))
 
 
-def _detail_context(pk: int) -> dict[str, Any]:
+def _detail_context(pk: int, event_form: forms.SendEventForm | None = None) -> dict[str, Any]:
     try:
         detail = dashboard.instance_detail(pk)
     except Instance.DoesNotExist:
         raise Http404(f"no instance #{pk}") from None
+    event_type = event_form["type"].value() if event_form is not None else None
     return {
         "page": "instances",
+        "live": True,
         "d": detail,
         "inst": detail.instance,
+        "event_form": event_form,
+        "event_schema": detail.schema_for(event_type),
     }
 
 
@@ -158,7 +185,7 @@ def create_instance(request: HttpRequest) -> HttpResponse:
             form.add_error(None, str(exc))
         else:
             messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
-            return redirect("workflows:instance", pk=handle.row(refresh=False).pk)
+            return redirect(dashboard.instance_url(handle.row(refresh=False)))
     return render(
         request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400
     )
@@ -178,36 +205,42 @@ def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
 
 
 def _pause(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Pause: instance is now {h.pause(actor=actor)}."
+    if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE:
+        return "Pause requested: the instance pauses when its running step finishes."
+    return "Paused."
 
 
 def _resume(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Resumed: instance is now {h.resume(actor=actor)}."
+    # resume() reports `running` for a moment; the run may park again at once (a sleep,
+    # an event wait), so the message promises only what resume does.
+    h.resume(actor=actor)
+    return "Resumed: the instance continues from its last checkpoint."
 
 
 def _terminate(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return "Terminated." if h.terminate(actor=actor) else "The instance had already finished."
+    if h.terminate(actor=actor):
+        return "Terminated."
+    return "Nothing to terminate: the instance had already finished."
 
 
 def _restart(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     from_step = _form_data(forms.RestartForm, request)["from_step"] or None
-    status = h.restart(from_step=from_step, actor=actor)
-    return f"Restarted{f' from step {from_step!r}' if from_step else ''}: instance is now {status}."
+    h.restart(from_step=from_step, actor=actor)
+    return f"Restarted from step “{from_step}”." if from_step else "Restarted from the beginning."
 
 
 def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    return f"Skipped {h.skip_sleep(actor=actor)} sleep(s)."
-
-
-def _send_event(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    data = _form_data(forms.SendEventForm, request)
-    h.send_event(data["type"], data["payload"], actor=actor)
-    return f"Sent event {data['type']!r}."
+    woken = h.skip_sleep(actor=actor)
+    if not woken:
+        return "Nothing to skip: the instance is not sleeping."
+    return "Skipped the sleep." if woken == 1 else f"Skipped {woken} sleeps."
 
 
 def _cancel(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
     compensate = _form_data(forms.CancelForm, request)["compensate"]
-    return f"Cancelled: instance is now {h.cancel(compensate=compensate, actor=actor)}."
+    if h.cancel(compensate=compensate, actor=actor) == Status.COMPENSATING:
+        return "Cancelled: compensations are running, newest step first."
+    return "Cancelled."
 
 
 ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
@@ -216,22 +249,55 @@ ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
     "terminate": _terminate,
     "restart": _restart,
     "skip-sleep": _skip_sleep,
-    "send-event": _send_event,
     "cancel": _cancel,
 }
 
 
 @dashboard_action
 def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
-    if action not in ACTIONS:
+    if action not in ACTIONS and action != "send-event":
         raise Http404(f"no action {action!r}")
     row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
     handle = InstanceHandle(row.workflow, row.instance_id, row)
+    if action == "send-event":
+        return _send_event_keeping_input(request, handle, row)
     try:
         messages.success(request, ACTIONS[action](handle, request, request.user.get_username()))
     except (WorkflowError, ActionInputInvalid) as exc:
-        messages.error(request, f"{action}: {exc}")
-    return _back(request, reverse("workflows:instance", args=[pk]))
+        messages.error(request, f"Could not {action.replace('-', ' ')}: {exc}")
+    return _back(request, dashboard.instance_url(row))
+
+
+BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
+
+
+def _send_event_keeping_input(
+    request: HttpRequest, h: InstanceHandle, row: Instance
+) -> HttpResponse:
+    """Send, or show the page again with the typed event kept and the error beside the form.
+
+    A refused payload is usually one field off: clearing it, or reporting it at the top of
+    the page, would make the operator retype it and hunt for the reason.
+    """
+    form = forms.SendEventForm(request.POST)
+    if form.is_valid():
+        try:
+            h.send_event(
+                form.cleaned_data["type"],
+                form.cleaned_data["payload"],
+                actor=request.user.get_username(),
+            )
+        except errors.EventPayloadInvalid as exc:
+            form.add_error("payload", str(exc))
+        except errors.InvalidEventType as exc:
+            form.add_error("type", str(exc))
+        except WorkflowError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Sent event “{form.cleaned_data['type']}”.")
+            return _back(request, dashboard.instance_url(row))
+    context = _detail_context(row.pk, event_form=form)
+    return render(request, "workflows/instance_detail.html", context, status=400)
 
 
 @dashboard_action
@@ -251,7 +317,7 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
         except WorkflowError as exc:
             failed.append(f"{row.instance_id}: {exc}")
     if done:
-        messages.success(request, f"{action.title()}: {done} instance(s).")
+        messages.success(request, f"{BULK_DONE[action]} {done} instance{pluralize(done)}.")
     for error in failed[:10]:
         messages.error(request, error)
     if len(failed) > 10:

@@ -145,7 +145,7 @@
     set("last_hour", String(s.last_hour));
     set("error_rate", s.error_rate === null ? "—" : `${(s.error_rate * 100).toFixed(1)}%`);
     const counts = card.querySelector(".counts");
-    const base = card.querySelector("h2 a").getAttribute("href");
+    const base = card.querySelector("h2 a").dataset.listUrl;
     const badges = Object.entries(s.counts).filter(([, n]) => n > 0).map(([status, n]) => {
       const a = document.createElement("a");
       a.className = "badge"; a.dataset.status = status;
@@ -220,7 +220,10 @@
       keep.add(name);
       let current = root.querySelector(`:scope > [data-section="${name}"]`);
       const html = comparable(section.outerHTML);
-      if (!current || lastHTML.get(name) !== html) {
+      // A section holding input the server refused (data-keep) stays as it is: the
+      // operator is correcting it, and a refresh would wipe both the input and the error.
+      const held = current && current.dataset.keep;
+      if (!held && (!current || lastHTML.get(name) !== html)) {
         const node = document.importNode(section, true);
         if (current) { carryState(current, node); current.replaceWith(node); } else { root.append(node); }
         formatTimes(node);
@@ -291,8 +294,6 @@
   if (page && body.dataset.ws && "WebSocket" in window) {
     connect(page, MIN_BACKOFF_MS);
   } else {
-    body.dataset.socket = "off";
-    const label = document.querySelector(".live-label");
-    if (label) label.textContent = "static";
+    body.dataset.socket = "off"; // a page without live updates shows no live indicator
   }
 })();

@@ -27,6 +27,11 @@ def waiting_instance(workflow: str, **kwargs):
     return inst
 
 
+def page_url(row) -> str:
+    """The detail page of an instance row, by workflow name and instance id."""
+    return reverse("workflows:instance", args=[row.workflow, row.instance_id])
+
+
 def action_url(inst, action: str) -> str:
     return reverse("workflows:action", args=[inst.row().pk, action])
 
@@ -83,7 +88,7 @@ def test_actions_enforce_csrf(operator, approval_workflow):
     client.force_login(operator)
     assert client.post(action_url(inst, "terminate")).status_code == 403
     assert inst.status().status == "waiting"
-    page = client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    page = client.get(page_url(inst.row())).content.decode()
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
     assert (
         client.post(action_url(inst, "terminate"), {"csrfmiddlewaretoken": token}).status_code
@@ -169,15 +174,14 @@ def test_the_detail_page_shows_steps_history_pending_events_and_only_applicable_
 ):
     inst = waiting_instance(approval_workflow, params={"items": 3})
     with django_assert_max_num_queries(12):
-        page = operator_client.get(
-            reverse("workflows:instance", args=[inst.row().pk])
-        ).content.decode()
+        page = operator_client.get(page_url(inst.row())).content.decode()
     assert 'data-status="waiting"' in page
     assert 'data-step="prepare"' in page and 'data-step="approval"' in page
     assert "instance.created" in page or "instance." in page
     assert "Pending events" in page and "&quot;ok&quot;" in page  # the schema, escaped
     buttons = re.findall(r"<button[^>]*>([^<]+)</button>", page)
     assert {"Pause", "Terminate", "Restart", "Send event", "Cancel"} <= set(buttons)
+    assert "Restart from step" not in buttons
     assert "Resume" not in buttons and "Skip sleep" not in buttons
 
 
@@ -219,7 +223,7 @@ def test_create_makes_an_instance_and_redirects_to_it(operator_client, approval_
         },
     )
     inst = Instance.objects.get(instance_id="from-form")
-    assert response["Location"] == reverse("workflows:instance", args=[inst.pk])
+    assert response["Location"] == "/workflows/dash-approval/from-form/"
     assert inst.params == {"items": 2} and inst.created_by == "operator"
 
 
@@ -267,12 +271,6 @@ def test_terminate_stops_the_instance(operator_client, approval_workflow):
 
 def test_send_event_validates_the_payload_against_the_schema(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
-    refused = operator_client.post(
-        action_url(inst, "send-event"),
-        {"type": "approval", "payload": '{"ok": "yes"}'},
-        follow=True,
-    )
-    assert "does not match the schema" in refused.content.decode()
     malformed = operator_client.post(
         action_url(inst, "send-event"), {"type": "approval", "payload": "{"}, follow=True
     )
@@ -284,11 +282,41 @@ def test_send_event_validates_the_payload_against_the_schema(operator_client, ap
     assert [s.name for s in inst.steps()] == ["prepare", "approval", "cool-off"]
 
 
+def send_event_section(page: str) -> str:
+    return re.search(r'<section data-section="send-event".*?</section>', page, re.DOTALL).group(0)
+
+
+def test_a_refused_payload_stays_in_the_form_with_the_error_and_schema_beside_it(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow)
+    refused = operator_client.post(
+        action_url(inst, "send-event"), {"type": "approval", "payload": '{"ok": "yes", "n": 1}'}
+    )
+    assert refused.status_code == 400
+    page = refused.content.decode()
+    form = send_event_section(page)
+    assert ">{&quot;ok&quot;: &quot;yes&quot;, &quot;n&quot;: 1}</textarea>" in form
+    assert 'id="ev-type"' in form and 'value="approval"' in form
+    error = re.search(r'data-error-for="payload" role="alert">([^<]*)</p>', form).group(1)
+    assert "does not match the schema" in error and "&#x27;yes&#x27; is not of type" in error
+    assert '<details class="expected-payload" open>' in form and "&quot;required&quot;" in form
+    assert 'data-keep="refused input"' in form  # the live refresh leaves it alone
+    assert 'class="messages"' not in page  # not at the top of the page, far from the form
+    assert [p.type for p in inst.pending_events()] == ["approval"]  # nothing was consumed
+    bad_type = operator_client.post(action_url(inst, "send-event"), {"type": "-no", "payload": ""})
+    assert bad_type.status_code == 400
+    type_error = re.search(
+        r'data-error-for="type" role="alert">([^<]*)</p>', bad_type.content.decode()
+    )
+    assert "invalid event type" in type_error.group(1)
+
+
 def test_skip_sleep_wakes_the_sleeping_instance(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
     inst.send_event("approval", {"ok": True})
     testing.run_until_idle()
-    page = operator_client.get(reverse("workflows:instance", args=[inst.row().pk])).content.decode()
+    page = operator_client.get(page_url(inst.row())).content.decode()
     assert ">Skip sleep</button>" in page
     operator_client.post(action_url(inst, "skip-sleep"))
     testing.run_until_idle()
@@ -331,7 +359,10 @@ def test_unknown_actions_and_instances_are_404(operator_client, approval_workflo
     assert (
         operator_client.post(reverse("workflows:action", args=[999999, "pause"])).status_code == 404
     )
-    assert operator_client.get(reverse("workflows:instance", args=[999999])).status_code == 404
+    assert (
+        operator_client.get(reverse("workflows:instance-by-pk", args=[999999])).status_code == 404
+    )
+    assert operator_client.get(f"/workflows/{approval_workflow}/nope/").status_code == 404
 
 
 def test_actions_redirect_back_only_to_this_site(operator_client, approval_workflow):
@@ -344,7 +375,7 @@ def test_actions_redirect_back_only_to_this_site(operator_client, approval_workf
     )
     assert operator_client.post(action_url(inst, "resume"), {"next": "https://evil.example/"})[
         "Location"
-    ].startswith("/instances/")
+    ] == page_url(inst.row())
 
 
 def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_workflow):
@@ -360,7 +391,7 @@ def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_
         reverse("workflows:bulk"), {"action": "resume", "pk": [*pks, c.row().pk]}, follow=True
     )
     page = response.content.decode()
-    assert "Resume: 2 instance(s)." in page and "cannot resume" in page
+    assert "Resumed 2 instances." in page and "cannot resume" in page
     operator_client.post(reverse("workflows:bulk"), {"action": "terminate", "pk": pks})
     assert a.status().status == "terminated" and b.status().status == "terminated"
 
@@ -369,6 +400,183 @@ def test_bulk_refuses_unknown_actions(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
     operator_client.post(reverse("workflows:bulk"), {"action": "restart", "pk": [inst.row().pk]})
     assert inst.status().status == "waiting"
+
+
+# --- words an operator reads (issue 17, item 3) --------------------------------------------
+
+
+@pytest.fixture
+def rejecting_workflow():
+    from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
+
+    def reject():
+        raise NonRetryableError("order 7 is missing its address", "ValidationError")
+
+    @register("dash-reject")
+    class DashReject(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("validate", reject, retries={"limit": 5, "delay": "1 second"})
+
+    yield "dash-reject"
+    registry.unregister("dash-reject")
+
+
+def detail_page(client, inst) -> str:
+    return client.get(page_url(inst.row())).content.decode()
+
+
+def step_row(page: str, name: str) -> str:
+    return re.search(rf'<tr data-step="{re.escape(name)}">.*?</tr>', page, re.DOTALL).group(0)
+
+
+def test_a_non_retryable_failure_shows_its_error_not_an_engine_marker_nor_a_retry_budget(
+    operator_client, rejecting_workflow
+):
+    inst = get_workflow(rejecting_workflow).create()
+    testing.run_until_idle()
+    assert inst.status().status == "errored"
+    page = detail_page(operator_client, inst)
+    row = step_row(page, "validate")
+    assert re.search(r'data-field="output"></td>', row)  # not the engine's {"nonretryable": true}
+    assert re.search(r'data-field="attempts">1 \(not retryable\)<', row)
+    assert "/6" not in row
+    assert "order 7 is missing its address" in row
+    assert "no output yet" not in page and "none: the instance errored" in page
+
+
+def test_a_wait_cut_short_by_cancel_reads_cancelled_not_failed(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    operator_client.post(action_url(inst, "cancel"), {"compensate": "on"})
+    row = step_row(detail_page(operator_client, inst), "approval")
+    assert 'data-status="cancelled"' in row and 'data-status="failed"' not in row
+    assert "InstanceFinished" not in row and "the instance ended first" in row
+    assert "none: the instance was terminated" in detail_page(operator_client, inst)
+
+
+def test_the_head_says_what_a_waiting_instance_waits_for(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+    assert inst.row().waiting_reason == ""  # the engine leaves it empty for an event wait
+    head = detail_page(operator_client, inst).split('data-section="actions"')[0]
+    assert "waiting for event “approval” (approval)" in head
+    inst.send_event("approval", {"ok": True})
+    testing.run_until_idle()
+    head = detail_page(operator_client, inst).split('data-section="actions"')[0]
+    assert "sleeping in “cool-off” until <time" in head
+
+
+def test_action_messages_say_what_happened_in_one_voice(operator_client, approval_workflow):
+    inst = waiting_instance(approval_workflow)
+
+    def say(action, data=None):
+        response = operator_client.post(action_url(inst, action), data or {}, follow=True)
+        return [str(m) for m in response.context["messages"]]
+
+    assert say("pause") == ["Paused."]
+    resumed = say("resume")
+    assert resumed == ["Resumed: the instance continues from its last checkpoint."]
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"  # so "now running" would have been wrong
+    [skipped] = say("skip-sleep")
+    assert skipped.startswith("Could not skip sleep: ") and "is not sleeping" in skipped
+    assert say("restart", {"from_step": "approval"}) == ["Restarted from step “approval”."]
+    assert say("resume") == ["Could not resume: " + str(_resume_error(inst))]
+    assert say("terminate") == ["Terminated."]
+    assert say("terminate") == ["Nothing to terminate: the instance had already finished."]
+
+
+def _resume_error(inst):
+    from workflows_app.engine.errors import WorkflowError
+
+    try:
+        inst.resume()
+    except WorkflowError as exc:
+        return exc
+    raise AssertionError("resume of a running instance should be refused")
+
+
+# --- the action bar (issue 17, item 5) -------------------------------------------------------
+
+
+def action_forms(page: str) -> dict[str, str]:
+    """Each action form of the detail page's action bar, by the action its URL names."""
+    bar = re.search(r'<section data-section="actions".*?</section>', page, re.DOTALL).group(0)
+    return {
+        m.group(2): m.group(0)
+        for m in re.finditer(r'<form[^>]*action="[^"]*/(\d+)/([\w-]+)/".*?</form>', bar, re.DOTALL)
+    }
+
+
+def test_the_action_bar_groups_stop_actions_explains_each_and_confirms_irreversible_ones(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow)
+    page = detail_page(operator_client, inst)
+    forms = action_forms(page)
+    assert set(forms) == {"pause", "restart", "terminate", "cancel"}
+    # One Restart, whose step list starts with "the beginning".
+    assert re.findall(r">Restart</button>", page) == [">Restart</button>"]
+    assert re.search(r'<select name="from_step"><option value="">the beginning</option>', page)
+    # Terminate and Cancel stand together, apart from the rest; no checkbox between them.
+    stop = re.search(r'class="action-group danger-zone".*?</div>', page, re.DOTALL).group(0)
+    assert ">Terminate</button>" in stop and ">Cancel</button>" in stop
+    assert 'type="checkbox"' not in stop
+    # Every button is described by a line that exists.
+    for action, form in forms.items():
+        hint_id = re.search(r'aria-describedby="([\w-]+)"', form).group(1)
+        assert re.search(rf'<span class="hint" id="{hint_id}">[^<]+', page), action
+    # Irreversible actions ask first; reversible ones do not, and the bar says so.
+    confirming = {action for action, form in forms.items() if "data-confirm=" in form}
+    assert confirming == {"restart", "terminate", "cancel"}
+    assert "Pause and Resume take effect at once and can be reversed" in page
+    assert "no completed step has a compensation yet" in forms["cancel"]
+    operator_client.post(action_url(inst, "pause"))
+    assert "data-confirm=" not in action_forms(detail_page(operator_client, inst))["resume"]
+
+
+def test_pages_without_live_updates_show_no_live_indicator(operator_client):
+    errors_page = operator_client.get(reverse("workflows:errors")).content.decode()
+    assert "live-indicator" not in errors_page and "static" not in errors_page.lower().replace(
+        "/static/", ""
+    )
+    assert "live-indicator" in operator_client.get(reverse("workflows:instances")).content.decode()
+
+
+# --- addresses (issue 17, item 7) ------------------------------------------------------------
+
+
+def test_an_instance_page_is_addressed_by_workflow_and_instance_id(
+    operator_client, approval_workflow
+):
+    inst = get_workflow(approval_workflow).create(id="order-1001")
+    response = operator_client.get("/workflows/dash-approval/order-1001/")
+    assert response.status_code == 200
+    assert '<h1 class="mono">order-1001</h1>' in response.content.decode()
+    # Ids are scoped by workflow: the same id under another name is not this instance.
+    assert operator_client.get("/workflows/other/order-1001/").status_code == 404
+    # The numeric address an old link or bookmark holds redirects to the named one.
+    old = operator_client.get(f"/instances/{inst.row().pk}/")
+    assert old.status_code == 302 and old["Location"] == "/workflows/dash-approval/order-1001/"
+    # Links on the list and the errors page use the named address; ids with ':' and '.' work.
+    get_workflow(approval_workflow).create(id="tenant:7.order-2")
+    listing = operator_client.get(reverse("workflows:instances")).content.decode()
+    assert 'href="/workflows/dash-approval/order-1001/"' in listing
+    assert operator_client.get("/workflows/dash-approval/tenant:7.order-2/").status_code == 200
+
+
+def test_the_workflow_page_shows_versions_counts_and_recent_instances(
+    operator_client, approval_workflow
+):
+    waiting_instance(approval_workflow, id="first")
+    get_workflow(approval_workflow).create(id="second").terminate()
+    page = operator_client.get("/workflows/dash-approval/").content.decode()
+    assert '<h1 class="mono">dash-approval</h1>' in page
+    assert 'data-version="1"' in page and ">yes<" in page  # registered in this process
+    assert re.search(r'data-status="waiting"[^>]*>waiting <b>1</b>', page)
+    assert re.search(r'data-status="terminated"[^>]*>terminated <b>1</b>', page)
+    assert page.index('data-instance-id="second"') < page.index('data-instance-id="first"')
+    assert operator_client.get("/workflows/no-such-workflow/").status_code == 404
+    overview = operator_client.get(reverse("workflows:overview")).content.decode()
+    assert '<h2><a href="/workflows/dash-approval/"' in overview
 
 
 # --- escaping ------------------------------------------------------------------------------
@@ -411,7 +619,7 @@ def test_user_data_is_escaped_everywhere(operator_client, approval_workflow):
         error_name=XSS, error_message=XSS, error_stack=XSS, output_json=json.dumps({"o": XSS})
     )
     for url in (
-        reverse("workflows:instance", args=[row.pk]),
+        page_url(row),
         reverse("workflows:instances"),
         reverse("workflows:errors"),
         reverse("workflows:instance-live", args=[row.pk]),
@@ -500,7 +708,7 @@ def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
         and early.width == 40
         and early.events == [{"left": 50.0, "name": "retry"}]
     )
-    page = operator_client.get(reverse("workflows:instance", args=[row.pk])).content.decode()
+    page = operator_client.get(page_url(row)).content.decode()
     assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
 
 
@@ -527,7 +735,9 @@ def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, app
     )  # read as UTC it is 2 h off
 
 
-def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(operator_client, approval_workflow):
+def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(
+    operator_client, approval_workflow
+):
     get_workflow(approval_workflow).create(id="csp-1")
     for name in ("workflows:overview", "workflows:instances"):
         policy = operator_client.get(reverse(name))["Content-Security-Policy"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import random
 from typing import Any
 
 from ..engine import NonRetryableError, WorkflowEntrypoint, current_step, register
@@ -26,21 +25,29 @@ class OrderApproval(WorkflowEntrypoint):
 
         def charge() -> dict[str, Any]:
             ctx = current_step()
-            return {"amount": amount, "charge_id": f"ch_{hashlib.sha1(ctx.idempotency_key.encode()).hexdigest()[:10]}"}
+            return {
+                "amount": amount,
+                "charge_id": f"ch_{hashlib.sha1(ctx.idempotency_key.encode()).hexdigest()[:10]}",
+            }
 
         def refund(charge_output: dict[str, Any]) -> dict[str, Any]:
             return {"refunded": charge_output["charge_id"]}
 
         charge_result = await step.do(
-            "charge card", charge, retries={"limit": 3, "delay": "2 seconds", "backoff": "exponential"},
-            timeout="30 seconds", compensate=refund,
+            "charge card",
+            charge,
+            retries={"limit": 3, "delay": "2 seconds", "backoff": "exponential"},
+            timeout="30 seconds",
+            compensate=refund,
         )
         approval = await step.wait_for_event(
             "manager approval", type="approval", timeout="24 hours", schema=APPROVAL_SCHEMA
         )
         if not approval.payload["ok"]:
             await step.do("refund card", lambda: refund(charge_result))
-            raise NonRetryableError(f"rejected by {approval.payload.get('by', 'the manager')}", "OrderRejected")
+            raise NonRetryableError(
+                f"rejected by {approval.payload.get('by', 'the manager')}", "OrderRejected"
+            )
         await step.sleep("cool-off", "10 seconds")
         shipment = await step.do("ship order", lambda: {"tracking": f"TRK-{event.instance_id[:8]}"})
         return {"charged": charge_result["amount"], "tracking": shipment["tracking"]}
@@ -60,7 +67,9 @@ class DataPipeline(WorkflowEntrypoint):
                 raise ConnectionError(f"upstream API timed out (attempt {ctx.attempt})")
             return list(range(params.get("rows", 10)))
 
-        rows = await step.do("extract", extract, retries={"limit": 4, "delay": "1 second", "backoff": "linear"})
+        rows = await step.do(
+            "extract", extract, retries={"limit": 4, "delay": "1 second", "backoff": "linear"}
+        )
         if params.get("corrupt"):
             await step.do("validate", lambda: _reject("input contains corrupt rows"))
         evens, odds = await _gather(
@@ -79,7 +88,9 @@ class TrialReminder(WorkflowEntrypoint):
         params = event.payload or {}
         user = await step.do("load user", lambda: {"email": params.get("email", "ada@example.com")})
         await step.sleep("trial period", params.get("trial", "14 days"))
-        sent = await step.do("send reminder", lambda: {"to": user["email"], "template": "trial-ending"})
+        sent = await step.do(
+            "send reminder", lambda: {"to": user["email"], "template": "trial-ending"}
+        )
         return sent
 
 
@@ -93,23 +104,52 @@ async def _gather(*aws: Any) -> list[Any]:
     return list(await asyncio.gather(*aws))
 
 
+# One instance per story the README tells, with ids a reader can say aloud:
+# (workflow, instance id, params, what it shows).
+DEMO_STORIES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
+    (
+        "order-approval",
+        "order-1001",
+        {"amount": 30, "customer": "c-42"},
+        "an order waiting for a manager's approval",
+    ),
+    (
+        "data-pipeline",
+        "import-2001",
+        {"rows": 20, "flaky_attempts": 2},
+        "a flaky data pipeline that retries, then completes",
+    ),
+    (
+        "data-pipeline",
+        "import-2002",
+        {"corrupt": True, "flaky_attempts": 0},
+        "a data pipeline that fails for good",
+    ),
+    (
+        "trial-reminder",
+        "trial-ada",
+        {"email": "ada@example.com", "trial": "1 hour"},
+        "a trial reminder sleeping for an hour",
+    ),
+    (
+        "trial-reminder",
+        "trial-grace",
+        {"email": "grace@example.com", "trial": "14 days"},
+        "a trial reminder sleeping for 14 days",
+    ),
+)
+
+
 def create_demo_instances(actor: str = "demo") -> list[str]:
-    """A few instances of each demo workflow, so a first run has something to show."""
+    """The README's stories, one instance each; running it again creates nothing twice."""
     from ..client import get_workflow
+    from ..engine.errors import InstanceAlreadyExists
 
     created = []
-    for n in range(3):
-        inst = get_workflow("order-approval").create(params={"amount": 10 * (n + 1), "customer": f"c-{n}"}, actor=actor)
-        created.append(inst.id)
-    for n in range(2):
-        inst = get_workflow("data-pipeline").create(params={"rows": 20 + n, "flaky_attempts": 2}, actor=actor)
-        created.append(inst.id)
-    inst = get_workflow("data-pipeline").create(params={"corrupt": True, "flaky_attempts": 0}, actor=actor)
-    created.append(inst.id)
-    for n in range(2):
-        inst = get_workflow("trial-reminder").create(
-            params={"email": f"user{random.randint(100, 999)}@example.com", "trial": "1 hour" if n else "14 days"},
-            actor=actor,
-        )
-        created.append(inst.id)
+    for workflow, instance_id, params, _story in DEMO_STORIES:
+        try:
+            get_workflow(workflow).create(params=params, id=instance_id, actor=actor)
+        except InstanceAlreadyExists:
+            continue
+        created.append(instance_id)
     return created

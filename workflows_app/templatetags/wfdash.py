@@ -13,6 +13,26 @@ register = template.Library()
 
 
 @register.simple_tag
+def instance_url(instance: object) -> str:
+    """The page of an instance, by workflow and instance id."""
+    from ..dashboard import instance_url as url_of
+
+    return url_of(instance)  # type: ignore[arg-type]
+
+
+@register.simple_tag
+def workflow_url(name: str) -> str:
+    """The page of a workflow; its filtered instance list if the name has a slash."""
+    from django.urls import NoReverseMatch, reverse
+    from django.utils.http import urlencode
+
+    try:
+        return reverse("workflows:workflow", args=[name])
+    except NoReverseMatch:
+        return f"{reverse('workflows:instances')}?{urlencode({'workflow': name})}"
+
+
+@register.simple_tag
 def when(value: datetime | None, empty: str = "—") -> SafeString:
     """A <time> element in UTC; dashboard.js rewrites it to local time with a relative age."""
     if value is None:

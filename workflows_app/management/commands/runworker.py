@@ -4,12 +4,14 @@
 
 Hints arrive on the channel and on the workers' group; the engine claims instances from
 the database under leases, so any number of these processes can run on any machines.
-SIGTERM stops claiming, lets running steps finish for a grace period and releases leases.
+SIGTERM stops claiming, lets running steps finish for a grace period and releases leases;
+the log says what was running, how each of those runs ended, and when the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -26,20 +28,86 @@ ENGINE_CHANNEL = "workflows"
 LISTEN_RETRY_SECONDS = 1.0
 
 
+# How the engine's Worker.stop() waits for running steps before cutting them short.
+DRAIN_GRACE_SECONDS = inspect.signature(EngineWorker.stop).parameters["grace_seconds"].default
+DRAIN_OUTCOMES = {
+    "waiting": "parked at a step boundary, due at once for another worker",
+    "paused": "paused at a step boundary",
+    "aborted": "cut short; its lease is released for another worker",
+}
+
+
+class DrainReport(EngineHooks):
+    """Logs a worker's shutdown: what was running, how each of those runs ended, the exit.
+
+    It only watches: the drain itself (stop claiming, let steps finish, park, release
+    leases) is the engine's Worker.stop().
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining: dict[int, str] | None = None  # pk -> how its run ended ("" = not yet)
+
+    def begin(self, engine: EngineWorker, signal_name: str) -> None:
+        self.draining = dict.fromkeys(sorted(engine.tasks), "")
+        running = ", ".join(f"#{pk}" for pk in self.draining) or "none"
+        log.info(
+            "wfdash worker %s: %s received; claiming nothing new. %d run(s) finishing their "
+            "current step (instances %s), for up to %s s",
+            engine.worker_id,
+            signal_name,
+            len(self.draining),
+            running,
+            DRAIN_GRACE_SECONDS,
+        )
+
+    def run_finished(self, pk: int, outcome: str) -> None:
+        super().run_finished(pk, outcome)
+        if self.draining is not None and pk in self.draining:
+            self.draining[pk] = outcome
+            how = DRAIN_OUTCOMES.get(outcome, f"finished ({outcome})")
+            log.info("wfdash worker: instance #%s %s", pk, how)
+
+    def end(self, engine: EngineWorker) -> None:
+        if self.draining is None:
+            log.info("wfdash worker %s: stopped; exiting", engine.worker_id)
+            return
+        parked = sum(1 for o in self.draining.values() if o in ("waiting", "paused"))
+        finished = sum(1 for o in self.draining.values() if o not in ("", "waiting", "paused"))
+        unreported = [f"#{pk}" for pk, o in self.draining.items() if not o]
+        log.info(
+            "wfdash worker %s: drained: %d parked, %d finished or cut short%s; leases released; "
+            "exiting",
+            engine.worker_id,
+            parked,
+            finished,
+            f", {len(unreported)} cancelled ({', '.join(unreported)})" if unreported else "",
+        )
+
+
 class EngineChannelsWorker(ChannelsWorker):
     async def handle(self) -> None:
         if ENGINE_CHANNEL not in self.channels:
             await super().handle()
             return
-        engine = EngineWorker(hooks=EngineHooks())
+        report = DrainReport()
+        engine = EngineWorker(hooks=report)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not stop.is_set():
+                report.begin(engine, sig.name)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         # A private channel in the workers' group, so broadcast hints (terminate) reach us.
         private = await self.channel_layer.new_channel()
         await join_workers_group(private)
-        listeners = [asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels]
+        listeners = [
+            asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
+        ]
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
         log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
         try:
@@ -47,7 +115,7 @@ class EngineChannelsWorker(ChannelsWorker):
         finally:
             for listener in listeners:
                 listener.cancel()
-
+            report.end(engine)
 
     async def keep_listening(self, listen: Callable[[str], Awaitable[None]], channel: str) -> None:
         """A channel-layer error (Redis restarting, a read timeout) must not silence the
@@ -58,7 +126,9 @@ class EngineChannelsWorker(ChannelsWorker):
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.warning("wfdash worker: receiving on %s failed; listening again", channel, exc_info=True)
+                log.warning(
+                    "wfdash worker: receiving on %s failed; listening again", channel, exc_info=True
+                )
                 await asyncio.sleep(LISTEN_RETRY_SECONDS)
 
     async def hints(self, channel: str) -> None:
