@@ -374,7 +374,7 @@ def test_a_dashboard_post_without_a_csrf_token_is_refused(waiter):
     assert response.status_code == 403 and b"CSRF" in response.content
     assert snapshot() == before and waiter.status().status == "waiting"
     # With the token it works: the refusal was the missing token, nothing else.
-    client.get(f"/instances/{pk}/")
+    client.get(f"/instances/{pk}/", follow=True)  # redirects to the page by workflow and id
     response = client.post(f"/instances/{pk}/terminate/", {"csrfmiddlewaretoken": client.cookies["csrftoken"].value})
     assert response.status_code == 302 and waiter.status().status == "terminated"
 
@@ -417,12 +417,12 @@ def test_script_in_an_error_message_and_a_payload_is_rendered_escaped(failing):
     client.force_login(make_user("viewer", "view_instance"))
     pk = failing.row().pk
     for path in (f"/instances/{pk}/", f"/instances/{pk}/live/", "/errors/"):
-        response = client.get(path)
+        response = client.get(path, follow=True)
         assert response.status_code == 200, path
         page = response.content.decode()
         for raw in XSS:
             assert raw not in page, f"{path} renders {raw!r} unescaped"
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, path
-    detail = client.get(f"/instances/{pk}/").content.decode()
+    detail = client.get(f"/instances/{pk}/", follow=True).content.decode()
     assert "onmouseover=alert(1)" in detail  # shown, but only inside an escaped attribute-safe text
     assert '"onmouseover' not in detail

@@ -24,9 +24,8 @@ from django.utils.safestring import SafeString
 
 from . import tokens
 from .client import InstanceHandle
-from .engine import errors
+from .engine import errors, lifecycle
 from .models import (
-    FINISHED_STATUSES,
     ApiToken,
     ErrorRecord,
     HistoryRecord,
@@ -334,7 +333,7 @@ class InstanceAdmin(admin.ModelAdmin):
         # Only finished instances may go (prune does it by retention); not under a live worker.
         return (
             obj is not None
-            and obj.status in FINISHED_STATUSES
+            and obj.status in lifecycle.FINISHED
             and super().has_delete_permission(request, obj)
         )
 

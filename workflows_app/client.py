@@ -33,7 +33,6 @@ from .engine.registry import Definition, find_definition, get_definition
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
 from .models import (
-    FINISHED_STATUSES,
     HistoryRecord,
     Instance,
     Status,
@@ -399,4 +398,4 @@ for _name in ("status", "history", "steps", "pending_events", "result", "pause",
               "restart", "skip_sleep", "send_event", "cancel"):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
-__all__ = ["FINISHED_STATUSES", "InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]
+__all__ = ["InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]

@@ -17,9 +17,9 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
+from .engine import lifecycle
 from .engine.registry import all_definitions
 from .models import (
-    FINISHED_STATUSES,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
@@ -39,9 +39,7 @@ CHART_HEIGHT = 30  # SVG user units; the chart's viewBox is 100 x CHART_HEIGHT
 LARGE_OUTPUT_CHARS = 160  # step outputs longer than this start collapsed
 
 # Which actions apply to which status; the detail page shows a button only when it applies.
-LIVE_STATUSES = tuple(s for s in Status.values if s not in FINISHED_STATUSES)
-PAUSABLE = (Status.RUNNING, Status.WAITING, Status.QUEUED)
-RESUMABLE = (Status.PAUSED, Status.WAITING_FOR_PAUSE)
+LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
 
 
 # --- overview -----------------------------------------------------------------------------
@@ -554,11 +552,11 @@ class InstanceDetail:
 
     @property
     def can_pause(self) -> bool:
-        return self.instance.status in PAUSABLE
+        return lifecycle.can(lifecycle.PAUSE, self.instance.status)
 
     @property
     def can_resume(self) -> bool:
-        return self.instance.status in RESUMABLE
+        return lifecycle.can(lifecycle.RESUME, self.instance.status)
 
     @property
     def can_skip_sleep(self) -> bool:

@@ -26,17 +26,6 @@ class Status(models.TextChoices):
     UNKNOWN = "unknown"
 
 
-FINISHED_STATUSES = (Status.COMPLETE, Status.ERRORED, Status.TERMINATED)
-# Statuses that hold a place under max_concurrent_instances (paused counts: it was admitted).
-ACTIVE_STATUSES = (
-    Status.RUNNING,
-    Status.WAITING,
-    Status.WAITING_FOR_PAUSE,
-    Status.PAUSED,
-    Status.COMPENSATING,
-)
-
-
 def decode_json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 

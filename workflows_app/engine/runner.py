@@ -27,7 +27,7 @@ from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..models import InboxEvent, StepKind, StepRecord, StepStatus
+from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
 from . import clock, spans, store
 from .errors import (
     DuplicateStepName,
@@ -136,7 +136,7 @@ class Run:
         self.in_flight = 0
         self.blocked = 0
         self.awaited_types: list[str] = []
-        self.pause_requested = loaded.instance.status == "waitingForPause"
+        self.pause_requested = loaded.instance.status == Status.WAITING_FOR_PAUSE
         self.draining = False  # its worker is shutting down: stop at the next step boundary
         self.sync_attempts_running = 0  # step callables still running in threads
         self.sync_attempts: set[StepContext] = set()  # their contexts, told when the run stops
@@ -183,7 +183,7 @@ class Run:
     async def execute(self) -> str:
         """Returns what became of the instance: complete, errored, waiting, paused or aborted."""
         inst = self.instance
-        if inst.status == "waitingForPause":
+        if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
         event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
         workflow = self.definition.cls(inst.instance_id)
@@ -208,7 +208,7 @@ class Run:
             return outcome
         finally:
             self.span.set_attribute("workflow.outcome", outcome)
-            if outcome == "errored":
+            if outcome == Status.ERRORED:
                 spans.mark_error(self.span, None, self.error_message)
             self.span.end()
 
@@ -299,10 +299,10 @@ class Run:
             history_first = []
         if exc is None and self.unwinding:
             ok = await self.db(
-                store.finish, self.pk, self.token, "terminated", self.limits, None, None,
+                store.finish, self.pk, self.token, Status.TERMINATED, self.limits, None, None,
                 [History("compensation.completed", {}), History("instance.cancelled", {"compensated": True})],
             )
-            return "terminated" if ok else "aborted"
+            return Status.TERMINATED if ok else "aborted"
         if exc is None:
             try:
                 output_json = encode_step_output(task.result(), "run() return value", self.limits)
@@ -310,10 +310,10 @@ class Run:
                 exc = error
             else:
                 ok = await self.db(
-                    store.finish, self.pk, self.token, "complete", self.limits, output_json, None,
+                    store.finish, self.pk, self.token, Status.COMPLETE, self.limits, output_json, None,
                     [History("instance.completed", {})],
                 )
-                return "complete" if ok else "aborted"
+                return Status.COMPLETE if ok else "aborted"
         if (
             self.definition.cls.compensate_on_failure
             and not self.unwinding
@@ -332,11 +332,11 @@ class Run:
         self.error_message = f"{name}: {message}"
         spans.mark_error(self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message)
         ok = await self.db(
-            store.finish, self.pk, self.token, "errored", self.limits, None, (name, message, stack),
+            store.finish, self.pk, self.token, Status.ERRORED, self.limits, None, (name, message, stack),
             [*history_first, History("instance.errored", {"error": {"name": name, "message": message}})],
             self.error_record("workflow.instance", name, message, stack, self.span),
         )
-        return "errored" if ok else "aborted"
+        return Status.ERRORED if ok else "aborted"
 
     def error_record(
         self, source: str, name: str, message: str, stack: str, span: Any, step: str = "", attempt: int | None = None
@@ -463,9 +463,9 @@ class Run:
         except DatabaseError as exc:
             status = await self._write_again(write, exc)
         (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[record.name] = record
-        if status == "waitingForPause" and not self.pause_requested:
+        if status == Status.WAITING_FOR_PAUSE and not self.pause_requested:
             self.request_pause()
-        elif status == "running" and self.pause_requested:
+        elif status == Status.RUNNING and self.pause_requested:
             self.pause_requested = False  # resumed before this boundary: the pause is off
         self.notify("step_written", self, record, history)
 

@@ -23,6 +23,7 @@ from typing import Any
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 
+from ..models import Status
 from . import clock, registry, store
 from .runner import Run
 from .store import History
@@ -444,19 +445,19 @@ class Worker:
             if definition is None:
                 reason = f"version {inst.version} of workflow {inst.workflow!r} is not registered in this worker"
                 await self.db(store.park_unrunnable, pk, token, reason)
-                return "waiting"
+                return Status.WAITING
             if inst.unproductive_claims >= MAX_UNPRODUCTIVE_CLAIMS:
                 message = (
                     f"instance was taken over {inst.unproductive_claims} times without completing a step: "
                     "its run keeps killing or hanging its worker (poison instance); fix it, then restart"
                 )
                 await self.db(
-                    store.finish, pk, token, "errored", definition.limits(), None, ("PoisonInstance", message, ""),
+                    store.finish, pk, token, Status.ERRORED, definition.limits(), None, ("PoisonInstance", message, ""),
                     [History("instance.errored", {"error": {"name": "PoisonInstance", "message": message}})],
                     {"workflow": inst.workflow, "source": "workflow.instance", "name": "PoisonInstance",
                      "message": message, "stack": "", "trace_id": inst.trace_id, "span_id": ""},
                 )
-                return "errored"
+                return Status.ERRORED
             run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit)
             self.runs[pk] = run
             outcome = await run.execute()

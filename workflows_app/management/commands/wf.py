@@ -32,7 +32,8 @@ from tqdm import tqdm
 from workflows_app import surfaces, testing, tokens
 from workflows_app.client import InstanceHandle
 from workflows_app.engine import clock, errors, store
-from workflows_app.models import FINISHED_STATUSES, ApiToken, Instance
+from workflows_app.engine import lifecycle
+from workflows_app.models import ApiToken, Instance
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -371,7 +372,7 @@ class Command(BaseCommand):
                     self.line(opts, {"step": surfaces.step_json(step)},
                               f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}")
             status = handle.status()
-            if status.status in FINISHED_STATUSES:
+            if status.status in lifecycle.FINISHED:
                 self.line(opts, {"finished": {"status": status.status, "output": status.output, "error": status.error}},
                           f"finished: {status.status}"
                           + (f"  output {compact(status.output)}" if status.output is not None else "")
