@@ -170,6 +170,46 @@ def test_non_retryable_error_fails_the_instance_at_once(registered):
     assert calls == {"boom": 1}
 
 
+def test_a_very_long_non_retryable_error_name_is_shortened_and_the_instance_errors(registered):
+    long_name = "Declined" + "X" * 300  # longer than the 200 characters an error name column holds
+
+    @register("long-error-name")
+    class LongErrorName(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def boom():
+                raise NonRetryableError("card declined", name=long_name)
+
+            await step.do("charge", boom)
+
+    inst = get_workflow("long-error-name").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error["message"] == "card declined"
+    assert len(status.error["name"]) == 200
+    assert status.error["name"].startswith("DeclinedXXX") and status.error["name"].endswith("…")
+    assert inst.steps()[0].last_error_name == status.error["name"]
+
+
+def test_a_non_retryable_error_subclass_is_reported_under_its_own_name(registered):
+    class CardDeclined(NonRetryableError):
+        pass
+
+    @register("subclassed-error")
+    class SubclassedError(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def boom():
+                raise CardDeclined("card declined")
+
+            await step.do("charge", boom)
+
+    inst = get_workflow("subclassed-error").create()
+    testing.run_until_idle()
+    assert inst.status().error == {"name": "CardDeclined", "message": "card declined"}
+    assert NonRetryableError("plain").error_name == "NonRetryableError"
+    assert CardDeclined("named", name="Other").error_name == "Other"
+
+
 def test_a_step_exceeding_its_timeout_counts_as_a_failed_attempt(registered):
     @register("slow")
     class Slow(WorkflowEntrypoint):

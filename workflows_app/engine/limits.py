@@ -22,6 +22,7 @@ DAY_MS = 86_400_000
 EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")
 INSTANCE_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_.:-]*\Z")
 BACKOFFS = ("constant", "linear", "exponential")
+MAX_ERROR_NAME_LENGTH = 200  # the error name columns (instance, step, error record)
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,11 @@ def check_step_name(name: object, limits: Limits) -> str:
     if len(name) > limits.max_step_name_length:
         raise LimitExceeded("max_step_name_length", len(name), limits.max_step_name_length, f"step name {name[:40]!r}…")
     return name
+
+
+def error_name(name: str) -> str:
+    """An error name as stored: one past the column's length is shortened, ending in "…",
+    so a long NonRetryableError(name=…) errors the instance the same way on every database."""
+    if len(name) <= MAX_ERROR_NAME_LENGTH:
+        return name
+    return name[: MAX_ERROR_NAME_LENGTH - 1] + "…"

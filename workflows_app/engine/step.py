@@ -31,7 +31,7 @@ from .errors import (
     StepOutputError,
     WorkflowError,
 )
-from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output
+from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output, error_name
 from .store import History
 
 if TYPE_CHECKING:
@@ -109,10 +109,10 @@ def error_fields(exc: BaseException) -> tuple[str, str, str]:
     if isinstance(exc, NonRetryableError):
         name = exc.error_name
     elif isinstance(exc, StepFailed):
-        return exc.error_name, exc.message, exc.stack
+        return error_name(exc.error_name), exc.message, exc.stack
     else:
         name = type(exc).__name__
-    return name, str(exc), "".join(traceback.format_exception(exc))
+    return error_name(name), str(exc), "".join(traceback.format_exception(exc))
 
 
 def _takes_context(fn: Callable[..., Any]) -> bool:
