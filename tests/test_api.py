@@ -253,6 +253,12 @@ def test_batch_creates_every_instance(service):
     assert [r["id"] for r in response.json()["result"]] == ["b1", "b2"]
 
 
+def test_an_empty_batch_answers_201_with_an_empty_list(service):
+    response = service.post(base(SIMPLE) + "/batch", [])
+    assert response.status_code == 201
+    assert response.json()["result"] == []
+
+
 def test_batch_creates_none_when_one_is_refused(service):
     service.post(base(SIMPLE), {"id": "taken"})
     status, code, _ = refused(lambda: service.post(base(SIMPLE) + "/batch", [{"id": "fresh"}, {"id": "taken"}]))

@@ -105,6 +105,14 @@ def test_batches_are_all_or_nothing_and_bounded(waiter):
     assert [c.id for c in created] == ["b1", "b3"]
 
 
+def test_an_empty_batch_creates_nothing_and_returns_an_empty_list(waiter):
+    before = snapshot()
+    assert waiter.create_batch([]) == []
+    assert snapshot() == before
+    with pytest.raises(UnknownWorkflow, match="version 9"):
+        waiter.create_batch([], version=9)
+
+
 def test_send_event_refuses_bad_types_payloads_and_finished_instances(waiter):
     inst = waiter.create(id="w1")
     testing.run_until_idle()
