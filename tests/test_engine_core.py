@@ -489,6 +489,36 @@ def test_history_is_gap_free_and_replays_add_no_duplicates(registered):
     assert types.count("run.started") == 2
 
 
+def test_a_lambda_returning_a_coroutine_has_the_coroutine_awaited_as_the_step(registered):
+    async def fetch(n):
+        await asyncio.sleep(0)
+        calls["fetch"] += 1
+        return {"n": n, "step": current_step().step_name}
+
+    async def too_slow():
+        await asyncio.sleep(5)
+
+    @register("lambda-async")
+    class LambdaAsync(WorkflowEntrypoint):
+        async def run(self, event, step):
+            plain = await step.do("plain", lambda: fetch(1))
+            with_context = await step.do("with-context", lambda ctx: fetch(ctx.attempt))
+            try:
+                await step.do("slow", lambda: too_slow(), timeout="50 ms", retries={"limit": 0})
+            except Exception as exc:
+                return [plain, with_context, str(exc)]
+
+    inst = get_workflow("lambda-async").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "complete", status.error
+    plain, with_context, slow_error = status.output
+    assert plain == {"n": 1, "step": "plain"}
+    assert with_context == {"n": 1, "step": "with-context"}
+    assert "timed out after 50 ms" in slow_error
+    assert calls == {"fetch": 2}
+
+
 def test_the_decorator_form_of_step_do_works(registered):
     @register("decorated")
     class Decorated(WorkflowEntrypoint):

@@ -48,6 +48,7 @@ from .step import (
     _current_step,
     _is_async,
     _takes_context,
+    await_returned,
     error_fields,
     new_step_record,
 )
@@ -453,6 +454,7 @@ class Run:
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
         self.loop = asyncio.get_running_loop()
+        started = self.loop.time()
         thread_future = self.step_threads.submit(ctx.run, call)
         self.sync_attempts_running += 1
         thread_future.add_done_callback(self._sync_attempt_ended)
@@ -461,7 +463,11 @@ class Run:
         if not done:
             future.cancel()  # the thread's late result is discarded: attempts never overlap in effect
             raise timed_out
-        return future.result()
+        result = future.result()
+        if inspect.isawaitable(result):  # step.do("x", lambda: fetch()) built a coroutine
+            left = timeout_ms / 1000 - (self.loop.time() - started)
+            return await await_returned(result, context, left, timed_out)
+        return result
 
     def _sync_attempt_ended(self, _: Any) -> None:
         # Called in the step's thread: count on the loop, where the increments happen.

@@ -8,6 +8,7 @@ delay), it blocks; the runner then parks the instance in the database and frees 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -29,6 +30,7 @@ from .errors import (
     LimitExceeded,
     NonRetryableError,
     StepOutputError,
+    StepTimeout,
     WorkflowError,
 )
 from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output, error_name
@@ -130,6 +132,24 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     target = fn.func if isinstance(fn, functools.partial) else fn
     # An object whose __call__ is async counts too.
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
+
+
+async def await_returned(
+    result: Awaitable[Any], context: StepContext, seconds: float, timed_out: StepTimeout
+) -> Any:
+    """Await what a sync step callable returned, as the step: `step.do("x", lambda: fetch())`
+    ran the lambda in a thread, which only built the coroutine. It runs here, in the loop,
+    under what is left of the attempt's timeout, with current_step() set."""
+    token = _current_step.set(context)
+    try:
+        async with asyncio.timeout(max(0.0, seconds)) as deadline:
+            return await result
+    except TimeoutError:
+        if deadline.expired():
+            raise timed_out from None
+        raise
+    finally:
+        _current_step.reset(token)
 
 
 class Step:
