@@ -519,6 +519,24 @@ def test_a_lambda_returning_a_coroutine_has_the_coroutine_awaited_as_the_step(re
     assert calls == {"fetch": 2}
 
 
+def test_a_workflow_whose_constructor_raises_errors_in_its_first_run(registered):
+    @register("bad-constructor")
+    class BadConstructor(WorkflowEntrypoint):
+        def __init__(self, instance_id=""):
+            super().__init__(instance_id)
+            raise KeyError("MISSING_SETTING")
+
+        async def run(self, event, step):
+            return "never"
+
+    inst = get_workflow("bad-constructor").create()
+    assert testing.run_until_idle() == 1
+    row = inst.row()
+    assert (row.status, row.run_count) == ("errored", 1)
+    assert inst.status().error == {"name": "KeyError", "message": "'MISSING_SETTING'"}
+    assert row.lease_token is None
+
+
 def test_the_decorator_form_of_step_do_works(registered):
     @register("decorated")
     class Decorated(WorkflowEntrypoint):

@@ -48,6 +48,11 @@ class Definition:
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
+    async def start(self, instance_id: str, event: WorkflowEvent, step: Step) -> Any:
+        """Construct the workflow and run it, in the run's task: a constructor that raises
+        fails the run as run() raising would (the instance errors), not the engine."""
+        return await self.cls(instance_id).run(event, step)
+
     def limits(self) -> Limits:
         from django.conf import settings
 

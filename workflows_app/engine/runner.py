@@ -170,7 +170,6 @@ class Run:
         if inst.status == "waitingForPause":
             return await self._park()  # a pause asked for while a crashed run held the lease
         event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
-        workflow = self.definition.cls(inst.instance_id)
         self.span = spans.start_workflow_span(
             inst.trace_id,
             self.definition.name,
@@ -184,7 +183,9 @@ class Run:
         # The workflow coroutine runs with the run's span current: user spans nest under it.
         ctx = contextvars.copy_context()
         ctx.run(otel_context.attach, trace.set_span_in_context(self.span))
-        self.task = asyncio.get_running_loop().create_task(workflow.run(event, Step(self)), context=ctx)
+        self.task = asyncio.get_running_loop().create_task(
+            self.definition.start(inst.instance_id, event, Step(self)), context=ctx
+        )
         outcome = "aborted"
         try:
             outcome = await self._supervise(self.task)
