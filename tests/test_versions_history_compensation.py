@@ -101,6 +101,29 @@ def test_registering_changed_code_under_an_existing_version_is_refused(registere
         settings.WFDASH["STRICT_VERSIONS"] = True
 
 
+def test_registering_other_code_under_a_version_registered_in_this_process_is_refused(
+    registered, settings
+):
+    define_v1()
+    with pytest.raises(VersionConflict, match=r"'versioned' version 1 is already registered .*V1"):
+
+        @register("versioned", version=1)
+        class Other(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return "other code, same version"
+
+    assert registry.get_definition("versioned", 1).cls.__qualname__.endswith("V1")
+    define_v1()  # the same source again (a module reloaded) is fine
+    settings.WFDASH = {**settings.WFDASH, "STRICT_VERSIONS": False}
+
+    @register("versioned", version=1)
+    class Relaxed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "other code, same version"
+
+    assert registry.get_definition("versioned", 1).cls is Relaxed
+
+
 def test_runserver_refuses_to_serve_when_a_version_s_code_changed(registered, settings):
     from django.core.management import CommandError, call_command
 
