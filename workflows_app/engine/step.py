@@ -33,7 +33,14 @@ from .errors import (
     StepTimeout,
     WorkflowError,
 )
-from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output, error_name
+from .limits import (
+    BACKOFFS,
+    check_event_type,
+    encode_json,
+    encode_step_output,
+    error_name,
+    payload_for_history,
+)
 from .store import History
 
 if TYPE_CHECKING:
@@ -380,7 +387,10 @@ class Step:
                 f'event received by "{name}"',
             )
             record.wake_at = None
-            history.append(History("event.received", {"step": name, "type": type, "event_id": delivered.pk}))
+            shown = payload_for_history(delivered.payload, delivered.payload_json)
+            history.append(
+                History("event.received", {"step": name, "type": type, "event_id": delivered.pk, **shown})
+            )
             await run.write(record, history, consume_event=delivered.pk, progress=True)
             spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes)
             return event
