@@ -388,9 +388,8 @@ class Step:
             )
             record.wake_at = None
             shown = payload_for_history(delivered.payload, delivered.payload_json)
-            history.append(
-                History("event.received", {"step": name, "type": type, "event_id": delivered.pk, **shown})
-            )
+            data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
+            history.append(History("event.received", data))
             await run.write(record, history, consume_event=delivered.pk, progress=True)
             spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes)
             return event
