@@ -230,6 +230,9 @@ def test_create_accepts_instance_id_an_empty_body_and_an_idempotency_key(service
     (b'{"id": "has space"}', "invalid instance id 'has space'"),
     (b'{"idempotency_key": 7}', "idempotency_key must be a string"),
     (b'{"colour": "red"}', "unknown field(s) ['colour']"),
+    (b'{"retention": 1e20}', "1e+20: longer than the longest duration wfdash stores, 1000 years"),
+    (b'{"retention": 9e18}', "9e+18: longer than the longest duration wfdash stores, 1000 years"),
+    (b'{"retention": "8000 years"}', "'8000 years': longer than the longest duration"),
 ])
 def test_create_refuses_bad_input_with_400_naming_the_problem(service, raw, message):
     status, _, text = refused(lambda: service.post(base(), raw=raw))

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -33,7 +33,9 @@ def test_it_parses_every_documented_duration_form(value, ms):
     assert parse_duration(value) == ms
 
 
-@pytest.mark.parametrize("value", ["", "soon", "10 parsecs", "-5 seconds", -1, None, True, [1], float("nan"), "1.2.3 s"])
+@pytest.mark.parametrize(
+    "value", ["", "soon", "10 parsecs", "-5 seconds", -1, None, True, [1], float("nan"), "1.2.3 s"]
+)
 def test_it_refuses_anything_else_naming_the_value(value):
     with pytest.raises(InvalidDuration) as caught:
         parse_duration(value)
@@ -49,3 +51,24 @@ def test_sleep_until_takes_aware_datetimes_and_epoch_milliseconds():
         parse_instant(datetime(2027, 1, 1))
     with pytest.raises(InvalidDuration):
         parse_instant("tomorrow")
+
+
+@pytest.mark.parametrize("value", ["8000 years", "1001 years", 9e18, 1e20, timedelta.max])
+def test_a_duration_past_the_calendar_is_refused_naming_the_value_and_the_limit(value):
+    with pytest.raises(InvalidDuration) as caught:
+        parse_duration(value)
+    assert repr(value) in str(caught.value)
+    assert "longer than the longest duration wfdash stores, 1000 years (31536000000000 ms)" in str(
+        caught.value
+    )
+    assert parse_duration("1000 years") == 1000 * 365 * 86_400_000
+
+
+@pytest.mark.parametrize(
+    "value", [1e20, 9e18, -9e18, datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))]
+)
+def test_an_instant_outside_the_stored_dates_is_refused_naming_the_range(value):
+    with pytest.raises(InvalidDuration) as caught:
+        parse_instant(value)
+    assert repr(value) in str(caught.value)
+    assert "outside the dates wfdash stores, 0001-01-02 … 9999-12-31 UTC" in str(caught.value)
