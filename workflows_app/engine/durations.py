@@ -36,7 +36,7 @@ MAX_DURATION_MS = MAX_DURATION_YEARS * _MS_PER_UNIT["year"]
 # The dates every database (and Python's datetime) stores.
 EARLIEST_INSTANT = datetime(1, 1, 2, tzinfo=UTC)
 LATEST_INSTANT = datetime(9999, 12, 31, tzinfo=UTC)
-_INSTANT_RANGE = f"{EARLIEST_INSTANT.date().isoformat()} … {LATEST_INSTANT.date().isoformat()} UTC"
+INSTANT_RANGE = f"{EARLIEST_INSTANT.date().isoformat()} … {LATEST_INSTANT.date().isoformat()} UTC"
 
 Duration = str | int | float | timedelta
 
@@ -103,7 +103,7 @@ def parse_instant(value: object) -> datetime:
         )
     if instant is None or not EARLIEST_INSTANT <= instant <= LATEST_INSTANT:
         raise InvalidDuration(
-            f"invalid instant {value!r}: outside the dates wfdash stores, {_INSTANT_RANGE}"
+            f"invalid instant {value!r}: outside the dates wfdash stores, {INSTANT_RANGE}"
         )
     return instant
 
