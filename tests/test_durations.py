@@ -4,8 +4,14 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from workflows_app.engine.durations import parse_duration, parse_instant
+from workflows_app.engine.durations import (
+    LATEST_INSTANT,
+    MAX_DURATION_MS,
+    parse_duration,
+    parse_instant,
+)
 from workflows_app.engine.errors import InvalidDuration, WorkflowError
+from workflows_app.engine.step import RetryPolicy
 
 
 @pytest.mark.parametrize(
@@ -72,3 +78,15 @@ def test_an_instant_outside_the_stored_dates_is_refused_naming_the_range(value):
         parse_instant(value)
     assert repr(value) in str(caught.value)
     assert "outside the dates wfdash stores, 0001-01-02 … 9999-12-31 UTC" in str(caught.value)
+
+
+def test_a_long_backoff_waits_at_most_the_longest_duration_wfdash_stores():
+    daily = RetryPolicy(limit=100, delay_ms=parse_duration("1 day"), backoff="exponential")
+    assert daily.delay_after(2) == 2 * 86_400_000
+    assert daily.delay_after(60) == MAX_DURATION_MS  # 2**59 days would overflow any date
+    assert (
+        datetime(2030, 1, 1, tzinfo=UTC) + timedelta(milliseconds=daily.delay_after(60))
+        < LATEST_INSTANT
+    )
+    linear = RetryPolicy(limit=10**6, delay_ms=parse_duration("1000 years"), backoff="linear")
+    assert linear.delay_after(10**6) == MAX_DURATION_MS

@@ -23,7 +23,7 @@ import jsonschema
 
 from ..models import StepKind, StepRecord, StepStatus
 from . import clock, faults, spans
-from .durations import parse_duration, parse_instant
+from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
     EventTimeout,
     InvalidInput,
@@ -104,13 +104,14 @@ class RetryPolicy:
     backoff: str
 
     def delay_after(self, failed_attempts: int) -> int:
-        """Milliseconds to wait after the n-th failed attempt (n from 1)."""
+        """Milliseconds to wait after the n-th failed attempt (n from 1); at most
+        MAX_DURATION_MS, so a long exponential backoff stays a date the database stores."""
         n = failed_attempts - 1
         if self.backoff == "constant":
             return self.delay_ms
         if self.backoff == "linear":
-            return self.delay_ms * (n + 1)
-        return self.delay_ms * (2**n)
+            return min(self.delay_ms * (n + 1), MAX_DURATION_MS)
+        return min(self.delay_ms * (2**n), MAX_DURATION_MS)
 
 
 def error_fields(exc: BaseException) -> tuple[str, str, str]:
