@@ -230,6 +230,9 @@ def test_create_accepts_instance_id_an_empty_body_and_an_idempotency_key(service
     (b'{"id": "has space"}', "invalid instance id 'has space'"),
     (b'{"idempotency_key": 7}', "idempotency_key must be a string"),
     (b'{"colour": "red"}', "unknown field(s) ['colour']"),
+    (b'{"retention": 1e20}', "1e+20: longer than the longest duration wfdash stores, 1000 years"),
+    (b'{"retention": 9e18}', "9e+18: longer than the longest duration wfdash stores, 1000 years"),
+    (b'{"retention": "8000 years"}', "'8000 years': longer than the longest duration"),
 ])
 def test_create_refuses_bad_input_with_400_naming_the_problem(service, raw, message):
     status, _, text = refused(lambda: service.post(base(), raw=raw))
@@ -251,6 +254,12 @@ def test_batch_creates_every_instance(service):
     response = service.post(base(SIMPLE) + "/batch", [{"id": "b1", "params": 1}, {"instance_id": "b2"}])
     assert response.status_code == 201
     assert [r["id"] for r in response.json()["result"]] == ["b1", "b2"]
+
+
+def test_an_empty_batch_answers_201_with_an_empty_list(service):
+    response = service.post(base(SIMPLE) + "/batch", [])
+    assert response.status_code == 201
+    assert response.json()["result"] == []
 
 
 def test_batch_creates_none_when_one_is_refused(service):

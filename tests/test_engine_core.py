@@ -170,6 +170,46 @@ def test_non_retryable_error_fails_the_instance_at_once(registered):
     assert calls == {"boom": 1}
 
 
+def test_a_very_long_non_retryable_error_name_is_shortened_and_the_instance_errors(registered):
+    long_name = "Declined" + "X" * 300  # longer than the 200 characters an error name column holds
+
+    @register("long-error-name")
+    class LongErrorName(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def boom():
+                raise NonRetryableError("card declined", name=long_name)
+
+            await step.do("charge", boom)
+
+    inst = get_workflow("long-error-name").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error["message"] == "card declined"
+    assert len(status.error["name"]) == 200
+    assert status.error["name"].startswith("DeclinedXXX") and status.error["name"].endswith("…")
+    assert inst.steps()[0].last_error_name == status.error["name"]
+
+
+def test_a_non_retryable_error_subclass_is_reported_under_its_own_name(registered):
+    class CardDeclined(NonRetryableError):
+        pass
+
+    @register("subclassed-error")
+    class SubclassedError(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def boom():
+                raise CardDeclined("card declined")
+
+            await step.do("charge", boom)
+
+    inst = get_workflow("subclassed-error").create()
+    testing.run_until_idle()
+    assert inst.status().error == {"name": "CardDeclined", "message": "card declined"}
+    assert NonRetryableError("plain").error_name == "NonRetryableError"
+    assert CardDeclined("named", name="Other").error_name == "Other"
+
+
 def test_a_step_exceeding_its_timeout_counts_as_a_failed_attempt(registered):
     @register("slow")
     class Slow(WorkflowEntrypoint):
@@ -447,6 +487,54 @@ def test_history_is_gap_free_and_replays_add_no_duplicates(registered):
     assert types.count("sleep.started") == 1 and types.count("sleep.completed") == 1
     assert types[0] == "instance.created" and types[-1] == "instance.completed"
     assert types.count("run.started") == 2
+
+
+def test_a_lambda_returning_a_coroutine_has_the_coroutine_awaited_as_the_step(registered):
+    async def fetch(n):
+        await asyncio.sleep(0)
+        calls["fetch"] += 1
+        return {"n": n, "step": current_step().step_name}
+
+    async def too_slow():
+        await asyncio.sleep(5)
+
+    @register("lambda-async")
+    class LambdaAsync(WorkflowEntrypoint):
+        async def run(self, event, step):
+            plain = await step.do("plain", lambda: fetch(1))
+            with_context = await step.do("with-context", lambda ctx: fetch(ctx.attempt))
+            try:
+                await step.do("slow", lambda: too_slow(), timeout="50 ms", retries={"limit": 0})
+            except Exception as exc:
+                return [plain, with_context, str(exc)]
+
+    inst = get_workflow("lambda-async").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "complete", status.error
+    plain, with_context, slow_error = status.output
+    assert plain == {"n": 1, "step": "plain"}
+    assert with_context == {"n": 1, "step": "with-context"}
+    assert "timed out after 50 ms" in slow_error
+    assert calls == {"fetch": 2}
+
+
+def test_a_workflow_whose_constructor_raises_errors_in_its_first_run(registered):
+    @register("bad-constructor")
+    class BadConstructor(WorkflowEntrypoint):
+        def __init__(self, instance_id=""):
+            super().__init__(instance_id)
+            raise KeyError("MISSING_SETTING")
+
+        async def run(self, event, step):
+            return "never"
+
+    inst = get_workflow("bad-constructor").create()
+    assert testing.run_until_idle() == 1
+    row = inst.row()
+    assert (row.status, row.run_count) == ("errored", 1)
+    assert inst.status().error == {"name": "KeyError", "message": "'MISSING_SETTING'"}
+    assert row.lease_token is None
 
 
 def test_the_decorator_form_of_step_do_works(registered):

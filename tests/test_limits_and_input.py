@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.durations import LATEST_INSTANT
 from workflows_app.engine.errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -60,6 +63,8 @@ def test_unknown_workflow_and_instance_raise_named_errors(waiter):
         ({"params": {"bad": object()}}, InvalidInput, "not JSON-serialisable"),
         ({"params": float("nan")}, InvalidInput, "not JSON-serialisable"),
         ({"retention": "forever"}, InvalidDuration, "forever"),
+        ({"retention": "8000 years"}, InvalidDuration, "'8000 years': longer than the longest"),
+        ({"retention": 9e18}, InvalidDuration, "1000 years (31536000000000 ms)"),
     ],
 )
 def test_create_refuses_bad_input_and_writes_nothing(waiter, kwargs, error, message):
@@ -70,6 +75,52 @@ def test_create_refuses_bad_input_and_writes_nothing(waiter, kwargs, error, mess
     if message:
         assert message in str(caught.value)
     assert snapshot() == before
+
+
+def test_durations_past_the_calendar_are_refused_in_limits_sleeps_and_timeouts(registered):
+    with pytest.raises(InvalidDuration, match="'8000 years': longer than the longest duration"):
+        register("eternal", limits={"max_sleep": "8000 years"})
+
+    @register("far-future", limits={"max_sleep": "1000 years"})
+    class FarFuture(WorkflowEntrypoint):
+        async def run(self, event, step):
+            kind = event.payload
+            if kind == "sleep_until":
+                utc_minus_5 = timezone(timedelta(hours=-5))
+                await step.sleep_until("end", datetime(9999, 12, 31, 23, tzinfo=utc_minus_5))
+            if kind == "sleep_until_ms":
+                await step.sleep_until("end", 9e18)
+            if kind == "timeout":
+                await step.do("t", lambda: 1, timeout=1e20)
+            if kind == "wait":
+                await step.wait_for_event("w", type="t", timeout="9000 years")
+            if kind == "retry_delay":
+                await step.do("r", lambda: 1, retries={"delay": "2000 years"})
+
+    wf = get_workflow("far-future")
+    kinds = ("sleep_until", "sleep_until_ms", "timeout", "wait", "retry_delay")
+    insts = {kind: wf.create(params=kind) for kind in kinds}
+    testing.run_until_idle()
+    for kind, inst in insts.items():
+        status = inst.status()
+        assert status.status == "errored", kind
+        assert status.error["name"] == "InvalidDuration", (kind, status.error)
+        message = status.error["message"]
+        assert "1000 years" in message or "9999-12-31" in message, status.error
+
+
+def test_an_instance_stored_with_a_retention_past_the_calendar_finishes_and_terminates(waiter):
+    finished, live = waiter.create(id="finished"), waiter.create(id="live")
+    # Rows stored before durations were bounded:
+    Instance.objects.filter(instance_id__in=["finished", "live"]).update(retention_ms=9 * 10**18)
+    testing.run_until_idle()
+    finished.send_event("ping", {"n": 1})
+    testing.run_until_idle()
+    assert finished.status().status == "complete"
+    assert live.terminate() is True
+    assert live.status().status == "terminated"
+    for inst in (finished, live):
+        assert inst.row().expires_at == LATEST_INSTANT
 
 
 def test_a_duplicate_id_is_refused_and_ids_are_scoped_by_workflow(waiter, registered):
@@ -103,6 +154,14 @@ def test_batches_are_all_or_nothing_and_bounded(waiter):
     assert snapshot() == before
     created = waiter.create_batch([{"id": "b1", "params": 1}, {"id": "b3", "params": 3}])
     assert [c.id for c in created] == ["b1", "b3"]
+
+
+def test_an_empty_batch_creates_nothing_and_returns_an_empty_list(waiter):
+    before = snapshot()
+    assert waiter.create_batch([]) == []
+    assert snapshot() == before
+    with pytest.raises(UnknownWorkflow, match="version 9"):
+        waiter.create_batch([], version=9)
 
 
 def test_send_event_refuses_bad_types_payloads_and_finished_instances(waiter):

@@ -101,6 +101,29 @@ def test_registering_changed_code_under_an_existing_version_is_refused(registere
         settings.WFDASH["STRICT_VERSIONS"] = True
 
 
+def test_registering_other_code_under_a_version_registered_in_this_process_is_refused(
+    registered, settings
+):
+    define_v1()
+    with pytest.raises(VersionConflict, match=r"'versioned' version 1 is already registered .*V1"):
+
+        @register("versioned", version=1)
+        class Other(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return "other code, same version"
+
+    assert registry.get_definition("versioned", 1).cls.__qualname__.endswith("V1")
+    define_v1()  # the same source again (a module reloaded) is fine
+    settings.WFDASH = {**settings.WFDASH, "STRICT_VERSIONS": False}
+
+    @register("versioned", version=1)
+    class Relaxed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "other code, same version"
+
+    assert registry.get_definition("versioned", 1).cls is Relaxed
+
+
 def test_runserver_refuses_to_serve_when_a_version_s_code_changed(registered, settings):
     from django.core.management import CommandError, call_command
 
@@ -177,6 +200,33 @@ def test_history_records_every_kind_of_event_with_actors(registered):
     assert actors == {"instance.created": "alice", "instance.paused": "bob", "instance.resumed": "carol",
                       "sleep.skipped": "dave", "event.sent": "erin"}
     assert [h.sequence for h in history] == list(range(1, len(history) + 1))
+
+
+def test_the_history_of_a_delivered_event_holds_its_payload_direct_or_buffered(registered):
+    @register("receiver", limits={"max_event_payload_bytes": 100_000})
+    class Receiver(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("first", type="direct")
+            await step.wait_for_event("second", type="buffered")
+            await step.wait_for_event("third", type="large")
+
+    inst = get_workflow("receiver").create()
+    testing.run_until_idle()
+    inst.send_event("direct", {"approved": True, "by": "ana"})  # the wait is parked for it
+    inst.send_event("buffered", [1, 2, 3])  # sent before its wait starts
+    big = {"blob": "z" * 50_000}
+    inst.send_event("large", big)
+    testing.run_until_idle()
+    assert inst.status().status == "complete"
+    received = {h.data["step"]: h.data for h in inst.history() if h.type == "event.received"}
+    assert received["first"]["payload"] == {"approved": True, "by": "ana"}
+    assert received["second"]["payload"] == [1, 2, 3]
+    # A large payload is not copied whole into the history: its size and its start are.
+    large = received["third"]
+    assert "payload" not in large
+    assert large["payload_bytes"] == len(json.dumps(big, separators=(",", ":")))
+    assert large["payload_preview"].startswith('{"blob":"zzz') and large["payload_preview"].endswith("…")
+    assert len(large["payload_preview"]) < 20_000
 
 
 def test_pending_events_list_waits_with_their_schema(registered):

@@ -131,7 +131,10 @@ class WorkflowBinding:
         return self._create([{"id": id, "params": params, "idempotency_key": idempotency_key, "retention": retention}], actor, version)[0]
 
     def create_batch(self, items: Sequence[dict[str, Any]], actor: Any = None, version: int | None = None) -> list[InstanceHandle]:
-        """Start several instances, all or none; at most max_batch_size."""
+        """Start several instances, all or none; at most max_batch_size.
+
+        An empty list starts nothing and returns [], as Cloudflare's createBatch does.
+        """
         definition = self.definition(version)
         limits = definition.limits()
         if not isinstance(items, (list, tuple)):
@@ -139,7 +142,7 @@ class WorkflowBinding:
         if len(items) > limits.max_batch_size:
             raise errors.LimitExceeded("max_batch_size", len(items), limits.max_batch_size, "create_batch")
         if not items:
-            raise errors.InvalidInput("create_batch needs at least one instance")
+            return []
         return self._create(items, actor, version)
 
     def _create(self, items: Sequence[dict[str, Any]], actor: Any, version: int | None) -> list[InstanceHandle]:

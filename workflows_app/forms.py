@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django import forms
 
 from .dashboard import ListFilters, workflow_names
+from .engine.durations import INSTANT_RANGE, parse_instant
+from .engine.errors import InvalidDuration
 from .models import Status
 
 
@@ -108,12 +110,24 @@ class ListFilterForm(forms.Form):
         self.is_valid()  # fills cleaned_data with the fields that did validate
         data = self.cleaned_data
         offset = timedelta(minutes=data.get("tz") or 0)
-        created_from, created_to = data.get("created_from"), data.get("created_to")
         return ListFilters(
             workflow=data.get("workflow") or "",
             status=data.get("status") or "",
             version=data.get("version"),
-            created_from=created_from - offset if created_from else None,
-            created_to=created_to - offset if created_to else None,
+            created_from=self._instant("created_from", offset),
+            created_to=self._instant("created_to", offset),
             q=(data.get("q") or "").strip(),
         )
+
+    def _instant(self, name: str, offset: timedelta) -> datetime | None:
+        """A date filter read in the viewer's time zone, as UTC; one outside the dates the
+        database stores is an error on the field (ignored), not a server error."""
+        value = self.cleaned_data.get(name)
+        if value is None:
+            return None
+        try:
+            return parse_instant(value - offset)
+        except (OverflowError, InvalidDuration):
+            shown = value.replace(tzinfo=None).isoformat(timespec="minutes")
+            self.add_error(name, f"{shown} is outside the dates wfdash stores, {INSTANT_RANGE}")
+            return None

@@ -735,6 +735,22 @@ def test_the_created_range_is_read_in_the_viewers_time_zone(operator_client, app
     )  # read as UTC it is 2 h off
 
 
+def test_a_created_range_past_the_calendar_is_shown_as_an_error_not_a_server_error(
+    operator_client, approval_workflow
+):
+    get_workflow(approval_workflow).create(id="listed")
+    url = reverse("workflows:instances")
+    for params in (
+        {"created_from": "0001-01-01T00:00", "tz": 120},  # two hours before the first date
+        {"created_to": "9999-12-31T23:59", "tz": -120},
+    ):
+        response = operator_client.get(url, params)
+        assert response.status_code == 200
+        page = response.content.decode()
+        assert "is outside the dates wfdash stores, 0001-01-02 … 9999-12-31 UTC" in page
+        assert 'data-instance-id="listed"' in page  # the bad filter is ignored
+
+
 def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(
     operator_client, approval_workflow
 ):

@@ -86,11 +86,14 @@ class StepOutputError(WorkflowError):
 
 
 class NonRetryableError(WorkflowError):
-    """Raised by user code to fail the step and the instance at once, without retries."""
+    """Raised by user code to fail the step and the instance at once, without retries.
+
+    The error name is `name`, else the class's own name (a subclass keeps its name).
+    """
 
     def __init__(self, message: str = "", name: str | None = None) -> None:
         super().__init__(message)
-        self.error_name = name or "NonRetryableError"
+        self.error_name = name or type(self).__name__
 
 
 class WorkflowFailed(WorkflowError):

@@ -22,6 +22,10 @@ DAY_MS = 86_400_000
 EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")
 INSTANCE_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_.:-]*\Z")
 BACKOFFS = ("constant", "linear", "exponential")
+MAX_ERROR_NAME_LENGTH = 200  # the error name columns (instance, step, error record)
+# An event payload is copied into its event.received history record up to this size; a
+# larger one leaves its size and start there (the whole payload is in the step's output).
+HISTORY_PAYLOAD_MAX_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -145,3 +149,21 @@ def check_step_name(name: object, limits: Limits) -> str:
     if len(name) > limits.max_step_name_length:
         raise LimitExceeded("max_step_name_length", len(name), limits.max_step_name_length, f"step name {name[:40]!r}…")
     return name
+
+
+def error_name(name: str) -> str:
+    """An error name as stored: one past the column's length is shortened, ending in "…",
+    so a long NonRetryableError(name=…) errors the instance the same way on every database."""
+    if len(name) <= MAX_ERROR_NAME_LENGTH:
+        return name
+    return name[: MAX_ERROR_NAME_LENGTH - 1] + "…"
+
+
+def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
+    """What a history record shows of an event payload, so an operator can see what was
+    received without the history growing by max_event_payload_bytes per event."""
+    encoded = payload_json.encode()
+    if len(encoded) <= HISTORY_PAYLOAD_MAX_BYTES:
+        return {"payload": payload}
+    preview = encoded[:HISTORY_PAYLOAD_MAX_BYTES].decode(errors="ignore")
+    return {"payload_bytes": len(encoded), "payload_preview": preview + "…"}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidInput, UnknownWorkflow
+from .errors import InvalidInput, UnknownWorkflow, VersionConflict
 from .limits import Limits
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ class Definition:
     @property
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    async def start(self, instance_id: str, event: WorkflowEvent, step: Step) -> Any:
+        """Construct the workflow and run it, in the run's task: a constructor that raises
+        fails the run as run() raising would (the instance errors), not the engine."""
+        return await self.cls(instance_id).run(event, step)
 
     def limits(self) -> Limits:
         from django.conf import settings
@@ -85,10 +90,35 @@ def register(
         cls.workflow_version = version
         definition = Definition(name, version, cls, dict(limits or {}), source_hash(cls))
         with _lock:
+            current = _definitions.get(name, {}).get(version)
+            if current is not None and current.source_hash != definition.source_hash:
+                _refuse_changed_source(current, definition)
             _definitions.setdefault(name, {})[version] = definition
         return cls
 
     return decorate
+
+
+def strict_versions() -> bool:
+    """WFDASH["STRICT_VERSIONS"]: changed code under a registered version is refused (default)."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return True
+    return bool(getattr(settings, "WFDASH", {}).get("STRICT_VERSIONS", True))
+
+
+def _refuse_changed_source(current: Definition, new: Definition) -> None:
+    """Other code under a version registered in this process: refused, unless versions are
+    not strict, so instances never replay on code other than the code they started with."""
+    if not strict_versions():
+        return
+    raise VersionConflict(
+        f"workflow {current.name!r} version {current.version} is already registered in this process "
+        f"by {current.class_path} with different source code than {new.class_path}; bump the version "
+        f"(register({current.name!r}, version={current.version + 1})) or set "
+        'WFDASH["STRICT_VERSIONS"] = False to replace it'
+    )
 
 
 def unregister(name: str, version: int | None = None) -> None:

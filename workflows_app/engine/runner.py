@@ -49,6 +49,7 @@ from .step import (
     _current_step,
     _is_async,
     _takes_context,
+    await_returned,
     error_fields,
     new_step_record,
 )
@@ -186,7 +187,6 @@ class Run:
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
         event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
-        workflow = self.definition.cls(inst.instance_id)
         self.span = spans.start_workflow_span(
             inst.trace_id,
             self.definition.name,
@@ -201,7 +201,9 @@ class Run:
         ctx = contextvars.copy_context()
         ctx.run(otel_context.attach, trace.set_span_in_context(self.span))
         ctx.run(_previous_step.set, "")
-        self.task = asyncio.get_running_loop().create_task(workflow.run(event, Step(self)), context=ctx)
+        self.task = asyncio.get_running_loop().create_task(
+            self.definition.start(inst.instance_id, event, Step(self)), context=ctx
+        )
         outcome = "aborted"
         try:
             outcome = await self._supervise(self.task)
@@ -539,7 +541,11 @@ class Run:
         while True:
             done, _ = await asyncio.wait({future}, timeout=remaining)
             if done:
-                return future.result()
+                result = future.result()
+                if inspect.isawaitable(result):  # step.do("x", lambda: fetch()) built a coroutine
+                    left = began[0] + timeout_ms / 1000 - time.monotonic()
+                    return await await_returned(result, context, left, timed_out)
+                return result
             # The timeout counts running time only: not the wait for a thread to start it.
             remaining = timeout_ms / 1000 if not began else began[0] + timeout_ms / 1000 - time.monotonic()
             if remaining <= 0:

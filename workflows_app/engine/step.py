@@ -8,6 +8,7 @@ delay), it blocks; the runner then parks the instance in the database and frees 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -23,16 +24,24 @@ import jsonschema
 
 from ..models import StepKind, StepRecord, StepStatus
 from . import clock, faults, spans
-from .durations import parse_duration, parse_instant
+from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
     EventTimeout,
     InvalidInput,
     LimitExceeded,
     NonRetryableError,
     StepOutputError,
+    StepTimeout,
     WorkflowError,
 )
-from .limits import BACKOFFS, check_event_type, encode_json, encode_step_output
+from .limits import (
+    BACKOFFS,
+    check_event_type,
+    encode_json,
+    encode_step_output,
+    error_name,
+    payload_for_history,
+)
 from .store import History
 
 if TYPE_CHECKING:
@@ -113,13 +122,14 @@ class RetryPolicy:
     backoff: str
 
     def delay_after(self, failed_attempts: int) -> int:
-        """Milliseconds to wait after the n-th failed attempt (n from 1)."""
+        """Milliseconds to wait after the n-th failed attempt (n from 1); at most
+        MAX_DURATION_MS, so a long exponential backoff stays a date the database stores."""
         n = failed_attempts - 1
         if self.backoff == "constant":
             return self.delay_ms
         if self.backoff == "linear":
-            return self.delay_ms * (n + 1)
-        return self.delay_ms * (2**n)
+            return min(self.delay_ms * (n + 1), MAX_DURATION_MS)
+        return min(self.delay_ms * (2**n), MAX_DURATION_MS)
 
 
 def error_fields(exc: BaseException) -> tuple[str, str, str]:
@@ -127,10 +137,10 @@ def error_fields(exc: BaseException) -> tuple[str, str, str]:
     if isinstance(exc, NonRetryableError):
         name = exc.error_name
     elif isinstance(exc, StepFailed):
-        return exc.error_name, exc.message, exc.stack
+        return error_name(exc.error_name), exc.message, exc.stack
     else:
         name = type(exc).__name__
-    return name, str(exc), "".join(traceback.format_exception(exc))
+    return error_name(name), str(exc), "".join(traceback.format_exception(exc))
 
 
 def _takes_context(fn: Callable[..., Any]) -> bool:
@@ -148,6 +158,24 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     target = fn.func if isinstance(fn, functools.partial) else fn
     # An object whose __call__ is async counts too.
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
+
+
+async def await_returned(
+    result: Awaitable[Any], context: StepContext, seconds: float, timed_out: StepTimeout
+) -> Any:
+    """Await what a sync step callable returned, as the step: `step.do("x", lambda: fetch())`
+    ran the lambda in a thread, which only built the coroutine. It runs here, in the loop,
+    under what is left of the attempt's timeout, with current_step() set."""
+    token = _current_step.set(context)
+    try:
+        async with asyncio.timeout(max(0.0, seconds)) as deadline:
+            return await result
+    except TimeoutError:
+        if deadline.expired():
+            raise timed_out from None
+        raise
+    finally:
+        _current_step.reset(token)
 
 
 class Step:
@@ -378,7 +406,9 @@ class Step:
                 f'event received by "{name}"',
             )
             record.wake_at = None
-            history.append(History("event.received", {"step": name, "type": type, "event_id": delivered.pk}))
+            shown = payload_for_history(delivered.payload, delivered.payload_json)
+            data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
+            history.append(History("event.received", data))
             await run.write(record, history, consume_event=delivered.pk, progress=True)
             spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes)
             return event

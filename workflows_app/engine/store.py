@@ -32,6 +32,7 @@ from ..models import (
     WorkflowVersion,
 )
 from . import clock, faults, lifecycle
+from .durations import add_duration
 from .errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -658,7 +659,7 @@ def finish(
         _close_open_steps(pk, now)
         retention = retention_ms if retention_ms is not None else limits.max_retention
         if retention:
-            Instance.objects.filter(id=pk).update(expires_at=now + timedelta(milliseconds=retention))
+            Instance.objects.filter(id=pk).update(expires_at=add_duration(now, retention))
         _insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
@@ -832,7 +833,7 @@ def _terminate_locked(inst: Instance, limits: Limits, actor: str, reason: str, n
     Instance.objects.filter(id=inst.pk).update(
         status=Status.TERMINATED, wake_at=None, finished_at=now, updated_at=now, waiting_reason="",
         compensate_on_cancel=False,
-        expires_at=now + timedelta(milliseconds=retention) if retention else None, **_clear_lease(),
+        expires_at=add_duration(now, retention) if retention else None, **_clear_lease(),
     )
     _close_open_steps(inst.pk, now)
     append_history(inst.pk, [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)], now)
