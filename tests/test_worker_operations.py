@@ -252,3 +252,65 @@ def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poi
     assert row.status == "complete", (row.status, row.error_name, row.error_message)
     assert row.unproductive_claims == 0
     assert HistoryRecord.objects.filter(instance=row, type="run.started").count() == 4
+
+
+# --- 15. bounded work -----------------------------------------------------------------------
+
+
+def test_a_wait_reads_only_the_buffered_events_of_its_type_and_only_as_far_as_it_needs(registered, monkeypatch):
+    from workflows_app import testing
+    from workflows_app.models import InboxEvent
+
+    @register("inbox-reader")
+    class InboxReader(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "approval", type="go", schema={"type": "object", "required": ["ok"]}
+            )
+            return got.payload
+
+    inst = get_workflow("inbox-reader").create(id="reader")
+    pk = inst.row().pk
+    now = Instance.objects.get(pk=pk).created_at
+    noise = [InboxEvent(instance_id=pk, type="noise", payload_json="{}", created_at=now) for _ in range(1000)]
+    refused = [InboxEvent(instance_id=pk, type="go", payload_json='{"n": 1}', created_at=now) for _ in range(250)]
+    InboxEvent.objects.bulk_create([*noise, *refused])
+    inst.send_event("go", {"ok": True})
+    read: list[str] = []
+    real = store.unconsumed_events
+    monkeypatch.setattr(
+        store,
+        "unconsumed_events",
+        lambda *args: [read.append(e.type) or e for e in real(*args)],
+    )
+    testing.run_until_idle()
+    assert inst.status().output == {"ok": True}
+    assert set(read) == {"go"} and len(read) == 251  # three batches, no noise
+
+
+def test_result_waiters_leave_nothing_behind_once_answered(registered):
+    from workflows_app import live, testing
+
+    @register("answered")
+    class Answered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    insts = [get_workflow("answered").create() for _ in range(3)]
+    testing.run_until_idle()
+    assert [i.result(timeout=5) for i in insts] == [1, 1, 1]
+    assert len(live.result_waiters) == 0
+
+
+def test_pending_hints_fold_wakes_into_one_and_stay_bounded():
+    from workflows_app.live import PendingHints
+
+    hints = PendingHints()
+    for pk in range(20_000):
+        hints.put({"type": "wf.hint", "kind": "created", "pk": pk})
+    assert len(hints) == 1
+    for pk in range(PendingHints.MAX + 50):
+        hints.put({"type": "wf.hint", "kind": "terminate", "pk": pk})
+    assert len(hints) == PendingHints.MAX
+    taken = hints.take()
+    assert taken[-1][1]["pk"] == PendingHints.MAX + 49 and len(hints) == 0

@@ -239,17 +239,6 @@ def instance_info(row: Instance) -> InstanceInfo:
     )
 
 
-# Threads blocked in result() wait on these; live.instance_changed sets them.
-_result_waiters: dict[int, set[threading.Event]] = {}
-_result_lock = threading.Lock()
-
-
-def wake_result_waiters(pk: int | None) -> None:
-    with _result_lock:
-        for event in _result_waiters.get(pk, set()) if pk is not None else ():
-            event.set()
-
-
 class InstanceHandle:
     """One instance of a workflow, by id. Methods read and write the database each call."""
 
@@ -303,11 +292,7 @@ class InstanceHandle:
     def result(self, timeout: float | None = None) -> Any:
         """Block until the instance finishes; its output, or WorkflowFailed / WorkflowTerminated."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        event = threading.Event()
-        pk = self.row().pk
-        with _result_lock:
-            _result_waiters.setdefault(pk, set()).add(event)
-        try:
+        with live.result_waiters.waiting(self.row().pk) as event:
             while True:
                 row = self.row()
                 if row.status == Status.COMPLETE:
@@ -322,9 +307,6 @@ class InstanceHandle:
                 # Woken at once by this process's engine; the 1 s re-read covers other processes.
                 event.wait(1.0 if remaining is None else min(1.0, remaining))
                 event.clear()
-        finally:
-            with _result_lock:
-                _result_waiters.get(pk, set()).discard(event)
 
     # --- act --------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ import logging
 import threading
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from channels.layers import InMemoryChannelLayer, get_channel_layer
@@ -28,6 +30,44 @@ OVERVIEW_GROUP = "wfdash.overview"
 # not thread-safe, so other threads hand their messages to this loop; see publish().
 _socket_loop: asyncio.AbstractEventLoop | None = None
 _in_flight: set[asyncio.Future[None]] = set()
+
+
+class ResultWaiters:
+    """Threads blocked in InstanceHandle.result(), by instance: woken when it changes.
+
+    An instance's entry goes when its last waiter does, so the registry holds only the
+    waits in progress, however many instances were ever waited on.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_instance: dict[int, set[threading.Event]] = {}
+
+    @contextmanager
+    def waiting(self, pk: int) -> Iterator[threading.Event]:
+        event = threading.Event()
+        with self._lock:
+            self._by_instance.setdefault(pk, set()).add(event)
+        try:
+            yield event
+        finally:
+            with self._lock:
+                waiters = self._by_instance.get(pk, set())
+                waiters.discard(event)
+                if not waiters:
+                    self._by_instance.pop(pk, None)
+
+    def wake(self, pk: int | None) -> None:
+        with self._lock:
+            for event in self._by_instance.get(pk, set()) if pk is not None else ():
+                event.set()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_instance)
+
+
+result_waiters = ResultWaiters()
 
 
 def instance_group(pk: int) -> str:
@@ -48,10 +88,8 @@ def _cross_process_layer() -> Any:
 
 def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> None:
     """Called after a state change commits (from any thread, sync code)."""
-    from .client import wake_result_waiters
-
     notify_local(kind, pk)
-    wake_result_waiters(pk)
+    result_waiters.wake(pk)
     if pk is not None:
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
@@ -91,6 +129,32 @@ def instances_promoted(pks: list[int]) -> None:
         instance_changed("promoted", pk)
 
 
+class PendingHints:
+    """Hints to workers waiting to be sent, folded as they arrive: every wake hint is one
+    (any worker may act on it), the others one per (kind, instance), newest last. While
+    the layer cannot take them (Redis down) they stay bounded: past MAX the oldest go."""
+
+    MAX = 10_000
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[Any, Any], dict[str, Any]] = {}
+
+    def put(self, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        key = ("wake", None) if kind in WAKE_KINDS else (kind, message.get("pk"))
+        self._by_key.pop(key, None)
+        self._by_key[key] = message
+        if len(self._by_key) > self.MAX:
+            del self._by_key[next(iter(self._by_key))]
+
+    def take(self) -> list[tuple[str, dict[str, Any]]]:
+        taken, self._by_key = list(self._by_key.values()), {}
+        return [(WORKERS_GROUP, message) for message in taken]
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+
 class Sender:
     """A long-lived loop in its own thread that sends cross-process messages (Redis).
 
@@ -107,7 +171,7 @@ class Sender:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.hints: list[tuple[str, dict[str, Any]]] = []
+        self.hints = PendingHints()
         self.updates: deque[tuple[str, dict[str, Any]]] = deque(maxlen=self.MAX_UPDATES)  # drops the oldest
         self.wake = asyncio.Event()
         threading.Thread(target=self.loop.run_forever, name="wfdash-live-sender", daemon=True).start()
@@ -119,7 +183,7 @@ class Sender:
 
     def _put(self, group: str, message: dict[str, Any]) -> None:
         if group == WORKERS_GROUP:
-            self.hints.append((group, message))
+            self.hints.put(message)
         else:
             self.updates.append((group, message))
         self.wake.set()
@@ -137,8 +201,7 @@ class Sender:
             self.wake.clear()
             while self.hints or self.updates:
                 if self.hints:
-                    batch, self.hints = self.hints, []
-                    for group, message in _coalesce(batch):
+                    for group, message in _coalesce(self.hints.take()):
                         await self._send(group, message)
                     continue
                 chunk = [self.updates.popleft() for _ in range(min(self.CHUNK, len(self.updates)))]
@@ -227,9 +290,7 @@ class EngineHooks:
             self.span_stored(span)
 
     def run_finished(self, pk: int, outcome: str) -> None:
-        from .client import wake_result_waiters
-
-        wake_result_waiters(pk)
+        result_waiters.wake(pk)
         message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}
         publish(instance_group(pk), message)
         publish(OVERVIEW_GROUP, message)

@@ -83,6 +83,19 @@ class TestOverrides:
 overrides = TestOverrides()
 
 
+EVENT_BATCH = 100  # buffered events read at a time by a wait
+
+
+@dataclass
+class Inbox:
+    """The buffered events of one type this run has read and not yet taken."""
+
+    events: list[InboxEvent] = field(default_factory=list)
+    last_id: int = 0
+    exhausted: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class Activity:
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -128,8 +141,8 @@ class Run:
         for checkpoint in self.checkpoints.values():
             if checkpoint.after is not None:
                 self.successors.setdefault(checkpoint.after, []).append(checkpoint)
-        self.events: list[InboxEvent] = loaded.events
-        self.events_seen = max((e.pk for e in loaded.events), default=0)  # newer ones arrived during the run
+        self.inboxes: dict[str, Inbox] = {}  # buffered events by type, read as waits ask for them
+        self.events_seen = 0  # the newest event id read: newer ones of an awaited type arrived during the run
         self.seen: set[str] = set()
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0
@@ -642,17 +655,30 @@ class Run:
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
-    def take_event(self, event_type: str, schema: dict[str, Any] | None = None) -> InboxEvent | None:
+    async def take_event(self, event_type: str, schema: dict[str, Any] | None = None) -> InboxEvent | None:
         """The oldest undelivered event of a type, reserved for the caller (program order).
 
         With a schema (a typed wait), events buffered before the wait whose payload does
         not match it are passed over: they stay in the inbox, never delivered to this wait.
+        Events are read EVENT_BATCH at a time and only as far as a wait needs them.
         """
         validator = jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
-        for index, event in enumerate(self.events):
-            if event.type == event_type and (validator is None or validator.is_valid(event.payload)):
-                return self.events.pop(index)
-        return None
+        inbox = self.inboxes.setdefault(event_type, Inbox())
+        async with inbox.lock:  # parallel waits on one type read the inbox once
+            index = 0
+            while True:
+                for index in range(index, len(inbox.events)):
+                    if validator is None or validator.is_valid(inbox.events[index].payload):
+                        return inbox.events.pop(index)
+                index = len(inbox.events)
+                if inbox.exhausted:
+                    return None
+                batch = await self.db(store.unconsumed_events, self.pk, event_type, inbox.last_id, EVENT_BATCH)
+                inbox.events.extend(batch)
+                inbox.exhausted = len(batch) < EVENT_BATCH
+                if batch:
+                    inbox.last_id = batch[-1].pk
+                    self.events_seen = max(self.events_seen, inbox.last_id)
 
     def event_timed_out(self, record: StepRecord) -> bool:
         forced = (self.instance_id, record.event_type)

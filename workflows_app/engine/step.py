@@ -386,7 +386,7 @@ class Step:
                 history.append(
                     History("event.waiting", {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()})
                 )
-            delivered = run.take_event(type, schema)
+            delivered = await run.take_event(type, schema)
             if delivered is None and not run.event_timed_out(record):
                 if history:
                     await run.write(record, history)

@@ -121,7 +121,6 @@ class NewInstance:
 class LoadedRun:
     instance: Instance
     steps: dict[str, StepRecord]  # by name: the workflow's own steps
-    events: list[InboxEvent]
     compensations: dict[str, StepRecord] = field(default_factory=dict)  # by the name of the step undone
 
 
@@ -341,19 +340,26 @@ def get_instance(name: str, instance_id: str) -> Instance:
 
 
 def load_run(pk: int) -> LoadedRun:
-    """The instance, all its checkpoints and its unconsumed events: three queries, any size."""
+    """The instance and all its checkpoints: two queries, any size."""
     return load_runs([pk])[pk]
 
 
 def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
-    """Several instances with all their checkpoints and unconsumed events: three queries."""
-    runs = {i.pk: LoadedRun(i, {}, []) for i in Instance.objects.filter(id__in=list(pks))}
+    """Several instances with all their checkpoints: two queries. Buffered events are
+    read when a wait asks for its type (unconsumed_events), not on every run."""
+    runs = {i.pk: LoadedRun(i, {}) for i in Instance.objects.filter(id__in=list(pks))}
     for step in StepRecord.objects.filter(instance_id__in=list(runs)):
         loaded = runs[step.instance_id]
         (loaded.compensations if step.kind == StepKind.COMPENSATE else loaded.steps)[step.name] = step
-    for event in InboxEvent.objects.filter(instance_id__in=list(runs), consumed_at__isnull=True).order_by("id"):
-        runs[event.instance_id].events.append(event)
     return runs
+
+
+def unconsumed_events(pk: int, event_type: str, after_id: int, limit: int) -> list[InboxEvent]:
+    """The oldest unconsumed events of a type sent to an instance, past after_id."""
+    return list(
+        InboxEvent.objects.filter(instance_id=pk, type=event_type, consumed_at__isnull=True, id__gt=after_id)
+        .order_by("id")[:limit]
+    )
 
 
 def claim_and_load(
