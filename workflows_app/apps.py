@@ -16,7 +16,7 @@ class WorkflowsAppConfig(AppConfig):
         from . import live
         from .engine import store
 
-        store.on_promoted = live.instances_promoted
+        store.control.on_promoted = live.instances_promoted
         if getattr(settings, "WFDASH", {}).get("TRACING", True):
             from . import tracing
 

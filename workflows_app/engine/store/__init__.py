@@ -1,0 +1,96 @@
+"""Every database read and write the engine makes, split by concern.
+
+- leases: claims, leases and heartbeats; loading what a run needs;
+- runs: a run's fenced writes (checkpoints, park, finish);
+- control: admission (the queue under max_concurrent_instances) and operator actions;
+- catalog: the version catalog and pruning;
+- dialect: every SQLite/PostgreSQL difference; records: what they share.
+
+The functions are synchronous and each is one transaction; the engine calls them from its
+database threads. Callers use this package's names (store.claim_runnable, ...).
+"""
+
+from __future__ import annotations
+
+from . import control
+from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
+from .control import (
+    cancel,
+    create_instances,
+    get_instance,
+    holding_places,
+    pause,
+    promote_all_queued,
+    promote_queued,
+    restart,
+    resume,
+    send_event,
+    skip_sleep,
+    terminate,
+)
+from .dialect import retry_while_locked, transient
+from .leases import (
+    claim_and_load,
+    claim_runnable,
+    heartbeat,
+    load_run,
+    load_runs,
+    next_wake_at,
+    release,
+    unconsumed_events,
+)
+from .records import History, LeaseLost, LoadedRun, NewInstance, append_history
+from .runs import (
+    StepWrite,
+    begin_compensation,
+    finish,
+    park,
+    park_unrunnable,
+    rewrite_step,
+    write_step,
+    write_steps,
+)
+
+__all__ = [
+    "VERSION_MISSING",
+    "History",
+    "LeaseLost",
+    "LoadedRun",
+    "NewInstance",
+    "StepWrite",
+    "append_history",
+    "begin_compensation",
+    "cancel",
+    "claim_and_load",
+    "claim_runnable",
+    "control",
+    "create_instances",
+    "finish",
+    "get_instance",
+    "heartbeat",
+    "holding_places",
+    "load_run",
+    "load_runs",
+    "next_wake_at",
+    "park",
+    "park_unrunnable",
+    "pause",
+    "promote_all_queued",
+    "promote_queued",
+    "prunable",
+    "prune",
+    "release",
+    "restart",
+    "resume",
+    "retry_while_locked",
+    "rewrite_step",
+    "send_event",
+    "skip_sleep",
+    "sync_catalog",
+    "terminate",
+    "transient",
+    "unconsumed_events",
+    "wake_registered_versions",
+    "write_step",
+    "write_steps",
+]

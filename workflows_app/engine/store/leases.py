@@ -1,0 +1,172 @@
+"""Leases and claims: which worker runs which instance, and loading what a run needs.
+
+Runnable: wake_at <= now and no live lease. A claim leases rows to a worker under a
+fresh token; heartbeats extend the leases; a crashed worker's leases run out and any
+worker claims the instances again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+
+from django.db import DatabaseError, connection, transaction
+from django.db.models import Min, Q
+
+from ...models import (
+    InboxEvent,
+    Instance,
+    Status,
+    StepKind,
+    StepRecord,
+)
+from .. import clock, faults
+from .dialect import db_time, lock_rows, retry_while_locked, skip_rows_being_claimed
+from .records import INSTANCE_TABLE, History, LoadedRun, insert_history
+
+
+def load_run(pk: int) -> LoadedRun:
+    """The instance and all its checkpoints: two queries, any size."""
+    return load_runs([pk])[pk]
+
+
+def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
+    """Several instances with all their checkpoints: two queries. Buffered events are
+    read when a wait asks for its type (unconsumed_events), not on every run."""
+    runs = {i.pk: LoadedRun(i, {}) for i in Instance.objects.filter(id__in=list(pks))}
+    for step in StepRecord.objects.filter(instance_id__in=list(runs)):
+        loaded = runs[step.instance_id]
+        (loaded.compensations if step.kind == StepKind.COMPENSATE else loaded.steps)[step.name] = (
+            step
+        )
+    return runs
+
+
+def unconsumed_events(pk: int, event_type: str, after_id: int, limit: int) -> list[InboxEvent]:
+    """The oldest unconsumed events of a type sent to an instance, past after_id."""
+    return list(
+        InboxEvent.objects.filter(
+            instance_id=pk, type=event_type, consumed_at__isnull=True, id__gt=after_id
+        ).order_by("id")[:limit]
+    )
+
+
+def claim_and_load(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
+) -> list[tuple[int, str, LoadedRun | None]]:
+    """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
+    claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
+    if not claimed:
+        return []
+    try:
+        faults.hit("after_claim")
+        loaded = load_runs([pk for pk, _ in claimed])
+    except DatabaseError:
+        # The claims are committed but cannot run here: hand them back rather than leave
+        # them leased to nobody until the leases run out (best effort: expiry is the net).
+        connection.close()  # a broken connection is not reused; the release reconnects
+        try:
+            release(claimed)
+        except DatabaseError:
+            pass
+        raise
+    return [(pk, token, loaded.get(pk)) for pk, token in claimed]
+
+
+@retry_while_locked
+def claim_runnable(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
+) -> list[tuple[int, str]]:
+    """Lease up to `limit` runnable instances to this worker and start a run of each.
+
+    Runnable: wake_at <= now and no live lease. PostgreSQL skips rows another worker is
+    claiming (FOR UPDATE SKIP LOCKED); SQLite's IMMEDIATE transaction serialises claimers.
+    The claim also marks the run as started (status and run.started), so a run costs no
+    transaction of its own before its first checkpoint.
+    """
+    now = clock.now()
+    lease_until = now + timedelta(seconds=lease_seconds)
+    claimed: list[tuple[int, str]] = []
+    with transaction.atomic():
+        query = (
+            Instance.objects.filter(wake_at__lte=now)
+            .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
+            .exclude(id__in=list(exclude))
+            .order_by("wake_at")
+        )
+        query = skip_rows_being_claimed(query)
+        rows = list(
+            query.values_list("id", "lease_token", "status", "run_count", "compensate_on_cancel")[
+                :limit
+            ]
+        )
+        started: list[tuple[int, int, History]] = []
+        with connection.cursor() as cursor:
+            for pk, old_token, status, run_count, compensating in rows:
+                token = uuid.uuid4().hex
+                if compensating:
+                    new_status = Status.COMPENSATING
+                elif status in (Status.WAITING, Status.RUNNING):
+                    new_status = Status.RUNNING
+                else:
+                    new_status = status  # waitingForPause: the run parks it as paused
+                cursor.execute(
+                    f"UPDATE {INSTANCE_TABLE} SET lease_owner = %s, lease_token = %s, lease_expires_at = %s, "
+                    "unproductive_claims = unproductive_claims + %s, status = %s, waiting_reason = %s, "
+                    "run_count = run_count + 1, history_seq = history_seq + 1 "
+                    f"WHERE id = %s AND {'lease_token IS NULL' if old_token is None else 'lease_token = %s'} "
+                    "RETURNING history_seq",
+                    [
+                        worker_id,
+                        token,
+                        db_time(lease_until),
+                        0 if old_token is None else 1,
+                        new_status,
+                        "",
+                        pk,
+                        *([] if old_token is None else [old_token]),
+                    ],
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    claimed.append((pk, token))
+                    data = {"run": run_count + 1, "from": status, "worker": worker_id}
+                    started.append((pk, row[0], History("run.started", data)))
+        for pk, seq, record in started:
+            insert_history(pk, seq, [record], now)
+    return claimed
+
+
+@retry_while_locked
+def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
+    """Extend the leases held under these tokens; returns the tokens that were lost."""
+    if not tokens:
+        return set()
+    lease_until = clock.now() + timedelta(seconds=lease_seconds)
+    with transaction.atomic():
+        # Lock in instance order, as group commits do (write_steps): no deadlock cycle.
+        rows = Instance.objects.filter(lease_token__in=list(tokens)).order_by("id")
+        rows = lock_rows(rows)
+        held = dict(rows.values_list("id", "lease_token"))
+        Instance.objects.filter(id__in=list(held)).update(lease_expires_at=lease_until)
+    return set(tokens) - set(held.values())
+
+
+@retry_while_locked
+def release(leases: Sequence[tuple[int, str]]) -> None:
+    """Give leases back without changing status (shutdown, or runs that were cut short);
+    fenced by token: a lease that moved on is left alone."""
+    faults.hit("before_release")
+    with transaction.atomic():
+        for pk, token in leases:
+            Instance.objects.filter(id=pk, lease_token=token).update(
+                lease_token=None, lease_owner="", lease_expires_at=None
+            )
+
+
+def next_wake_at() -> datetime | None:
+    """The earliest timer among unleased instances, for the worker's idle wait."""
+    return Instance.objects.filter(wake_at__isnull=False, lease_token__isnull=True).aggregate(
+        m=Min("wake_at")
+    )["m"]

@@ -1,0 +1,128 @@
+"""What the store's modules share: table names, records passed around, history appends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from ...models import (
+    HistoryRecord,
+    Instance,
+    StepRecord,
+    StepStatus,
+)
+from .. import clock
+from ..errors import (
+    InstanceNotFound,
+)
+from .dialect import db_time, json_placeholder
+
+INSTANCE_TABLE = Instance._meta.db_table
+
+
+STEP_TABLE = StepRecord._meta.db_table
+
+
+HISTORY_TABLE = HistoryRecord._meta.db_table
+
+
+class LeaseLost(Exception):
+    """The run's lease token no longer matches: someone else owns the instance now."""
+
+
+@dataclass
+class History:
+    """A history record to append: its sequence number is allocated under the row lock."""
+
+    type: str
+    data: dict[str, Any] = field(default_factory=dict)
+    actor: str = ""
+
+
+@dataclass
+class NewInstance:
+    instance_id: str
+    params_json: str
+    idempotency_key: str | None = None
+    retention_ms: int | None = None
+
+
+@dataclass
+class LoadedRun:
+    instance: Instance
+    steps: dict[str, StepRecord]  # by name: the workflow's own steps
+    compensations: dict[str, StepRecord] = field(
+        default_factory=dict
+    )  # by the name of the step undone
+
+
+def allocate_history(pk: int, count: int) -> int:
+    """Reserve `count` sequence numbers for instance pk; returns the first. Locks the row."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s WHERE id = %s RETURNING history_seq",
+            [count, pk],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        raise InstanceNotFound(f"instance #{pk} no longer exists")
+    return row[0] - count + 1
+
+
+def insert_history(pk: int, first_seq: int, records: Sequence[History], now: datetime) -> None:
+    """One multi-row INSERT: history is written on every checkpoint, so it skips the ORM."""
+    if not records:
+        return
+    row = f"(%s, %s, %s, %s, {json_placeholder()}, %s)"
+    params: list[Any] = []
+    created = db_time(now)
+    for i, r in enumerate(records):
+        params += [
+            pk,
+            first_seq + i,
+            created,
+            r.type,
+            json.dumps(r.data, separators=(",", ":")),
+            r.actor,
+        ]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) VALUES "
+            + ", ".join([row] * len(records)),
+            params,
+        )
+
+
+def append_history(pk: int, records: Sequence[History], now: datetime | None = None) -> None:
+    """Append records to an instance's history (inside the caller's transaction)."""
+    if records:
+        insert_history(pk, allocate_history(pk, len(records)), records, now or clock.now())
+
+
+def close_open_steps(pk: int, now: datetime) -> None:
+    """A finished instance has no step still waiting, retrying or running."""
+    StepRecord.objects.filter(
+        instance_id=pk, status__in=(StepStatus.WAITING, StepStatus.RETRYING, StepStatus.RUNNING)
+    ).update(
+        status=StepStatus.FAILED,
+        wake_at=None,
+        completed_at=now,
+        last_error_name="InstanceFinished",
+        last_error_message="the instance finished before this step did",
+    )
+
+
+def locked_instance(name: str, instance_id: str) -> Instance:
+    try:
+        return Instance.objects.select_for_update().get(workflow=name, instance_id=instance_id)
+    except Instance.DoesNotExist:
+        raise InstanceNotFound(f"workflow {name!r} has no instance {instance_id!r}") from None
+
+
+def clear_lease() -> dict[str, Any]:
+    return {"lease_token": None, "lease_owner": "", "lease_expires_at": None}
