@@ -1,6 +1,6 @@
-from django.urls import include, path
+from django.urls import include, path, re_path
 
-from . import views
+from . import api, views
 
 app_name = "workflows"
 
@@ -15,4 +15,5 @@ urlpatterns = [
     path("instances/<int:pk>/<slug:action>/", views.instance_action, name="action"),
     path("errors/", views.error_list, name="errors"),
     path("api/", include("workflows_app.api_urls")),
+    re_path(r"^api/", api.not_found),  # any other /api/ path: a JSON 404, not the HTML page
 ]
