@@ -277,8 +277,10 @@ def staff_cookie(*perms: str, staff: bool = True, name: str = "sock") -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver") -> tuple[WebsocketCommunicator, bool]:
-    headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
+async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver",
+                  host: bytes = b"testserver", extra: tuple[tuple[bytes, bytes], ...] = ()
+                  ) -> tuple[WebsocketCommunicator, bool]:
+    headers = [(b"origin", origin), (b"host", host), *extra] + ([(b"cookie", cookie)] if cookie else [])
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=5)
     return communicator, connected
@@ -346,6 +348,46 @@ async def test_a_socket_from_a_foreign_origin_is_refused(waiter):
     for origin in (b"https://evil.example", b"http://testserver.evil.example", b"null"):
         _, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin)
         assert not connected, origin
+
+
+async def test_a_socket_from_another_port_or_scheme_of_the_same_host_is_refused(waiter):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    for origin, host in (
+        (b"http://testserver:8001", b"testserver"),
+        (b"https://testserver", b"testserver"),
+        (b"http://testserver", b"testserver:8000"),
+        (b"http://testserver:8000", b"testserver:8001"),
+        (b"http://localhost:8000", b"testserver:8000"),
+    ):
+        _, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
+        assert not connected, (origin, host)
+    for origin, host in ((b"http://testserver", b"testserver"), (b"http://testserver:8000", b"testserver:8000"),
+                         (b"http://TestServer:80", b"testserver")):
+        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
+        assert connected, (origin, host)
+        await communicator.disconnect()
+
+
+async def test_a_socket_from_a_csrf_trusted_origin_or_through_a_trusted_https_proxy_is_admitted(waiter, settings):
+    settings.CSRF_TRUSTED_ORIGINS = ["https://dash.example.com", "https://*.ops.example.com"]
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    proxied = ((b"x-forwarded-proto", b"https"),)
+    for origin, extra, admitted in (
+        (b"https://dash.example.com", (), True),
+        (b"https://eu.ops.example.com", (), True),
+        (b"http://dash.example.com", (), False),
+        (b"https://dash.example.com:8443", (), False),
+        (b"https://testserver", proxied, True),
+        (b"https://testserver", (), False),
+        (b"http://testserver", proxied, False),
+    ):
+        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, extra=extra)
+        assert connected is admitted, (origin, extra)
+        if connected:
+            await communicator.disconnect()
 
 
 async def test_an_anonymous_socket_is_refused(waiter):
