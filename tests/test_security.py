@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
 from tests.dashboard.helpers import make_user
 from tests.surface_flows import snapshot
 from wfdash.asgi import router
-from workflows_app import testing, tokens
+from workflows_app import access, testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import (
@@ -395,6 +396,82 @@ async def test_an_anonymous_socket_is_refused(waiter):
     for path in (f"/ws/instances/{pk}/", "/ws/instances/", "/ws/overview/"):
         _, connected = await connect(path, None)
         assert not connected, path
+
+
+def logged_in(name: str, *perms: str) -> tuple[Client, bytes]:
+    client = Client()
+    client.force_login(make_user(name, *perms))
+    return client, f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+def another_session(username: str) -> bytes:
+    client = Client()
+    client.force_login(User.objects.get(username=username))
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def close_code(communicator: WebsocketCommunicator) -> int:
+    """Read what the socket sends until it closes; the close code."""
+    while True:
+        output = await communicator.receive_output(timeout=5)
+        if output["type"] == "websocket.close":
+            return output["code"]
+
+
+async def answers_ping(communicator: WebsocketCommunicator) -> bool:
+    await communicator.send_json_to({"type": "ping"})
+    while True:
+        output = await communicator.receive_output(timeout=5)
+        if output["type"] == "websocket.close":
+            return False
+        if json.loads(output["text"])["type"] == "pong":
+            return True
+
+
+@pytest.mark.parametrize("path", ["/ws/instances/", "/ws/overview/", "detail"])
+async def test_logging_out_closes_the_sessions_sockets_but_not_another_sessions(waiter, path):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    path = f"/ws/instances/{pk}/" if path == "detail" else path
+    client, cookie = await database_sync_to_async(logged_in)("leaver", "view_instance")
+    other_cookie = await database_sync_to_async(another_session)("leaver")
+    mine, connected = await connect(path, cookie)
+    theirs, also = await connect(path, other_cookie)
+    assert connected and also
+    await database_sync_to_async(client.post)("/admin/logout/")
+    assert await close_code(mine) == 4403
+    assert await answers_ping(theirs)
+    await theirs.disconnect()
+
+
+async def test_a_socket_closes_when_its_user_is_deactivated_or_loses_view_permission(waiter):
+    user = await database_sync_to_async(make_user)("fading", "view_instance", "change_instance")
+    for name, change in (
+        ("deactivated", lambda u: (setattr(u, "is_active", False), u.save())),
+        ("no longer staff", lambda u: (setattr(u, "is_staff", False), u.save())),
+        ("lost view_instance", lambda u: u.user_permissions.remove(Permission.objects.get(codename="view_instance"))),
+    ):
+        await database_sync_to_async(lambda: User.objects.filter(pk=user.pk).update(is_active=True, is_staff=True))()
+        await database_sync_to_async(lambda: user.user_permissions.add(Permission.objects.get(codename="view_instance")))()
+        communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("fading"))
+        assert connected, name
+        fresh = await database_sync_to_async(User.objects.get)(pk=user.pk)
+        await database_sync_to_async(change)(fresh)
+        assert await close_code(communicator) == 4403, name
+
+
+async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(waiter, monkeypatch):
+    _, cookie = await database_sync_to_async(logged_in)("quiet", "view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected and await answers_ping(communicator)
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    assert not await answers_ping(communicator)  # the client's next message re-checks first
+
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=True))()
+    monkeypatch.setattr(access, "RECHECK_SECONDS", 0.05)
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    assert await close_code(communicator) == 4403  # the periodic re-check, with no message at all
 
 
 def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(waiter):
