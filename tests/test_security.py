@@ -228,6 +228,113 @@ def test_the_http_api_refuses_a_body_over_its_own_limit_with_413(waiter, api, se
     engine_still_runs(waiter)
 
 
+# --- input that used to answer 500 -----------------------------------------------------
+
+
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+BIG_PK = "9" * 20  # over 2**64
+
+
+@pytest.fixture
+def operator() -> Client:
+    client = Client(raise_request_exception=False)
+    client.force_login(make_user("operator", "view_instance", "change_instance"))
+    return client
+
+
+@pytest.mark.parametrize(("method", "path", "data", "status"), [
+    ("get", "/instances/?created_from=9999-12-31T23:59&tz=-840", None, 400),
+    ("get", "/instances/?created_to=9999-12-31T23:59&tz=-840", None, 400),
+    ("get", "/instances/?version=" + BIG_PK, None, 400),
+    ("get", f"/instances/{BIG_PK}/", None, 404),
+    ("get", f"/instances/{BIG_PK}/live/", None, 404),
+    ("post", f"/instances/{BIG_PK}/pause/", {}, 404),
+    ("get", f"/instances/rows/?since={BIG_PK}", None, 404),
+    ("get", "/instances/rows/?since=²", None, 404),
+    ("post", "/instances/create/", {"workflow": WF, "params": DEEP * 10}, 400),
+    ("post", "/instances/create/", {"workflow": WF, "params": "1" * 5000}, 400),
+    ("post", "/instances/create/", {"workflow": WF, "params": json.dumps(nested(950))}, 400),
+], ids=lambda v: str(v)[:40])
+def test_input_that_used_to_answer_500_gets_a_4xx_and_stores_nothing(waiter, operator, method, path, data, status):
+    before = snapshot()
+    response = getattr(operator, method)(path, data) if data is not None else getattr(operator, method)(path)
+    assert response.status_code == status, response.content[:300]
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("pk", [2**63, 2**64])
+def test_a_bulk_action_on_a_pk_past_the_databases_range_is_refused_naming_it(waiter, operator, pk):
+    before = snapshot()
+    response = operator.post("/instances/bulk/", {"action": "pause", "pk": [pk]}, follow=True)
+    assert response.status_code == 200
+    assert any("pk" in str(m) or "valid choice" in str(m) for m in response.context["messages"])
+    assert snapshot() == before
+
+
+def test_an_event_payload_nested_too_deep_from_the_dashboard_is_refused_naming_it(waiter, operator):
+    pk = waiter.row().pk
+    before = snapshot()
+    for payload, reason in ((DEEP * 10, "nested too deeply"), (json.dumps(nested(100)), "nesting limit is 64")):
+        response = operator.post(f"/instances/{pk}/send-event/", {"type": "go", "payload": payload}, follow=True)
+        assert response.status_code == 200
+        assert any(reason in str(m) for m in response.context["messages"]), reason
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+def test_params_outputs_and_payloads_past_the_nesting_limit_are_refused_naming_it(waiter, api):
+    before = snapshot()
+    with pytest.raises(InvalidInput, match="nested 950 levels deep; the nesting limit is 64 levels"):
+        get_workflow(WF).create(params=nested(950))
+    with pytest.raises(InvalidInput, match="nesting limit is 64"):
+        waiter.send_event("go", nested(65))
+    status, code, message = api(f"/api/workflows/{WF}/instances", json.dumps({"params": nested(200)}).encode())
+    assert (status, code) == (400, "InvalidInput") and "nesting limit is 64" in message
+    assert snapshot() == before
+    get_workflow(WF).create(id="deep-ok", params=nested(64))  # exactly at the limit is fine
+    engine_still_runs(waiter)
+
+
+def test_a_step_output_past_the_nesting_limit_fails_the_step_at_once(registered):
+    @register("sec-deep-output")
+    class DeepOutput(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return await step.do("deep", lambda: nested(100))
+
+    inst = get_workflow("sec-deep-output").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored" and "nesting limit is 64" in status.error["message"]
+    assert inst.steps()[0].attempts == 1  # not retried: the callable would run again for nothing
+
+
+async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_the_socket_lives(waiter):
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    await communicator.send_json_to({"type": "watch", "pks": [1, 2**63]})
+    assert "integers from 1 to 2**63-1" in await next_error(communicator)
+    await communicator.send_json_to({"type": "watch", "pks": [2**63 - 1]})
+    while (await communicator.receive_json_from(timeout=5))["type"] != "snapshot":
+        pass
+    await communicator.disconnect()
+
+
+@pytest.mark.parametrize("path", ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", "/"])
+async def test_an_unknown_socket_path_is_refused_at_the_handshake(waiter, path):
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator = WebsocketCommunicator(router, path, headers=[
+        (b"origin", b"http://testserver"), (b"host", b"testserver"), (b"cookie", cookie)])
+    connected, code = await communicator.connect(timeout=5)
+    assert not connected and code == 4404
+
+
 # --- 14. the management command ----------------------------------------------------------
 
 

@@ -27,6 +27,15 @@ MAX_CLIENT_FRAME = 8192  # bytes; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 OVERVIEW_COALESCE_SECONDS = 0.25  # one summary per workflow per window, however busy it is
 CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404
+MAX_PK = 2**63  # the bigint column's bound: a larger pk in a query is a database error
+
+
+class UnknownPathConsumer(AsyncJsonWebsocketConsumer):
+    """Any other WebSocket path: refused at the handshake (the router would answer a 500)."""
+
+    async def connect(self) -> None:
+        await self.close(code=CLOSE_NOT_FOUND)
 
 
 class EngineConsumer(AsyncConsumer):
@@ -189,9 +198,9 @@ class InstanceListConsumer(DashboardConsumer):
         if (
             not isinstance(pks, list)
             or len(pks) > MAX_WATCHED
-            or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pks)
+            or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < MAX_PK for p in pks)
         ):
-            await self.reject(f"watch needs pks: a list of at most {MAX_WATCHED} positive integers")
+            await self.reject(f"watch needs pks: a list of at most {MAX_WATCHED} integers from 1 to 2**63-1")
             return
         rows = await database_sync_to_async(_rows)(pks)
         await self.send_json({"type": "snapshot", "instances": rows})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,10 @@ class JSONField(forms.CharField):
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
+        except (RecursionError, ValueError):  # ValueError: an integer of over 4,300 digits
+            raise forms.ValidationError(
+                "Not valid JSON here: nested too deeply (or a number too long) to parse"
             ) from None
 
 
@@ -63,6 +68,7 @@ class CancelForm(forms.Form):
 
 BULK_ACTIONS = ("pause", "resume", "terminate")
 MAX_BULK = 500  # one engine transaction per instance: keep a request bounded
+PK_PATTERN = re.compile(r"[0-9]{1,18}")  # below 2**63: larger ones overflow the database's bigint
 
 
 class BulkActionForm(forms.Form):
@@ -71,8 +77,8 @@ class BulkActionForm(forms.Form):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Any integer is acceptable here; unknown ones simply match no instance.
-        self.fields["pk"].valid_value = lambda value: str(value).isdigit()  # type: ignore[attr-defined]
+        # Any pk is acceptable here; unknown ones simply match no instance.
+        self.fields["pk"].valid_value = lambda value: bool(PK_PATTERN.fullmatch(str(value)))  # type: ignore[attr-defined]
 
     def clean_pk(self) -> list[int]:
         pks: list[int] = self.cleaned_data["pk"]
@@ -84,7 +90,7 @@ class BulkActionForm(forms.Form):
 class ListFilterForm(forms.Form):
     workflow = forms.ChoiceField(required=False)
     status = forms.ChoiceField(required=False, choices=[("", "any status"), *Status.choices])
-    version = forms.IntegerField(required=False, min_value=1)
+    version = forms.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
     created_from = forms.DateTimeField(
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
@@ -108,12 +114,22 @@ class ListFilterForm(forms.Form):
         self.is_valid()  # fills cleaned_data with the fields that did validate
         data = self.cleaned_data
         offset = timedelta(minutes=data.get("tz") or 0)
-        created_from, created_to = data.get("created_from"), data.get("created_to")
         return ListFilters(
             workflow=data.get("workflow") or "",
             status=data.get("status") or "",
             version=data.get("version"),
-            created_from=created_from - offset if created_from else None,
-            created_to=created_to - offset if created_to else None,
+            created_from=self.utc("created_from", offset),
+            created_to=self.utc("created_to", offset),
             q=(data.get("q") or "").strip(),
         )
+
+    def utc(self, field: str, offset: timedelta) -> Any:
+        """The field's wall-clock time in UTC; None (and a field error) past year 9999."""
+        value = self.cleaned_data.get(field)
+        if value is None:
+            return None
+        try:
+            return value - offset
+        except OverflowError:
+            self.add_error(field, "That date is out of range (after year 9999 in UTC).")
+            return None

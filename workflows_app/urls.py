@@ -1,6 +1,10 @@
 from django.urls import include, path, re_path
 
-from . import api, views
+from . import (
+    api,
+    converters,  # noqa: F401  (registers the pk converter)
+    views,
+)
 
 app_name = "workflows"
 
@@ -10,9 +14,9 @@ urlpatterns = [
     path("instances/rows/", views.instance_rows, name="instance-rows"),
     path("instances/create/", views.create_instance, name="create"),
     path("instances/bulk/", views.bulk_action, name="bulk"),
-    path("instances/<int:pk>/", views.instance_detail, name="instance"),
-    path("instances/<int:pk>/live/", views.instance_fragment, name="instance-live"),
-    path("instances/<int:pk>/<slug:action>/", views.instance_action, name="action"),
+    path("instances/<pk:pk>/", views.instance_detail, name="instance"),
+    path("instances/<pk:pk>/live/", views.instance_fragment, name="instance-live"),
+    path("instances/<pk:pk>/<slug:action>/", views.instance_action, name="action"),
     path("errors/", views.error_list, name="errors"),
     path("api/", include("workflows_app.api_urls")),
     re_path(r"^api/", api.not_found),  # any other /api/ path: a JSON 404, not the HTML page

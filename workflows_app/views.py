@@ -81,16 +81,17 @@ def instance_list(request: HttpRequest) -> HttpResponse:
             "create_form": forms.CreateInstanceForm(),
             "bulk_actions": forms.BULK_ACTIONS,
         },
+        status=400 if form.errors else 200,  # the page still renders, its bad filters marked
     )
 
 
 @dashboard_page
 def instance_rows(request: HttpRequest) -> HttpResponse:
     """Rows newer than `since` that match the list's filters: a live list prepends them."""
-    try:
-        since = int(request.GET.get("since", ""))
-    except ValueError:
-        raise Http404("since must be an instance pk") from None
+    since_text = request.GET.get("since", "")
+    if not forms.PK_PATTERN.fullmatch(since_text):
+        raise Http404("since must be an instance pk")
+    since = int(since_text)
     rows = dashboard.rows_newer_than(forms.ListFilterForm(request.GET).filters(), since)
     return render(request, "workflows/instance_rows.html", {"rows": rows})
 

@@ -83,14 +83,42 @@ class Limits:
         return cls(**values)
 
 
+# Params, outputs and payloads nested deeper than this are refused: every reader of them
+# (the dashboard's pretty-printer, the admin, the API) recurses once per level, and ~950
+# levels stored fine but then failed every page that showed them.
+MAX_JSON_DEPTH = 64
+
+
 def encode_json(value: Any, what: str) -> str:
     """Compact JSON of value, or InvalidInput naming what could not be encoded."""
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise InvalidInput(f"{what} is nested too deeply to encode as JSON") from None
+    # Counting brackets is cheap (C); only text with enough of them could be too deep.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:
+        depth = json_depth(value)
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInput(
+                f"{what} is nested {depth} levels deep; the nesting limit is {MAX_JSON_DEPTH} levels"
+            )
+    return text
+
+
+def json_depth(value: Any) -> int:
+    """How many arrays and objects deep `value` is (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
 
 
 def encode_step_output(value: Any, step_name: str, limits: Limits) -> str:
