@@ -231,13 +231,6 @@ def test_the_http_api_refuses_a_body_over_its_own_limit_with_413(waiter, api, se
 # --- input that used to answer 500 -----------------------------------------------------
 
 
-def nested(depth: int) -> Any:
-    value: Any = 1
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
 BIG_PK = "9" * 20  # over 2**64
 
 
