@@ -645,3 +645,47 @@ def test_script_in_an_error_message_and_a_payload_is_rendered_escaped(failing):
     detail = client.get(f"/instances/{pk}/").content.decode()
     assert "onmouseover=alert(1)" in detail  # shown, but only inside an escaped attribute-safe text
     assert '"onmouseover' not in detail
+
+
+# --- throttling guessed credentials ------------------------------------------------------
+
+
+def test_wrong_api_tokens_are_throttled_with_429_and_retry_after_even_for_the_right_token(waiter, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_FAILURE_LIMIT": 5, "API_LOCKOUT_SECONDS": 120}
+    _, secret = tokens.issue("right")
+    client = Client()
+    path = f"/api/workflows/{WF}/instances/w1"
+    for attempt in range(5):
+        wrong = client.get(path, headers={"Authorization": f"Bearer wf_guess{attempt}"})
+        assert wrong.status_code == 401, attempt
+    locked = client.get(path, headers={"Authorization": f"Bearer {secret}"})
+    assert locked.status_code == 429 and locked.json()["errors"][0]["code"] == "TooManyRequests"
+    assert 0 < int(locked["Retry-After"]) <= 120
+    # Another client address is not locked out by this one's guesses.
+    other = client.get(path, headers={"Authorization": f"Bearer {secret}"}, REMOTE_ADDR="10.0.0.2")
+    assert other.status_code == 200
+
+
+def test_requests_without_a_token_do_not_count_as_guesses(waiter, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_FAILURE_LIMIT": 3}
+    _, secret = tokens.issue("right")
+    client = Client()
+    for _ in range(5):
+        assert client.get(f"/api/workflows/{WF}/instances").status_code == 401
+    assert client.get(f"/api/workflows/{WF}/instances", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+
+
+def test_repeated_failed_logins_lock_the_address_out_with_429_even_for_the_right_password(waiter, settings):
+    User.objects.create_superuser("boss", password="a-long-passphrase")
+    client = Client()
+    for attempt in range(settings.AXES_FAILURE_LIMIT - 1):
+        response = client.post("/admin/login/", {"username": "boss", "password": f"wrong{attempt}"})
+        assert response.status_code == 200, attempt  # the form again, with its error
+    locked = client.post("/admin/login/", {"username": "boss", "password": "wrong-last"})
+    assert locked.status_code == 429 and int(locked["Retry-After"]) == settings.AXES_COOLOFF_TIME.total_seconds()
+    right = client.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"})
+    assert right.status_code == 429
+    assert "sessionid" not in client.cookies or client.get("/").status_code != 200
+    # Another address can still log in.
+    other = Client(REMOTE_ADDR="10.0.0.2")
+    assert other.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"}).status_code == 302

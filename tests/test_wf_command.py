@@ -69,7 +69,7 @@ def test_start_reads_params_from_a_file(tmp_path: Path):
     params = tmp_path / "params.json"
     params.write_text('{"amount": 7}')
     data = wf_json("start", APPROVAL, "--params", f"@{params}", "--id", "from-file")
-    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running"}
+    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running", "created": True}
     assert get_workflow(APPROVAL).get("from-file").row().params == {"amount": 7}
 
 

@@ -14,6 +14,7 @@ DJANGO_HSTS_* and DJANGO_BEHIND_PROXY=1 (trust X-Forwarded-Proto) make
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "csp",
+    "axes",  # locks out an address after repeated failed logins
 ]
 
 MIDDLEWARE = [
@@ -90,7 +92,22 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks
 ]
+
+# Failed logins (the admin's and the dashboard's): after AXES_FAILURE_LIMIT from one
+# address, that address is refused (429, Retry-After) for AXES_COOLOFF_TIME, even with
+# the right password. Failed API tokens are throttled by workflows_app/throttle.py.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = int(os.environ.get("WFDASH_LOGIN_FAILURE_LIMIT", "10"))
+AXES_COOLOFF_TIME = timedelta(seconds=int(os.environ.get("WFDASH_LOGIN_LOCKOUT_SECONDS", "900")))
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "workflows_app.throttle.login_locked_out"
+AXES_VERBOSE = False
 
 # Content-Security-Policy (django-csp) for the dashboard: scripts only from our static
 # files, so escaped user data could never run even if an escape were missed. Inline

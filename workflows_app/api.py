@@ -21,7 +21,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.csrf import csrf_exempt
 
-from . import dashboard, openapi, surfaces, tokens
+from . import dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle
 from .engine import errors
 from .models import ApiToken
@@ -49,10 +49,11 @@ def error_status(exc: errors.WorkflowError) -> int:
 class ApiError(Exception):
     """A refusal decided by the API layer itself (auth, body, method)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.headers = headers or {}
 
 
 def max_body_bytes() -> int:
@@ -126,9 +127,17 @@ def bearer_secret(request: HttpRequest) -> str:
 
 
 def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
-    """The request's live token, allowed to do what the request asks; else 401 / 403."""
-    token = tokens.authenticate(bearer_secret(request))
+    """The request's live token, allowed to do what the request asks; else 401 / 403 (429
+    while the client is locked out for guessing)."""
+    retry_after = throttle.api_retry_after(request)
+    if retry_after is not None:
+        raise ApiError(429, "TooManyRequests", f"too many wrong API tokens from this client; retry in "
+                                               f"{retry_after} s", {"Retry-After": str(retry_after)})
+    secret = bearer_secret(request)
+    token = tokens.authenticate(secret)
     if token is None:
+        if secret:
+            throttle.record_api_failure(request)
         raise ApiError(401, "Unauthorized",
                        "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)")
     refusal = tokens.refusal(token, write=request.method in WRITE_METHODS, workflow=workflow)
@@ -173,6 +182,8 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
             return handler(Call(request, token), **kwargs)
         except ApiError as exc:
             response = fail(exc.status, exc.code, str(exc))
+            for header, value in exc.headers.items():
+                response[header] = value
             if exc.status == 401:
                 response["WWW-Authenticate"] = 'Bearer realm="wfdash"'
             return response

@@ -40,14 +40,14 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 ERROR_RESPONSES = {
     "400": "BadRequest", "401": "Unauthorized", "403": "Forbidden", "404": "NotFound",
-    "409": "Conflict", "413": "PayloadTooLarge",
+    "409": "Conflict", "413": "PayloadTooLarge", "429": "TooManyRequests",
 }
 
 
 def responses(ok: dict[str, Any], *errors: str, status: str = "200", also: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     out: dict[str, Any] = {status: ok, **(also or {})}
-    for code in ("401", *errors):
+    for code in ("401", *errors, "429"):
         out[code] = {"$ref": f"#/components/responses/{ERROR_RESPONSES[code]}"}
     return out
 
@@ -279,6 +279,7 @@ def document() -> dict[str, Any]:
                 "MethodNotAllowed": failure("the path does not take this method (see the Allow header)"),
                 "Conflict": failure("the action does not apply to the instance's status, or the id is taken"),
                 "PayloadTooLarge": failure("the body is larger than the API's request size limit"),
+                "TooManyRequests": failure("too many wrong tokens from this client: wait Retry-After seconds"),
             },
         },
     }

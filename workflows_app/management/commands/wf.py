@@ -262,7 +262,8 @@ class Command(BaseCommand):
             idempotency_key=opts.idempotency_key, actor="cli", version=opts.version,
         )
         data = surfaces.created_json(handle)
-        self.emit(opts, data, f"started {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
+        verb = "started" if data["created"] else "found (its idempotency key was used before)"
+        self.emit(opts, data, f"{verb} {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
 
     def start_many(self, opts: argparse.Namespace, params: Any) -> None:
         """--count N: N instances with the same params, in batches (START_BATCH at most)."""
