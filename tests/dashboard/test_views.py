@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from django.contrib.staticfiles import finders
 from django.test import Client
 from django.urls import reverse
 
@@ -536,3 +537,11 @@ def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(opera
         assert directives["default-src"] == "'self'" and directives["frame-ancestors"] == "'none'"
     # The admin is served as Django ships it.
     assert "Content-Security-Policy" not in operator_client.get("/admin/login/")
+
+
+def test_the_favicon_is_served_for_every_page_and_linked_from_the_dashboard(client, operator):
+    response = client.get("/favicon.ico")
+    assert response.status_code == 301 and response["Location"] == "/static/workflows/favicon.svg"
+    assert finders.find("workflows/favicon.svg")
+    client.force_login(operator)
+    assert 'rel="icon" href="/static/workflows/favicon.svg"' in client.get("/").content.decode()
