@@ -64,7 +64,9 @@ def recheck_a_changed_user(sender: Any, instance: Any, **kwargs: Any) -> None:
     recheck_users([instance.pk])
 
 
-def recheck_after_m2m(sender: Any, instance: Any, action: str, reverse: bool, pk_set: Any, **kwargs: Any) -> None:
+def recheck_after_m2m(
+    sender: Any, instance: Any, action: str, reverse: bool, pk_set: Any, **kwargs: Any
+) -> None:
     """User <-> permissions or groups edited, from either side."""
     if not action.startswith("post_"):
         return
@@ -78,5 +80,11 @@ def recheck_after_m2m(sender: Any, instance: Any, action: str, reverse: bool, pk
 
 def connect_signals() -> None:
     user_model = get_user_model()
-    for through in (user_model.user_permissions.through, user_model.groups.through, Group.permissions.through):
-        m2m_changed.connect(recheck_after_m2m, sender=through, dispatch_uid=f"wfdash-access-{through.__name__}")
+    for through in (
+        user_model.user_permissions.through,
+        user_model.groups.through,
+        Group.permissions.through,
+    ):
+        m2m_changed.connect(
+            recheck_after_m2m, sender=through, dispatch_uid=f"wfdash-access-{through.__name__}"
+        )

@@ -76,7 +76,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         live.bind_socket_loop()
-        self.groups = [*self.groups_for(), live.session_group(self.session_key), live.user_group(self.user_pk)]
+        self.groups = [
+            *self.groups_for(),
+            live.session_group(self.session_key),
+            live.user_group(self.user_pk),
+        ]
         for group in self.groups:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
@@ -198,9 +202,13 @@ class InstanceListConsumer(DashboardConsumer):
         if (
             not isinstance(pks, list)
             or len(pks) > MAX_WATCHED
-            or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < MAX_PK for p in pks)
+            or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < MAX_PK for p in pks
+            )
         ):
-            await self.reject(f"watch needs pks: a list of at most {MAX_WATCHED} integers from 1 to 2**63-1")
+            await self.reject(
+                f"watch needs pks: a list of at most {MAX_WATCHED} integers from 1 to 2**63-1"
+            )
             return
         rows = await database_sync_to_async(_rows)(pks)
         await self.send_json({"type": "snapshot", "instances": rows})

@@ -57,12 +57,15 @@ def record_api_failure(request: HttpRequest) -> None:
         cache.delete(count_key)
 
 
-def login_locked_out(request: HttpRequest, response: Any = None, credentials: Any = None) -> HttpResponse:
+def login_locked_out(
+    request: HttpRequest, response: Any = None, credentials: Any = None
+) -> HttpResponse:
     """django-axes' answer to a locked-out login: 429 with Retry-After, not a 403 page."""
     seconds = int(settings.AXES_COOLOFF_TIME.total_seconds())
     locked = HttpResponse(
         f"Too many failed logins from this address: try again in {seconds} seconds.",
-        status=429, content_type="text/plain; charset=utf-8",
+        status=429,
+        content_type="text/plain; charset=utf-8",
     )
     locked["Retry-After"] = str(seconds)
     return locked

@@ -4,30 +4,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workflows_app', '0003_more_indexes'),
+        ("workflows_app", "0003_more_indexes"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='apitoken',
-            name='expires_at',
+            model_name="apitoken",
+            name="expires_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='apitoken',
-            name='rotated_at',
+            model_name="apitoken",
+            name="rotated_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='apitoken',
-            name='scope',
-            field=models.CharField(choices=[('read', 'read: list and get instances'), ('write', 'write: read, create and act')], default='write', max_length=5),
+            model_name="apitoken",
+            name="scope",
+            field=models.CharField(
+                choices=[
+                    ("read", "read: list and get instances"),
+                    ("write", "write: read, create and act"),
+                ],
+                default="write",
+                max_length=5,
+            ),
         ),
         migrations.AddField(
-            model_name='apitoken',
-            name='workflows',
-            field=models.TextField(blank=True, default='', help_text='workflow names separated by spaces; empty: all'),
+            model_name="apitoken",
+            name="workflows",
+            field=models.TextField(
+                blank=True, default="", help_text="workflow names separated by spaces; empty: all"
+            ),
         ),
     ]
