@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Group, Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
@@ -557,6 +557,30 @@ async def test_a_socket_closes_when_its_user_is_deactivated_or_loses_view_permis
         fresh = await database_sync_to_async(User.objects.get)(pk=user.pk)
         await database_sync_to_async(change)(fresh)
         assert await close_code(communicator) == 4403, name
+
+
+def group_viewer(username: str) -> tuple[Group, Permission]:
+    """A staff user who may view only through their group."""
+    view = Permission.objects.get(codename="view_instance")
+    group = Group.objects.create(name=f"{username}-viewers")
+    group.permissions.add(view)
+    make_user(username).groups.add(group)
+    return group, view
+
+
+@pytest.mark.parametrize("side", ["group.permissions", "permission.group_set", "group.user_set", "user.groups"])
+async def test_a_socket_closes_when_the_group_that_let_its_user_view_loses_that(waiter, side):
+    group, view = await database_sync_to_async(group_viewer)("grouped")
+    communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("grouped"))
+    assert connected
+    change = {
+        "group.permissions": lambda: group.permissions.remove(view),
+        "permission.group_set": lambda: view.group_set.remove(group),
+        "group.user_set": lambda: group.user_set.clear(),
+        "user.groups": lambda: User.objects.get(username="grouped").groups.remove(group),
+    }[side]
+    await database_sync_to_async(change)()
+    assert await close_code(communicator) == 4403
 
 
 async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(waiter, monkeypatch):

@@ -64,18 +64,33 @@ def recheck_a_changed_user(sender: Any, instance: Any, **kwargs: Any) -> None:
     recheck_users([instance.pk])
 
 
-def recheck_after_m2m(
-    sender: Any, instance: Any, action: str, reverse: bool, pk_set: Any, **kwargs: Any
-) -> None:
-    """User <-> permissions or groups edited, from either side."""
-    if not action.startswith("post_"):
-        return
+def affected_users(sender: Any, instance: Any, pk_set: Any) -> list[Any]:
+    """The users whose rights an m2m change of user <-> permissions, user <-> groups or
+    group <-> permissions touches (pk_set: the other side's pks, None for a clear)."""
+    users = get_user_model().objects
     if isinstance(instance, get_user_model()):
-        recheck_users([instance.pk])
-    elif isinstance(instance, Group) and not reverse and sender is Group.permissions.through:
-        recheck_users(instance.user_set.values_list("pk", flat=True))
-    elif pk_set:  # a group or permission given to (or taken from) these users
-        recheck_users(pk_set)
+        return [instance.pk]
+    if sender is Group.permissions.through:
+        groups = (
+            [instance.pk]
+            if isinstance(instance, Group)
+            else list(pk_set or instance.group_set.all())
+        )
+        return list(users.filter(groups__in=groups).values_list("pk", flat=True).distinct())
+    # A group's or a permission's users, from its side: pk_set, or everyone it had before a clear.
+    return (
+        list(pk_set) if pk_set is not None else list(instance.user_set.values_list("pk", flat=True))
+    )
+
+
+def recheck_after_m2m(sender: Any, instance: Any, action: str, pk_set: Any, **kwargs: Any) -> None:
+    """Re-check the sockets of every user an m2m edit touched, from either side."""
+    if action == "pre_clear":  # after the clear, nothing says who had it
+        instance._wfdash_cleared_users = affected_users(sender, instance, None)
+    elif action == "post_clear":
+        recheck_users(instance.__dict__.pop("_wfdash_cleared_users", []))
+    elif action.startswith("post_"):
+        recheck_users(affected_users(sender, instance, pk_set))
 
 
 def connect_signals() -> None:
