@@ -713,3 +713,10 @@ def test_repeated_failed_logins_lock_the_address_out_with_429_even_for_the_right
     # Another address can still log in.
     other = Client(REMOTE_ADDR="10.0.0.2")
     assert other.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"}).status_code == 302
+
+
+def test_the_nesting_check_reads_brackets_inside_strings_and_escapes_as_text(waiter):
+    tricky = [{"s": "[[[[{{{{" * 20, "e": '\\\\"]]}}' * 20, "u": "é[ü]\ud800"} for _ in range(70)]
+    assert get_workflow(WF).create(params=[{"s": "[" * 200} for _ in range(70)]).row().params[0]["s"] == "[" * 200
+    with pytest.raises(InvalidInput, match="not valid Unicode"):  # the surrogate, not the nesting check
+        get_workflow(WF).create(params=tricky)
