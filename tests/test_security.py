@@ -246,6 +246,8 @@ def operator() -> Client:
     ("get", "/instances/?created_to=9999-12-31T23:59&tz=-840", None, 400),
     ("get", "/instances/?version=" + BIG_PK, None, 400),
     ("get", f"/instances/{BIG_PK}/", None, 404),
+    ("get", f"/instances/{2**63}/", None, 404),
+    ("get", "/instances/0/", None, 404),
     ("get", f"/instances/{BIG_PK}/live/", None, 404),
     ("post", f"/instances/{BIG_PK}/pause/", {}, 404),
     ("get", f"/instances/rows/?since={BIG_PK}", None, 404),
@@ -319,7 +321,7 @@ async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_
     await communicator.disconnect()
 
 
-@pytest.mark.parametrize("path", ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", "/"])
+@pytest.mark.parametrize("path", ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", f"/ws/instances/{2**63}/", "/"])
 async def test_an_unknown_socket_path_is_refused_at_the_handshake(waiter, path):
     cookie = await database_sync_to_async(staff_cookie)("view_instance")
     communicator = WebsocketCommunicator(router, path, headers=[

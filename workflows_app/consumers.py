@@ -20,6 +20,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from . import access, dashboard, live
+from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
 
@@ -28,7 +29,6 @@ MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 OVERVIEW_COALESCE_SECONDS = 0.25  # one summary per workflow per window, however busy it is
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
-MAX_PK = 2**63  # the bigint column's bound: a larger pk in a query is a database error
 
 
 class UnknownPathConsumer(AsyncJsonWebsocketConsumer):
@@ -203,7 +203,7 @@ class InstanceListConsumer(DashboardConsumer):
             not isinstance(pks, list)
             or len(pks) > MAX_WATCHED
             or not all(
-                isinstance(p, int) and not isinstance(p, bool) and 0 < p < MAX_PK for p in pks
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p <= MAX_PK for p in pks
             )
         ):
             await self.reject(

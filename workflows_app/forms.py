@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from datetime import timedelta
 from typing import Any
 
 from django import forms
 
+from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
 from .models import Status
 
@@ -68,7 +68,6 @@ class CancelForm(forms.Form):
 
 BULK_ACTIONS = ("pause", "resume", "terminate")
 MAX_BULK = 500  # one engine transaction per instance: keep a request bounded
-PK_PATTERN = re.compile(r"[0-9]{1,18}")  # below 2**63: larger ones overflow the database's bigint
 
 
 class BulkActionForm(forms.Form):
@@ -78,7 +77,7 @@ class BulkActionForm(forms.Form):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Any pk is acceptable here; unknown ones simply match no instance.
-        self.fields["pk"].valid_value = lambda value: bool(PK_PATTERN.fullmatch(str(value)))  # type: ignore[attr-defined]
+        self.fields["pk"].valid_value = lambda value: parse_pk(str(value)) is not None  # type: ignore[attr-defined]
 
     def clean_pk(self) -> list[int]:
         pks: list[int] = self.cleaned_data["pk"]

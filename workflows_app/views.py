@@ -21,6 +21,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
+from .converters import parse_pk
 from .engine.errors import WorkflowError
 from .models import Instance
 
@@ -88,10 +89,9 @@ def instance_list(request: HttpRequest) -> HttpResponse:
 @dashboard_page
 def instance_rows(request: HttpRequest) -> HttpResponse:
     """Rows newer than `since` that match the list's filters: a live list prepends them."""
-    since_text = request.GET.get("since", "")
-    if not forms.PK_PATTERN.fullmatch(since_text):
+    since = parse_pk(request.GET.get("since", ""))
+    if since is None:
         raise Http404("since must be an instance pk")
-    since = int(since_text)
     rows = dashboard.rows_newer_than(forms.ListFilterForm(request.GET).filters(), since)
     return render(request, "workflows/instance_rows.html", {"rows": rows})
 
