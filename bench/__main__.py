@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import sys
 import time
 import traceback
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     # Production-like: DEBUG=True wraps every query in CursorDebugWrapper (and, on SQLite,
     # quotes its parameters with an extra round trip). Set DJANGO_DEBUG=1 to measure that.
     os.environ.setdefault("DJANGO_DEBUG", "0")
+    # DEBUG off refuses the built-in key and empty hosts (production settings); the bench's
+    # processes share this throwaway key through the environment.
+    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-" + secrets.token_urlsafe(32))
+    os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
     from .dbsetup import prepare_database
 
     url = prepare_database()

@@ -13,6 +13,7 @@ import collections
 import cProfile
 import os
 import pstats
+import secrets
 import threading
 import time
 from typing import Any
@@ -43,6 +44,10 @@ def main() -> None:
     os.environ["WFDASH_DEMO"] = "0"
     os.environ.setdefault("WFDASH_LOG_LEVEL", "WARNING")
     os.environ.setdefault("DJANGO_DEBUG", "0")
+    # DEBUG off refuses the built-in key and empty hosts (production settings); the bench's
+    # processes share this throwaway key through the environment.
+    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-" + secrets.token_urlsafe(32))
+    os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
     from .dbsetup import prepare_database
 
     prepare_database()

@@ -17,7 +17,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.fixture(autouse=True)
 def _clean_engine() -> Iterator[None]:
+    from django.core.cache import cache
+
     testing.reset()
+    cache.clear()  # API token throttling counts (each process's own memory)
     yield
     testing.reset()
     clock.set_clock(clock.RealClock())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import re
+from datetime import timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import jsonschema
 import pytest
@@ -104,11 +106,12 @@ def service() -> Api:
     return Api(Client(enforce_csrf_checks=True), secret)
 
 
-def user_api(name: str, can_change: bool, active: bool = True) -> Api:
+def user_api(name: str, can_change: bool, active: bool = True, can_view: bool = True, **token: Any) -> Api:
     user = User.objects.create_user(name, is_active=active)
-    if can_change:
-        user.user_permissions.add(Permission.objects.get(codename="change_instance"))
-    _, secret = tokens.issue(f"{name}-token", name)
+    codenames = ["view_instance"] * can_view + ["change_instance"] * can_change
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames,
+                                                         content_type__app_label="workflows_app"))
+    _, secret = tokens.issue(f"{name}-token", name, **token)
     return Api(Client(), secret)
 
 
@@ -166,7 +169,7 @@ def test_it_refuses_the_token_of_an_inactive_user():
     assert error_of(inactive.get(base()))[0] == 401
 
 
-def test_a_token_whose_user_lacks_the_change_permission_may_read_but_not_write():
+def test_a_token_whose_user_may_view_but_not_change_may_read_but_not_write():
     waiting_approval("o-1")
     reader = user_api("reader", can_change=False)
     assert reader.get(base(APPROVAL, "o-1")).status_code == 200
@@ -205,7 +208,7 @@ def test_create_starts_an_instance_and_answers_201(service):
     response = service.post(base(), {"id": "o-1", "params": {"amount": 3}})
     assert response.status_code == 201
     assert response.json() == {"success": True, "result": {
-        "id": "o-1", "workflow": APPROVAL, "version": 1, "status": "running"}}
+        "id": "o-1", "workflow": APPROVAL, "version": 1, "status": "running", "created": True}}
     handle = get_workflow(APPROVAL).get("o-1")
     assert handle.row().params == {"amount": 3} and handle.row().created_by == "service"
 
@@ -215,7 +218,9 @@ def test_create_accepts_instance_id_an_empty_body_and_an_idempotency_key(service
     generated = service.post(base()).json()["result"]["id"]
     assert len(generated) == 36
     first = service.post(base(SIMPLE), {"idempotency_key": "k"}).json()["result"]["id"]
-    assert service.post(base(SIMPLE), {"idempotency_key": "k"}).json()["result"]["id"] == first
+    again = service.post(base(SIMPLE), {"idempotency_key": "k"})
+    assert again.status_code == 200  # not 201: nothing new was made
+    assert again.json()["result"]["id"] == first and again.json()["result"]["created"] is False
     assert Instance.objects.filter(workflow=SIMPLE).count() == 1
 
 
@@ -256,9 +261,9 @@ def test_batch_creates_every_instance(service):
     assert [r["id"] for r in response.json()["result"]] == ["b1", "b2"]
 
 
-def test_an_empty_batch_answers_201_with_an_empty_list(service):
+def test_an_empty_batch_answers_200_with_an_empty_list(service):
     response = service.post(base(SIMPLE) + "/batch", [])
-    assert response.status_code == 201
+    assert response.status_code == 200  # nothing was created (201 means something was)
     assert response.json()["result"] == []
 
 
@@ -451,7 +456,7 @@ def test_a_body_larger_than_the_limit_is_refused_even_without_content_length(ser
 def test_a_wrong_method_is_405_with_the_allowed_methods(service):
     response = service.call("DELETE", base(SIMPLE))
     assert error_of(response)[:2] == (405, "MethodNotAllowed")
-    assert response["Allow"] == "GET, POST"
+    assert response["Allow"] == "GET, POST, HEAD"
     assert service.call("GET", base(SIMPLE) + "/batch")["Allow"] == "POST"
     assert Client().post("/api/openapi.json").status_code == 405
 
@@ -463,3 +468,104 @@ def test_a_wrong_method_without_a_token_is_401_first(service):
 def test_posts_need_no_csrf_token(service):
     assert service.client.handler.enforce_csrf_checks
     assert service.post(base(), {"id": "no-csrf"}).status_code == 201
+
+
+# --- what a token may do: permissions, scopes, workflows, expiry, rotation -----------------
+
+
+def test_a_token_whose_user_lacks_the_view_permission_reads_nothing():
+    waiting_approval("o-1")
+    blind = user_api("blind", can_change=False, can_view=False)
+    for path in ("/api/workflows", base(APPROVAL), base(APPROVAL, "o-1"), base(APPROVAL, "o-1") + "/history"):
+        status, code, message = error_of(blind.get(path))
+        assert (status, code) == (403, "Forbidden"), path
+        assert "lacks the workflows_app.view_instance permission" in message
+
+
+def test_a_read_scoped_token_reads_but_may_not_write_even_for_a_user_who_may():
+    waiting_approval("o-1")
+    reader = user_api("ops", can_change=True, scope="read")
+    assert reader.get(base(APPROVAL, "o-1")).status_code == 200
+    status, _, message = refused(lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"}))
+    assert status == 403 and "read scope" in message
+    assert refused(lambda: reader.post(base(), {"id": "new"}))[0] == 403
+
+
+def test_a_token_limited_to_some_workflows_sees_and_acts_on_only_those():
+    waiting_approval("o-1")
+    get_workflow(SIMPLE).create(id="s-1")
+    _, secret = tokens.issue("narrow", workflows=[APPROVAL])
+    narrow = Api(Client(), secret)
+    assert [w["name"] for w in narrow.get("/api/workflows").json()["result"]] == [APPROVAL]
+    assert narrow.get(base(APPROVAL, "o-1")).status_code == 200
+    status, _, message = error_of(narrow.get(base(SIMPLE, "s-1")))
+    assert status == 403 and APPROVAL in message
+    assert refused(lambda: narrow.post(base(SIMPLE), {"id": "s-2"}))[0] == 403
+
+
+def test_an_expired_token_is_refused():
+    token, secret = tokens.issue("brief", expires="1 hour")
+    expiring = Api(Client(), secret)
+    assert expiring.get(base()).status_code == 200
+    ApiToken.objects.filter(pk=token.pk).update(expires_at=token.created_at - timedelta(seconds=1))
+    status, _, message = error_of(expiring.get(base()))
+    assert status == 401 and "expired" in message
+
+
+def test_a_rotated_token_works_with_its_new_secret_only():
+    token, old = tokens.issue("rotating", scope="read")
+    new = tokens.rotate(token)
+    assert error_of(Api(Client(), old).get(base()))[0] == 401
+    assert Api(Client(), new).get(base()).status_code == 200
+    token.refresh_from_db()
+    assert token.scope == "read" and token.rotated_at is not None
+
+
+# --- API edges: caching, HEAD, unknown paths, the workflow list ---------------------------
+
+
+def test_every_api_response_is_marked_no_store(service):
+    waiting_approval("o-1")
+    for response in (
+        service.get(base(APPROVAL, "o-1")),
+        service.get(base(APPROVAL, "nope")),
+        service.get(base(), secret=None),
+        service.post(base(), {"id": "o-2"}),
+        Client().get("/api/no-such-route"),
+    ):
+        assert "no-store" in response["Cache-Control"], response.status_code
+
+
+def test_head_answers_like_get_without_a_body(service):
+    waiting_approval("o-1")
+    headers = {"Authorization": f"Bearer {service.secret}"}
+    for path in (base(APPROVAL, "o-1"), base(APPROVAL), "/api/workflows", "/api/openapi.json"):
+        response = Client().head(path, headers=headers)
+        assert response.status_code == 200, path
+        assert response.content == b"" and response["Content-Type"] == "application/json"
+    assert Client().head(base(APPROVAL, "nope"), headers=headers).status_code == 404
+
+
+def test_an_unknown_api_path_is_a_json_404_naming_it():
+    for path in ("/api/no-such-route", "/api/workflows/x/instances/y/z/w", "/api/"):
+        response = Client().get(path)
+        assert response.status_code == 404 and response["Content-Type"] == "application/json", path
+        assert response.json()["errors"][0]["code"] == "NotFound" and path in response.json()["errors"][0]["message"]
+
+
+def test_list_workflows_shows_each_workflow_with_its_versions_and_counts(service):
+    waiting_approval("o-1")
+    waiting_approval("o-2")
+    get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    workflows = {w["name"]: w for w in service.get("/api/workflows").json()["result"]}
+    assert set(workflows) >= {APPROVAL, SIMPLE, OTHER}
+    assert workflows[APPROVAL] == {"name": APPROVAL, "versions": [1], "counts": {"waiting": 2}, "total": 2}
+    assert workflows[SIMPLE]["counts"] == {"complete": 1}
+    assert error_of(service.get("/api/workflows?status=x"))[:2] == (400, "InvalidInput")
+
+
+@pytest.mark.parametrize("limit", ["²", "1" * 5000, "-1", "1.5", "１０"])
+def test_list_refuses_a_limit_that_is_not_plain_ascii_digits_with_400(service, limit):
+    status, code, message = error_of(service.get(base(SIMPLE) + "?" + urlencode({"limit": limit})))
+    assert (status, code) == (400, "InvalidInput") and "limit must be an integer" in message

@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import Group, Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
 from tests.dashboard.helpers import make_user
 from tests.surface_flows import snapshot
 from wfdash.asgi import router
-from workflows_app import testing, tokens
+from workflows_app import access, testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import (
@@ -227,6 +228,108 @@ def test_the_http_api_refuses_a_body_over_its_own_limit_with_413(waiter, api, se
     engine_still_runs(waiter)
 
 
+# --- input that used to answer 500 -----------------------------------------------------
+
+
+BIG_PK = "9" * 20  # over 2**64
+
+
+@pytest.fixture
+def operator() -> Client:
+    client = Client(raise_request_exception=False)
+    client.force_login(make_user("operator", "view_instance", "change_instance"))
+    return client
+
+
+@pytest.mark.parametrize(("method", "path", "data", "status"), [
+    ("get", "/instances/?created_from=9999-12-31T23:59&tz=-840", None, 400),
+    ("get", "/instances/?created_to=9999-12-31T23:59&tz=-840", None, 400),
+    ("get", "/instances/?version=" + BIG_PK, None, 400),
+    ("get", f"/instances/{BIG_PK}/", None, 404),
+    ("get", f"/instances/{2**63}/", None, 404),
+    ("get", "/instances/0/", None, 404),
+    ("get", f"/instances/{BIG_PK}/live/", None, 404),
+    ("post", f"/instances/{BIG_PK}/pause/", {}, 404),
+    ("get", f"/instances/rows/?since={BIG_PK}", None, 404),
+    ("get", "/instances/rows/?since=²", None, 404),
+    ("post", "/instances/create/", {"workflow": WF, "params": DEEP * 10}, 400),
+    ("post", "/instances/create/", {"workflow": WF, "params": "1" * 5000}, 400),
+    ("post", "/instances/create/", {"workflow": WF, "params": json.dumps(nested(950))}, 400),
+], ids=lambda v: str(v)[:40])
+def test_input_that_used_to_answer_500_gets_a_4xx_and_stores_nothing(waiter, operator, method, path, data, status):
+    before = snapshot()
+    response = getattr(operator, method)(path, data) if data is not None else getattr(operator, method)(path)
+    assert response.status_code == status, response.content[:300]
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("pk", [2**63, 2**64])
+def test_a_bulk_action_on_a_pk_past_the_databases_range_is_refused_naming_it(waiter, operator, pk):
+    before = snapshot()
+    response = operator.post("/instances/bulk/", {"action": "pause", "pk": [pk]}, follow=True)
+    assert response.status_code == 200
+    assert any("pk" in str(m) or "valid choice" in str(m) for m in response.context["messages"])
+    assert snapshot() == before
+
+
+def test_an_event_payload_nested_too_deep_from_the_dashboard_is_refused_naming_it(waiter, operator):
+    pk = waiter.row().pk
+    before = snapshot()
+    for payload, reason in ((DEEP * 10, "nested too deeply"), (json.dumps(nested(100)), "nesting limit is 64")):
+        response = operator.post(f"/instances/{pk}/send-event/", {"type": "go", "payload": payload})
+        assert response.status_code == 400  # the form comes back with the error beside it
+        assert reason in response.content.decode(), reason
+    assert snapshot() == before
+    engine_still_runs(waiter)
+
+
+def test_params_outputs_and_payloads_past_the_nesting_limit_are_refused_naming_it(waiter, api):
+    before = snapshot()
+    with pytest.raises(InvalidInput, match="nested 950 levels deep; the nesting limit is 64 levels"):
+        get_workflow(WF).create(params=nested(950))
+    with pytest.raises(InvalidInput, match="nesting limit is 64"):
+        waiter.send_event("go", nested(65))
+    status, code, message = api(f"/api/workflows/{WF}/instances", json.dumps({"params": nested(200)}).encode())
+    assert (status, code) == (400, "InvalidInput") and "nesting limit is 64" in message
+    assert snapshot() == before
+    get_workflow(WF).create(id="deep-ok", params=nested(64))  # exactly at the limit is fine
+    engine_still_runs(waiter)
+
+
+def test_a_step_output_past_the_nesting_limit_fails_the_step_at_once(registered):
+    @register("sec-deep-output")
+    class DeepOutput(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return await step.do("deep", lambda: nested(100))
+
+    inst = get_workflow("sec-deep-output").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored" and "nesting limit is 64" in status.error["message"]
+    assert inst.steps()[0].attempts == 1  # not retried: the callable would run again for nothing
+
+
+async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_the_socket_lives(waiter):
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    await communicator.send_json_to({"type": "watch", "pks": [1, 2**63]})
+    assert "integers from 1 to 2**63-1" in await next_error(communicator)
+    await communicator.send_json_to({"type": "watch", "pks": [2**63 - 1]})
+    while (await communicator.receive_json_from(timeout=5))["type"] != "snapshot":
+        pass
+    await communicator.disconnect()
+
+
+@pytest.mark.parametrize("path", ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", f"/ws/instances/{2**63}/", "/"])
+async def test_an_unknown_socket_path_is_refused_at_the_handshake(waiter, path):
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator = WebsocketCommunicator(router, path, headers=[
+        (b"origin", b"http://testserver"), (b"host", b"testserver"), (b"cookie", cookie)])
+    connected, code = await communicator.connect(timeout=5)
+    assert not connected and code == 4404
+
+
 # --- 14. the management command ----------------------------------------------------------
 
 
@@ -277,8 +380,10 @@ def staff_cookie(*perms: str, staff: bool = True, name: str = "sock") -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver") -> tuple[WebsocketCommunicator, bool]:
-    headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
+async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver",
+                  host: bytes = b"testserver", extra: tuple[tuple[bytes, bytes], ...] = ()
+                  ) -> tuple[WebsocketCommunicator, bool]:
+    headers = [(b"origin", origin), (b"host", host), *extra] + ([(b"cookie", cookie)] if cookie else [])
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=5)
     return communicator, connected
@@ -348,11 +453,151 @@ async def test_a_socket_from_a_foreign_origin_is_refused(waiter):
         assert not connected, origin
 
 
+async def test_a_socket_from_another_port_or_scheme_of_the_same_host_is_refused(waiter):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    for origin, host in (
+        (b"http://testserver:8001", b"testserver"),
+        (b"https://testserver", b"testserver"),
+        (b"http://testserver", b"testserver:8000"),
+        (b"http://testserver:8000", b"testserver:8001"),
+        (b"http://localhost:8000", b"testserver:8000"),
+    ):
+        _, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
+        assert not connected, (origin, host)
+    for origin, host in ((b"http://testserver", b"testserver"), (b"http://testserver:8000", b"testserver:8000"),
+                         (b"http://TestServer:80", b"testserver")):
+        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
+        assert connected, (origin, host)
+        await communicator.disconnect()
+
+
+async def test_a_socket_from_a_csrf_trusted_origin_or_through_a_trusted_https_proxy_is_admitted(waiter, settings):
+    settings.CSRF_TRUSTED_ORIGINS = ["https://dash.example.com", "https://*.ops.example.com"]
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    proxied = ((b"x-forwarded-proto", b"https"),)
+    for origin, extra, admitted in (
+        (b"https://dash.example.com", (), True),
+        (b"https://eu.ops.example.com", (), True),
+        (b"http://dash.example.com", (), False),
+        (b"https://dash.example.com:8443", (), False),
+        (b"https://testserver", proxied, True),
+        (b"https://testserver", (), False),
+        (b"http://testserver", proxied, False),
+    ):
+        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, extra=extra)
+        assert connected is admitted, (origin, extra)
+        if connected:
+            await communicator.disconnect()
+
+
 async def test_an_anonymous_socket_is_refused(waiter):
     pk = (await database_sync_to_async(waiter.row)()).pk
     for path in (f"/ws/instances/{pk}/", "/ws/instances/", "/ws/overview/"):
         _, connected = await connect(path, None)
         assert not connected, path
+
+
+def logged_in(name: str, *perms: str) -> tuple[Client, bytes]:
+    client = Client()
+    client.force_login(make_user(name, *perms))
+    return client, f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+def another_session(username: str) -> bytes:
+    client = Client()
+    client.force_login(User.objects.get(username=username))
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def close_code(communicator: WebsocketCommunicator) -> int:
+    """Read what the socket sends until it closes; the close code."""
+    while True:
+        output = await communicator.receive_output(timeout=5)
+        if output["type"] == "websocket.close":
+            return output["code"]
+
+
+async def answers_ping(communicator: WebsocketCommunicator) -> bool:
+    await communicator.send_json_to({"type": "ping"})
+    while True:
+        output = await communicator.receive_output(timeout=5)
+        if output["type"] == "websocket.close":
+            return False
+        if json.loads(output["text"])["type"] == "pong":
+            return True
+
+
+@pytest.mark.parametrize("path", ["/ws/instances/", "/ws/overview/", "detail"])
+async def test_logging_out_closes_the_sessions_sockets_but_not_another_sessions(waiter, path):
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    path = f"/ws/instances/{pk}/" if path == "detail" else path
+    client, cookie = await database_sync_to_async(logged_in)("leaver", "view_instance")
+    other_cookie = await database_sync_to_async(another_session)("leaver")
+    mine, connected = await connect(path, cookie)
+    theirs, also = await connect(path, other_cookie)
+    assert connected and also
+    await database_sync_to_async(client.post)("/admin/logout/")
+    assert await close_code(mine) == 4403
+    assert await answers_ping(theirs)
+    await theirs.disconnect()
+
+
+async def test_a_socket_closes_when_its_user_is_deactivated_or_loses_view_permission(waiter):
+    user = await database_sync_to_async(make_user)("fading", "view_instance", "change_instance")
+    for name, change in (
+        ("deactivated", lambda u: (setattr(u, "is_active", False), u.save())),
+        ("no longer staff", lambda u: (setattr(u, "is_staff", False), u.save())),
+        ("lost view_instance", lambda u: u.user_permissions.remove(Permission.objects.get(codename="view_instance"))),
+    ):
+        await database_sync_to_async(lambda: User.objects.filter(pk=user.pk).update(is_active=True, is_staff=True))()
+        await database_sync_to_async(lambda: user.user_permissions.add(Permission.objects.get(codename="view_instance")))()
+        communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("fading"))
+        assert connected, name
+        fresh = await database_sync_to_async(User.objects.get)(pk=user.pk)
+        await database_sync_to_async(change)(fresh)
+        assert await close_code(communicator) == 4403, name
+
+
+def group_viewer(username: str) -> tuple[Group, Permission]:
+    """A staff user who may view only through their group."""
+    view = Permission.objects.get(codename="view_instance")
+    group = Group.objects.create(name=f"{username}-viewers")
+    group.permissions.add(view)
+    make_user(username).groups.add(group)
+    return group, view
+
+
+@pytest.mark.parametrize("side", ["group.permissions", "permission.group_set", "group.user_set", "user.groups"])
+async def test_a_socket_closes_when_the_group_that_let_its_user_view_loses_that(waiter, side):
+    group, view = await database_sync_to_async(group_viewer)("grouped")
+    communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("grouped"))
+    assert connected
+    change = {
+        "group.permissions": lambda: group.permissions.remove(view),
+        "permission.group_set": lambda: view.group_set.remove(group),
+        "group.user_set": lambda: group.user_set.clear(),
+        "user.groups": lambda: User.objects.get(username="grouped").groups.remove(group),
+    }[side]
+    await database_sync_to_async(change)()
+    assert await close_code(communicator) == 4403
+
+
+async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(waiter, monkeypatch):
+    _, cookie = await database_sync_to_async(logged_in)("quiet", "view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected and await answers_ping(communicator)
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    assert not await answers_ping(communicator)  # the client's next message re-checks first
+
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=True))()
+    monkeypatch.setattr(access, "RECHECK_SECONDS", 0.05)
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    assert await close_code(communicator) == 4403  # the periodic re-check, with no message at all
 
 
 def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(waiter):
@@ -426,3 +671,54 @@ def test_script_in_an_error_message_and_a_payload_is_rendered_escaped(failing):
     detail = client.get(f"/instances/{pk}/", follow=True).content.decode()
     assert "onmouseover=alert(1)" in detail  # shown, but only inside an escaped attribute-safe text
     assert '"onmouseover' not in detail
+
+
+# --- throttling guessed credentials ------------------------------------------------------
+
+
+def test_wrong_api_tokens_are_throttled_with_429_and_retry_after_even_for_the_right_token(waiter, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_FAILURE_LIMIT": 5, "API_LOCKOUT_SECONDS": 120}
+    _, secret = tokens.issue("right")
+    client = Client()
+    path = f"/api/workflows/{WF}/instances/w1"
+    for attempt in range(5):
+        wrong = client.get(path, headers={"Authorization": f"Bearer wf_guess{attempt}"})
+        assert wrong.status_code == 401, attempt
+    locked = client.get(path, headers={"Authorization": f"Bearer {secret}"})
+    assert locked.status_code == 429 and locked.json()["errors"][0]["code"] == "TooManyRequests"
+    assert 0 < int(locked["Retry-After"]) <= 120
+    # Another client address is not locked out by this one's guesses.
+    other = client.get(path, headers={"Authorization": f"Bearer {secret}"}, REMOTE_ADDR="10.0.0.2")
+    assert other.status_code == 200
+
+
+def test_requests_without_a_token_do_not_count_as_guesses(waiter, settings):
+    settings.WFDASH = {**settings.WFDASH, "API_FAILURE_LIMIT": 3}
+    _, secret = tokens.issue("right")
+    client = Client()
+    for _ in range(5):
+        assert client.get(f"/api/workflows/{WF}/instances").status_code == 401
+    assert client.get(f"/api/workflows/{WF}/instances", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+
+
+def test_repeated_failed_logins_lock_the_address_out_with_429_even_for_the_right_password(waiter, settings):
+    User.objects.create_superuser("boss", password="a-long-passphrase")
+    client = Client()
+    for attempt in range(settings.AXES_FAILURE_LIMIT - 1):
+        response = client.post("/admin/login/", {"username": "boss", "password": f"wrong{attempt}"})
+        assert response.status_code == 200, attempt  # the form again, with its error
+    locked = client.post("/admin/login/", {"username": "boss", "password": "wrong-last"})
+    assert locked.status_code == 429 and int(locked["Retry-After"]) == settings.AXES_COOLOFF_TIME.total_seconds()
+    right = client.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"})
+    assert right.status_code == 429
+    assert "sessionid" not in client.cookies or client.get("/").status_code != 200
+    # Another address can still log in.
+    other = Client(REMOTE_ADDR="10.0.0.2")
+    assert other.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"}).status_code == 302
+
+
+def test_the_nesting_check_reads_brackets_inside_strings_and_escapes_as_text(waiter):
+    tricky = [{"s": "[[[[{{{{" * 20, "e": '\\\\"]]}}' * 20, "u": "é[ü]\ud800"} for _ in range(70)]
+    assert get_workflow(WF).create(params=[{"s": "[" * 200} for _ in range(70)]).row().params[0]["s"] == "[" * 200
+    with pytest.raises(InvalidInput, match="not valid Unicode"):  # the surrogate, not the nesting check
+        get_workflow(WF).create(params=tricky)

@@ -22,7 +22,7 @@ from tests.surface_flows import (
     snapshot,
     waiting_approval,
 )
-from workflows_app import testing
+from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.models import ApiToken, Instance
 
@@ -69,7 +69,7 @@ def test_start_reads_params_from_a_file(tmp_path: Path):
     params = tmp_path / "params.json"
     params.write_text('{"amount": 7}')
     data = wf_json("start", APPROVAL, "--params", f"@{params}", "--id", "from-file")
-    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running"}
+    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running", "created": True}
     assert get_workflow(APPROVAL).get("from-file").row().params == {"amount": 7}
 
 
@@ -301,6 +301,27 @@ def test_token_create_for_a_user_and_its_refusals():
     assert refused("token", "create", "x", "--user", "nobody") == "no user named 'nobody'"
     assert refused("token", "create", "ops-token") == "a token named 'ops-token' already exists"
     assert refused("token", "create") == "wf token create needs a token name"
+
+
+def test_token_create_takes_a_scope_workflows_and_an_expiry():
+    made = wf_json("token", "create", "reader", "--scope", "read", "--workflow", SIMPLE,
+                   "--workflow", "order-approval", "--expires", "30d")
+    token = ApiToken.objects.get(name="reader")
+    assert (token.scope, token.workflow_names) == ("read", ["order-approval", SIMPLE])
+    assert 29.9 < (token.expires_at - token.created_at).total_seconds() / 86400 <= 30
+    assert made["scope"] == "read" and made["expires_at"] is not None
+    assert wf_json("token", "list")[0]["workflows"] == ["order-approval", SIMPLE]
+    assert "expiry" in refused("token", "create", "x", "--expires", "soon")
+    assert "expiry must be more than 0" in refused("token", "create", "x", "--expires", "0s")
+
+
+def test_token_rotate_prints_a_new_secret_and_the_old_one_stops_working():
+    old = wf("token", "create", "ci", "--scope", "read").splitlines()[0]
+    new = wf("token", "rotate", "ci").splitlines()[0]
+    assert new.startswith("wf_") and new != old
+    assert tokens.authenticate(old) is None and tokens.authenticate(new).scope == "read"
+    wf("token", "revoke", "ci")
+    assert "revoked" in refused("token", "rotate", "ci")
 
 
 def test_token_revoke_marks_the_token_revoked():

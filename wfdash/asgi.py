@@ -12,16 +12,16 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack
 from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter
-from channels.security.websocket import AllowedHostsOriginValidator
 
 from workflows_app.consumers import EngineConsumer
 from workflows_app.embedded import start_embedded_worker
+from workflows_app.origins import SameOriginValidator
 from workflows_app.routing import websocket_urlpatterns
 
 router = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
         "channel": ChannelNameRouter({"workflows": EngineConsumer.as_asgi()}),
     }
 )

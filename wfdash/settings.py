@@ -3,15 +3,23 @@
 DATABASE_URL (default: SQLite file beside manage.py), REDIS_URL (optional; switches the
 channel layer to Redis), OTEL_EXPORTER_OTLP_ENDPOINT (optional; exports spans over OTLP),
 WFDASH_LEASE_SECONDS, WFDASH_WORKER_CONCURRENCY, WFDASH_EMBEDDED_WORKER.
+
+Without DJANGO_DEBUG=0 this is a development set-up (debug pages, a built-in key, the
+demo). With DJANGO_DEBUG=0 the project refuses to start on the built-in SECRET_KEY or an
+empty DJANGO_ALLOWED_HOSTS; DJANGO_HTTPS=1 (HTTPS redirect, secure cookies, HSTS),
+DJANGO_HSTS_* and DJANGO_BEHIND_PROXY=1 (trust X-Forwarded-Proto) make
+`manage.py check --deploy` clean (see the README's production block).
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -23,10 +31,40 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "wfdash-dev-insecure-change-me")
+def env_list(name: str, default: str = "") -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+DEVELOPMENT_SECRET_KEY = "wfdash-dev-insecure-change-me"
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", DEVELOPMENT_SECRET_KEY)
 DEBUG = env_bool("DJANGO_DEBUG", True)
-ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",") if h]
-CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+DEVELOPMENT_HOSTS = "localhost,127.0.0.1,[::1],testserver"
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", DEVELOPMENT_HOSTS if DEBUG else "")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS")
+
+if not DEBUG:
+    # A production server on a key everyone can read would sign anyone's session cookie.
+    if SECRET_KEY in ("", DEVELOPMENT_SECRET_KEY):
+        raise ImproperlyConfigured(
+            "DJANGO_DEBUG=0 needs DJANGO_SECRET_KEY: set it to a long random string, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
+    if not ALLOWED_HOSTS:
+        raise ImproperlyConfigured(
+            "DJANGO_DEBUG=0 needs DJANGO_ALLOWED_HOSTS: the host names this site answers to, comma-separated"
+        )
+
+# HTTPS (production): redirect to https, cookies only over https, HSTS. Off by default so
+# the development server on http://127.0.0.1:8000 keeps working.
+HTTPS = env_bool("DJANGO_HTTPS", False)
+SECURE_SSL_REDIRECT = HTTPS
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", str(365 * 86400) if HTTPS else "0"))
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
+if env_bool("DJANGO_BEHIND_PROXY", False):
+    # Only behind a proxy that sets X-Forwarded-Proto itself (and strips the client's).
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
 INSTALLED_APPS = [
     # First, so its runserver (daphne + embedded engine) and runworker (Channels worker +
@@ -41,6 +79,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "csp",
+    "axes",  # locks out an address after repeated failed logins
 ]
 
 MIDDLEWARE = [
@@ -53,7 +92,22 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks
 ]
+
+# Failed logins (the admin's and the dashboard's): after AXES_FAILURE_LIMIT from one
+# address, that address is refused (429, Retry-After) for AXES_COOLOFF_TIME, even with
+# the right password. Failed API tokens are throttled by workflows_app/throttle.py.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = int(os.environ.get("WFDASH_LOGIN_FAILURE_LIMIT", "10"))
+AXES_COOLOFF_TIME = timedelta(seconds=int(os.environ.get("WFDASH_LOGIN_LOCKOUT_SECONDS", "900")))
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "workflows_app.throttle.login_locked_out"
+AXES_VERBOSE = False
 
 # Content-Security-Policy (django-csp) for the dashboard: scripts only from our static
 # files, so escaped user data could never run even if an escape were missed. Inline
@@ -147,7 +201,15 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": f"django.contrib.auth.password_validation.{name}"}
+    for name in (
+        "UserAttributeSimilarityValidator",
+        "MinimumLengthValidator",
+        "CommonPasswordValidator",
+        "NumericPasswordValidator",
+    )
+]
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -177,7 +239,7 @@ WFDASH = {
     # configured: then `manage.py runworker workflows` processes run it.
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
     "POLL_SECONDS": float(os.environ.get("WFDASH_POLL_SECONDS", "5")),
-    "DEMO": env_bool("WFDASH_DEMO", True),
+    "DEMO": env_bool("WFDASH_DEMO", DEBUG),  # the demo workflows: on in development only
     # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
     "TRACING": env_bool("WFDASH_TRACING", True),
     # Refuse a changed class under an already-registered version (see registry.py).

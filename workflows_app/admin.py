@@ -11,14 +11,17 @@ import json
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
-from django.urls import path
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -508,24 +511,73 @@ def revoke_tokens(
     modeladmin.message_user(request, f"Revoked {count} token(s).", messages.SUCCESS)
 
 
+@admin.action(description="Rotate the selected token (a new secret, shown once)", permissions=["change"])
+def rotate_token(modeladmin: ApiTokenAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]) -> HttpResponse | None:
+    selected = list(queryset.select_related("user")[:2])
+    if len(selected) != 1:
+        modeladmin.message_user(request, "Select exactly one token to rotate.", messages.ERROR)
+        return None
+    token = selected[0]
+    refusal = tokens.issuer_refusal(request.user, token.user)
+    if refusal:
+        modeladmin.message_user(request, f"Cannot rotate {token.name!r}: {refusal}.", messages.ERROR)
+        return None
+    try:
+        secret = tokens.rotate(token)
+    except tokens.TokenError as exc:
+        modeladmin.message_user(request, str(exc), messages.ERROR)
+        return None
+    return modeladmin.secret_page(request, token, secret, "rotated")
+
+
+class ApiTokenForm(forms.ModelForm):
+    """Adding a token: who it acts as, its scope and workflows, and when it expires."""
+
+    expires = forms.CharField(
+        required=False, help_text='e.g. "30 days" or "12h"; empty: never. At most 3650 days.'
+    )
+
+    class Meta:
+        model = ApiToken
+        fields = ("name", "user", "scope", "workflows")
+
+    issuer: Any = None  # the admin user adding the token (set by ApiTokenAdmin.get_form)
+
+    def clean_workflows(self) -> str:
+        try:
+            return tokens.clean_workflows(self.cleaned_data.get("workflows"))
+        except tokens.TokenError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean_expires(self) -> Any:
+        try:
+            return tokens.expiry(self.cleaned_data.get("expires"))
+        except tokens.TokenError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        refusal = tokens.issuer_refusal(self.issuer, cleaned.get("user"))
+        if refusal:
+            raise forms.ValidationError(refusal[0].upper() + refusal[1:] + ".")
+        return cleaned
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    """Adding a token shows its secret once; only the SHA-256 is stored."""
+    """Adding or rotating a token shows its secret once, in the response page only (never
+    in a message: those travel in a cookie); only the SHA-256 is stored. Nobody mints a
+    token carrying more than they hold (tokens.issuer_refusal)."""
 
-    list_display = ("name", "prefix", "user", "created_at", "last_used_at", "revoked_at")
-    list_filter = ("revoked_at", "user")
+    form = ApiTokenForm
+    list_display = ("name", "prefix", "user", "scope", "workflows", "created_at", "expires_at", "last_used_at",
+                    "revoked_at")
+    list_filter = ("scope", "revoked_at", "user")
     search_fields = ("name", "prefix", "user__username")
-    actions = (revoke_tokens,)
-    add_fields = ("name", "user")
-    all_fields = (
-        "name",
-        "user",
-        "prefix",
-        "token_hash",
-        "created_at",
-        "last_used_at",
-        "revoked_at",
-    )
+    actions = (revoke_tokens, rotate_token)
+    add_fields = ("name", "user", "scope", "workflows", "expires")
+    all_fields = ("name", "user", "scope", "workflows", "prefix", "token_hash", "created_at", "expires_at",
+                  "last_used_at", "rotated_at", "revoked_at")
 
     def get_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
         return self.add_fields if obj is None else self.all_fields
@@ -535,15 +587,33 @@ class ApiTokenAdmin(admin.ModelAdmin):
     ) -> tuple[str, ...]:
         return () if obj is None else self.all_fields
 
+    def get_form(self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False, **kwargs: Any) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return type(form.__name__, (form,), {"issuer": request.user})
+
     def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
         if change:
-            return  # every field is read-only once issued; revoke and issue a new one instead
+            return  # every field is read-only once issued; rotate, or revoke and issue a new one
         secret = tokens.new_secret()
         tokens.set_secret(obj, secret)
         obj.created_at = timezone.now()
+        obj.expires_at = form.cleaned_data.get("expires")
         super().save_model(request, obj, form, change)
-        self.message_user(
-            request,
-            f"API token {obj.name!r}: {secret} — copy it now; it is not stored and will not be shown again.",
-            messages.WARNING,
-        )
+        request.wf_token_secret = secret  # type: ignore[attr-defined]  # for response_add, this request only
+
+    def response_add(self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None) -> HttpResponse:
+        return self.secret_page(request, obj, request.wf_token_secret, "created")  # type: ignore[attr-defined]
+
+    def secret_page(self, request: HttpRequest, token: ApiToken, secret: str, verb: str) -> HttpResponse:
+        """The one page that ever shows the secret; never cached."""
+        response = TemplateResponse(request, "admin/workflows_app/apitoken/secret.html", {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta,
+            "title": f"API token {token.name} {verb}",
+            "token": token,
+            "secret": secret,
+            "verb": verb,
+            "changelist_url": reverse("admin:workflows_app_apitoken_changelist"),
+        })
+        add_never_cache_headers(response)
+        return response

@@ -1,30 +1,34 @@
 """The JSON HTTP API for other services, in Cloudflare Workflows' REST shapes.
 
 Authentication is a bearer token (see tokens.py), never the session, so the views are
-CSRF-exempt. Each view is thin: the `endpoint` wrapper authenticates, checks the
-permission for writes and turns errors into `{"success": false, "errors": [...]}`;
-the handler looks the instance up, makes one client call and returns JSON.
+CSRF-exempt. Each view is thin: the `endpoint` wrapper authenticates, checks what the
+token may do (tokens.refusal: reads need view_instance, writes change_instance and the
+write scope, both the token's workflows) and turns errors into `{"success": false,
+"errors": [...]}`; the handler looks the instance up, makes one client call and returns
+JSON. No response may be cached: they carry instance data and differ per token.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.cache import add_never_cache_headers
 from django.views.decorators.csrf import csrf_exempt
 
-from . import openapi, surfaces, tokens
+from . import dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle
 from .engine import errors
 from .models import ApiToken
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
-CHANGE_PERMISSION = "workflows_app.change_instance"
+LIMIT_PATTERN = re.compile(r"[0-9]{1,6}")  # ASCII digits only: "²".isdigit() is True, int("²") fails
 
 # Most specific first: the first class an error is an instance of decides its status.
 ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
@@ -45,10 +49,11 @@ def error_status(exc: errors.WorkflowError) -> int:
 class ApiError(Exception):
     """A refusal decided by the API layer itself (auth, body, method)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.headers = headers or {}
 
 
 def max_body_bytes() -> int:
@@ -121,15 +126,29 @@ def bearer_secret(request: HttpRequest) -> str:
     return secret.strip() if scheme.lower() == "bearer" else ""
 
 
-def authorize(request: HttpRequest) -> ApiToken:
-    """The request's live token, with the permission a write needs; else 401 / 403."""
-    token = tokens.authenticate(bearer_secret(request))
+def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
+    """The request's live token, allowed to do what the request asks; else 401 / 403 (429
+    while the client is locked out for guessing)."""
+    retry_after = throttle.api_retry_after(request)
+    if retry_after is not None:
+        raise ApiError(429, "TooManyRequests", f"too many wrong API tokens from this client; retry in "
+                                               f"{retry_after} s", {"Retry-After": str(retry_after)})
+    secret = bearer_secret(request)
+    token = tokens.authenticate(secret)
     if token is None:
-        raise ApiError(401, "Unauthorized", "missing, unknown or revoked API token (Authorization: Bearer <token>)")
-    if request.method in WRITE_METHODS and token.user is not None and not token.user.has_perm(CHANGE_PERMISSION):
-        raise ApiError(403, "Forbidden", f"token {token.name!r} (user {token.user.get_username()!r}) "
-                                         f"lacks the {CHANGE_PERMISSION} permission")
+        if secret:
+            throttle.record_api_failure(request)
+        raise ApiError(401, "Unauthorized",
+                       "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)")
+    refusal = tokens.refusal(token, write=request.method in WRITE_METHODS, workflow=workflow)
+    if refusal:
+        raise ApiError(403, "Forbidden", refusal)
     return token
+
+
+def uncached(response: HttpResponse) -> HttpResponse:
+    add_never_cache_headers(response)  # Cache-Control: no-cache, no-store, must-revalidate, private
+    return response
 
 
 Handler = Callable[..., JsonResponse]
@@ -138,23 +157,33 @@ Handler = Callable[..., JsonResponse]
 def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
     """A view dispatching by method to handlers, with auth, size limit and error mapping."""
 
+    allowed = [*methods, "HEAD"] if "GET" in methods else list(methods)
+
     @csrf_exempt
     def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        response = answer(request, kwargs)
+        if request.method == "HEAD":
+            response.content = b""  # GET's headers, no body
+        return uncached(response)
+
+    def answer(request: HttpRequest, kwargs: dict[str, Any]) -> HttpResponse:
         try:
-            token = authorize(request)
-            handler = methods.get(request.method or "")
+            token = authorize(request, kwargs.get("name"))
+            handler = methods.get("GET" if request.method == "HEAD" else request.method or "")
             if handler is None:
                 response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: "
-                                                         f"{', '.join(methods)}")
-                response["Allow"] = ", ".join(methods)
+                                                         f"{', '.join(allowed)}")
+                response["Allow"] = ", ".join(allowed)
                 return response
             length = request.META.get("CONTENT_LENGTH") or "0"
-            if length.isdigit() and int(length) > max_body_bytes():
+            if length.isdigit() and len(length) < 20 and int(length) > max_body_bytes():
                 raise ApiError(413, "PayloadTooLarge",
                                f"request body of {length} bytes exceeds the API limit of {max_body_bytes()} bytes")
             return handler(Call(request, token), **kwargs)
         except ApiError as exc:
             response = fail(exc.status, exc.code, str(exc))
+            for header, value in exc.headers.items():
+                response[header] = value
             if exc.status == 401:
                 response["WWW-Authenticate"] = 'Bearer realm="wfdash"'
             return response
@@ -177,11 +206,23 @@ def list_instances(call: Call, name: str) -> JsonResponse:
     if unknown:
         raise ApiError(400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status")
     limit_text = query.get("limit", "50")
-    if not limit_text.isdigit():
-        raise ApiError(400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text!r}")
+    if not LIMIT_PATTERN.fullmatch(limit_text):  # the range is the client's to check
+        raise ApiError(400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}")
     page = surfaces.binding(name).list(status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor"))
     return ok([surfaces.info_json(i) for i in page.instances],
               result_info={"cursor": page.cursor, "per_page": int(limit_text)})
+
+
+def list_workflows(call: Call) -> JsonResponse:
+    """Every workflow (registered, or with instances) the token may see: versions and counts."""
+    if call.request.GET:
+        raise ApiError(400, "InvalidInput", f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed")
+    visible = set(call.token.workflow_names)
+    return ok([
+        {"name": s.name, "versions": s.versions, "counts": s.counts, "total": s.total}
+        for s in dashboard.workflow_summaries()
+        if not visible or s.name in visible
+    ])
 
 
 def create_instance(call: Call, name: str) -> JsonResponse:
@@ -196,7 +237,8 @@ def create_instance(call: Call, name: str) -> JsonResponse:
         params=body.get("params"), id=instance_id, idempotency_key=body.get("idempotency_key"),
         actor=call.actor, retention=body.get("retention"),
     )
-    return ok(surfaces.created_json(handle), status=201)
+    # 200 when an idempotency key found an instance created earlier: nothing new was made.
+    return ok(surfaces.created_json(handle), status=201 if handle.created else 200)
 
 
 def create_batch(call: Call, name: str) -> JsonResponse:
@@ -204,7 +246,7 @@ def create_batch(call: Call, name: str) -> JsonResponse:
     if not isinstance(items, list):
         raise ApiError(400, "InvalidInput", f"request body must be a JSON array of instances, got {json_type(items)}")
     handles = surfaces.binding(name).create_batch(items, actor=call.actor)
-    return ok([surfaces.created_json(h) for h in handles], status=201)
+    return ok([surfaces.created_json(h) for h in handles], status=201 if any(h.created for h in handles) else 200)
 
 
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -261,15 +303,22 @@ def state(handle: InstanceHandle) -> dict[str, Any]:
 
 
 @csrf_exempt
-def openapi_document(request: HttpRequest) -> JsonResponse:
+def openapi_document(request: HttpRequest) -> HttpResponse:
     """Public: the description of the API, without any data."""
     if request.method not in ("GET", "HEAD"):
-        response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET")
-        response["Allow"] = "GET"
+        response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET, HEAD")
+        response["Allow"] = "GET, HEAD"
         return response
     return JsonResponse(openapi.document())
 
 
+@csrf_exempt
+def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    """Any other path under /api/: a JSON 404 (never Django's HTML page), before any auth."""
+    return uncached(fail(404, "NotFound", f"no API route {request.path!r}; see /api/openapi.json"))
+
+
+workflows = endpoint(GET=list_workflows)
 instances = endpoint(GET=list_instances, POST=create_instance)
 batch = endpoint(POST=create_batch)
 detail = endpoint(GET=get_instance)

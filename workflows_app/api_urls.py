@@ -12,6 +12,7 @@ INSTANCE = "workflows/<str:name>/instances/<str:instance_id>"
 
 urlpatterns = [
     path("openapi.json", api.openapi_document, name="openapi"),
+    path("workflows", api.workflows, name="workflows"),
     path("workflows/<str:name>/instances", api.instances, name="instances"),
     path("workflows/<str:name>/instances/batch", api.batch, name="batch"),
     path(INSTANCE, api.detail, name="instance"),

@@ -13,8 +13,10 @@ class WorkflowsAppConfig(AppConfig):
     def ready(self) -> None:
         # Like admin.py: every installed app's workflows.py registers its workflows.
         autodiscover_modules("workflows")
-        from . import live
+        from . import access, live
         from .engine import store
+
+        access.connect_signals()
 
         store.control.on_promoted = live.instances_promoted
         if getattr(settings, "WFDASH", {}).get("TRACING", True):

@@ -12,7 +12,6 @@ import base64
 import binascii
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence

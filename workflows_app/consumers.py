@@ -4,7 +4,9 @@ A dashboard socket gets a full snapshot from the database on connect, then small
 events (`instance.status`, `step.written`, `history.appended`, `span.stored`, `error`)
 relayed from channel-layer groups. The layer is lossy; the snapshot after a reconnect
 repairs whatever was missed. Clients may only send `ping` (and `watch` on the list);
-anything else gets an `error` frame and changes nothing.
+anything else gets an `error` frame and changes nothing. A socket follows its session:
+it closes (4403) on logout, and when its user may no longer view the dashboard, checked
+on every client message, every access.RECHECK_SECONDS and whenever the user changes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from channels.consumer import AsyncConsumer
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from . import dashboard, live
+from . import access, dashboard, live
+from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
 
@@ -25,6 +28,14 @@ MAX_CLIENT_FRAME = 8192  # bytes; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 OVERVIEW_COALESCE_SECONDS = 0.25  # one summary per workflow per window, however busy it is
 CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404
+
+
+class UnknownPathConsumer(AsyncJsonWebsocketConsumer):
+    """Any other WebSocket path: refused at the handshake (the router would answer a 500)."""
+
+    async def connect(self) -> None:
+        await self.close(code=CLOSE_NOT_FOUND)
 
 
 class EngineConsumer(AsyncConsumer):
@@ -32,16 +43,6 @@ class EngineConsumer(AsyncConsumer):
 
     async def wf_hint(self, message: dict[str, Any]) -> None:
         notify_local(str(message.get("kind", "wake")), message.get("pk"))
-
-
-def _may_view(user: Any) -> bool:
-    return bool(
-        user
-        and user.is_authenticated
-        and user.is_active
-        and user.is_staff
-        and user.has_perm("workflows_app.view_instance")
-    )
 
 
 def _summary(pk: int) -> dashboard.InstanceSummaryJSON | None:
@@ -53,6 +54,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     """Base: staff-only sockets that join groups, send a snapshot, then relay events."""
 
     client_types: frozenset[str] = frozenset({"ping"})
+    ended = False  # closed for lost access: send nothing more, even what is already queued
+    recheck_task: asyncio.Task[None] | None = None
 
     def groups_for(self) -> list[str]:
         return []
@@ -62,24 +65,62 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         raise NotImplementedError
 
     async def connect(self) -> None:
-        if not await database_sync_to_async(_may_view)(self.scope.get("user")):
+        user = self.scope.get("user")
+        self.session_key = getattr(self.scope.get("session"), "session_key", None)
+        if not self.session_key or not await database_sync_to_async(access.may_view)(user):
             await self.close(code=CLOSE_FORBIDDEN)
             return
+        self.user_pk = user.pk
         snapshot = await self.snapshot()
         if snapshot is None:
             await self.close(code=CLOSE_FORBIDDEN)
             return
         live.bind_socket_loop()
-        self.groups = self.groups_for()
+        self.groups = [
+            *self.groups_for(),
+            live.session_group(self.session_key),
+            live.user_group(self.user_pk),
+        ]
         for group in self.groups:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         await self.send_json(snapshot)
+        self.recheck_task = asyncio.ensure_future(self.recheck_periodically())
+
+    async def still_allowed(self) -> bool:
+        return await database_sync_to_async(access.session_may_view)(self.session_key, self.user_pk)
+
+    async def recheck_periodically(self) -> None:
+        while not self.ended:
+            await asyncio.sleep(access.RECHECK_SECONDS)
+            await self.wf_access({})
+
+    async def wf_access(self, message: dict[str, Any]) -> None:
+        """The user changed (or the timer fired): close unless they may still view."""
+        if not self.ended and not await self.still_allowed():
+            await self.end()
+
+    async def wf_logout(self, message: dict[str, Any]) -> None:
+        await self.end()
+
+    async def end(self) -> None:
+        self.ended = True
+        await self.close(code=CLOSE_FORBIDDEN)
+
+    async def send_json(self, content: Any, close: bool = False) -> None:
+        if not self.ended:
+            await super().send_json(content, close)
+
+    async def disconnect(self, code: int) -> None:
+        if self.recheck_task is not None:
+            self.recheck_task.cancel()
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
     ) -> None:
-        if text_data is None:
+        if not await self.still_allowed():
+            await self.end()
+        elif text_data is None:
             await self.reject("binary frames are not accepted")
         elif len(text_data) > MAX_CLIENT_FRAME:
             await self.reject(f"frame larger than {MAX_CLIENT_FRAME} bytes")
@@ -130,6 +171,7 @@ class OverviewConsumer(DashboardConsumer):
             await self.send_json({"type": "workflow.summary", "workflow": summary})
 
     async def disconnect(self, code: int) -> None:
+        await super().disconnect(code)
         task = getattr(self, "flush_task", None)
         if task is not None:
             task.cancel()
@@ -160,9 +202,13 @@ class InstanceListConsumer(DashboardConsumer):
         if (
             not isinstance(pks, list)
             or len(pks) > MAX_WATCHED
-            or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pks)
+            or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p <= MAX_PK for p in pks
+            )
         ):
-            await self.reject(f"watch needs pks: a list of at most {MAX_WATCHED} positive integers")
+            await self.reject(
+                f"watch needs pks: a list of at most {MAX_WATCHED} integers from 1 to 2**63-1"
+            )
             return
         rows = await database_sync_to_async(_rows)(pks)
         await self.send_json({"type": "snapshot", "instances": rows})

@@ -8,6 +8,7 @@ from typing import Any
 
 from django import forms
 
+from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
 from .engine.durations import INSTANT_RANGE, parse_instant
 from .engine.errors import InvalidDuration
@@ -34,6 +35,10 @@ class JSONField(forms.CharField):
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            ) from None
+        except (RecursionError, ValueError):  # ValueError: an integer of over 4,300 digits
+            raise forms.ValidationError(
+                "Not valid JSON here: nested too deeply (or a number too long) to parse"
             ) from None
 
 
@@ -73,8 +78,8 @@ class BulkActionForm(forms.Form):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Any integer is acceptable here; unknown ones simply match no instance.
-        self.fields["pk"].valid_value = lambda value: str(value).isdigit()  # type: ignore[attr-defined]
+        # Any pk is acceptable here; unknown ones simply match no instance.
+        self.fields["pk"].valid_value = lambda value: parse_pk(str(value)) is not None  # type: ignore[attr-defined]
 
     def clean_pk(self) -> list[int]:
         pks: list[int] = self.cleaned_data["pk"]
@@ -86,7 +91,7 @@ class BulkActionForm(forms.Form):
 class ListFilterForm(forms.Form):
     workflow = forms.ChoiceField(required=False)
     status = forms.ChoiceField(required=False, choices=[("", "any status"), *Status.choices])
-    version = forms.IntegerField(required=False, min_value=1)
+    version = forms.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
     created_from = forms.DateTimeField(
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )

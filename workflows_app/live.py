@@ -8,6 +8,7 @@ because workers poll the database and dashboards re-read it on connect.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import weakref
@@ -72,6 +73,15 @@ result_waiters = ResultWaiters()
 
 def instance_group(pk: int) -> str:
     return f"wfdash.instance.{pk}"
+
+
+def session_group(session_key: str) -> str:
+    """The sockets of one login session (hashed: the key itself must not reach Redis)."""
+    return "wfdash.session." + hashlib.sha256(session_key.encode()).hexdigest()[:40]
+
+
+def user_group(pk: int) -> str:
+    return f"wfdash.user.{pk}"
 
 
 def workflow_group(name: str) -> str:

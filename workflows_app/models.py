@@ -291,15 +291,32 @@ class ErrorRecord(models.Model):
 
 
 class ApiToken(models.Model):
-    """A named, revocable token for the JSON API; only its SHA-256 is stored."""
+    """A named, revocable token for the JSON API; only its SHA-256 is stored.
+
+    `scope` read lets it only read; write lets it also act. `workflows` (names separated
+    by spaces; empty for all) confines it to those workflows. Whatever the scope, a token
+    with a user never does more than that user's permissions allow.
+    """
+
+    READ = "read"
+    WRITE = "write"
+    SCOPES = ((READ, "read: list and get instances"), (WRITE, "write: read, create and act"))
 
     name = models.CharField(max_length=100, unique=True)
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=8, blank=True)
     user = models.ForeignKey("auth.User", on_delete=models.CASCADE, null=True, blank=True)
+    scope = models.CharField(max_length=5, choices=SCOPES, default=WRITE)
+    workflows = models.TextField(blank=True, default="", help_text="workflow names separated by spaces; empty: all")
     created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    rotated_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def workflow_names(self) -> list[str]:
+        return self.workflows.split()

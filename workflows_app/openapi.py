@@ -40,13 +40,14 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 ERROR_RESPONSES = {
     "400": "BadRequest", "401": "Unauthorized", "403": "Forbidden", "404": "NotFound",
-    "409": "Conflict", "413": "PayloadTooLarge",
+    "409": "Conflict", "413": "PayloadTooLarge", "429": "TooManyRequests",
 }
 
 
-def responses(ok: dict[str, Any], *errors: str, status: str = "200") -> dict[str, Any]:
-    out: dict[str, Any] = {status: ok}
-    for code in ("401", *errors):
+def responses(ok: dict[str, Any], *errors: str, status: str = "200", also: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    out: dict[str, Any] = {status: ok, **(also or {})}
+    for code in ("401", *errors, "429"):
         out[code] = {"$ref": f"#/components/responses/{ERROR_RESPONSES[code]}"}
     return out
 
@@ -57,7 +58,10 @@ def path_param(name: str, description: str) -> dict[str, Any]:
 
 WORKFLOW = path_param("name", "registered workflow name")
 INSTANCE = path_param("instance_id", "instance id (scoped by workflow)")
-WRITE = "Needs a service token or a token whose user has `workflows_app.change_instance`."
+READ = ("Needs a token limited to no workflows or to this one; a token with a user needs its "
+        "`workflows_app.view_instance` permission.")
+WRITE = ("Needs a token with the write scope, limited to no workflows or to this one; a token with a user "
+         "needs its `workflows_app.change_instance` permission.")
 
 SCHEMAS: dict[str, Any] = {
     "ErrorInfo": {"type": ["object", "null"], "properties": {"name": {"type": "string"}, "message": {"type": "string"}},
@@ -78,6 +82,13 @@ SCHEMAS: dict[str, Any] = {
     }),
     "InstanceCreated": obj({
         "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"}, "status": ref("Status"),
+        "created": {"type": "boolean", "description": "false when an idempotency key found an existing instance"},
+    }),
+    "Workflow": obj({
+        "name": {"type": "string"}, "versions": {"type": "array", "items": {"type": "integer"}},
+        "counts": {"type": "object", "additionalProperties": {"type": "integer"},
+                   "description": "instances by status (statuses without any are left out)"},
+        "total": {"type": "integer"},
     }),
     "Step": obj({
         "name": {"type": "string"},
@@ -152,7 +163,8 @@ def document() -> dict[str, Any]:
             "description": (
                 "Durable workflows (Cloudflare Workflows semantics). Authenticate with "
                 "`Authorization: Bearer <token>` (create one with `manage.py wf token create NAME`). "
-                "Every response is `{success, result}` or `{success: false, errors: [{code, message}]}`."
+                "Every response is `{success, result}` or `{success: false, errors: [{code, message}]}`, "
+                "marked `Cache-Control: no-store`; every GET also answers HEAD."
             ),
         },
         "security": [{"bearer": []}],
@@ -162,10 +174,19 @@ def document() -> dict[str, Any]:
                 "responses": {"200": {"description": "the OpenAPI document",
                                       "content": {"application/json": {"schema": {"type": "object"}}}}},
             }},
+            "/api/workflows": {
+                "get": {
+                    "summary": "List workflows (registered, or with instances): versions and counts by status",
+                    "operationId": "listWorkflows",
+                    "description": "A token limited to some workflows sees only those.",
+                    "responses": responses(json_body(success({"type": "array", "items": ref("Workflow")}),
+                                                     "the workflows, by name"), "400", "403"),
+                },
+            },
             "/api/workflows/{name}/instances": {
                 "parameters": [WORKFLOW],
                 "get": {
-                    "summary": "List instances, newest first", "operationId": "listInstances",
+                    "summary": "List instances, newest first", "operationId": "listInstances", "description": READ,
                     "parameters": [
                         {"name": "status", "in": "query", "schema": ref("Status")},
                         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
@@ -175,14 +196,16 @@ def document() -> dict[str, Any]:
                     ],
                     "responses": responses(json_body(
                         success({"type": "array", "items": ref("InstanceSummary")}, paged=True), "a page"),
-                        "400", "404"),
+                        "400", "403", "404"),
                 },
                 "post": {
                     "summary": "Create an instance", "operationId": "createInstance", "description": WRITE,
                     "requestBody": json_body(ref("CreateInstance"), "the instance; an empty body is allowed"),
-                    "responses": responses(json_body(success(ref("InstanceCreated")), "created (or the instance "
-                                           "an idempotency key already made)"), "400", "403", "404", "409", "413",
-                                           status="201"),
+                    "responses": responses(json_body(success(ref("InstanceCreated")), "created"),
+                                           "400", "403", "404", "409", "413", status="201", also={
+                                               "200": json_body(success(ref("InstanceCreated")),
+                                                                "not created: the instance an idempotency key "
+                                                                "already made (created: false)")}),
                 },
             },
             "/api/workflows/{name}/instances/batch": {
@@ -192,23 +215,28 @@ def document() -> dict[str, Any]:
                     "description": WRITE,
                     "requestBody": json_body({"type": "array", "items": ref("CreateInstance")}, "the instances"),
                     "responses": responses(json_body(success({"type": "array", "items": ref("InstanceCreated")}),
-                                                     "created"), "400", "403", "404", "409", "413", status="201"),
+                                                     "created (at least one is new)"),
+                                           "400", "403", "404", "409", "413", status="201", also={
+                                               "200": json_body(success({"type": "array",
+                                                                         "items": ref("InstanceCreated")}),
+                                                                "every one existed: found by idempotency keys")}),
                 },
             },
             instance_path: {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {
                     "summary": "An instance: status, params, output, error, steps, pending events",
-                    "operationId": "getInstance",
-                    "responses": responses(json_body(success(ref("Instance")), "the instance"), "404"),
+                    "operationId": "getInstance", "description": READ,
+                    "responses": responses(json_body(success(ref("Instance")), "the instance"), "403", "404"),
                 },
             },
             instance_path + "/history": {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {
                     "summary": "The instance's append-only history", "operationId": "getHistory",
+                    "description": READ,
                     "responses": responses(json_body(success({"type": "array", "items": ref("HistoryEntry")}),
-                                                     "records in order"), "404"),
+                                                     "records in order"), "403", "404"),
                 },
             },
             instance_path + "/status": {
@@ -244,12 +272,14 @@ def document() -> dict[str, Any]:
             "schemas": SCHEMAS,
             "responses": {
                 "BadRequest": failure("invalid JSON, not UTF-8, wrong types, or a limit exceeded"),
-                "Unauthorized": failure("missing, unknown or revoked token"),
-                "Forbidden": failure("the token's user lacks workflows_app.change_instance"),
+                "Unauthorized": failure("missing, unknown, expired or revoked token"),
+                "Forbidden": failure("the token's scope or workflows do not cover the request, or its user "
+                                     "lacks the permission it needs"),
                 "NotFound": failure("unknown workflow or instance"),
                 "MethodNotAllowed": failure("the path does not take this method (see the Allow header)"),
                 "Conflict": failure("the action does not apply to the instance's status, or the id is taken"),
                 "PayloadTooLarge": failure("the body is larger than the API's request size limit"),
+                "TooManyRequests": failure("too many wrong tokens from this client: wait Retry-After seconds"),
             },
         },
     }

@@ -111,6 +111,8 @@ def instance_json(handle: InstanceHandle) -> dict[str, Any]:
 
 
 def created_json(handle: InstanceHandle) -> dict[str, Any]:
-    """What create answers: enough to find the instance again."""
+    """What create answers: enough to find the instance again, and whether it is new
+    (False when an idempotency key found one created earlier)."""
     row = handle.row(refresh=False)
-    return {"id": row.instance_id, "workflow": row.workflow, "version": row.version, "status": row.status}
+    return {"id": row.instance_id, "workflow": row.workflow, "version": row.version, "status": row.status,
+            "created": handle.created}

@@ -1,6 +1,10 @@
-from django.urls import include, path
+from django.urls import include, path, re_path
 
-from . import views
+from . import (
+    api,
+    converters,  # noqa: F401  (registers the pk converter)
+    views,
+)
 
 app_name = "workflows"
 
@@ -14,9 +18,10 @@ urlpatterns = [
     # the numeric address redirects there. Live fragments and actions keep the primary key.
     path("workflows/<str:name>/", views.workflow_detail, name="workflow"),
     path("workflows/<str:name>/<str:instance_id>/", views.instance_detail, name="instance"),
-    path("instances/<int:pk>/", views.instance_by_pk, name="instance-by-pk"),
-    path("instances/<int:pk>/live/", views.instance_fragment, name="instance-live"),
-    path("instances/<int:pk>/<slug:action>/", views.instance_action, name="action"),
+    path("instances/<pk:pk>/", views.instance_by_pk, name="instance-by-pk"),
+    path("instances/<pk:pk>/live/", views.instance_fragment, name="instance-live"),
+    path("instances/<pk:pk>/<slug:action>/", views.instance_action, name="action"),
     path("errors/", views.error_list, name="errors"),
     path("api/", include("workflows_app.api_urls")),
+    re_path(r"^api/", api.not_found),  # any other /api/ path: a JSON 404, not the HTML page
 ]

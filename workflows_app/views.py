@@ -23,6 +23,7 @@ from django.views.decorators.http import require_GET, require_POST
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
 from .engine import errors
+from .converters import parse_pk
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 
@@ -84,16 +85,16 @@ def instance_list(request: HttpRequest) -> HttpResponse:
             "create_form": forms.CreateInstanceForm(),
             "bulk_actions": forms.BULK_ACTIONS,
         },
+        status=400 if form.errors else 200,  # the page still renders, its bad filters marked
     )
 
 
 @dashboard_page
 def instance_rows(request: HttpRequest) -> HttpResponse:
     """Rows newer than `since` that match the list's filters: a live list prepends them."""
-    try:
-        since = int(request.GET.get("since", ""))
-    except ValueError:
-        raise Http404("since must be an instance pk") from None
+    since = parse_pk(request.GET.get("since", ""))
+    if since is None:
+        raise Http404("since must be an instance pk")
     rows = dashboard.rows_newer_than(forms.ListFilterForm(request.GET).filters(), since)
     return render(request, "workflows/instance_rows.html", {"rows": rows})
 

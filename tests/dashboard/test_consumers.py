@@ -30,7 +30,7 @@ def session_cookie(*perms: str, staff: bool = True) -> bytes:
 async def connect(
     path: str, cookie: bytes | None, origin: bytes = b"http://testserver"
 ) -> tuple[WebsocketCommunicator, bool]:
-    headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
+    headers = [(b"origin", origin), (b"host", b"testserver")] + ([(b"cookie", cookie)] if cookie else [])
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=RECEIVE_TIMEOUT)
     return communicator, connected

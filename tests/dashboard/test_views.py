@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from django.contrib.staticfiles import finders
 from django.test import Client
 from django.urls import reverse
 
@@ -745,7 +746,7 @@ def test_a_created_range_past_the_calendar_is_shown_as_an_error_not_a_server_err
         {"created_to": "9999-12-31T23:59", "tz": -120},
     ):
         response = operator_client.get(url, params)
-        assert response.status_code == 200
+        assert response.status_code == 400  # a 4xx, yet the page renders with the error
         page = response.content.decode()
         assert "is outside the dates wfdash stores, 0001-01-02 … 9999-12-31 UTC" in page
         assert 'data-instance-id="listed"' in page  # the bad filter is ignored
@@ -762,3 +763,11 @@ def test_dashboard_pages_forbid_scripts_from_anywhere_but_our_static_files(
         assert directives["default-src"] == "'self'" and directives["frame-ancestors"] == "'none'"
     # The admin is served as Django ships it.
     assert "Content-Security-Policy" not in operator_client.get("/admin/login/")
+
+
+def test_the_favicon_is_served_for_every_page_and_linked_from_the_dashboard(client, operator):
+    response = client.get("/favicon.ico")
+    assert response.status_code == 301 and response["Location"] == "/static/workflows/favicon.svg"
+    assert finders.find("workflows/favicon.svg")
+    client.force_login(operator)
+    assert 'rel="icon" href="/static/workflows/favicon.svg"' in client.get("/").content.decode()

@@ -4,7 +4,9 @@
     wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
     wf pause|resume|terminate|skip-sleep ID              wf restart ID [--from-step NAME]
     wf cancel ID [--no-compensate]                       wf prune
-    wf token create NAME [--user U] | revoke NAME | list wf watch ID [--run-engine]
+    wf token create NAME [--user U] [--scope read|write] [--workflow W]... [--expires 30d]
+             | rotate NAME | revoke NAME | list
+    wf watch ID [--run-engine]
     wf demo [--superuser user:password]                  wf bench [-- ARGS...]
 
 Instance ids are scoped by workflow; without --workflow an id is looked up in every
@@ -151,9 +153,14 @@ class Command(BaseCommand):
         verb("prune", self.do_prune, "delete finished instances past their retention")
 
         sub = verb("token", self.do_token, "manage API tokens")
-        sub.add_argument("token_verb", choices=["create", "revoke", "list"])
+        sub.add_argument("token_verb", choices=["create", "rotate", "revoke", "list"])
         sub.add_argument("name", nargs="?")
-        sub.add_argument("--user", help="act as this user (without: a full-access service token)")
+        sub.add_argument("--user", help="act as this user (without: a service token, limited only by its scope)")
+        sub.add_argument("--scope", choices=["read", "write"], default="write",
+                         help="read: list and get only; write (default): also create and act")
+        sub.add_argument("--workflow", action="append", dest="workflows", metavar="NAME",
+                         help="limit the token to this workflow (repeat for several; default: all)")
+        sub.add_argument("--expires", metavar="DURATION", help='expire after this long, e.g. "30d" (default: never)')
 
         sub = by_id(verb("watch", self.do_watch, "follow an instance until it finishes"))
         sub.add_argument("--run-engine", action="store_true", help="run the engine in this process too")
@@ -256,7 +263,8 @@ class Command(BaseCommand):
             idempotency_key=opts.idempotency_key, actor="cli", version=opts.version,
         )
         data = surfaces.created_json(handle)
-        self.emit(opts, data, f"started {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
+        verb = "started" if data["created"] else "found (its idempotency key was used before)"
+        self.emit(opts, data, f"{verb} {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
 
     def start_many(self, opts: argparse.Namespace, params: Any) -> None:
         """--count N: N instances with the same params, in batches (START_BATCH at most)."""
@@ -325,23 +333,35 @@ class Command(BaseCommand):
         if opts.token_verb == "list":
             rows = [
                 {"name": t.name, "prefix": t.prefix, "user": t.user.get_username() if t.user else None,
-                 "created_at": surfaces.iso(t.created_at), "last_used_at": surfaces.iso(t.last_used_at),
+                 "scope": t.scope, "workflows": t.workflow_names,
+                 "created_at": surfaces.iso(t.created_at), "expires_at": surfaces.iso(t.expires_at),
+                 "last_used_at": surfaces.iso(t.last_used_at), "rotated_at": surfaces.iso(t.rotated_at),
                  "revoked_at": surfaces.iso(t.revoked_at)}
                 for t in ApiToken.objects.select_related("user").order_by("name")
             ]
-            human = table(["name", "prefix", "user", "created", "last used", "revoked"], [
-                [r["name"], r["prefix"] + "…", r["user"] or "(service)", short_time(r["created_at"]),
-                 short_time(r["last_used_at"]), short_time(r["revoked_at"])] for r in rows
+            human = table(["name", "prefix", "user", "scope", "workflows", "created", "expires", "last used",
+                           "revoked"], [
+                [r["name"], r["prefix"] + "…", r["user"] or "(service)", r["scope"], " ".join(r["workflows"]) or "*",
+                 short_time(r["created_at"]), short_time(r["expires_at"]), short_time(r["last_used_at"]),
+                 short_time(r["revoked_at"])] for r in rows
             ])
             self.emit(opts, rows, human)
             return
         if not opts.name:
             raise CommandError(f"wf token {opts.token_verb} needs a token name")
-        if opts.token_verb == "create":
-            token, raw = tokens.issue(opts.name, opts.user)
-            who = f"user {opts.user}" if opts.user else "a full-access service token"
-            self.emit(opts, {"name": token.name, "token": raw, "user": opts.user},
-                      f"{raw}\n(token {token.name!r} for {who}; shown once, only its hash is stored)")
+        if opts.token_verb in ("create", "rotate"):
+            if opts.token_verb == "create":
+                token, raw = tokens.issue(opts.name, opts.user, opts.scope, opts.workflows, opts.expires)
+            else:
+                token = tokens.named(opts.name)
+                raw = tokens.rotate(token)
+            who = f"user {token.user.get_username()}" if token.user else "a service token"
+            limits = f"{token.scope} scope, workflows: {' '.join(token.workflow_names) or 'all'}, expires: " \
+                     f"{short_time(surfaces.iso(token.expires_at)) if token.expires_at else 'never'}"
+            self.emit(opts, {"name": token.name, "token": raw, "user": token.user.get_username() if token.user else None,
+                             "scope": token.scope, "workflows": token.workflow_names,
+                             "expires_at": surfaces.iso(token.expires_at)},
+                      f"{raw}\n(token {token.name!r} for {who}; {limits}; shown once, only its hash is stored)")
         else:
             token = tokens.revoke(opts.name)
             self.emit(opts, {"name": token.name, "revoked_at": surfaces.iso(token.revoked_at)},
