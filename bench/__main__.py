@@ -34,20 +34,46 @@ FULL = {
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
 REQUIRED_KEYS = [
-    "db", "baseline_commit_ms", "per_step_ms", "per_step_ms_untraced", "per_step_ratio", "one_step_per_s",
-    "one_step_per_s_concurrent", "event_latency_p50_ms", "event_latency_p95_ms", "event_latency_worker_p50_ms",
-    "timer_lateness_p50_ms", "timer_lateness_p95_ms", "herd_10k_wake_s", "replay_1000_ratio",
-    "parked_100k_rss_delta_mb", "recovery_500_s", "fleet_1_worker_per_s", "fleet_3_workers_per_s",
+    "db",
+    "baseline_commit_ms",
+    "per_step_ms",
+    "per_step_ms_untraced",
+    "per_step_ratio",
+    "one_step_per_s",
+    "one_step_per_s_concurrent",
+    "event_latency_p50_ms",
+    "event_latency_p95_ms",
+    "event_latency_worker_p50_ms",
+    "timer_lateness_p50_ms",
+    "timer_lateness_p95_ms",
+    "herd_10k_wake_s",
+    "replay_1000_ratio",
+    "parked_100k_rss_delta_mb",
+    "recovery_500_s",
+    "fleet_1_worker_per_s",
+    "fleet_3_workers_per_s",
 ]
 
 # Figures in milliseconds per operation: shown against the baseline commit as well.
 PER_COMMIT_MS = {
-    "per_step_ms", "per_step_ms_untraced", "event_latency_p50_ms", "event_latency_p95_ms",
-    "event_latency_worker_p50_ms", "event_latency_worker_p95_ms", "replay_run_ms", "replay_load_rows_ms",
+    "per_step_ms",
+    "per_step_ms_untraced",
+    "event_latency_p50_ms",
+    "event_latency_p95_ms",
+    "event_latency_worker_p50_ms",
+    "event_latency_worker_p95_ms",
+    "replay_run_ms",
+    "replay_load_rows_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
-PER_SECOND = {"one_step_per_s", "one_step_per_s_concurrent", "fleet_1_worker_per_s", "fleet_3_workers_per_s",
-              "herd_wake_per_s", "create_sequential_per_s"}
+PER_SECOND = {
+    "one_step_per_s",
+    "one_step_per_s_concurrent",
+    "fleet_1_worker_per_s",
+    "fleet_3_workers_per_s",
+    "herd_wake_per_s",
+    "create_sequential_per_s",
+}
 
 
 def scaled(quick: bool) -> dict[str, Any]:
@@ -105,10 +131,29 @@ def vs_baseline(key: str, value: Any, base_ms: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tenth of every size (under a minute on SQLite)")
-    parser.add_argument("--only", default="", help="comma-separated measurements: " + ",".join(
-        ["baseline", "per_step", "throughput", "event", "event_worker", "timers", "herd", "replay",
-         "recovery", "fleet", "parked_memory"]))
+    parser.add_argument(
+        "--quick", action="store_true", help="a tenth of every size (under a minute on SQLite)"
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated measurements: "
+        + ",".join(
+            [
+                "baseline",
+                "per_step",
+                "throughput",
+                "event",
+                "event_worker",
+                "timers",
+                "herd",
+                "replay",
+                "recovery",
+                "fleet",
+                "parked_memory",
+            ]
+        ),
+    )
     args = parser.parse_args(argv)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
@@ -147,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, Any]] = []
     failures: list[str] = []
     started = time.perf_counter()
-    print(f"wfdash bench on {vendor} ({url.split('@')[-1]}), {'quick' if args.quick else 'full'} sizes, "
-          f"python {platform.python_version()}, {os.cpu_count()} cpus, redis={'yes' if os.environ.get('REDIS_URL') else 'no'}",
-          file=sys.stderr)
+    print(
+        f"wfdash bench on {vendor} ({url.split('@')[-1]}), {'quick' if args.quick else 'full'} sizes, "
+        f"python {platform.python_version()}, {os.cpu_count()} cpus, redis={'yes' if os.environ.get('REDIS_URL') else 'no'}",
+        file=sys.stderr,
+    )
     for name, measure in steps:
         if only and name not in only:
             continue

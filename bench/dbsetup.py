@@ -24,8 +24,15 @@ def prepare_database() -> str:
         dbname = parts.path.lstrip("/") or "postgres"
         bench_db = dbname if dbname.endswith("_bench") else f"{dbname}_bench"
         admin_url = urlunsplit(parts._replace(scheme="postgresql"))
-        with psycopg.connect(admin_url if dbname != bench_db else urlunsplit(parts._replace(scheme="postgresql", path="/postgres")), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(bench_db)))
+        with psycopg.connect(
+            admin_url
+            if dbname != bench_db
+            else urlunsplit(parts._replace(scheme="postgresql", path="/postgres")),
+            autocommit=True,
+        ) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(bench_db))
+            )
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(bench_db)))
         url = urlunsplit(parts._replace(path="/" + bench_db))
     os.environ["DATABASE_URL"] = url

@@ -49,7 +49,9 @@ async def _run_until_idle(worker: Worker, timeout: float) -> tuple[int, float]:
 
 def run_until_idle(timeout: float = 600, **worker_kwargs: Any) -> tuple[int, float]:
     """Start a worker, time run_until_idle (start-up excluded); (runs, seconds)."""
-    worker = Worker(worker_id="bench", hooks=worker_kwargs.pop("hooks", None) or EngineHooks(), **worker_kwargs)
+    worker = Worker(
+        worker_id="bench", hooks=worker_kwargs.pop("hooks", None) or EngineHooks(), **worker_kwargs
+    )
     return asyncio.run(_run_until_idle(worker, timeout))
 
 
@@ -66,7 +68,9 @@ class ServingWorker:
 
     def __init__(self, **worker_kwargs: Any) -> None:
         self.hooks = CountingHooks()
-        self.worker = _SignallingWorker(worker_id="bench-serving", hooks=self.hooks, **worker_kwargs)
+        self.worker = _SignallingWorker(
+            worker_id="bench-serving", hooks=self.hooks, **worker_kwargs
+        )
         self.worker.ready = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
@@ -81,7 +85,7 @@ class ServingWorker:
 
         try:
             asyncio.run(serve())
-        except BaseException as exc:  # noqa: BLE001 - reported by __exit__
+        except BaseException as exc:
             self.error = exc
             self.worker.ready.set()
 

@@ -44,7 +44,9 @@ def _create(workflow: str, prefix: str, n: int, params: Any = None, batch: int =
 
 
 def _count(workflow: str, prefix: str, status: str = "complete") -> int:
-    return Instance.objects.filter(workflow=workflow, instance_id__startswith=prefix + "-", status=status).count()
+    return Instance.objects.filter(
+        workflow=workflow, instance_id__startswith=prefix + "-", status=status
+    ).count()
 
 
 def _wait_count(workflow: str, prefix: str, n: int, timeout: float, every: float = 0.05) -> float:
@@ -63,8 +65,15 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def bulk_park(
-    workflow: str, prefix: str, n: int, kind: str, step_name: str, wake_at: Any, params: Any,
-    event_type: str = "", batch: int = 2000,
+    workflow: str,
+    prefix: str,
+    n: int,
+    kind: str,
+    step_name: str,
+    wake_at: Any,
+    params: Any,
+    event_type: str = "",
+    batch: int = 2000,
 ) -> None:
     """Insert n instances already parked on one waiting step (the state a run leaves)."""
     import json
@@ -75,16 +84,32 @@ def bulk_park(
         with transaction.atomic():
             rows = Instance.objects.bulk_create(
                 Instance(
-                    workflow=workflow, instance_id=f"{prefix}-{i}", version=1, status="waiting",
-                    params_json=params_json, created_at=now, updated_at=now, started_at=now, wake_at=wake_at,
-                    run_count=1, history_seq=0, trace_id=uuid.uuid4().hex,
+                    workflow=workflow,
+                    instance_id=f"{prefix}-{i}",
+                    version=1,
+                    status="waiting",
+                    params_json=params_json,
+                    created_at=now,
+                    updated_at=now,
+                    started_at=now,
+                    wake_at=wake_at,
+                    run_count=1,
+                    history_seq=0,
+                    trace_id=uuid.uuid4().hex,
                 )
                 for i in range(start, min(n, start + batch))
             )
             StepRecord.objects.bulk_create(
                 StepRecord(
-                    instance_id=row.pk, name=step_name, kind=kind, seq=1, status=StepStatus.WAITING,
-                    attempts=1, started_at=now, wake_at=wake_at, event_type=event_type,
+                    instance_id=row.pk,
+                    name=step_name,
+                    kind=kind,
+                    seq=1,
+                    status=StepStatus.WAITING,
+                    attempts=1,
+                    started_at=now,
+                    wake_at=wake_at,
+                    event_type=event_type,
                 )
                 for row in rows
             )
@@ -98,7 +123,9 @@ class QueryCounter:
         self.kinds: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
         word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
         with self.lock:
             self.count += 1
@@ -123,7 +150,9 @@ def baseline(batches: int, per_batch: int) -> Figures:
     """Single-row INSERT + COMMIT per transaction, same driver and settings as the engine."""
     per_commit_ms: list[float] = []
     if connection.vendor == "sqlite":
-        conn = sqlite3.connect(settings.DATABASES["default"]["NAME"], isolation_level=None, timeout=30)
+        conn = sqlite3.connect(
+            settings.DATABASES["default"]["NAME"], isolation_level=None, timeout=30
+        )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("CREATE TABLE IF NOT EXISTS bench_baseline (id INTEGER PRIMARY KEY, v TEXT)")
@@ -140,8 +169,12 @@ def baseline(batches: int, per_batch: int) -> Figures:
     else:
         import psycopg
 
-        with psycopg.connect(os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS bench_baseline (id BIGSERIAL PRIMARY KEY, v TEXT)")
+        with psycopg.connect(
+            os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
+        ) as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS bench_baseline (id BIGSERIAL PRIMARY KEY, v TEXT)"
+            )
             conn.commit()
             for _ in range(batches):
                 t0 = time.perf_counter()
@@ -178,7 +211,9 @@ def per_step(instances: int, steps: int = 10) -> Figures:
         with QueryCounter() as counter:
             run_until_idle()
         out["queries_per_step"] = counter.count / (small * steps)
-        out["queries_per_step_by_kind"] = {k: round(v / (small * steps), 2) for k, v in sorted(counter.kinds.items())}
+        out["queries_per_step_by_kind"] = {
+            k: round(v / (small * steps), 2) for k, v in sorted(counter.kinds.items())
+        }
     finally:
         spans.set_enabled(was)
     return out
@@ -210,8 +245,10 @@ def throughput(n: int, threads: int = 4, batch: int = 100) -> Figures:
             try:
                 mine = [i for i in range(n) if (i // batch) % threads == k]
                 for start in range(0, len(mine), batch):
-                    binding.create_batch([{"id": f"{prefix}-{i}"} for i in mine[start:start + batch]])
-            except BaseException as exc:  # noqa: BLE001
+                    binding.create_batch(
+                        [{"id": f"{prefix}-{i}"} for i in mine[start : start + batch]]
+                    )
+            except BaseException as exc:
                 errors.append(exc)
             finally:
                 connections.close_all()
@@ -252,7 +289,10 @@ def event_latency(n: int) -> Figures:
                 raise TimeoutError(f"{iid}: the step after the wait did not run")
             latencies.append((wf.MARKS[iid] - t0) * 1000)
             wf.MARK_WAITERS.pop(iid, None)
-    return {"event_latency_p50_ms": _pct(latencies, 50), "event_latency_p95_ms": _pct(latencies, 95)}
+    return {
+        "event_latency_p50_ms": _pct(latencies, 50),
+        "event_latency_p95_ms": _pct(latencies, 95),
+    }
 
 
 def event_latency_worker(n: int) -> Figures:
@@ -285,7 +325,10 @@ def event_latency_worker(n: int) -> Figures:
                         raise TimeoutError(f"{iid}: no mark from the worker process")
                     time.sleep(0.001)
             latencies.append((row[0] - t0) * 1000)
-    return {"event_latency_worker_p50_ms": _pct(latencies, 50), "event_latency_worker_p95_ms": _pct(latencies, 95)}
+    return {
+        "event_latency_worker_p50_ms": _pct(latencies, 50),
+        "event_latency_worker_p95_ms": _pct(latencies, 95),
+    }
 
 
 # --- 5. timers -------------------------------------------------------------------------
@@ -307,14 +350,25 @@ def timer_lateness(n: int, sleep_ms: int = 100) -> Figures:
             wake_at = StepRecord.objects.get(instance_id=handle.row().pk, name="nap").wake_at
             lateness.append((wf.MARKS[iid + "@wall"] - wake_at.timestamp()) * 1000)
             wf.MARK_WAITERS.pop(iid, None)
-    return {"timer_lateness_p50_ms": _pct(lateness, 50), "timer_lateness_p95_ms": _pct(lateness, 95)}
+    return {
+        "timer_lateness_p50_ms": _pct(lateness, 50),
+        "timer_lateness_p95_ms": _pct(lateness, 95),
+    }
 
 
 def herd(n: int, lead_seconds: float = 3.0) -> Figures:
     """n instances parked on sleep_until the same instant: seconds from it until all complete."""
     prefix = _prefix("herd")
     far = clock.now() + timedelta(days=300)
-    bulk_park("bench-herd", prefix, n, StepKind.SLEEP_UNTIL, "until", far, {"at": int(far.timestamp() * 1000)})
+    bulk_park(
+        "bench-herd",
+        prefix,
+        n,
+        StepKind.SLEEP_UNTIL,
+        "until",
+        far,
+        {"at": int(far.timestamp() * 1000)},
+    )
     at = clock.now() + timedelta(seconds=lead_seconds)
     params = f'{{"at": {int(at.timestamp() * 1000)}}}'
     with transaction.atomic():
@@ -377,7 +431,16 @@ def parked_memory(n: int, settle: float = 3.0) -> Figures:
     empty = _idle_rss(settle)
     far = clock.now() + timedelta(days=300)
     t0 = time.perf_counter()
-    bulk_park("bench-parked", _prefix("parked"), n, StepKind.WAIT_FOR_EVENT, "wait", far, None, event_type="go")
+    bulk_park(
+        "bench-parked",
+        _prefix("parked"),
+        n,
+        StepKind.WAIT_FOR_EVENT,
+        "wait",
+        far,
+        None,
+        event_type="go",
+    )
     insert_s = time.perf_counter() - t0
     full = _idle_rss(settle)
     return {
@@ -398,7 +461,9 @@ def recovery(n: int, kill_fraction: float = 0.3) -> Figures:
     env = {"WFDASH_LEASE_SECONDS": "2", "WFDASH_POLL_SECONDS": "1"}
     _create("bench-slow", prefix, n)
     done_steps = StepRecord.objects.filter(
-        instance__workflow="bench-slow", instance__instance_id__startswith=prefix + "-", status="complete"
+        instance__workflow="bench-slow",
+        instance__instance_id__startswith=prefix + "-",
+        status="complete",
     )
     first = WorkerProcess(**env)
     try:

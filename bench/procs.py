@@ -36,10 +36,16 @@ class WorkerProcess:
             "WFDASH_LOG_LEVEL": "INFO",  # wait_ready() reads the engine's "running" line
             **env,
         }
-        self.log = tempfile.NamedTemporaryFile(mode="w+", prefix="bench-worker-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            mode="w+", prefix="bench-worker-", suffix=".log", delete=False
+        )
         self.process = subprocess.Popen(
-            [sys.executable, "-c", BOOT], cwd=ROOT, env=full_env,
-            stdout=subprocess.DEVNULL, stderr=self.log, text=True,
+            [sys.executable, "-c", BOOT],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            text=True,
         )
 
     @property
@@ -56,7 +62,9 @@ class WorkerProcess:
             if re.search(r"wfdash worker \S+ running", self.output()):
                 return
             if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.output()[-3000:]}")
+                raise RuntimeError(
+                    f"worker exited with {self.process.returncode}:\n{self.output()[-3000:]}"
+                )
             time.sleep(0.05)
         raise RuntimeError(f"worker not ready after {timeout} s:\n{self.output()[-3000:]}")
 

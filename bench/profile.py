@@ -22,7 +22,11 @@ from typing import Any
 def layer(filename: str, function: str) -> str:
     if "sqlite3.Cursor" in function or "sqlite3.Connection" in function or "psycopg" in filename:
         return "driver (SQL execute/commit)"
-    if "opentelemetry" in filename or "workflows_app/tracing.py" in filename or "engine/spans.py" in filename:
+    if (
+        "opentelemetry" in filename
+        or "workflows_app/tracing.py" in filename
+        or "engine/spans.py" in filename
+    ):
         return "spans (OpenTelemetry + storage)"
     if "django/db/models" in filename:
         return "ORM (query build/compile, model rows)"
@@ -99,15 +103,27 @@ def main() -> None:
         engine_worker.ConnectionThreads._call = original
 
     print(f"{n} instances x 10 steps, tracing {'off' if args.untraced else 'on'}")
-    print(f"wall per step (no profiler): {plain_s * 1000 / steps:.2f} ms; process CPU per step {cpu_plain * 1000 / steps:.2f} ms")
+    print(
+        f"wall per step (no profiler): {plain_s * 1000 / steps:.2f} ms; process CPU per step {cpu_plain * 1000 / steps:.2f} ms"
+    )
     print(f"wall per step (profiled run): {prof_s * 1000 / steps:.2f} ms")
-    print(f"SQL statements per step: {counter.count / steps:.2f}  " + " ".join(
-        f"{k}={v / steps:.2f}" for k, v in sorted(counter.kinds.items())))
+    print(
+        f"SQL statements per step: {counter.count / steps:.2f}  "
+        + " ".join(f"{k}={v / steps:.2f}" for k, v in sorted(counter.kinds.items()))
+    )
     total_busy = sum(s for _, s in busy.values())
-    print(f"\ndatabase threads busy per step: {total_busy * 1000 / steps:.2f} ms (profiler inflates this)")
+    print(
+        f"\ndatabase threads busy per step: {total_busy * 1000 / steps:.2f} ms (profiler inflates this)"
+    )
     for name, (calls, secs) in sorted(busy.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:26} calls/step={calls / steps:5.2f}  ms/step={secs * 1000 / steps:6.2f}  ms/call={secs * 1000 / calls:6.2f}")
-    stats = pstats.Stats(*profiles.values()) if len(profiles) > 1 else pstats.Stats(next(iter(profiles.values())))
+        print(
+            f"  {name:26} calls/step={calls / steps:5.2f}  ms/step={secs * 1000 / steps:6.2f}  ms/call={secs * 1000 / calls:6.2f}"
+        )
+    stats = (
+        pstats.Stats(*profiles.values())
+        if len(profiles) > 1
+        else pstats.Stats(next(iter(profiles.values())))
+    )
     layers: dict[str, float] = collections.Counter()
     for (filename, _line, function), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         layers[layer(filename, function)] += tottime

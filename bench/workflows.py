@@ -46,7 +46,9 @@ def mark_in_table() -> str:
     assert ctx is not None
     now = time.time()
     with connection.cursor() as cursor:
-        cursor.execute("INSERT INTO bench_marks (instance_id, t) VALUES (%s, %s)", [ctx.instance_id, now])
+        cursor.execute(
+            "INSERT INTO bench_marks (instance_id, t) VALUES (%s, %s)", [ctx.instance_id, now]
+        )
     return "marked"
 
 
@@ -141,4 +143,3 @@ class SlowSteps(WorkflowEntrypoint):
         for i in range(4):
             await step.do(f"s{i}", slow_step)
         return "done"
-

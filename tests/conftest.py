@@ -26,6 +26,26 @@ def _clean_engine() -> Iterator[None]:
     clock.set_clock(clock.RealClock())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _close_every_connection_before_the_test_database_is_dropped(
+    django_db_setup: None,
+) -> Iterator[None]:
+    """Async tests run sync code in asgiref's one shared thread, also while their event
+    loop closes, and the engine's threads borrow from psycopg's pool: connections they
+    hold or gave back to the pool at the end stop PostgreSQL from dropping the test
+    database ("being accessed by other users"). Runs before that drop."""
+    yield
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    if SyncToAsync.single_thread_executor._threads:
+        SyncToAsync.single_thread_executor.submit(connections.close_all).result(10)
+    connections.close_all()
+    for conn in connections.all():
+        if getattr(conn, "pool", None) is not None:
+            conn.close_pool()
+
+
 @pytest.fixture
 def registered() -> Iterator[list[str]]:
     """Names registered by a test are unregistered after it (the registry is process-wide)."""
@@ -35,7 +55,6 @@ def registered() -> Iterator[list[str]]:
     for definition in registry.all_definitions():
         if definition.name not in before:
             registry.unregister(definition.name)
-
 
 
 @pytest.fixture

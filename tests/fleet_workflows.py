@@ -65,6 +65,7 @@ class FleetPoison(WorkflowEntrypoint):
             if os.environ.get("FLEET_POISON_FIXED") != "1":
                 os._exit(137)  # the process dies mid-step, every time
             return "fixed"
+
         return await step.do("poison", kill_the_process)
 
 
@@ -185,5 +186,9 @@ class RelOutage(WorkflowEntrypoint):
 
     async def run(self, event, step):
         for i in range(5):
-            await step.do(f"step {i}", record_execution, retries={"limit": 10, "delay": "50 ms", "backoff": "constant"})
+            await step.do(
+                f"step {i}",
+                record_execution,
+                retries={"limit": 10, "delay": "50 ms", "backoff": "constant"},
+            )
         return "done"

@@ -14,7 +14,10 @@ def instance_summary() -> str:
 
     rows = Instance.objects.values_list("workflow", "status", "lease_owner")
     counts = Counter((workflow, status, owner or "-") for workflow, status, owner in rows)
-    return "; ".join(f"{w} {s} owner={o}: {n}" for (w, s, o), n in sorted(counts.items())) or "no instances"
+    return (
+        "; ".join(f"{w} {s} owner={o}: {n}" for (w, s, o), n in sorted(counts.items()))
+        or "no instances"
+    )
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):

@@ -21,11 +21,20 @@ def register_flows() -> None:
     @register(APPROVAL)
     class Approval(WorkflowEntrypoint):
         async def run(self, event: Any, step: Any) -> Any:
-            charge = await step.do("charge", lambda: {"amount": (event.payload or {}).get("amount", 1)},
-                                   compensate=COMPENSATIONS.append)
+            charge = await step.do(
+                "charge",
+                lambda: {"amount": (event.payload or {}).get("amount", 1)},
+                compensate=COMPENSATIONS.append,
+            )
             approval = await step.wait_for_event(
-                "approval", type="approval", timeout="1 day",
-                schema={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+                "approval",
+                type="approval",
+                timeout="1 day",
+                schema={
+                    "type": "object",
+                    "properties": {"ok": {"type": "boolean"}},
+                    "required": ["ok"],
+                },
             )
             await step.sleep("cool-off", "1 hour")
             return {"charged": charge["amount"], "ok": approval.payload["ok"]}
@@ -54,9 +63,22 @@ def waiting_approval(instance_id: str = "order-1", amount: int = 5) -> InstanceH
 def snapshot() -> dict[str, Any]:
     """Every row a surface could change, to prove a refused call changed nothing."""
     return {
-        "instances": list(Instance.objects.order_by("id").values(
-            "workflow", "instance_id", "status", "output_json", "error_name", "wake_at", "updated_at")),
-        "steps": list(StepRecord.objects.order_by("id").values("instance_id", "name", "status", "attempts")),
-        "events": list(InboxEvent.objects.order_by("id").values("instance_id", "type", "payload_json")),
+        "instances": list(
+            Instance.objects.order_by("id").values(
+                "workflow",
+                "instance_id",
+                "status",
+                "output_json",
+                "error_name",
+                "wake_at",
+                "updated_at",
+            )
+        ),
+        "steps": list(
+            StepRecord.objects.order_by("id").values("instance_id", "name", "status", "attempts")
+        ),
+        "events": list(
+            InboxEvent.objects.order_by("id").values("instance_id", "type", "payload_json")
+        ),
         "history": HistoryRecord.objects.count(),
     }

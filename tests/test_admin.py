@@ -294,24 +294,39 @@ def shown_secret(response: Any) -> str:
     """The secret on the show-once page; it must appear nowhere else."""
     assert response.status_code == 200
     assert "no-store" in response["Cache-Control"]
-    return re.search(r'<code id="token-secret"[^>]*>(wf_[^<]+)</code>', response.content.decode()).group(1)
+    return re.search(
+        r'<code id="token-secret"[^>]*>(wf_[^<]+)</code>', response.content.decode()
+    ).group(1)
 
 
 def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_client):
     ops = User.objects.create_user("ops")
-    response = admin_client.post(reverse("admin:workflows_app_apitoken_add"), {
-        "name": "deploy", "user": ops.pk, "scope": "read", "workflows": APPROVAL, "expires": "30 days"})
+    response = admin_client.post(
+        reverse("admin:workflows_app_apitoken_add"),
+        {
+            "name": "deploy",
+            "user": ops.pk,
+            "scope": "read",
+            "workflows": APPROVAL,
+            "expires": "30 days",
+        },
+    )
     secret = shown_secret(response)
     token = ApiToken.objects.get(name="deploy")
     assert token.token_hash == hashlib.sha256(secret.encode()).hexdigest()
     assert token.user == ops and secret.startswith(token.prefix)
-    assert (token.scope, token.workflow_names) == ("read", [APPROVAL]) and token.expires_at is not None
+    assert (token.scope, token.workflow_names) == (
+        "read",
+        [APPROVAL],
+    ) and token.expires_at is not None
     page = admin_client.get(change(token)).content.decode()
     assert secret not in page and token.token_hash in page
 
 
 def test_the_token_secret_never_travels_in_a_cookie_or_a_message(admin_client):
-    response = admin_client.post(reverse("admin:workflows_app_apitoken_add"), {"name": "svc", "scope": "write"})
+    response = admin_client.post(
+        reverse("admin:workflows_app_apitoken_add"), {"name": "svc", "scope": "write"}
+    )
     secret = shown_secret(response)
     assert all(secret not in morsel.value for morsel in response.cookies.values())
     assert all(secret not in morsel.value for morsel in admin_client.cookies.values())
@@ -328,15 +343,28 @@ def test_a_staff_user_may_not_mint_a_token_carrying_more_than_they_hold():
     clerk = minting_client("clerk", "view_instance")
     root = User.objects.create_superuser("root", password="pw")
     operator = User.objects.create_user("operator")
-    operator.user_permissions.add(*Permission.objects.filter(codename__in=["view_instance", "change_instance"]))
+    operator.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_instance", "change_instance"])
+    )
     for data, reason in (
         ({"name": "svc"}, "only a superuser may create a service token"),
-        ({"name": "as-root", "user": root.pk}, "only a superuser may create a token for the superuser 'root'"),
-        ({"name": "as-op", "user": operator.pk}, "permissions you do not hold: workflows_app.change_instance"),
+        (
+            {"name": "as-root", "user": root.pk},
+            "only a superuser may create a token for the superuser 'root'",
+        ),
+        (
+            {"name": "as-op", "user": operator.pk},
+            "permissions you do not hold: workflows_app.change_instance",
+        ),
     ):
         before = snapshot()
-        response = clerk.post(reverse("admin:workflows_app_apitoken_add"), {"scope": "write", **data})
-        assert response.status_code == 200 and reason in html.unescape(response.content.decode()).lower(), data
+        response = clerk.post(
+            reverse("admin:workflows_app_apitoken_add"), {"scope": "write", **data}
+        )
+        assert (
+            response.status_code == 200
+            and reason in html.unescape(response.content.decode()).lower()
+        ), data
         assert not ApiToken.objects.exists() and snapshot() == before
 
 
@@ -345,14 +373,18 @@ def test_a_staff_user_may_mint_a_token_for_themselves_or_a_weaker_user():
     reader = User.objects.create_user("reader")
     reader.user_permissions.add(Permission.objects.get(codename="view_instance"))
     for name, user in (("mine", User.objects.get(username="clerk")), ("theirs", reader)):
-        response = clerk.post(reverse("admin:workflows_app_apitoken_add"),
-                              {"name": name, "user": user.pk, "scope": "read"})
+        response = clerk.post(
+            reverse("admin:workflows_app_apitoken_add"),
+            {"name": name, "user": user.pk, "scope": "read"},
+        )
         assert tokens.authenticate(shown_secret(response)).user == user
 
 
 def test_rotating_a_token_in_the_admin_shows_the_new_secret_once(admin_client):
     token, old = tokens.issue("ci", scope="read")
-    response = admin_client.post(changelist(ApiToken), {"action": "rotate_token", "_selected_action": [token.pk]})
+    response = admin_client.post(
+        changelist(ApiToken), {"action": "rotate_token", "_selected_action": [token.pk]}
+    )
     new = shown_secret(response)
     assert tokens.authenticate(old) is None and tokens.authenticate(new).name == "ci"
 
@@ -360,8 +392,11 @@ def test_rotating_a_token_in_the_admin_shows_the_new_secret_once(admin_client):
 def test_a_staff_user_may_not_rotate_a_service_token():
     token, old = tokens.issue("svc")
     clerk = minting_client("clerk", "change_apitoken")
-    response = clerk.post(changelist(ApiToken), {"action": "rotate_token", "_selected_action": [token.pk]},
-                          follow=True)
+    response = clerk.post(
+        changelist(ApiToken),
+        {"action": "rotate_token", "_selected_action": [token.pk]},
+        follow=True,
+    )
     assert any("only a superuser" in str(m) for m in response.context["messages"])
     assert tokens.authenticate(old).name == "svc"
 

@@ -45,10 +45,13 @@ def check_against_openapi(method: str, path: str, response: Any) -> None:
     if operation is None:  # a method the path does not take: refused before anything else
         assert response.status_code in (401, 405)
         described = DOC["components"]["responses"][
-            "Unauthorized" if response.status_code == 401 else "MethodNotAllowed"]
+            "Unauthorized" if response.status_code == 401 else "MethodNotAllowed"
+        ]
     else:
         described = operation["responses"].get(str(response.status_code))
-        assert described is not None, f"{method} {template} does not document status {response.status_code}"
+        assert described is not None, (
+            f"{method} {template} does not document status {response.status_code}"
+        )
         if "$ref" in described:
             described = DOC["components"]["responses"][described["$ref"].rsplit("/", 1)[1]]
     assert response["Content-Type"] == "application/json"
@@ -63,13 +66,22 @@ class Api:
         self.client = client
         self.secret = secret
 
-    def call(self, method: str, path: str, body: Any = UNSET, raw: bytes | None = None,
-             secret: Any = UNSET, **headers: str) -> Any:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = UNSET,
+        raw: bytes | None = None,
+        secret: Any = UNSET,
+        **headers: str,
+    ) -> Any:
         secret = self.secret if secret is UNSET else secret
         if secret:
             headers.setdefault("Authorization", f"Bearer {secret}")
         data = raw if raw is not None else b"" if body is UNSET else json.dumps(body).encode()
-        response = self.client.generic(method, path, data, content_type="application/json", headers=headers)
+        response = self.client.generic(
+            method, path, data, content_type="application/json", headers=headers
+        )
         check_against_openapi(method, path, response)
         return response
 
@@ -106,11 +118,14 @@ def service() -> Api:
     return Api(Client(enforce_csrf_checks=True), secret)
 
 
-def user_api(name: str, can_change: bool, active: bool = True, can_view: bool = True, **token: Any) -> Api:
+def user_api(
+    name: str, can_change: bool, active: bool = True, can_view: bool = True, **token: Any
+) -> Api:
     user = User.objects.create_user(name, is_active=active)
     codenames = ["view_instance"] * can_view + ["change_instance"] * can_change
-    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames,
-                                                         content_type__app_label="workflows_app"))
+    user.user_permissions.add(
+        *Permission.objects.filter(codename__in=codenames, content_type__app_label="workflows_app")
+    )
     _, secret = tokens.issue(f"{name}-token", name, **token)
     return Api(Client(), secret)
 
@@ -173,10 +188,15 @@ def test_a_token_whose_user_may_view_but_not_change_may_read_but_not_write():
     waiting_approval("o-1")
     reader = user_api("reader", can_change=False)
     assert reader.get(base(APPROVAL, "o-1")).status_code == 200
-    status, code, message = refused(lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"}))
+    status, code, message = refused(
+        lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"})
+    )
     assert (status, code) == (403, "Forbidden") and "workflows_app.change_instance" in message
     assert refused(lambda: reader.post(base(), {"id": "new"}))[0] == 403
-    assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True}))[0] == 403
+    assert (
+        refused(lambda: reader.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True}))[0]
+        == 403
+    )
     assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/cancel"))[0] == 403
     assert refused(lambda: reader.post(base(APPROVAL, "o-1") + "/skip-sleep"))[0] == 403
 
@@ -207,8 +227,16 @@ def test_a_used_token_records_when_it_was_last_used(service):
 def test_create_starts_an_instance_and_answers_201(service):
     response = service.post(base(), {"id": "o-1", "params": {"amount": 3}})
     assert response.status_code == 201
-    assert response.json() == {"success": True, "result": {
-        "id": "o-1", "workflow": APPROVAL, "version": 1, "status": "running", "created": True}}
+    assert response.json() == {
+        "success": True,
+        "result": {
+            "id": "o-1",
+            "workflow": APPROVAL,
+            "version": 1,
+            "status": "running",
+            "created": True,
+        },
+    }
     handle = get_workflow(APPROVAL).get("o-1")
     assert handle.row().params == {"amount": 3} and handle.row().created_by == "service"
 
@@ -224,21 +252,30 @@ def test_create_accepts_instance_id_an_empty_body_and_an_idempotency_key(service
     assert Instance.objects.filter(workflow=SIMPLE).count() == 1
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    (b"{not json", "request body is not valid JSON"),
-    (b'{"params": NaN}', "NaN is not valid JSON"),
-    (b"\xff\xfe{}", "request body is not UTF-8"),
-    (b"[1, 2]", "request body must be a JSON object, got an array"),
-    (b'{"id": 5}', "instance id must be a non-empty string, got 5"),
-    (b'{"id": ""}', "instance id must be a non-empty string, got ''"),
-    (b'{"id": "a", "instance_id": "b"}', "not two different ids"),
-    (b'{"id": "has space"}', "invalid instance id 'has space'"),
-    (b'{"idempotency_key": 7}', "idempotency_key must be a string"),
-    (b'{"colour": "red"}', "unknown field(s) ['colour']"),
-    (b'{"retention": 1e20}', "1e+20: longer than the longest duration wfdash stores, 1000 years"),
-    (b'{"retention": 9e18}', "9e+18: longer than the longest duration wfdash stores, 1000 years"),
-    (b'{"retention": "8000 years"}', "'8000 years': longer than the longest duration"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "request body is not valid JSON"),
+        (b'{"params": NaN}', "NaN is not valid JSON"),
+        (b"\xff\xfe{}", "request body is not UTF-8"),
+        (b"[1, 2]", "request body must be a JSON object, got an array"),
+        (b'{"id": 5}', "instance id must be a non-empty string, got 5"),
+        (b'{"id": ""}', "instance id must be a non-empty string, got ''"),
+        (b'{"id": "a", "instance_id": "b"}', "not two different ids"),
+        (b'{"id": "has space"}', "invalid instance id 'has space'"),
+        (b'{"idempotency_key": 7}', "idempotency_key must be a string"),
+        (b'{"colour": "red"}', "unknown field(s) ['colour']"),
+        (
+            b'{"retention": 1e20}',
+            "1e+20: longer than the longest duration wfdash stores, 1000 years",
+        ),
+        (
+            b'{"retention": 9e18}',
+            "9e+18: longer than the longest duration wfdash stores, 1000 years",
+        ),
+        (b'{"retention": "8000 years"}', "'8000 years': longer than the longest duration"),
+    ],
+)
 def test_create_refuses_bad_input_with_400_naming_the_problem(service, raw, message):
     status, _, text = refused(lambda: service.post(base(), raw=raw))
     assert status == 400 and message in text
@@ -252,11 +289,17 @@ def test_create_refuses_an_id_that_exists_with_409(service):
 
 def test_create_in_an_unknown_workflow_is_404(service):
     status, code, message = refused(lambda: service.post(base("nope"), {}))
-    assert (status, code, message) == (404, "UnknownWorkflow", "no workflow named 'nope' is registered")
+    assert (status, code, message) == (
+        404,
+        "UnknownWorkflow",
+        "no workflow named 'nope' is registered",
+    )
 
 
 def test_batch_creates_every_instance(service):
-    response = service.post(base(SIMPLE) + "/batch", [{"id": "b1", "params": 1}, {"instance_id": "b2"}])
+    response = service.post(
+        base(SIMPLE) + "/batch", [{"id": "b1", "params": 1}, {"instance_id": "b2"}]
+    )
     assert response.status_code == 201
     assert [r["id"] for r in response.json()["result"]] == ["b1", "b2"]
 
@@ -269,11 +312,16 @@ def test_an_empty_batch_answers_200_with_an_empty_list(service):
 
 def test_batch_creates_none_when_one_is_refused(service):
     service.post(base(SIMPLE), {"id": "taken"})
-    status, code, _ = refused(lambda: service.post(base(SIMPLE) + "/batch", [{"id": "fresh"}, {"id": "taken"}]))
+    status, code, _ = refused(
+        lambda: service.post(base(SIMPLE) + "/batch", [{"id": "fresh"}, {"id": "taken"}])
+    )
     assert (status, code) == (409, "InstanceAlreadyExists")
     assert refused(lambda: service.post(base(SIMPLE) + "/batch", {"id": "x"}))[2] == (
-        "request body must be a JSON array of instances, got an object")
-    status, code, message = refused(lambda: service.post(base(SIMPLE) + "/batch", [{"id": f"i{n}"} for n in range(101)]))
+        "request body must be a JSON array of instances, got an object"
+    )
+    status, code, message = refused(
+        lambda: service.post(base(SIMPLE) + "/batch", [{"id": f"i{n}"} for n in range(101)])
+    )
     assert (status, code) == (400, "LimitExceeded") and "max_batch_size is 100" in message
 
 
@@ -288,17 +336,22 @@ def test_list_filters_by_status_and_pages_with_a_cursor(service):
     page = service.get(base(SIMPLE) + "?status=complete&limit=2").json()
     assert [i["id"] for i in page["result"]] == ["s2", "s1"]
     assert page["result_info"]["per_page"] == 2
-    rest = service.get(base(SIMPLE) + f"?status=complete&limit=2&cursor={page['result_info']['cursor']}").json()
+    rest = service.get(
+        base(SIMPLE) + f"?status=complete&limit=2&cursor={page['result_info']['cursor']}"
+    ).json()
     assert [i["id"] for i in rest["result"]] == ["s0"] and rest["result_info"]["cursor"] is None
 
 
-@pytest.mark.parametrize(("query", "message"), [
-    ("limit=ten", "limit must be an integer"),
-    ("limit=0", "limit must be an integer from 1 to 1000, got 0"),
-    ("status=sleepy", "unknown status 'sleepy'"),
-    ("cursor=%3F%3F", "invalid cursor"),
-    ("sort=asc", "unknown query parameter(s) ['sort']"),
-])
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("limit=ten", "limit must be an integer"),
+        ("limit=0", "limit must be an integer from 1 to 1000, got 0"),
+        ("status=sleepy", "unknown status 'sleepy'"),
+        ("cursor=%3F%3F", "invalid cursor"),
+        ("sort=asc", "unknown query parameter(s) ['sort']"),
+    ],
+)
 def test_list_refuses_bad_query_parameters(service, query, message):
     status, _, text = error_of(service.get(base(SIMPLE) + "?" + query))
     assert status == 400 and message in text
@@ -309,7 +362,11 @@ def test_get_shows_status_params_output_and_steps(service):
     testing.run_until_idle()
     result = service.get(base(SIMPLE, "s")).json()["result"]
     assert (result["status"], result["params"], result["output"], result["error"]) == (
-        "complete", {"x": 1}, {"sum": 3}, None)
+        "complete",
+        {"x": 1},
+        {"sum": 3},
+        None,
+    )
     assert [(s["name"], s["output"]) for s in result["steps"]] == [("one", 1), ("two", 2)]
 
 
@@ -343,10 +400,18 @@ def test_status_pauses_resumes_restarts_and_terminates(service):
     waiting_approval("o-1")
     path = base(APPROVAL, "o-1") + "/status"
     assert service.patch(path, {"status": "pause"}).json()["result"] == {
-        "id": "o-1", "workflow": APPROVAL, "status": "paused"}
+        "id": "o-1",
+        "workflow": APPROVAL,
+        "status": "paused",
+    }
     assert service.patch(path, {"status": "resume"}).json()["result"]["status"] == "running"
     testing.run_until_idle()
-    assert service.patch(path, {"status": "restart", "from_step": "approval"}).json()["result"]["status"] == "running"
+    assert (
+        service.patch(path, {"status": "restart", "from_step": "approval"}).json()["result"][
+            "status"
+        ]
+        == "running"
+    )
     assert [s.name for s in get_workflow(APPROVAL).get("o-1").steps()] == ["charge"]
     assert service.patch(path, {"status": "terminate"}).json()["result"]["status"] == "terminated"
 
@@ -357,17 +422,26 @@ def test_status_refuses_actions_that_do_not_apply_with_409(service):
     status, code, message = refused(lambda: service.patch(path, {"status": "resume"}))
     assert (status, code) == (409, "InvalidTransition") and "not paused" in message
     service.patch(path, {"status": "terminate"})
-    assert refused(lambda: service.patch(path, {"status": "terminate"}))[:2] == (409, "InvalidTransition")
+    assert refused(lambda: service.patch(path, {"status": "terminate"}))[:2] == (
+        409,
+        "InvalidTransition",
+    )
     assert refused(lambda: service.patch(path, {"status": "pause"}))[0] == 409
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"status": "explode"}, "status must be one of pause, resume, terminate, restart; got 'explode'"),
-    ({}, "got None"),
-    ({"status": "pause", "from_step": "charge"}, "only with restart"),
-    ({"status": "restart", "from_step": 3}, "from_step must be a step name"),
-    ({"status": "restart", "from_step": "nope"}, "has no step named 'nope'"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            {"status": "explode"},
+            "status must be one of pause, resume, terminate, restart; got 'explode'",
+        ),
+        ({}, "got None"),
+        ({"status": "pause", "from_step": "charge"}, "only with restart"),
+        ({"status": "restart", "from_step": 3}, "from_step must be a step name"),
+        ({"status": "restart", "from_step": "nope"}, "has no step named 'nope'"),
+    ],
+)
 def test_status_refuses_bad_bodies_with_400(service, body, message):
     waiting_approval("o-1")
     status, _, text = refused(lambda: service.patch(base(APPROVAL, "o-1") + "/status", body))
@@ -389,28 +463,46 @@ def test_an_event_is_refused_for_a_bad_type_payload_or_instance_and_nothing_is_s
     status, code, _ = refused(lambda: service.post(path + "-dash-first", {"ok": True}))
     assert (status, code) == (400, "InvalidEventType")
     status, code, message = refused(lambda: service.post(path + "approval", {"ok": "yes"}))
-    assert (status, code) == (400, "EventPayloadInvalid") and "'yes' is not of type 'boolean'" in message
-    assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/events/approval", {"ok": True}))[0] == 404
+    assert (status, code) == (
+        400,
+        "EventPayloadInvalid",
+    ) and "'yes' is not of type 'boolean'" in message
+    assert (
+        refused(lambda: service.post(base(APPROVAL, "o-2") + "/events/approval", {"ok": True}))[0]
+        == 404
+    )
     service.patch(base(APPROVAL, "o-1") + "/status", {"status": "terminate"})
-    assert refused(lambda: service.post(path + "approval", {"ok": True}))[:2] == (409, "InvalidTransition")
+    assert refused(lambda: service.post(path + "approval", {"ok": True}))[:2] == (
+        409,
+        "InvalidTransition",
+    )
 
 
 def test_cancel_compensates_by_default_and_not_when_told(service):
     waiting_approval("o-1", amount=4)
-    assert service.post(base(APPROVAL, "o-1") + "/cancel").json()["result"]["status"] == "compensating"
+    assert (
+        service.post(base(APPROVAL, "o-1") + "/cancel").json()["result"]["status"] == "compensating"
+    )
     testing.run_until_idle()
     assert COMPENSATIONS == [{"amount": 4}]
     waiting_approval("o-2")
-    assert service.post(base(APPROVAL, "o-2") + "/cancel", {"compensate": False}).json()["result"]["status"] == (
-        "terminated")
+    assert service.post(base(APPROVAL, "o-2") + "/cancel", {"compensate": False}).json()["result"][
+        "status"
+    ] == ("terminated")
     assert COMPENSATIONS == [{"amount": 4}]
-    assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/cancel"))[:2] == (409, "InvalidTransition")
+    assert refused(lambda: service.post(base(APPROVAL, "o-2") + "/cancel"))[:2] == (
+        409,
+        "InvalidTransition",
+    )
 
 
 def test_skip_sleep_ends_the_current_sleep_and_is_refused_when_nothing_sleeps(service):
     handle = waiting_approval("o-1", amount=3)
     path = base(APPROVAL, "o-1") + "/skip-sleep"
-    assert refused(lambda: service.post(path))[:2] == (409, "InvalidTransition")  # waits for an event
+    assert refused(lambda: service.post(path))[:2] == (
+        409,
+        "InvalidTransition",
+    )  # waits for an event
     service.post(base(APPROVAL, "o-1") + "/events/approval", {"ok": True})
     testing.run_until_idle()
     assert handle.status().status == "waiting"  # now in its 1-hour cool-off
@@ -418,7 +510,10 @@ def test_skip_sleep_ends_the_current_sleep_and_is_refused_when_nothing_sleeps(se
     result = service.post(path).json()["result"]
     assert result == {"id": "o-1", "workflow": APPROVAL, "status": "waiting", "skipped": 1}
     testing.run_until_idle()
-    assert handle.status().status == "complete" and handle.status().output == {"charged": 3, "ok": True}
+    assert handle.status().status == "complete" and handle.status().output == {
+        "charged": 3,
+        "ok": True,
+    }
     skipped = HistoryRecord.objects.get(instance__instance_id="o-1", type="sleep.skipped")
     assert skipped.actor == "service"
     assert refused(lambda: service.post(base(APPROVAL, "nobody") + "/skip-sleep"))[0] == 404
@@ -426,7 +521,9 @@ def test_skip_sleep_ends_the_current_sleep_and_is_refused_when_nothing_sleeps(se
 
 def test_cancel_refuses_a_non_boolean_compensate(service):
     waiting_approval("o-1")
-    status, _, message = refused(lambda: service.post(base(APPROVAL, "o-1") + "/cancel", {"compensate": "no"}))
+    status, _, message = refused(
+        lambda: service.post(base(APPROVAL, "o-1") + "/cancel", {"compensate": "no"})
+    )
     assert status == 400 and message == "compensate must be true or false, got a string"
 
 
@@ -437,7 +534,9 @@ def test_an_oversized_body_is_refused_with_413_and_changes_nothing(service, sett
     settings.WFDASH = {**settings.WFDASH, "API_MAX_BODY_BYTES": 64}
     waiting_approval("o-1")
     big = {"ok": True, "padding": "x" * 100}
-    status, code, message = refused(lambda: service.post(base(APPROVAL, "o-1") + "/events/approval", big))
+    status, code, message = refused(
+        lambda: service.post(base(APPROVAL, "o-1") + "/events/approval", big)
+    )
     assert (status, code) == (413, "PayloadTooLarge") and "64 bytes" in message
     assert refused(lambda: service.post(base(), {"params": "x" * 100}))[0] == 413
 
@@ -446,8 +545,13 @@ def test_a_body_larger_than_the_limit_is_refused_even_without_content_length(ser
     """A chunked upload has no Content-Length: the body actually read is what counts."""
     settings.WFDASH = {**settings.WFDASH, "API_MAX_BODY_BYTES": 64}
     body = json.dumps({"params": "x" * 100}).encode()
-    scope = {"type": "http", "method": "POST", "path": base(), "query_string": b"",
-             "headers": [(b"authorization", f"Bearer {service.secret}".encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": base(),
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {service.secret}".encode())],
+    }
     response = api.instances(ASGIRequest(scope, io.BytesIO(body)), name=APPROVAL)
     assert error_of(response)[:2] == (413, "PayloadTooLarge")
     assert not Instance.objects.exists()
@@ -476,7 +580,12 @@ def test_posts_need_no_csrf_token(service):
 def test_a_token_whose_user_lacks_the_view_permission_reads_nothing():
     waiting_approval("o-1")
     blind = user_api("blind", can_change=False, can_view=False)
-    for path in ("/api/workflows", base(APPROVAL), base(APPROVAL, "o-1"), base(APPROVAL, "o-1") + "/history"):
+    for path in (
+        "/api/workflows",
+        base(APPROVAL),
+        base(APPROVAL, "o-1"),
+        base(APPROVAL, "o-1") + "/history",
+    ):
         status, code, message = error_of(blind.get(path))
         assert (status, code) == (403, "Forbidden"), path
         assert "lacks the workflows_app.view_instance permission" in message
@@ -486,7 +595,9 @@ def test_a_read_scoped_token_reads_but_may_not_write_even_for_a_user_who_may():
     waiting_approval("o-1")
     reader = user_api("ops", can_change=True, scope="read")
     assert reader.get(base(APPROVAL, "o-1")).status_code == 200
-    status, _, message = refused(lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"}))
+    status, _, message = refused(
+        lambda: reader.patch(base(APPROVAL, "o-1") + "/status", {"status": "pause"})
+    )
     assert status == 403 and "read scope" in message
     assert refused(lambda: reader.post(base(), {"id": "new"}))[0] == 403
 
@@ -550,7 +661,10 @@ def test_an_unknown_api_path_is_a_json_404_naming_it():
     for path in ("/api/no-such-route", "/api/workflows/x/instances/y/z/w", "/api/"):
         response = Client().get(path)
         assert response.status_code == 404 and response["Content-Type"] == "application/json", path
-        assert response.json()["errors"][0]["code"] == "NotFound" and path in response.json()["errors"][0]["message"]
+        assert (
+            response.json()["errors"][0]["code"] == "NotFound"
+            and path in response.json()["errors"][0]["message"]
+        )
 
 
 def test_list_workflows_shows_each_workflow_with_its_versions_and_counts(service):
@@ -560,7 +674,12 @@ def test_list_workflows_shows_each_workflow_with_its_versions_and_counts(service
     testing.run_until_idle()
     workflows = {w["name"]: w for w in service.get("/api/workflows").json()["result"]}
     assert set(workflows) >= {APPROVAL, SIMPLE, OTHER}
-    assert workflows[APPROVAL] == {"name": APPROVAL, "versions": [1], "counts": {"waiting": 2}, "total": 2}
+    assert workflows[APPROVAL] == {
+        "name": APPROVAL,
+        "versions": [1],
+        "counts": {"waiting": 2},
+        "total": 2,
+    }
     assert workflows[SIMPLE]["counts"] == {"complete": 1}
     assert error_of(service.get("/api/workflows?status=x"))[:2] == (400, "InvalidInput")
 

@@ -12,21 +12,49 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = [
-    "db", "baseline_commit_ms", "per_step_ms", "per_step_ms_untraced", "per_step_ratio", "one_step_per_s",
-    "one_step_per_s_concurrent", "event_latency_p50_ms", "event_latency_p95_ms", "event_latency_worker_p50_ms",
-    "timer_lateness_p50_ms", "timer_lateness_p95_ms", "herd_10k_wake_s", "replay_1000_ratio",
-    "parked_100k_rss_delta_mb", "recovery_500_s", "fleet_1_worker_per_s", "fleet_3_workers_per_s",
+    "db",
+    "baseline_commit_ms",
+    "per_step_ms",
+    "per_step_ms_untraced",
+    "per_step_ratio",
+    "one_step_per_s",
+    "one_step_per_s_concurrent",
+    "event_latency_p50_ms",
+    "event_latency_p95_ms",
+    "event_latency_worker_p50_ms",
+    "timer_lateness_p50_ms",
+    "timer_lateness_p95_ms",
+    "herd_10k_wake_s",
+    "replay_1000_ratio",
+    "parked_100k_rss_delta_mb",
+    "recovery_500_s",
+    "fleet_1_worker_per_s",
+    "fleet_3_workers_per_s",
 ]
-MEASURED = ["baseline_commit_ms", "per_step_ms", "per_step_ms_untraced", "per_step_ratio", "replay_1000_ratio"]
+MEASURED = [
+    "baseline_commit_ms",
+    "per_step_ms",
+    "per_step_ms_untraced",
+    "per_step_ratio",
+    "replay_1000_ratio",
+]
 
 
 @pytest.mark.timeout(600)
 def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'bench.sqlite3'}", "DJANGO_SETTINGS_MODULE": "wfdash.settings"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'bench.sqlite3'}",
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+    }
     env.pop("REDIS_URL", None)
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--only", "baseline,per_step,replay"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.strip().splitlines()
@@ -34,7 +62,10 @@ def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
     assert isinstance(figures, dict)
     for key in KEYS:
         assert key in figures, key
-        assert figures[key] is None or isinstance(figures[key], (int, float, str)), (key, figures[key])
+        assert figures[key] is None or isinstance(figures[key], (int, float, str)), (
+            key,
+            figures[key],
+        )
     assert figures["db"] == "sqlite"
     for key in MEASURED:
         assert isinstance(figures[key], (int, float)) and figures[key] > 0, (key, figures[key])

@@ -36,12 +36,15 @@ class Gate:
             self.started.set()
             assert self.release.wait(10), "the test never opened the gate"
             return result
+
         return body
 
 
 def run_engine_in_background():
     box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("runs", testing.run_until_idle(timeout=20)))
+    thread = threading.Thread(
+        target=lambda: box.setdefault("runs", testing.run_until_idle(timeout=20))
+    )
     thread.start()
     return thread, box
 
@@ -210,17 +213,37 @@ def test_max_concurrent_instances_queues_the_surplus_and_starts_it_in_creation_o
 
     wf = get_workflow("limited")
     insts = [wf.create(id=f"i{n}") for n in range(5)]
-    assert [i.status().status for i in insts] == ["running", "running", "queued", "queued", "queued"]
+    assert [i.status().status for i in insts] == [
+        "running",
+        "running",
+        "queued",
+        "queued",
+        "queued",
+    ]
     testing.run_until_idle()
-    assert [i.status().status for i in insts] == ["waiting", "waiting", "queued", "queued", "queued"]
+    assert [i.status().status for i in insts] == [
+        "waiting",
+        "waiting",
+        "queued",
+        "queued",
+        "queued",
+    ]
     insts[3].send_event("go")  # buffered: it neither starts a queued instance nor jumps the queue
     assert insts[3].status().status == "queued"
     insts[0].send_event("go")
     testing.run_until_idle()
-    assert [i.status().status for i in insts] == ["complete", "waiting", "waiting", "queued", "queued"]
+    assert [i.status().status for i in insts] == [
+        "complete",
+        "waiting",
+        "waiting",
+        "queued",
+        "queued",
+    ]
     insts[1].terminate()  # terminate frees a place too
     testing.run_until_idle()
-    assert [i.status().status for i in insts][3] == "complete"  # its buffered event was waiting for it
+    assert [i.status().status for i in insts][
+        3
+    ] == "complete"  # its buffered event was waiting for it
     assert insts[4].status().status == "waiting"
 
 

@@ -28,6 +28,7 @@ def counted(name, value=None):
     def fn():
         calls[name] += 1
         return value if value is not None else name
+
     return fn
 
 
@@ -45,11 +46,35 @@ def test_a_crash_between_steps_resumes_at_the_next_step_without_rerunning_earlie
     # then expires, by mocking step three to kill the run (a BaseException the engine
     # does not handle, like a process dying).
     with testing.fake_clock() as clock:
-        Instance.objects.filter(instance_id=inst.id).update(lease_token="dead", lease_owner="crashed", lease_expires_at=clock.now() + timedelta(seconds=30))
-        StepRecord.objects.bulk_create([
-            StepRecord(instance=inst.row(), name="one", kind="do", seq=1, status="complete", output_json="1", attempts=1, started_at=clock.now()),
-            StepRecord(instance=inst.row(), name="two", kind="do", seq=2, status="complete", output_json="2", attempts=1, started_at=clock.now()),
-        ])
+        Instance.objects.filter(instance_id=inst.id).update(
+            lease_token="dead",
+            lease_owner="crashed",
+            lease_expires_at=clock.now() + timedelta(seconds=30),
+        )
+        StepRecord.objects.bulk_create(
+            [
+                StepRecord(
+                    instance=inst.row(),
+                    name="one",
+                    kind="do",
+                    seq=1,
+                    status="complete",
+                    output_json="1",
+                    attempts=1,
+                    started_at=clock.now(),
+                ),
+                StepRecord(
+                    instance=inst.row(),
+                    name="two",
+                    kind="do",
+                    seq=2,
+                    status="complete",
+                    output_json="2",
+                    attempts=1,
+                    started_at=clock.now(),
+                ),
+            ]
+        )
         assert testing.run_until_idle() == 0  # the lease is still live: nobody may take it
         clock.advance("31 seconds")  # the crashed worker's lease expires
         assert testing.run_until_idle() == 1
@@ -78,14 +103,16 @@ def test_replay_returns_checkpoints_and_runs_each_callable_once(registered):
     assert calls == {"a": 1, "b": 1, "none": 1}
 
 
-def test_a_run_loads_checkpoints_in_a_constant_number_of_queries(registered, django_assert_max_num_queries):
+def test_a_run_loads_checkpoints_in_a_constant_number_of_queries(
+    registered, django_assert_max_num_queries
+):
     from workflows_app.engine import store
 
     @register("many-steps")
     class ManySteps(WorkflowEntrypoint):
         async def run(self, event, step):
             for i in range(30):
-                await step.do(f"s{i}", lambda: i)
+                await step.do(f"s{i}", lambda i=i: i)
 
     inst = get_workflow("many-steps").create()
     testing.run_until_idle()
@@ -103,7 +130,10 @@ def test_a_step_failing_twice_then_succeeding_completes_with_three_attempts(regi
                 if current_step().attempt < 3:
                     raise ConnectionError(f"attempt {current_step().attempt}")
                 return "ok"
-            return await step.do("flaky", flaky, retries={"limit": 5, "delay": "1 second", "backoff": "constant"})
+
+            return await step.do(
+                "flaky", flaky, retries={"limit": 5, "delay": "1 second", "backoff": "constant"}
+            )
 
     inst = get_workflow("flaky").create()
     with testing.fake_clock() as clock:
@@ -125,7 +155,11 @@ def test_a_step_failing_twice_then_succeeding_completes_with_three_attempts(regi
 
 @pytest.mark.parametrize(
     ("backoff", "expected_ms"),
-    [("constant", [1000, 1000, 1000]), ("linear", [1000, 2000, 3000]), ("exponential", [1000, 2000, 4000])],
+    [
+        ("constant", [1000, 1000, 1000]),
+        ("linear", [1000, 2000, 3000]),
+        ("exponential", [1000, 2000, 4000]),
+    ],
 )
 def test_retry_waits_follow_the_backoff(registered, backoff, expected_ms):
     @register(f"backoff-{backoff}")
@@ -133,7 +167,10 @@ def test_retry_waits_follow_the_backoff(registered, backoff, expected_ms):
         async def run(self, event, step):
             def always_fails():
                 raise ValueError("nope")
-            return await step.do("fail", always_fails, retries={"limit": 3, "delay": 1000, "backoff": backoff})
+
+            return await step.do(
+                "fail", always_fails, retries={"limit": 3, "delay": 1000, "backoff": backoff}
+            )
 
     inst = get_workflow(f"backoff-{backoff}").create()
     with testing.fake_clock() as clock:
@@ -159,6 +196,7 @@ def test_non_retryable_error_fails_the_instance_at_once(registered):
             def boom():
                 calls["boom"] += 1
                 raise NonRetryableError("card declined", "CardDeclined")
+
             await step.do("charge", boom, retries={"limit": 5, "delay": 0})
             await step.do("never", counted("never"))
 
@@ -219,6 +257,7 @@ def test_a_step_exceeding_its_timeout_counts_as_a_failed_attempt(registered):
                 if calls["slow"] == 1:
                     await asyncio.sleep(5)
                 return "fast enough"
+
             return await step.do("slow", slow, timeout=50, retries={"limit": 1, "delay": 0})
 
     inst = get_workflow("slow").create()
@@ -243,6 +282,7 @@ def test_a_sync_step_past_its_timeout_is_abandoned_and_its_late_result_discarded
                     release.wait(5)
                     return "late"
                 return "second"
+
             return await step.do("slow", slow, timeout=50, retries={"limit": 1, "delay": 0})
 
     inst = get_workflow("slow-sync").create()
@@ -382,6 +422,7 @@ def test_parallel_steps_under_gather_replay_correctly(registered):
                 await asyncio.sleep(0.02)
                 calls["a"] += 1
                 return "a"
+
             a, b = await asyncio.gather(step.do("a", slow_a), step.do("b", counted("b")))
             await step.sleep("pause", "1 minute")
             c = await step.do("c", counted("c"))
@@ -442,6 +483,7 @@ def test_a_changed_workflow_fails_with_a_non_determinism_error(registered):
                 await step.sleep("thing", "1 minute")  # same name, another kind
 
         from django.conf import settings
+
         settings.WFDASH["STRICT_VERSIONS"] = False
         try:
             clock.advance("1 minute")
@@ -480,7 +522,11 @@ def test_history_is_gap_free_and_replays_add_no_duplicates(registered):
         testing.run_until_idle()
         clock.advance("1 minute")
         testing.run_until_idle()
-    sequences = list(HistoryRecord.objects.filter(instance=inst.row()).order_by("sequence").values_list("sequence", flat=True))
+    sequences = list(
+        HistoryRecord.objects.filter(instance=inst.row())
+        .order_by("sequence")
+        .values_list("sequence", flat=True)
+    )
     assert sequences == list(range(1, len(sequences) + 1))
     types = [h.type for h in inst.history()]
     assert types.count("step.completed") == 2
@@ -544,6 +590,7 @@ def test_the_decorator_form_of_step_do_works(registered):
             @step.do("charge", retries={"limit": 0})
             async def charge():
                 return {"amount": 5}
+
             result = await charge()
             return result["amount"]
 

@@ -29,26 +29,46 @@ def test_a_killed_worker_s_instances_are_taken_over_and_every_step_checkpoints_o
         wf.create_batch([{"id": f"f{n}"} for n in range(start, min(start + 100, FLEET_SIZE))])
     total_steps = FLEET_SIZE * 5
     fleet = workers(3, WFDASH_LEASE_SECONDS="4")
-    wait_until(lambda: len(fleet_workflows.ledger_rows()) >= total_steps // 4, 120, "a quarter of the steps")
+    wait_until(
+        lambda: len(fleet_workflows.ledger_rows()) >= total_steps // 4,
+        120,
+        "a quarter of the steps",
+    )
     victim = fleet[0]
     victim.kill()
     killed_at = time.time()
-    held = list(Instance.objects.filter(lease_owner__contains=f":{victim.pid}:").values_list("instance_id", flat=True))
+    held = list(
+        Instance.objects.filter(lease_owner__contains=f":{victim.pid}:").values_list(
+            "instance_id", flat=True
+        )
+    )
     wait_until(
         lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == FLEET_SIZE,
-        180, "every fleet instance to complete",
+        180,
+        "every fleet instance to complete",
     )
-    assert StepRecord.objects.filter(instance__workflow="fleet", status="complete").count() == total_steps
+    assert (
+        StepRecord.objects.filter(instance__workflow="fleet", status="complete").count()
+        == total_steps
+    )
     rows = fleet_workflows.ledger_rows()
     executions = Counter((instance_id, step) for instance_id, step, *_ in rows)
     assert len(executions) == total_steps  # every step ran
     reexecuted = {key for key, n in executions.items() if n > 1}
     assert all(n <= 2 for n in executions.values())
-    assert {instance_id for instance_id, _ in reexecuted} <= set(held)  # only steps in flight at the kill
-    takeovers = [started for instance_id, _, pid, started, _ in rows if instance_id in held and pid != victim.pid and started > killed_at]
+    assert {instance_id for instance_id, _ in reexecuted} <= set(
+        held
+    )  # only steps in flight at the kill
+    takeovers = [
+        started
+        for instance_id, _, pid, started, _ in rows
+        if instance_id in held and pid != victim.pid and started > killed_at
+    ]
     delay = (min(takeovers) - killed_at) if takeovers else 0.0
-    print(f"\nfleet: {FLEET_SIZE} instances, 3 workers, 1 SIGKILL; held by the victim: {len(held)}; "
-          f"re-executed steps: {len(reexecuted)}; takeover delay: {delay:.2f} s")
+    print(
+        f"\nfleet: {FLEET_SIZE} instances, 3 workers, 1 SIGKILL; held by the victim: {len(held)}; "
+        f"re-executed steps: {len(reexecuted)}; takeover delay: {delay:.2f} s"
+    )
 
 
 def test_a_worker_whose_lease_was_stolen_cannot_write_a_checkpoint_or_status(registered):
@@ -63,10 +83,20 @@ def test_a_worker_whose_lease_was_stolen_cannot_write_a_checkpoint_or_status(reg
 
     inst = get_workflow("fenced").create()
     ((pk, zombie_token),) = store.claim_runnable("zombie", 1, lease_seconds=0.001)
-    Instance.objects.filter(pk=pk).update(lease_expires_at=inst.row().created_at)  # the zombie's lease ran out
+    Instance.objects.filter(pk=pk).update(
+        lease_expires_at=inst.row().created_at
+    )  # the zombie's lease ran out
     ((same_pk, owner_token),) = store.claim_runnable("owner", 1, lease_seconds=30)
     assert same_pk == pk and owner_token != zombie_token
-    record = Step(name="s", kind="do", seq=1, status="complete", output_json='"zombie"', attempts=1, started_at=inst.row().created_at)
+    record = Step(
+        name="s",
+        kind="do",
+        seq=1,
+        status="complete",
+        output_json='"zombie"',
+        attempts=1,
+        started_at=inst.row().created_at,
+    )
     with pytest.raises(LeaseLost):
         store.write_step(pk, zombie_token, record, [History("step.completed", {})])
     assert not store.finish(pk, zombie_token, "complete", Limits(), '"zombie"')
@@ -101,7 +131,9 @@ def test_an_event_sent_from_one_process_wakes_an_instance_parked_by_another(work
     settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
     channel_layers.backends.clear()
     try:
-        (worker,) = workers(1, REDIS_URL=redis_url, WFDASH_POLL_SECONDS="60")  # only a hint can wake it in time
+        (worker,) = workers(
+            1, REDIS_URL=redis_url, WFDASH_POLL_SECONDS="60"
+        )  # only a hint can wake it in time
         inst = get_workflow("fleet-waiter").create()
         wait_until(lambda: inst.status().status == "waiting", 30, "the worker to park the instance")
         # Stay idle past the channel layer's blocking pop (5 s): the worker's listener must
@@ -109,7 +141,11 @@ def test_an_event_sent_from_one_process_wakes_an_instance_parked_by_another(work
         time.sleep(get_channel_layer().brpop_timeout + 1)
         sent = time.monotonic()
         inst.send_event("go", {"from": os.getpid()})
-        wait_until(lambda: inst.status().status == "complete", 10, "the hinted worker to finish the instance")
+        wait_until(
+            lambda: inst.status().status == "complete",
+            10,
+            "the hinted worker to finish the instance",
+        )
         latency = time.monotonic() - sent
         assert inst.status().output == {"payload": {"from": os.getpid()}, "pid": worker.pid}
         assert latency < 5  # far below the 60 s poll: the hint travelled through Redis
@@ -124,8 +160,11 @@ def test_a_poison_instance_errors_after_bounded_takeovers_and_resumes_after_a_fi
     for _ in range(6):
         (worker,) = workers(1)
         wait_until(
-            lambda: worker.process.poll() is not None or inst.status().status == "errored",
-            60, "the worker to crash on the poison step or to error the instance",
+            lambda worker=worker: (
+                worker.process.poll() is not None or inst.status().status == "errored"
+            ),
+            60,
+            "the worker to crash on the poison step or to error the instance",
         )
         if worker.process.poll() is None:
             break  # it errored the instance and keeps running, healthy
@@ -159,12 +198,18 @@ def test_sigterm_lets_running_steps_finish_starts_no_new_ones_and_releases_lease
     assert running_steps == 0  # every step that started finished and was checkpointed
     # Draining: no instance went on to further steps after the signal (one may have been
     # starting as it arrived); the rest are parked due at once for the next worker.
-    after = Counter(i for i, _, _, started, _ in fleet_workflows.ledger_rows() if started > signalled)
+    after = Counter(
+        i for i, _, _, started, _ in fleet_workflows.ledger_rows() if started > signalled
+    )
     assert max(after.values(), default=0) <= 1, after
     unfinished = Instance.objects.filter(workflow="fleet").exclude(status="complete")
     assert unfinished.exists() and set(unfinished.values_list("status", flat=True)) == {"waiting"}
-    (other,) = workers(1)
-    wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == 20, 60, "all to complete")
+    (_other,) = workers(1)
+    wait_until(
+        lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == 20,
+        60,
+        "all to complete",
+    )
 
 
 def test_a_timer_that_came_due_while_no_worker_ran_fires_as_soon_as_a_worker_starts(workers):
@@ -176,7 +221,9 @@ def test_a_timer_that_came_due_while_no_worker_ran_fires_as_soon_as_a_worker_sta
     testing.run_until_idle()  # parks on the one-hour sleep; then no worker runs
     assert inst.status().status == "waiting"
     past = inst.row().created_at - timedelta(minutes=1)
-    StepRecord.objects.filter(instance=inst.row(), name="nap").update(wake_at=past)  # the hour went by
+    StepRecord.objects.filter(instance=inst.row(), name="nap").update(
+        wake_at=past
+    )  # the hour went by
     Instance.objects.filter(pk=inst.row().pk).update(wake_at=past)
     started = time.monotonic()
     (worker,) = workers(1, WFDASH_POLL_SECONDS="30")

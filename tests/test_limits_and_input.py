@@ -35,10 +35,26 @@ def snapshot():
 
 @pytest.fixture
 def waiter(registered):
-    @register("waiter", limits={"max_batch_size": 3, "max_instance_id_length": 40, "max_event_payload_bytes": 100, "max_params_bytes": 50})
+    @register(
+        "waiter",
+        limits={
+            "max_batch_size": 3,
+            "max_instance_id_length": 40,
+            "max_event_payload_bytes": 100,
+            "max_params_bytes": 50,
+        },
+    )
     class Waiter(WorkflowEntrypoint):
         async def run(self, event, step):
-            got = await step.wait_for_event("wait", type="ping", schema={"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
+            got = await step.wait_for_event(
+                "wait",
+                type="ping",
+                schema={
+                    "type": "object",
+                    "required": ["n"],
+                    "properties": {"n": {"type": "integer"}},
+                },
+            )
             return got.payload
 
     return get_workflow("waiter")
@@ -188,13 +204,21 @@ def test_send_event_refuses_bad_types_payloads_and_finished_instances(waiter):
 
 
 def test_step_limits_name_the_limit_and_the_value(registered):
-    @register("limits", limits={"max_steps_per_workflow": 3, "max_step_name_length": 5, "max_step_output_bytes": 20, "max_sleep": "1 day"})
+    @register(
+        "limits",
+        limits={
+            "max_steps_per_workflow": 3,
+            "max_step_name_length": 5,
+            "max_step_output_bytes": 20,
+            "max_sleep": "1 day",
+        },
+    )
     class Limits(WorkflowEntrypoint):
         async def run(self, event, step):
             kind = event.payload
             if kind == "steps":
                 for i in range(4):
-                    await step.do(f"s{i}", lambda: i)
+                    await step.do(f"s{i}", lambda i=i: i)
             if kind == "name":
                 await step.do("too-long-name", lambda: 1)
             if kind == "output":
@@ -236,7 +260,9 @@ def test_an_oversized_or_unserialisable_output_fails_at_once_without_retries(reg
     @register("bad-output")
     class BadOutput(WorkflowEntrypoint):
         async def run(self, event, step):
-            return await step.do("obj", lambda: calls.append(1) or object(), retries={"limit": 5, "delay": 0})
+            return await step.do(
+                "obj", lambda: calls.append(1) or object(), retries={"limit": 5, "delay": 0}
+            )
 
     inst = get_workflow("bad-output").create()
     testing.run_until_idle()
@@ -251,6 +277,7 @@ def test_register_refuses_bad_definitions(registered):
     with pytest.raises(InvalidInput, match="unknown limit 'max_bananas'"):
         register("bananas", limits={"max_bananas": 1})
     with pytest.raises(InvalidInput, match="async def run"):
+
         @register("sync-run")
         class SyncRun(WorkflowEntrypoint):
             def run(self, event, step):

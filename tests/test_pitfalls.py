@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
@@ -32,6 +33,7 @@ def test_2_a_retry_backoff_ending_does_not_unpause(registered):
                 if calls["attempt"] == 1:
                     raise RuntimeError("first")
                 return "ok"
+
             return await step.do("s", fails_once, retries={"limit": 2, "delay": "1 minute"})
 
     with testing.fake_clock(START) as clock:
@@ -63,6 +65,7 @@ def test_3_queued_instances_start_at_worker_start_when_capacity_appears(register
             await step.wait_for_event("w", type="go")
 
     from django.conf import settings
+
     settings.WFDASH["STRICT_VERSIONS"] = False
     try:
         testing.run_until_idle()  # a worker starts: the queue is re-checked
@@ -76,7 +79,8 @@ def test_4_parallel_waits_on_one_type_and_parallel_sleeps_each_get_their_own(reg
     class P4(WorkflowEntrypoint):
         async def run(self, event, step):
             a, b = await asyncio.gather(
-                step.wait_for_event("first", type="vote"), step.wait_for_event("second", type="vote")
+                step.wait_for_event("first", type="vote"),
+                step.wait_for_event("second", type="vote"),
             )
             await asyncio.gather(step.sleep("short", "1 minute"), step.sleep("long", "2 minutes"))
             return sorted([a.payload, b.payload])
@@ -120,10 +124,8 @@ def test_6_deadlines_survive_a_restart_of_the_engine(registered):
     class P6(WorkflowEntrypoint):
         async def run(self, event, step):
             await step.sleep("nap", "1 hour")
-            try:
+            with contextlib.suppress(Exception):
                 await step.wait_for_event("w", type="go", timeout="1 hour")
-            except Exception:
-                pass
             return "done"
 
     with testing.fake_clock(START) as clock:
@@ -187,8 +189,15 @@ def test_9_an_attempt_count_beyond_a_lowered_limit_fails_with_the_real_last_erro
 
     inst = get_workflow("p9").create()
     StepRecord.objects.create(
-        instance=inst.row(), name="s", kind="do", seq=1, status="running", attempts=3,
-        last_error_name="TimeoutError", last_error_message="upstream hung", started_at=START,
+        instance=inst.row(),
+        name="s",
+        kind="do",
+        seq=1,
+        status="running",
+        attempts=3,
+        last_error_name="TimeoutError",
+        last_error_message="upstream hung",
+        started_at=START,
     )
     testing.run_until_idle()
     assert inst.status().error == {"name": "TimeoutError", "message": "upstream hung"}
@@ -203,9 +212,12 @@ def test_12_zero_delay_and_zero_timeout_mean_zero(registered):
                 if calls["n"] < 3:
                     raise RuntimeError("again")
                 return calls["n"]
+
             n = await step.do("retry", fails_twice, retries={"limit": 5, "delay": 0})
+
             async def takes_a_moment():
                 await asyncio.sleep(0.01)
+
             try:
                 await step.do("zero", takes_a_moment, timeout=0, retries={"limit": 0})
             except Exception as exc:
@@ -214,7 +226,7 @@ def test_12_zero_delay_and_zero_timeout_mean_zero(registered):
     with testing.fake_clock(START):
         inst = get_workflow("p12").create()
         assert testing.run_until_idle() == 1  # no parking for a zero delay: one run did it all
-    n, name, message = inst.status().output
+    n, _name, message = inst.status().output
     assert n == 3
     assert "timed out after 0 ms" in message
 
@@ -228,7 +240,10 @@ def test_14_sizes_are_bytes_of_encoded_json_and_quote_the_configured_limit(regis
 
     inst = get_workflow("p14").create()
     testing.run_until_idle()
-    assert inst.status().error["message"] == 'output of step "more" is 52 bytes of JSON; max_step_output_bytes is 50'
+    assert (
+        inst.status().error["message"]
+        == 'output of step "more" is 52 bytes of JSON; max_step_output_bytes is 50'
+    )
 
 
 def test_16_step_kinds_do_not_collide_by_prefix(registered):
@@ -277,8 +292,16 @@ def test_17_and_19_retention_prunes_every_row_of_an_instance_and_the_id_can_be_r
 
 def test_18_sleeping_and_waiting_show_waiting_and_every_status_string_exists():
     assert set(Status.values) == {
-        "queued", "running", "paused", "waiting", "waitingForPause", "compensating",
-        "complete", "errored", "terminated", "unknown",
+        "queued",
+        "running",
+        "paused",
+        "waiting",
+        "waitingForPause",
+        "compensating",
+        "complete",
+        "errored",
+        "terminated",
+        "unknown",
     }
 
 

@@ -39,7 +39,10 @@ async def test_a_cancelled_receive_stops_and_loses_no_message(redis_layer):
             if swallowed == 3:
                 break
     await redis_layer.send(channel, {"type": "after.cancels", "n": 1})
-    assert await asyncio.wait_for(redis_layer.receive(channel), 5) == {"type": "after.cancels", "n": 1}
+    assert await asyncio.wait_for(redis_layer.receive(channel), 5) == {
+        "type": "after.cancels",
+        "n": 1,
+    }
 
 
 @needs_redis
@@ -52,5 +55,7 @@ async def test_an_idle_receive_outlasts_the_blocking_pop(redis_layer):
         await redis_layer.send(channel, {"type": "late"})
 
     sender = asyncio.ensure_future(send_later())
-    assert await asyncio.wait_for(redis_layer.receive(channel), redis_layer.brpop_timeout + 10) == {"type": "late"}
+    assert await asyncio.wait_for(redis_layer.receive(channel), redis_layer.brpop_timeout + 10) == {
+        "type": "late"
+    }
     await sender

@@ -10,6 +10,7 @@ WFDASH_SOAK=1 scales the tests up (scripts/soak); the soak-only tests skip other
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -46,16 +47,17 @@ long_when_soaking = pytest.mark.timeout(1800 if SOAK else 120)
 def executions(workflow_prefix: str = "") -> Counter:
     """(instance id, step) -> how many times its body physically ran."""
     return Counter(
-        (instance_id, step) for instance_id, step, *_ in fleet_workflows.ledger_rows()
+        (instance_id, step)
+        for instance_id, step, *_ in fleet_workflows.ledger_rows()
         if instance_id.startswith(workflow_prefix)
     )
 
 
 def checkpoints(workflow: str) -> Counter:
     """(instance id, step) -> how many `step.completed` checkpoints the engine committed."""
-    rows = HistoryRecord.objects.filter(instance__workflow=workflow, type="step.completed").values_list(
-        "instance__instance_id", "data"
-    )
+    rows = HistoryRecord.objects.filter(
+        instance__workflow=workflow, type="step.completed"
+    ).values_list("instance__instance_id", "data")
     return Counter((instance_id, data["step"]) for instance_id, data in rows)
 
 
@@ -70,26 +72,38 @@ def assert_one_checkpoint_per_step(workflow: str, steps_per_instance: int, insta
 
 def assert_history_gap_free(workflow: str) -> None:
     by_instance: dict[int, list[int]] = defaultdict(list)
-    for pk, seq in HistoryRecord.objects.filter(instance__workflow=workflow).values_list("instance_id", "sequence"):
+    for pk, seq in HistoryRecord.objects.filter(instance__workflow=workflow).values_list(
+        "instance_id", "sequence"
+    ):
         by_instance[pk].append(seq)
     for pk, seqs in by_instance.items():
-        assert sorted(seqs) == list(range(1, len(seqs) + 1)), f"instance #{pk}: history sequences {sorted(seqs)}"
+        assert sorted(seqs) == list(range(1, len(seqs) + 1)), (
+            f"instance #{pk}: history sequences {sorted(seqs)}"
+        )
 
 
 def lease_holders(pid: int) -> set[str]:
-    return set(Instance.objects.filter(lease_owner__contains=f":{pid}:").values_list("instance_id", flat=True))
+    return set(
+        Instance.objects.filter(lease_owner__contains=f":{pid}:").values_list(
+            "instance_id", flat=True
+        )
+    )
 
 
 def expire_leases_of(pid: int) -> None:
     """A SIGKILLed worker's leases: expire them now rather than wait for them to run out."""
-    Instance.objects.filter(lease_owner__contains=f":{pid}:").update(lease_expires_at=datetime(2000, 1, 1, tzinfo=UTC))
+    Instance.objects.filter(lease_owner__contains=f":{pid}:").update(
+        lease_expires_at=datetime(2000, 1, 1, tzinfo=UTC)
+    )
 
 
 # --- 1. kill -9 at seeded points ---------------------------------------------------------
 
 
 @long_when_soaking
-def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_flight_steps_rerun(workers):
+def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_flight_steps_rerun(
+    workers,
+):
     rng = random.Random(SEED)
     size = 500 if SOAK else 100
     kills = 10 if SOAK else 2
@@ -104,9 +118,14 @@ def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_f
     thresholds = sorted(rng.uniform(0.05, 0.8) * total for _ in range(kills))
     kill_log: list[tuple[int, float, set[str]]] = []
     for threshold in thresholds:
-        wait_until(lambda: len(fleet_workflows.ledger_rows()) >= threshold, 60, f"{threshold:.0f} executed steps")
+        wait_until(
+            lambda threshold=threshold: len(fleet_workflows.ledger_rows()) >= threshold,
+            60,
+            f"{threshold:.0f} executed steps",
+        )
         holding = sorted(
-            (w for w in fleet if w.process.poll() is None and lease_holders(w.pid)), key=lambda w: w.pid
+            (w for w in fleet if w.process.poll() is None and lease_holders(w.pid)),
+            key=lambda w: w.pid,
         ) or [w for w in fleet if w.process.poll() is None]
         victim = holding[rng.randrange(len(holding))]
         victim.kill()
@@ -116,40 +135,55 @@ def test_kill_nine_twice_at_seeded_points_every_instance_completes_and_only_in_f
         fleet += workers(1, **env)  # the replacement
     wait_until(
         lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
-        120 if SOAK else 60, "every instance to complete",
+        120 if SOAK else 60,
+        "every instance to complete",
     )
     assert_one_checkpoint_per_step("fleet", 5, size)
     ran = executions("k")
     assert len(ran) == total  # every step ran
     times_held = Counter(i for _, _, held in kill_log for i in held)
     too_many = {key: n for key, n in ran.items() if n - 1 > times_held[key[0]]}
-    assert not too_many, f"re-executed more often than their instance was in flight at a kill: {too_many}"
+    assert not too_many, (
+        f"re-executed more often than their instance was in flight at a kill: {too_many}"
+    )
     rows = fleet_workflows.ledger_rows()
     figures = []
     for pid, killed_at, held in kill_log:
         later = [s for i, _, p, s, _ in rows if i in held and p != pid and s > killed_at]
-        figures.append(f"victim held {len(held)}, takeover {(min(later) - killed_at) if later else 0:.2f} s")
-    print(f"\nkill -9: {size} instances, {len(kill_log)} kills (seed {SEED}); "
-          f"re-executed steps: {sum(n - 1 for n in ran.values())}; " + "; ".join(figures))
+        figures.append(
+            f"victim held {len(held)}, takeover {(min(later) - killed_at) if later else 0:.2f} s"
+        )
+    print(
+        f"\nkill -9: {size} instances, {len(kill_log)} kills (seed {SEED}); "
+        f"re-executed steps: {sum(n - 1 for n in ran.values())}; " + "; ".join(figures)
+    )
 
 
 # --- 2. crash between the side effect and its checkpoint ---------------------------------
 
 
 @pytest.mark.parametrize("nth", [1, 3, 5])
-def test_a_crash_between_side_effect_and_checkpoint_reruns_that_step_exactly_once_more(workers, nth):
+def test_a_crash_between_side_effect_and_checkpoint_reruns_that_step_exactly_once_more(
+    workers, nth
+):
     fleet_workflows.ensure_ledger()
     inst = get_workflow("fleet").create(id=f"se{nth}")
     (crashing,) = workers(1, WFDASH_FAULTS=f"after_side_effect=kill@{nth}")
-    wait_until(lambda: crashing.process.poll() is not None, 30, "the worker to die at the fault point")
+    wait_until(
+        lambda: crashing.process.poll() is not None, 30, "the worker to die at the fault point"
+    )
     assert crashing.process.returncode == 137
     crashed_at = time.time()
     crashed_step = f"step {nth - 1}"
     assert executions()[(inst.id, crashed_step)] == 1  # its side effect happened …
-    assert not StepRecord.objects.filter(instance__instance_id=inst.id, name=crashed_step).exists()  # … unrecorded
+    assert not StepRecord.objects.filter(
+        instance__instance_id=inst.id, name=crashed_step
+    ).exists()  # … unrecorded
     expire_leases_of(crashing.pid)
     (fresh,) = workers(1)
-    wait_until(lambda: inst.status().status == "complete", 30, "the fresh worker to complete the instance")
+    wait_until(
+        lambda: inst.status().status == "complete", 30, "the fresh worker to complete the instance"
+    )
     ran = executions("se")
     assert ran == {(inst.id, f"step {i}"): 2 if i == nth - 1 else 1 for i in range(5)}
     assert_one_checkpoint_per_step("fleet", 5, 1)
@@ -158,17 +192,23 @@ def test_a_crash_between_side_effect_and_checkpoint_reruns_that_step_exactly_onc
     pids = [pid for i, step, pid, *_ in fleet_workflows.ledger_rows() if step == crashed_step]
     assert pids == [crashing.pid, fresh.pid] or sorted(pids) == sorted([crashing.pid, fresh.pid])
     again = min(s for _, step, pid, s, _ in fleet_workflows.ledger_rows() if pid == fresh.pid)
-    print(f"\nafter_side_effect=kill@{nth}: {crashed_step} ran twice; takeover {again - crashed_at:.2f} s")
+    print(
+        f"\nafter_side_effect=kill@{nth}: {crashed_step} ran twice; takeover {again - crashed_at:.2f} s"
+    )
 
 
 # --- 3. the connection drops right after a checkpoint commit -----------------------------
 
 
-def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_history_or_event(workers):
+def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_history_or_event(
+    workers,
+):
     fleet_workflows.ensure_ledger()
     inst = get_workflow("rel-checkpoint").create(id="drop")
     workers(1, WFDASH_FAULTS="after_checkpoint=drop_connection")
-    wait_until(lambda: inst.status().status == "waiting", 30, "the instance to park on its event wait")
+    wait_until(
+        lambda: inst.status().status == "waiting", 30, "the instance to park on its event wait"
+    )
     inst.send_event("go", {"n": 1})
     inst.send_event("go", {"n": 2})  # a second one: must stay in the inbox, unconsumed
     wait_until(lambda: inst.status().status == "complete", 30, "the instance to complete")
@@ -177,21 +217,27 @@ def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_hi
     assert_one_checkpoint_per_step("rel-checkpoint", 2, 1)
     assert StepRecord.objects.filter(instance__instance_id="drop").count() == 3
     events = list(InboxEvent.objects.filter(instance__instance_id="drop").order_by("id"))
-    assert [(json.loads(e.payload_json), e.consumed_by) for e in events] == [({"n": 1}, "wait"), ({"n": 2}, "")]
+    assert [(json.loads(e.payload_json), e.consumed_by) for e in events] == [
+        ({"n": 1}, "wait"),
+        ({"n": 2}, ""),
+    ]
     received = HistoryRecord.objects.filter(instance__instance_id="drop", type="event.received")
     assert received.count() == 1
     assert_history_gap_free("rel-checkpoint")
 
 
-@pytest.mark.parametrize("plan", [
-    # The first checkpoint commits, then the database fails before answering: the retry
-    # finds it landed and writes nothing twice.
-    "after_checkpoint=raise@1",
-    # The first checkpoint fails before it writes: the retry writes it; the step does not
-    # run again.
-    "before_checkpoint=raise@1",
-    "before_checkpoint=raise@1-2",
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        # The first checkpoint commits, then the database fails before answering: the retry
+        # finds it landed and writes nothing twice.
+        "after_checkpoint=raise@1",
+        # The first checkpoint fails before it writes: the retry writes it; the step does not
+        # run again.
+        "before_checkpoint=raise@1",
+        "before_checkpoint=raise@1-2",
+    ],
+)
 def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_the_step(plan):
     fleet_workflows.ensure_ledger()
     inst = get_workflow("rel-race").create(id="retried")
@@ -209,14 +255,17 @@ def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_t
     assert_history_gap_free("rel-race")
 
 
-@pytest.mark.parametrize("plan", [
-    # Every try of the first checkpoint fails: the run is cut short, and no lease is left
-    # to wait out: the same pass claims the instance again.
-    "before_checkpoint=raise@1-3",
-    # And the release fails too (the database is out of connections): the lease is given
-    # back at the worker's next turn, not left to run out with no run behind it.
-    "before_checkpoint=raise@1-3,before_release=raise@1",
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        # Every try of the first checkpoint fails: the run is cut short, and no lease is left
+        # to wait out: the same pass claims the instance again.
+        "before_checkpoint=raise@1-3",
+        # And the release fails too (the database is out of connections): the lease is given
+        # back at the worker's next turn, not left to run out with no run behind it.
+        "before_checkpoint=raise@1-3,before_release=raise@1",
+    ],
+)
 def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_from_its_checkpoint(
     plan, monkeypatch
 ):
@@ -272,7 +321,10 @@ def test_a_step_thread_gives_its_connection_back_after_each_step():
         return thread_connection.connection is not None
 
     # Step threads give it back; the engine's few database threads keep theirs.
-    for threads, kept in ((StepThreads("test-step"), False), (ConnectionThreads(1, "test-db"), True)):
+    for threads, kept in (
+        (StepThreads("test-step"), False),
+        (ConnectionThreads(1, "test-db"), True),
+    ):
         try:
             assert threads.submit(query_then_report).result() is True  # open while the step runs
             assert threads.submit(still_connected).result() is kept
@@ -297,7 +349,9 @@ def test_on_postgresql_fifty_concurrent_steps_share_the_process_s_bounded_pool()
 
     threads = StepThreads("test-step")
     try:
-        backends = {f.result() for f in [threads.submit(step_using_the_database) for _ in range(200)]}
+        backends = {
+            f.result() for f in [threads.submit(step_using_the_database) for _ in range(200)]
+        }
     finally:
         threads.close()
     # 50 threads, yet no more server connections than the pool holds (this test's own
@@ -366,11 +420,17 @@ def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exit
     terminated = 0
     for done in range(1, rounds + 1):
         # Terminate at fixed points of the work, not of time: mid-load every time.
-        wait_until(lambda: len(fleet_workflows.ledger_rows()) >= size * 5 * done // (rounds + 1), 120,
-                   f"the fleet to reach {done}/{rounds + 1} of the work")
+        wait_until(
+            lambda done=done: len(fleet_workflows.ledger_rows()) >= size * 5 * done // (rounds + 1),
+            120,
+            f"the fleet to reach {done}/{rounds + 1} of the work",
+        )
         terminated += terminate_worker_backends()
-    wait_until(lambda: Instance.objects.filter(workflow="rel-outage", status="complete").count() == size,
-               180, "every instance to complete after the terminations")
+    wait_until(
+        lambda: Instance.objects.filter(workflow="rel-outage", status="complete").count() == size,
+        180,
+        "every instance to complete after the terminations",
+    )
     assert [w.process.poll() for w in fleet] == [None] * len(fleet), "a worker exited"
     assert terminated >= rounds  # every round cut at least one live backend
     assert_one_checkpoint_per_step("rel-outage", 5, size)
@@ -382,7 +442,9 @@ def test_postgres_backends_terminated_under_load_lose_nothing_and_no_worker_exit
     assert max(ran.values()) <= 1 + rounds
     assert_history_gap_free("rel-outage")
     assert not Instance.objects.filter(workflow="rel-outage").exclude(status="complete").exists()
-    print(f"\npg_terminate_backend: {size} instances, {rounds} rounds, {terminated} backends cut, {reruns} steps re-ran")
+    print(
+        f"\npg_terminate_backend: {size} instances, {rounds} rounds, {terminated} backends cut, {reruns} steps re-ran"
+    )
 
 
 # --- a worker killed while it compensates ------------------------------------------------
@@ -392,15 +454,23 @@ def test_a_worker_killed_mid_compensation_is_taken_over_and_each_undo_runs_once(
     fleet_workflows.ensure_ledger()
     inst = get_workflow("rel-compensate").create(id="comp")
     (doomed,) = workers(1, FLEET_DIE_IN_COMPENSATION="1", WFDASH_POLL_SECONDS="0.2")
-    wait_until(lambda: inst.status().status == "waiting", 30, "the worker to run both steps and park")
+    wait_until(
+        lambda: inst.status().status == "waiting", 30, "the worker to run both steps and park"
+    )
     assert inst.cancel(compensate=True) == "compensating"
     wait_until(lambda: doomed.process.poll() is not None, 30, "the worker to die undoing step a")
     assert doomed.process.returncode == 137
     assert inst.status().status == "compensating"  # b undone and checkpointed, a not yet
     expire_leases_of(doomed.pid)
     (heir,) = workers(1, WFDASH_POLL_SECONDS="0.2")
-    wait_until(lambda: inst.status().status == "terminated", 30, "the new worker to finish compensating")
-    undone = {step: pid for instance_id, step, pid, *_ in fleet_workflows.ledger_rows() if instance_id == "comp"}
+    wait_until(
+        lambda: inst.status().status == "terminated", 30, "the new worker to finish compensating"
+    )
+    undone = {
+        step: pid
+        for instance_id, step, pid, *_ in fleet_workflows.ledger_rows()
+        if instance_id == "comp"
+    }
     assert undone == {"undo b": doomed.pid, "undo a": heir.pid}  # each once: b was not undone again
     assert executions("comp") == {("comp", "undo b"): 1, ("comp", "undo a"): 1}
     types = [h.type for h in inst.history()]
@@ -424,7 +494,8 @@ def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fl
     fleet = workers(fleet_size, WFDASH_LEASE_SECONDS="60", WFDASH_POLL_SECONDS="0.2")
     wait_until(
         lambda: Instance.objects.filter(workflow="rel-race", status="complete").count() == size,
-        60, "every instance to complete",
+        60,
+        "every instance to complete",
     )
     elapsed = time.monotonic() - started
     rows = fleet_workflows.ledger_rows()
@@ -434,7 +505,7 @@ def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fl
     overlaps = []
     for instance_id, intervals in by_instance.items():
         intervals.sort()
-        for (b1, e1, p1), (b2, e2, p2) in zip(intervals, intervals[1:]):
+        for (_b1, e1, p1), (b2, _e2, p2) in itertools.pairwise(intervals):
             if b2 < e1:
                 overlaps.append((instance_id, p1, p2))
     assert not overlaps, f"instances ran in two places at once: {overlaps[:5]}"
@@ -443,7 +514,9 @@ def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fl
     assert_one_checkpoint_per_step("rel-race", 3, size)
     share = Counter(pid for _, _, pid, _, _ in rows)
     assert set(share) <= {w.pid for w in fleet}
-    print(f"\nrace: {size} instances, {fleet_size} workers, {elapsed:.1f} s; steps per worker {sorted(share.values())}")
+    print(
+        f"\nrace: {size} instances, {fleet_size} workers, {elapsed:.1f} s; steps per worker {sorted(share.values())}"
+    )
 
 
 # --- 5. a zombie's late writes are refused by the fence ----------------------------------
@@ -461,19 +534,27 @@ def test_a_zombie_resumed_after_a_takeover_cannot_overwrite_the_new_owner_s_chec
     inst = get_workflow("rel-zombie").create(id="zombie")
     (zombie,) = workers(1, WFDASH_LEASE_SECONDS="1", FLEET_SELF_STOP="1", FLEET_STEP_SECONDS="0.05")
     try:
-        wait_until(lambda: process_state(zombie.pid) == "T", 30, "the worker to freeze itself mid-step")
+        wait_until(
+            lambda: process_state(zombie.pid) == "T", 30, "the worker to freeze itself mid-step"
+        )
         stopped_at = time.time()
         assert lease_holders(zombie.pid) == {"zombie"}
         (owner,) = workers(1, WFDASH_LEASE_SECONDS="1")
-        wait_until(lambda: inst.status().status == "complete", 30, "the new owner to take over and finish")
+        wait_until(
+            lambda: inst.status().status == "complete", 30, "the new owner to take over and finish"
+        )
         assert inst.status().output == {"work": owner.pid}
-        took_over = min(s for _, step, pid, s, _ in fleet_workflows.ledger_rows() if pid == owner.pid)
+        took_over = min(
+            s for _, step, pid, s, _ in fleet_workflows.ledger_rows() if pid == owner.pid
+        )
     finally:
         os.kill(zombie.pid, signal.SIGCONT)
 
     def zombie_finished_its_step():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT ended FROM fleet_ledger WHERE pid = %s AND step = 'work'", [zombie.pid])
+            cursor.execute(
+                "SELECT ended FROM fleet_ledger WHERE pid = %s AND step = 'work'", [zombie.pid]
+            )
             return cursor.fetchone()[0] is not None
 
     wait_until(zombie_finished_its_step, 30, "the zombie to finish its late side effect")
@@ -484,7 +565,9 @@ def test_a_zombie_resumed_after_a_takeover_cannot_overwrite_the_new_owner_s_chec
     assert_one_checkpoint_per_step("rel-zombie", 2, 1)
     assert executions("zombie") == {("zombie", "work"): 2, ("zombie", "after"): 1}
     assert_history_gap_free("rel-zombie")
-    print(f"\nzombie: frozen mid-step, takeover {took_over - stopped_at:.2f} s after SIGSTOP; late write refused")
+    print(
+        f"\nzombie: frozen mid-step, takeover {took_over - stopped_at:.2f} s after SIGSTOP; late write refused"
+    )
 
 
 # --- 11. events: each delivered exactly once in send order, or refused definitely --------
@@ -502,7 +585,9 @@ def test_an_event_sent_before_the_wait_while_no_worker_runs_is_delivered_exactly
     early = get_workflow("rel-checkpoint").create(id="early")
     early.send_event("go", {"sent": "before the first run"})  # no worker anywhere yet
     testing.run_until_idle()
-    assert early.status().status == "complete" and early.status().output == {"sent": "before the first run"}
+    assert early.status().status == "complete" and early.status().output == {
+        "sent": "before the first run"
+    }
     parked = get_workflow("rel-checkpoint").create(id="parked")
     testing.run_until_idle()
     assert parked.status().status == "waiting"
@@ -526,7 +611,7 @@ def send_concurrently(handle, per_thread: list[int], event_type: str) -> list[Ba
             barrier.wait(10)
             for n in range(count):
                 handle.send_event(event_type, {"thread": thread, "n": n})
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             failures.append(exc)
         finally:
             connection.close()
@@ -544,7 +629,9 @@ def test_ten_events_from_four_threads_reach_ten_waits_in_send_order_exactly_once
     fleet_workflows.ensure_ledger()
     inst = get_workflow("rel-collector").create(id="collector")
     workers(1, WFDASH_POLL_SECONDS="0.2")
-    wait_until(lambda: inst.status().status == "waiting", 30, "the collector to park on its first wait")
+    wait_until(
+        lambda: inst.status().status == "waiting", 30, "the collector to park on its first wait"
+    )
     assert send_concurrently(inst, [3, 3, 2, 2], "item") == []
     wait_until(lambda: inst.status().status == "complete", 30, "the collector to receive all ten")
     sent = list(InboxEvent.objects.filter(instance__instance_id="collector").order_by("id"))
@@ -554,8 +641,12 @@ def test_ten_events_from_four_threads_reach_ten_waits_in_send_order_exactly_once
     for thread in range(4):
         mine = [p["n"] for p in inst.status().output if p["thread"] == thread]
         assert mine == sorted(mine)
-    received = Counter(d["event_id"] for d in HistoryRecord.objects.filter(
-        instance__instance_id="collector", type="event.received").values_list("data", flat=True))
+    received = Counter(
+        d["event_id"]
+        for d in HistoryRecord.objects.filter(
+            instance__instance_id="collector", type="event.received"
+        ).values_list("data", flat=True)
+    )
     assert received == {e.pk: 1 for e in sent}
     assert executions("collector") == {("collector", "after"): 1}
     assert_history_gap_free("rel-collector")
@@ -589,14 +680,18 @@ def test_events_racing_with_completion_are_stored_before_it_or_refused_definitel
     sender.start()
     wait_until(lambda: "stored" in outcomes, 10, "an extra event to be stored")
     inst.send_event("go", {"n": "go"})
-    wait_until(lambda: outcomes.count("refused") >= 3 or not sender.is_alive(), 30, "sends to be refused")
+    wait_until(
+        lambda: outcomes.count("refused") >= 3 or not sender.is_alive(), 30, "sends to be refused"
+    )
     stop.set()
     sender.join(10)
     assert outcomes.count("refused") >= 3, outcomes[-5:]
     first_refusal = outcomes.index("refused")
     assert set(outcomes[first_refusal:]) == {"refused"}  # once refused, never stored again
     extras = InboxEvent.objects.filter(instance__instance_id="racing", type="extra")
-    assert extras.count() == outcomes.count("stored") and not extras.exclude(consumed_by="").exists()
+    assert (
+        extras.count() == outcomes.count("stored") and not extras.exclude(consumed_by="").exists()
+    )
     before = list(InboxEvent.objects.order_by("id").values_list("id", flat=True))
     with pytest.raises(InvalidTransition, match="it is complete"):
         inst.send_event("go", {"late": True})
@@ -623,7 +718,9 @@ def deploy_v1() -> None:
             return {"a": a, "b": b}
 
 
-def test_a_deploy_that_reorders_the_steps_of_a_running_instance_fails_it_with_non_determinism(lax_versions):
+def test_a_deploy_that_reorders_the_steps_of_a_running_instance_fails_it_with_non_determinism(
+    lax_versions,
+):
     deploy_v1()
     inst = get_workflow("rel-deploy").create(id="reordered")
     testing.run_until_idle()
@@ -653,7 +750,9 @@ def redeploy_and_replay(inst, run) -> None:
 
 def assert_non_determinism(inst, *fragments: str) -> None:
     status = inst.status()
-    assert status.status == "errored" and status.error["name"] == NonDeterminismError.__name__, status
+    assert status.status == "errored" and status.error["name"] == NonDeterminismError.__name__, (
+        status
+    )
     for fragment in fragments:
         assert fragment in status.error["message"], status.error["message"]
 
@@ -685,7 +784,9 @@ def test_a_removed_step_fails_naming_the_step_that_now_follows(lax_versions):
         return await step.do("b", lambda: "from b")
 
     redeploy_and_replay(inst, run)
-    assert_non_determinism(inst, 'sleep step "pause" was checkpointed after step "a"', "the start of its branch")
+    assert_non_determinism(
+        inst, 'sleep step "pause" was checkpointed after step "a"', "the start of its branch"
+    )
 
 
 def test_reordered_steps_of_the_same_kind_fail_with_non_determinism(lax_versions):
@@ -752,7 +853,11 @@ def test_a_compensation_cannot_collide_with_a_step_named_like_it(registered):
     testing.run_until_idle()
     assert inst.status().status == "terminated"
     assert undone == ["charged"]
-    rows = set(StepRecord.objects.filter(instance__instance_id=inst.id).values_list("kind", "name", "output_json"))
+    rows = set(
+        StepRecord.objects.filter(instance__instance_id=inst.id).values_list(
+            "kind", "name", "output_json"
+        )
+    )
     assert ("do", "compensate:charge", '"a step of the user\'s"') in rows
     assert ("compensate", "charge", "null") in rows
 
@@ -769,23 +874,47 @@ def test_ten_thousand_simultaneous_timers_all_fire_and_checkpoint_once(workers):
     # One instant for all, late enough that every instance is parked on it beforehand.
     instant = time.time() + 150
     for start in range(0, size, 100):
-        wf.create_batch([{"id": f"t{n}", "params": {"at": int(instant * 1000)}} for n in range(start, start + 100)])
+        wf.create_batch(
+            [
+                {"id": f"t{n}", "params": {"at": int(instant * 1000)}}
+                for n in range(start, start + 100)
+            ]
+        )
     workers(2, WFDASH_LEASE_SECONDS="30")
-    wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="waiting").count() == size,
-               150, "every instance to park on its timer", interval=1)
+    wait_until(
+        lambda: Instance.objects.filter(workflow="rel-timer", status="waiting").count() == size,
+        150,
+        "every instance to park on its timer",
+        interval=1,
+    )
     parked_at = time.time()
     assert parked_at < instant, "the instances parked too late for their instant to be simultaneous"
-    wait_until(lambda: Instance.objects.filter(workflow="rel-timer", status="complete").count() == size,
-               900, "every timer to fire and its instance to complete", interval=1)
+    wait_until(
+        lambda: Instance.objects.filter(workflow="rel-timer", status="complete").count() == size,
+        900,
+        "every timer to fire and its instance to complete",
+        interval=1,
+    )
     assert_one_checkpoint_per_step("rel-timer", 1, size)
-    assert StepRecord.objects.filter(instance__workflow="rel-timer", kind="sleepUntil", status="complete").count() == size
+    assert (
+        StepRecord.objects.filter(
+            instance__workflow="rel-timer", kind="sleepUntil", status="complete"
+        ).count()
+        == size
+    )
     assert set(executions("t").values()) == {1}
-    woke = sorted(started - instant for _, step, _, started, _ in fleet_workflows.ledger_rows() if step == "after")
+    woke = sorted(
+        started - instant
+        for _, step, _, started, _ in fleet_workflows.ledger_rows()
+        if step == "after"
+    )
     assert len(woke) == size
     assert woke[0] >= 0, f"a timer fired {-woke[0]:.3f} s early"
     p50, p95 = woke[size // 2], woke[size * 95 // 100]
-    print(f"\n10k timers: parked {instant - parked_at:.1f} s before the instant; lateness "
-          f"p50 {p50:.2f} s, p95 {p95:.2f} s, max {woke[-1]:.2f} s (all woken {woke[-1]:.2f} s after it)")
+    print(
+        f"\n10k timers: parked {instant - parked_at:.1f} s before the instant; lateness "
+        f"p50 {p50:.2f} s, p95 {p95:.2f} s, max {woke[-1]:.2f} s (all woken {woke[-1]:.2f} s after it)"
+    )
 
 
 @soak_only
@@ -808,7 +937,10 @@ def test_sqlite_held_by_an_external_exclusive_lock_delays_but_loses_and_duplicat
     time.sleep(5)  # the injected fault itself: the database is unavailable for five seconds
     outsider.execute("COMMIT")
     outsider.close()
-    wait_until(lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
-               300, "every instance to complete after the lock")
+    wait_until(
+        lambda: Instance.objects.filter(workflow="fleet", status="complete").count() == size,
+        300,
+        "every instance to complete after the lock",
+    )
     assert_one_checkpoint_per_step("fleet", 5, size)
     assert set(executions("x").values()) == {1}

@@ -45,6 +45,8 @@ def nested(levels: int) -> list:
     for _ in range(levels - 1):
         value = [value]
     return value
+
+
 XSS = ["<script>alert(1)</script>", '"onmouseover=alert(1)']
 
 
@@ -96,8 +98,12 @@ PYTHON_BAD = {  # id: (event type, payload factory, error, message)
     "NaN": ("go", lambda: float("nan"), InvalidInput, "not JSON-serialisable"),
     "infinity": ("go", lambda: float("inf"), InvalidInput, "not JSON-serialisable"),
     "nested 10000 levels": ("go", lambda: nested(10_000), InvalidInput, "nested too deeply"),
-    "one byte over the limit": ("go", lambda: string_of_bytes(LIMIT + 1), LimitExceeded,
-                                f"max_event_payload_bytes is {LIMIT} bytes, got {LIMIT + 1} bytes"),
+    "one byte over the limit": (
+        "go",
+        lambda: string_of_bytes(LIMIT + 1),
+        LimitExceeded,
+        f"max_event_payload_bytes is {LIMIT} bytes, got {LIMIT + 1} bytes",
+    ),
 }
 
 
@@ -152,10 +158,19 @@ def api() -> Any:
     client = Client(raise_request_exception=False)
 
     def post(path: str, raw: bytes) -> tuple[int, str, str]:
-        response = client.generic("POST", path, raw, content_type="application/json",
-                                  headers={"Authorization": f"Bearer {secret}"})
+        response = client.generic(
+            "POST",
+            path,
+            raw,
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {secret}"},
+        )
         if response.status_code >= 500:
-            return response.status_code, "ServerError", response.content.decode(errors="replace")[:200]
+            return (
+                response.status_code,
+                "ServerError",
+                response.content.decode(errors="replace")[:200],
+            )
         body = response.json()
         if body["success"]:
             return response.status_code, "", ""
@@ -170,17 +185,49 @@ HTTP_BAD = [
     (EVENT, b'{"a": NaN}', 400, "InvalidJSON", "NaN is not valid JSON"),
     (EVENT, b"\xff\xfe{}", 400, "InvalidEncoding", "not UTF-8"),
     (EVENT, b"1e400", 400, "InvalidInput", "not JSON-serialisable"),
-    (f"/api/workflows/{WF}/instances/w1/events/bad%20type", b"{}", 400, "InvalidEventType", "invalid event type"),
-    (f"/api/workflows/{WF}/instances/nope/events/go", b"{}", 404, "InstanceNotFound", "no instance 'nope'"),
+    (
+        f"/api/workflows/{WF}/instances/w1/events/bad%20type",
+        b"{}",
+        400,
+        "InvalidEventType",
+        "invalid event type",
+    ),
+    (
+        f"/api/workflows/{WF}/instances/nope/events/go",
+        b"{}",
+        404,
+        "InstanceNotFound",
+        "no instance 'nope'",
+    ),
     ("/api/workflows/no-such/instances/w1/events/go", b"{}", 404, "UnknownWorkflow", "no-such"),
-    (f"/api/workflows/{WF}/instances", b'{"id": 5}', 400, "InvalidInput", "instance id must be a non-empty string"),
-    (f"/api/workflows/{WF}/instances", b'{"params": 1, "bogus": 2}', 400, "InvalidInput", "unknown field(s) ['bogus']"),
-    (f"/api/workflows/{WF}/instances/batch", b'{"id": "a"}', 400, "InvalidInput", "must be a JSON array"),
+    (
+        f"/api/workflows/{WF}/instances",
+        b'{"id": 5}',
+        400,
+        "InvalidInput",
+        "instance id must be a non-empty string",
+    ),
+    (
+        f"/api/workflows/{WF}/instances",
+        b'{"params": 1, "bogus": 2}',
+        400,
+        "InvalidInput",
+        "unknown field(s) ['bogus']",
+    ),
+    (
+        f"/api/workflows/{WF}/instances/batch",
+        b'{"id": "a"}',
+        400,
+        "InvalidInput",
+        "must be a JSON array",
+    ),
 ]
 
 
 @pytest.mark.parametrize("path,raw,status,code,message", HTTP_BAD, ids=lambda v: str(v)[:24])
-def test_the_http_api_refuses_bad_input_with_a_4xx_naming_the_problem_and_stores_nothing(waiter, api, path, raw, status, code, message):
+def test_the_http_api_refuses_bad_input_with_a_4xx_naming_the_problem_and_stores_nothing(
+    waiter, api, path, raw, status, code, message
+):
     before = snapshot()
     assert api(path, raw)[:2] == (status, code)
     assert message in api(path, raw)[2]
@@ -197,7 +244,13 @@ def test_the_http_api_refuses_json_nested_ten_thousand_levels_deep_with_400(wait
 def test_the_http_api_accepts_payloads_under_and_at_the_limit(waiter, api):
     for size, name in ((LIMIT - 1, "a"), (LIMIT, "b")):
         get_workflow(WF).create(id=name)
-        assert api(f"/api/workflows/{WF}/instances/{name}/events/go", json.dumps(string_of_bytes(size)).encode())[0] == 200
+        assert (
+            api(
+                f"/api/workflows/{WF}/instances/{name}/events/go",
+                json.dumps(string_of_bytes(size)).encode(),
+            )[0]
+            == 200
+        )
     assert api(f"/api/workflows/{WF}/instances/w1/events/go", HUGE_NUMBER.encode())[0] == 200
     testing.run_until_idle()
     assert get_workflow(WF).get("w1").status().output == 10**400
@@ -205,7 +258,7 @@ def test_the_http_api_accepts_payloads_under_and_at_the_limit(waiter, api):
 
 def test_the_http_api_refuses_a_payload_one_byte_over_the_limit_with_413(waiter, api):
     before = snapshot()
-    status, code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
+    status, _code, message = api(EVENT, json.dumps(string_of_bytes(LIMIT + 1)).encode())
     assert snapshot() == before
     assert f"max_event_payload_bytes is {LIMIT} bytes" in message
     assert status == 413
@@ -241,24 +294,34 @@ def operator() -> Client:
     return client
 
 
-@pytest.mark.parametrize(("method", "path", "data", "status"), [
-    ("get", "/instances/?created_from=9999-12-31T23:59&tz=-840", None, 400),
-    ("get", "/instances/?created_to=9999-12-31T23:59&tz=-840", None, 400),
-    ("get", "/instances/?version=" + BIG_PK, None, 400),
-    ("get", f"/instances/{BIG_PK}/", None, 404),
-    ("get", f"/instances/{2**63}/", None, 404),
-    ("get", "/instances/0/", None, 404),
-    ("get", f"/instances/{BIG_PK}/live/", None, 404),
-    ("post", f"/instances/{BIG_PK}/pause/", {}, 404),
-    ("get", f"/instances/rows/?since={BIG_PK}", None, 404),
-    ("get", "/instances/rows/?since=²", None, 404),
-    ("post", "/instances/create/", {"workflow": WF, "params": DEEP * 10}, 400),
-    ("post", "/instances/create/", {"workflow": WF, "params": "1" * 5000}, 400),
-    ("post", "/instances/create/", {"workflow": WF, "params": json.dumps(nested(950))}, 400),
-], ids=lambda v: str(v)[:40])
-def test_input_that_used_to_answer_500_gets_a_4xx_and_stores_nothing(waiter, operator, method, path, data, status):
+@pytest.mark.parametrize(
+    ("method", "path", "data", "status"),
+    [
+        ("get", "/instances/?created_from=9999-12-31T23:59&tz=-840", None, 400),
+        ("get", "/instances/?created_to=9999-12-31T23:59&tz=-840", None, 400),
+        ("get", "/instances/?version=" + BIG_PK, None, 400),
+        ("get", f"/instances/{BIG_PK}/", None, 404),
+        ("get", f"/instances/{2**63}/", None, 404),
+        ("get", "/instances/0/", None, 404),
+        ("get", f"/instances/{BIG_PK}/live/", None, 404),
+        ("post", f"/instances/{BIG_PK}/pause/", {}, 404),
+        ("get", f"/instances/rows/?since={BIG_PK}", None, 404),
+        ("get", "/instances/rows/?since=²", None, 404),
+        ("post", "/instances/create/", {"workflow": WF, "params": DEEP * 10}, 400),
+        ("post", "/instances/create/", {"workflow": WF, "params": "1" * 5000}, 400),
+        ("post", "/instances/create/", {"workflow": WF, "params": json.dumps(nested(950))}, 400),
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_input_that_used_to_answer_500_gets_a_4xx_and_stores_nothing(
+    waiter, operator, method, path, data, status
+):
     before = snapshot()
-    response = getattr(operator, method)(path, data) if data is not None else getattr(operator, method)(path)
+    response = (
+        getattr(operator, method)(path, data)
+        if data is not None
+        else getattr(operator, method)(path)
+    )
     assert response.status_code == status, response.content[:300]
     assert snapshot() == before
 
@@ -275,7 +338,10 @@ def test_a_bulk_action_on_a_pk_past_the_databases_range_is_refused_naming_it(wai
 def test_an_event_payload_nested_too_deep_from_the_dashboard_is_refused_naming_it(waiter, operator):
     pk = waiter.row().pk
     before = snapshot()
-    for payload, reason in ((DEEP * 10, "nested too deeply"), (json.dumps(nested(100)), "nesting limit is 64")):
+    for payload, reason in (
+        (DEEP * 10, "nested too deeply"),
+        (json.dumps(nested(100)), "nesting limit is 64"),
+    ):
         response = operator.post(f"/instances/{pk}/send-event/", {"type": "go", "payload": payload})
         assert response.status_code == 400  # the form comes back with the error beside it
         assert reason in response.content.decode(), reason
@@ -285,11 +351,15 @@ def test_an_event_payload_nested_too_deep_from_the_dashboard_is_refused_naming_i
 
 def test_params_outputs_and_payloads_past_the_nesting_limit_are_refused_naming_it(waiter, api):
     before = snapshot()
-    with pytest.raises(InvalidInput, match="nested 950 levels deep; the nesting limit is 64 levels"):
+    with pytest.raises(
+        InvalidInput, match="nested 950 levels deep; the nesting limit is 64 levels"
+    ):
         get_workflow(WF).create(params=nested(950))
     with pytest.raises(InvalidInput, match="nesting limit is 64"):
         waiter.send_event("go", nested(65))
-    status, code, message = api(f"/api/workflows/{WF}/instances", json.dumps({"params": nested(200)}).encode())
+    status, code, message = api(
+        f"/api/workflows/{WF}/instances", json.dumps({"params": nested(200)}).encode()
+    )
     assert (status, code) == (400, "InvalidInput") and "nesting limit is 64" in message
     assert snapshot() == before
     get_workflow(WF).create(id="deep-ok", params=nested(64))  # exactly at the limit is fine
@@ -309,7 +379,9 @@ def test_a_step_output_past_the_nesting_limit_fails_the_step_at_once(registered)
     assert inst.steps()[0].attempts == 1  # not retried: the callable would run again for nothing
 
 
-async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_the_socket_lives(waiter):
+async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_the_socket_lives(
+    waiter,
+):
     cookie = await database_sync_to_async(staff_cookie)("view_instance")
     communicator, connected = await connect("/ws/instances/", cookie)
     assert connected
@@ -321,11 +393,17 @@ async def test_watch_with_a_pk_past_the_databases_range_gets_an_error_frame_and_
     await communicator.disconnect()
 
 
-@pytest.mark.parametrize("path", ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", f"/ws/instances/{2**63}/", "/"])
+@pytest.mark.parametrize(
+    "path",
+    ["/ws/nope/", "/ws/instances/abc/", f"/ws/instances/{BIG_PK}/", f"/ws/instances/{2**63}/", "/"],
+)
 async def test_an_unknown_socket_path_is_refused_at_the_handshake(waiter, path):
     cookie = await database_sync_to_async(staff_cookie)("view_instance")
-    communicator = WebsocketCommunicator(router, path, headers=[
-        (b"origin", b"http://testserver"), (b"host", b"testserver"), (b"cookie", cookie)])
+    communicator = WebsocketCommunicator(
+        router,
+        path,
+        headers=[(b"origin", b"http://testserver"), (b"host", b"testserver"), (b"cookie", cookie)],
+    )
     connected, code = await communicator.connect(timeout=5)
     assert not connected and code == 4404
 
@@ -338,7 +416,10 @@ COMMAND_BAD = [
     (["send-event", "w1", "bad type!", "--payload", "{}"], "invalid event type"),
     (["send-event", "nope", "go"], "no instance 'nope'"),
     (["send-event", "w1", "go", "--payload", "1e400"], "not JSON-serialisable"),
-    (["send-event", "w1", "go", "--payload", json.dumps(string_of_bytes(LIMIT + 1))], f"max_event_payload_bytes is {LIMIT} bytes"),
+    (
+        ["send-event", "w1", "go", "--payload", json.dumps(string_of_bytes(LIMIT + 1))],
+        f"max_event_payload_bytes is {LIMIT} bytes",
+    ),
     (["start", WF, "--params", "["], "--params is not valid JSON"),
     (["start", WF, "--id", "bad id!"], "invalid instance id"),
     (["start", "no-such-workflow"], "no-such-workflow"),
@@ -346,7 +427,9 @@ COMMAND_BAD = [
 
 
 @pytest.mark.parametrize("args,message", COMMAND_BAD, ids=lambda v: str(v)[:30])
-def test_the_wf_command_refuses_bad_input_with_a_command_error_and_stores_nothing(waiter, args, message):
+def test_the_wf_command_refuses_bad_input_with_a_command_error_and_stores_nothing(
+    waiter, args, message
+):
     before = snapshot()
     with pytest.raises(CommandError) as caught:
         call_command("wf", *args)
@@ -362,7 +445,9 @@ def test_the_wf_command_refuses_json_nested_ten_thousand_levels_with_a_command_e
     assert snapshot() == before
 
 
-def test_the_wf_command_refuses_a_payload_file_that_is_not_utf8_with_a_command_error(waiter, tmp_path: Path):
+def test_the_wf_command_refuses_a_payload_file_that_is_not_utf8_with_a_command_error(
+    waiter, tmp_path: Path
+):
     bad = tmp_path / "payload.json"
     bad.write_bytes(b'{"a": "\xff\xfe"}')
     before = snapshot()
@@ -380,10 +465,16 @@ def staff_cookie(*perms: str, staff: bool = True, name: str = "sock") -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-async def connect(path: str, cookie: bytes | None, origin: bytes = b"http://testserver",
-                  host: bytes = b"testserver", extra: tuple[tuple[bytes, bytes], ...] = ()
-                  ) -> tuple[WebsocketCommunicator, bool]:
-    headers = [(b"origin", origin), (b"host", host), *extra] + ([(b"cookie", cookie)] if cookie else [])
+async def connect(
+    path: str,
+    cookie: bytes | None,
+    origin: bytes = b"http://testserver",
+    host: bytes = b"testserver",
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> tuple[WebsocketCommunicator, bool]:
+    headers = [(b"origin", origin), (b"host", host), *extra] + (
+        [(b"cookie", cookie)] if cookie else []
+    )
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=5)
     return communicator, connected
@@ -401,7 +492,10 @@ WS_BAD = [
     ({"bytes_data": b"\xff\xfe"}, "binary frames are not accepted"),
     ({"text_data": json.dumps({"type": "terminate"})}, "unknown message"),
     ({"text_data": json.dumps({"type": 5})}, "unknown message"),
-    ({"text_data": json.dumps({"type": "send-event", "event": "go", "payload": {}})}, "unknown message"),
+    (
+        {"text_data": json.dumps({"type": "send-event", "event": "go", "payload": {}})},
+        "unknown message",
+    ),
     ({"text_data": "1e400"}, "unknown message"),
     ({"text_data": HUGE_NUMBER}, "unknown message"),
     ({"text_data": DEEP}, "frame larger than 8192 bytes"),
@@ -410,7 +504,9 @@ WS_BAD = [
 
 
 @pytest.mark.parametrize("frame,message", WS_BAD, ids=lambda v: str(v)[:24])
-async def test_a_forged_or_malformed_socket_frame_gets_an_error_frame_and_changes_nothing(waiter, frame, message):
+async def test_a_forged_or_malformed_socket_frame_gets_an_error_frame_and_changes_nothing(
+    waiter, frame, message
+):
     pk = (await database_sync_to_async(waiter.row)()).pk
     cookie = await database_sync_to_async(staff_cookie)("view_instance", "change_instance")
     communicator, connected = await connect(f"/ws/instances/{pk}/", cookie)
@@ -465,14 +561,21 @@ async def test_a_socket_from_another_port_or_scheme_of_the_same_host_is_refused(
     ):
         _, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
         assert not connected, (origin, host)
-    for origin, host in ((b"http://testserver", b"testserver"), (b"http://testserver:8000", b"testserver:8000"),
-                         (b"http://TestServer:80", b"testserver")):
-        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, host=host)
+    for origin, host in (
+        (b"http://testserver", b"testserver"),
+        (b"http://testserver:8000", b"testserver:8000"),
+        (b"http://TestServer:80", b"testserver"),
+    ):
+        communicator, connected = await connect(
+            f"/ws/instances/{pk}/", cookie, origin=origin, host=host
+        )
         assert connected, (origin, host)
         await communicator.disconnect()
 
 
-async def test_a_socket_from_a_csrf_trusted_origin_or_through_a_trusted_https_proxy_is_admitted(waiter, settings):
+async def test_a_socket_from_a_csrf_trusted_origin_or_through_a_trusted_https_proxy_is_admitted(
+    waiter, settings
+):
     settings.CSRF_TRUSTED_ORIGINS = ["https://dash.example.com", "https://*.ops.example.com"]
     settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     pk = (await database_sync_to_async(waiter.row)()).pk
@@ -487,7 +590,9 @@ async def test_a_socket_from_a_csrf_trusted_origin_or_through_a_trusted_https_pr
         (b"https://testserver", (), False),
         (b"http://testserver", proxied, False),
     ):
-        communicator, connected = await connect(f"/ws/instances/{pk}/", cookie, origin=origin, extra=extra)
+        communicator, connected = await connect(
+            f"/ws/instances/{pk}/", cookie, origin=origin, extra=extra
+        )
         assert connected is admitted, (origin, extra)
         if connected:
             await communicator.disconnect()
@@ -550,11 +655,20 @@ async def test_a_socket_closes_when_its_user_is_deactivated_or_loses_view_permis
     for name, change in (
         ("deactivated", lambda u: (setattr(u, "is_active", False), u.save())),
         ("no longer staff", lambda u: (setattr(u, "is_staff", False), u.save())),
-        ("lost view_instance", lambda u: u.user_permissions.remove(Permission.objects.get(codename="view_instance"))),
+        (
+            "lost view_instance",
+            lambda u: u.user_permissions.remove(Permission.objects.get(codename="view_instance")),
+        ),
     ):
-        await database_sync_to_async(lambda: User.objects.filter(pk=user.pk).update(is_active=True, is_staff=True))()
-        await database_sync_to_async(lambda: user.user_permissions.add(Permission.objects.get(codename="view_instance")))()
-        communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("fading"))
+        await database_sync_to_async(
+            lambda: User.objects.filter(pk=user.pk).update(is_active=True, is_staff=True)
+        )()
+        await database_sync_to_async(
+            lambda: user.user_permissions.add(Permission.objects.get(codename="view_instance"))
+        )()
+        communicator, connected = await connect(
+            "/ws/instances/", await database_sync_to_async(another_session)("fading")
+        )
         assert connected, name
         fresh = await database_sync_to_async(User.objects.get)(pk=user.pk)
         await database_sync_to_async(change)(fresh)
@@ -570,10 +684,14 @@ def group_viewer(username: str) -> tuple[Group, Permission]:
     return group, view
 
 
-@pytest.mark.parametrize("side", ["group.permissions", "permission.group_set", "group.user_set", "user.groups"])
+@pytest.mark.parametrize(
+    "side", ["group.permissions", "permission.group_set", "group.user_set", "user.groups"]
+)
 async def test_a_socket_closes_when_the_group_that_let_its_user_view_loses_that(waiter, side):
     group, view = await database_sync_to_async(group_viewer)("grouped")
-    communicator, connected = await connect("/ws/instances/", await database_sync_to_async(another_session)("grouped"))
+    communicator, connected = await connect(
+        "/ws/instances/", await database_sync_to_async(another_session)("grouped")
+    )
     assert connected
     change = {
         "group.permissions": lambda: group.permissions.remove(view),
@@ -585,22 +703,32 @@ async def test_a_socket_closes_when_the_group_that_let_its_user_view_loses_that(
     assert await close_code(communicator) == 4403
 
 
-async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(waiter, monkeypatch):
+async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(
+    waiter, monkeypatch
+):
     _, cookie = await database_sync_to_async(logged_in)("quiet", "view_instance")
     communicator, connected = await connect("/ws/instances/", cookie)
     assert connected and await answers_ping(communicator)
-    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    await database_sync_to_async(
+        lambda: User.objects.filter(username="quiet").update(is_active=False)
+    )()
     assert not await answers_ping(communicator)  # the client's next message re-checks first
 
-    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=True))()
+    await database_sync_to_async(
+        lambda: User.objects.filter(username="quiet").update(is_active=True)
+    )()
     monkeypatch.setattr(access, "RECHECK_SECONDS", 0.05)
     communicator, connected = await connect("/ws/instances/", cookie)
     assert connected
-    await database_sync_to_async(lambda: User.objects.filter(username="quiet").update(is_active=False))()
+    await database_sync_to_async(
+        lambda: User.objects.filter(username="quiet").update(is_active=False)
+    )()
     assert await close_code(communicator) == 4403  # the periodic re-check, with no message at all
 
 
-def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(waiter):
+def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(
+    waiter,
+):
     client = Client()
     client.force_login(make_user("looker", "view_instance"))
     pk = waiter.row().pk
@@ -620,7 +748,9 @@ def test_a_dashboard_post_without_a_csrf_token_is_refused(waiter):
     assert snapshot() == before and waiter.status().status == "waiting"
     # With the token it works: the refusal was the missing token, nothing else.
     client.get(f"/instances/{pk}/", follow=True)  # redirects to the page by workflow and id
-    response = client.post(f"/instances/{pk}/terminate/", {"csrfmiddlewaretoken": client.cookies["csrftoken"].value})
+    response = client.post(
+        f"/instances/{pk}/terminate/", {"csrfmiddlewaretoken": client.cookies["csrftoken"].value}
+    )
     assert response.status_code == 302 and waiter.status().status == "terminated"
 
 
@@ -634,8 +764,12 @@ def test_a_revoked_api_token_is_refused(waiter):
     for response in (
         client.get(f"/api/workflows/{WF}/instances/w1", headers=headers),
         client.post(EVENT, "{}", content_type="application/json", headers=headers),
-        client.patch(f"/api/workflows/{WF}/instances/w1/status", '{"status": "terminate"}',
-                     content_type="application/json", headers=headers),
+        client.patch(
+            f"/api/workflows/{WF}/instances/w1/status",
+            '{"status": "terminate"}',
+            content_type="application/json",
+            headers=headers,
+        ),
     ):
         assert response.status_code == 401 and "revoked" in response.json()["errors"][0]["message"]
     assert snapshot() == before and waiter.status().status == "waiting"
@@ -647,7 +781,11 @@ def failing(registered: list[str]) -> Any:
     class Failing(WorkflowEntrypoint):
         async def run(self, event: Any, step: Any) -> Any:
             await step.wait_for_event("wait", type="go", timeout="1 hour")
-            await step.do("explode", lambda: (_ for _ in ()).throw(ValueError(" ".join(XSS))), retries={"limit": 0})
+            await step.do(
+                "explode",
+                lambda: (_ for _ in ()).throw(ValueError(" ".join(XSS))),
+                retries={"limit": 0},
+            )
 
     inst = get_workflow("sec-xss").create(id="xss", params={"p": XSS})
     testing.run_until_idle()
@@ -676,7 +814,9 @@ def test_script_in_an_error_message_and_a_payload_is_rendered_escaped(failing):
 # --- throttling guessed credentials ------------------------------------------------------
 
 
-def test_wrong_api_tokens_are_throttled_with_429_and_retry_after_even_for_the_right_token(waiter, settings):
+def test_wrong_api_tokens_are_throttled_with_429_and_retry_after_even_for_the_right_token(
+    waiter, settings
+):
     settings.WFDASH = {**settings.WFDASH, "API_FAILURE_LIMIT": 5, "API_LOCKOUT_SECONDS": 120}
     _, secret = tokens.issue("right")
     client = Client()
@@ -698,27 +838,47 @@ def test_requests_without_a_token_do_not_count_as_guesses(waiter, settings):
     client = Client()
     for _ in range(5):
         assert client.get(f"/api/workflows/{WF}/instances").status_code == 401
-    assert client.get(f"/api/workflows/{WF}/instances", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+    assert (
+        client.get(
+            f"/api/workflows/{WF}/instances", headers={"Authorization": f"Bearer {secret}"}
+        ).status_code
+        == 200
+    )
 
 
-def test_repeated_failed_logins_lock_the_address_out_with_429_even_for_the_right_password(waiter, settings):
+def test_repeated_failed_logins_lock_the_address_out_with_429_even_for_the_right_password(
+    waiter, settings
+):
     User.objects.create_superuser("boss", password="a-long-passphrase")
     client = Client()
     for attempt in range(settings.AXES_FAILURE_LIMIT - 1):
         response = client.post("/admin/login/", {"username": "boss", "password": f"wrong{attempt}"})
         assert response.status_code == 200, attempt  # the form again, with its error
     locked = client.post("/admin/login/", {"username": "boss", "password": "wrong-last"})
-    assert locked.status_code == 429 and int(locked["Retry-After"]) == settings.AXES_COOLOFF_TIME.total_seconds()
+    assert (
+        locked.status_code == 429
+        and int(locked["Retry-After"]) == settings.AXES_COOLOFF_TIME.total_seconds()
+    )
     right = client.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"})
     assert right.status_code == 429
     assert "sessionid" not in client.cookies or client.get("/").status_code != 200
     # Another address can still log in.
     other = Client(REMOTE_ADDR="10.0.0.2")
-    assert other.post("/admin/login/", {"username": "boss", "password": "a-long-passphrase"}).status_code == 302
+    assert (
+        other.post(
+            "/admin/login/", {"username": "boss", "password": "a-long-passphrase"}
+        ).status_code
+        == 302
+    )
 
 
 def test_the_nesting_check_reads_brackets_inside_strings_and_escapes_as_text(waiter):
     tricky = [{"s": "[[[[{{{{" * 20, "e": '\\\\"]]}}' * 20, "u": "é[ü]\ud800"} for _ in range(70)]
-    assert get_workflow(WF).create(params=[{"s": "[" * 200} for _ in range(70)]).row().params[0]["s"] == "[" * 200
-    with pytest.raises(InvalidInput, match="not valid Unicode"):  # the surrogate, not the nesting check
+    assert (
+        get_workflow(WF).create(params=[{"s": "[" * 200} for _ in range(70)]).row().params[0]["s"]
+        == "[" * 200
+    )
+    with pytest.raises(
+        InvalidInput, match="not valid Unicode"
+    ):  # the surrogate, not the nesting check
         get_workflow(WF).create(params=tricky)

@@ -33,10 +33,13 @@ def test_mock_step_fails_n_times_through_the_retry_loop_then_returns_its_result(
             def charge():
                 calls["charge"] += 1
                 return {"real": True}
+
             return await step.do("charge card", charge, retries={"limit": 5, "delay": 0})
 
     with_result = get_workflow("mocked-charge").create()
-    testing.mock_step(with_result.id, "charge card", error=ConnectionError("down"), times=2, result={"mocked": 1})
+    testing.mock_step(
+        with_result.id, "charge card", error=ConnectionError("down"), times=2, result={"mocked": 1}
+    )
     real_after = get_workflow("mocked-charge").create()
     testing.mock_step(real_after.id, "charge card", error=ConnectionError("down"), times=2)
     testing.run_until_idle()
@@ -62,7 +65,9 @@ def test_mock_step_without_a_result_calls_through_to_a_callable_taking_the_conte
     @register("mocked-ctx")
     class MockedCtx(WorkflowEntrypoint):
         async def run(self, event, step):
-            return await step.do("ctx step", lambda ctx: f"attempt {ctx.attempt}", retries={"limit": 3, "delay": 0})
+            return await step.do(
+                "ctx step", lambda ctx: f"attempt {ctx.attempt}", retries={"limit": 3, "delay": 0}
+            )
 
     inst = get_workflow("mocked-ctx").create()
     testing.mock_step(inst.id, "ctx step", error=ConnectionError("down"), times=1)
@@ -213,7 +218,9 @@ def test_wait_for_status_raises_naming_the_status_it_did_not_reach(registered):
     inst.terminate()  # its timer, an hour away, would count as something due
     paused = get_workflow("never-done").create()
     paused.pause()
-    with pytest.raises(AssertionError, match=r"is 'paused', not \('complete',\), and nothing is due"):
+    with pytest.raises(
+        AssertionError, match=r"is 'paused', not \('complete',\), and nothing is due"
+    ):
         testing.wait_for_status(paused, "complete", timeout=5)
 
 
@@ -247,7 +254,9 @@ def test_step_result_returns_a_completed_steps_output_and_does_not_wait(register
         testing.step_result(inst, "first")
     testing.run_until_idle()
     assert testing.step_result(inst, "first") == {"n": 1, "items": [1, None, "x"]}
-    with pytest.raises(AssertionError, match=rf"instance '{inst.id}' has no completed step 'approve'"):
+    with pytest.raises(
+        AssertionError, match=rf"instance '{inst.id}' has no completed step 'approve'"
+    ):
         testing.step_result(inst, "approve")  # still waiting
     with pytest.raises(AssertionError, match=r"has no completed step 'no such step'"):
         testing.step_result(inst, "no such step")
@@ -287,11 +296,11 @@ def test_the_readme_example_test_passes(registered):
 
     # From README.md, "Testing your workflows", unchanged but for this comment.
     inst = get_workflow("order-approval").create(params={"amount": 30})
-    with testing.fake_clock() as clock:        # the engine's clock: timers, timestamps, history
-        testing.run_until_idle()               # runs until nothing is runnable now; returns runs made
+    with testing.fake_clock() as clock:  # the engine's clock: timers, timestamps, history
+        testing.run_until_idle()  # runs until nothing is runnable now; returns runs made
         assert inst.status().status == "waiting"
         inst.send_event("approval", {"ok": True})
-        testing.run_until_idle()               # …now it sleeps "cool-off" for 10 seconds
+        testing.run_until_idle()  # …now it sleeps "cool-off" for 10 seconds
         clock.advance("10 seconds")
         testing.run_until_idle()
     assert inst.status().status == "complete"

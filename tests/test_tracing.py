@@ -10,6 +10,7 @@ from collections import Counter
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from opentelemetry import trace
@@ -44,7 +45,9 @@ def traced_workflow():
                 with trace.get_tracer("user.code").start_as_current_span("user work"):
                     return "ok"
 
-            await step.do("flaky", flaky, retries={"limit": 4, "delay": "1 second", "backoff": "constant"})
+            await step.do(
+                "flaky", flaky, retries={"limit": 4, "delay": "1 second", "backoff": "constant"}
+            )
             await step.sleep("nap", "1 minute")
             got = await step.wait_for_event("approval", type="approve", timeout="1 hour")
             return got.payload
@@ -68,7 +71,9 @@ def drive_traced_instance():
     return inst
 
 
-def test_spans_form_one_trace_per_instance_with_steps_sleeps_waits_and_retry_events(registered, exported):
+def test_spans_form_one_trace_per_instance_with_steps_sleeps_waits_and_retry_events(
+    registered, exported
+):
     inst = drive_traced_instance()
     spans = exported.get_finished_spans()
     trace_ids = {format(s.context.trace_id, "032x") for s in spans}
@@ -120,6 +125,7 @@ def test_spans_and_errors_are_stored_and_go_with_the_instance(registered, export
     assert {e.span_id for e in errors} <= span_ids
 
     from workflows_app.models import Instance
+
     Instance.objects.filter(pk=pk).update(expires_at=START)
     assert store.prune() == 1
     assert not Span.objects.filter(instance_id=pk).exists()
@@ -135,8 +141,15 @@ def test_a_failed_instance_records_an_error_and_an_error_span(registered, export
     inst = get_workflow("failing").create()
     testing.run_until_idle()
     assert inst.status().error["name"] == "ZeroDivisionError"
-    sources = list(ErrorRecord.objects.filter(instance_id=inst.row().pk).order_by("id").values_list("source", "name"))
-    assert sources == [("workflow.step", "ZeroDivisionError"), ("workflow.instance", "ZeroDivisionError")]
+    sources = list(
+        ErrorRecord.objects.filter(instance_id=inst.row().pk)
+        .order_by("id")
+        .values_list("source", "name")
+    )
+    assert sources == [
+        ("workflow.step", "ZeroDivisionError"),
+        ("workflow.instance", "ZeroDivisionError"),
+    ]
     (step_span,) = [s for s in exported.get_finished_spans() if s.name == "step boom"]
     assert step_span.status.status_code == trace.StatusCode.ERROR
     assert any(e.name == "exception" for e in step_span.events)
@@ -154,11 +167,13 @@ def test_a_request_span_is_linked_from_the_instance_trace(registered, exported):
         inst = get_workflow("linked").create()
     (create,) = [s for s in exported.get_finished_spans() if s.name == "create linked"]
     assert format(create.context.trace_id, "032x") == inst.row().trace_id
-    assert [link.context.span_id for link in create.links] == [request_span.get_span_context().span_id]
+    assert [link.context.span_id for link in create.links] == [
+        request_span.get_span_context().span_id
+    ]
 
 
 class _OtlpReceiver(BaseHTTPRequestHandler):
-    received: list[str] = []
+    received: ClassVar[list[str]] = []
 
     def do_POST(self):
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -216,8 +231,12 @@ def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Pa
         }
         env.pop("REDIS_URL", None)
         result = subprocess.run(
-            [sys.executable, "-c", EXPORT_SCRIPT], env=env, cwd=Path(__file__).parent.parent,
-            capture_output=True, text=True, timeout=60,
+            [sys.executable, "-c", EXPORT_SCRIPT],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
     finally:
@@ -226,7 +245,9 @@ def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Pa
     assert {"create exported", "workflow exported", "step only step"} <= set(_OtlpReceiver.received)
 
 
-def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_spans_are_not(registered):
+def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_spans_are_not(
+    registered,
+):
     @register("traced-create")
     class TracedCreate(WorkflowEntrypoint):
         async def run(self, event, step):
@@ -234,7 +255,9 @@ def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_span
 
     with trace.get_tracer("project").start_as_current_span("project request"):
         inst = get_workflow("traced-create").create(id="tc")  # no worker in this process now
-    stored = list(Span.objects.filter(trace_id=inst.row().trace_id).values_list("name", "instance_id"))
+    stored = list(
+        Span.objects.filter(trace_id=inst.row().trace_id).values_list("name", "instance_id")
+    )
     assert stored == [("create traced-create", inst.row().pk)]
     tracing.flush_spans()
     assert not Span.objects.filter(name="project request").exists()  # not an instance's span

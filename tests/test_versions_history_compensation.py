@@ -58,7 +58,9 @@ def test_instances_keep_replaying_on_the_version_they_started_with(registered):
         inst.send_event("go")
     testing.run_until_idle()
     assert [i.status().output for i in (old, new, pinned)] == ["v1 code", "v2 code", "v1 code"]
-    assert set(WorkflowVersion.objects.filter(name="versioned").values_list("version", flat=True)) == {1, 2}
+    assert set(
+        WorkflowVersion.objects.filter(name="versioned").values_list("version", flat=True)
+    ) == {1, 2}
 
 
 def test_an_instance_whose_version_is_gone_waits_with_a_reason_then_continues(registered):
@@ -72,7 +74,9 @@ def test_an_instance_whose_version_is_gone_waits_with_a_reason_then_continues(re
     status = inst.status()
     assert status.status == "waiting"
     assert "version 1" in status.waiting_reason and "not registered" in status.waiting_reason
-    assert StepRecord.objects.filter(instance=inst.row(), name="which").count() == 0  # never ran v2 code
+    assert (
+        StepRecord.objects.filter(instance=inst.row(), name="which").count() == 0
+    )  # never ran v2 code
     define_v1()  # a deploy brings version 1 back
     testing.run_until_idle()
     assert inst.status().output == "v1 code"
@@ -141,6 +145,7 @@ def test_concurrent_creates_with_one_idempotency_key_give_one_instance(registere
 
     def create():
         from django.db import connection
+
         try:
             barrier.wait()
             results.append(wf.create(idempotency_key="order-42").id)
@@ -192,13 +197,30 @@ def test_history_records_every_kind_of_event_with_actors(registered):
     testing.run_until_idle()
     history = inst.history()
     types = [h.type for h in history]
-    for expected in ["instance.created", "run.started", "step.started", "step.completed", "sleep.started",
-                     "instance.paused", "instance.resumed", "sleep.skipped", "sleep.completed", "event.waiting",
-                     "event.sent", "event.received", "instance.completed"]:
+    for expected in [
+        "instance.created",
+        "run.started",
+        "step.started",
+        "step.completed",
+        "sleep.started",
+        "instance.paused",
+        "instance.resumed",
+        "sleep.skipped",
+        "sleep.completed",
+        "event.waiting",
+        "event.sent",
+        "event.received",
+        "instance.completed",
+    ]:
         assert expected in types, expected
     actors = {h.type: h.actor for h in history if h.actor}
-    assert actors == {"instance.created": "alice", "instance.paused": "bob", "instance.resumed": "carol",
-                      "sleep.skipped": "dave", "event.sent": "erin"}
+    assert actors == {
+        "instance.created": "alice",
+        "instance.paused": "bob",
+        "instance.resumed": "carol",
+        "sleep.skipped": "dave",
+        "event.sent": "erin",
+    }
     assert [h.sequence for h in history] == list(range(1, len(history) + 1))
 
 
@@ -225,7 +247,9 @@ def test_the_history_of_a_delivered_event_holds_its_payload_direct_or_buffered(r
     large = received["third"]
     assert "payload" not in large
     assert large["payload_bytes"] == len(json.dumps(big, separators=(",", ":")))
-    assert large["payload_preview"].startswith('{"blob":"zzz') and large["payload_preview"].endswith("…")
+    assert large["payload_preview"].startswith('{"blob":"zzz') and large[
+        "payload_preview"
+    ].endswith("…")
     assert len(large["payload_preview"]) < 20_000
 
 
@@ -251,7 +275,10 @@ def typed_approval():
     class TypedApproval(WorkflowEntrypoint):
         async def run(self, event, step):
             got = await step.wait_for_event(
-                "approval", type="approve", timeout="2 hours", schema={"type": "object", "required": ["ok"]}
+                "approval",
+                type="approve",
+                timeout="2 hours",
+                schema={"type": "object", "required": ["ok"]},
             )
             return got.payload
 
@@ -264,7 +291,10 @@ def test_a_typed_wait_takes_the_oldest_buffered_event_matching_its_schema(regist
     inst.send_event("approve", {"ok": True, "n": 2})
     testing.run_until_idle()
     assert inst.status().output == {"ok": True, "n": 2}
-    inbox = {json.dumps(e.payload, sort_keys=True): e.consumed_by for e in inst.row().events.order_by("id")}
+    inbox = {
+        json.dumps(e.payload, sort_keys=True): e.consumed_by
+        for e in inst.row().events.order_by("id")
+    }
     assert inbox == {'{"nope": 1}': "", '{"n": 2, "ok": true}': "approval"}
 
 
@@ -285,11 +315,17 @@ def saga():
     class Saga(WorkflowEntrypoint):
         async def run(self, event, step):
             for name in ["reserve", "charge", "ship"]:
+
                 def undo(output, name=name):
                     calls[f"undo {name}"] += 1
-                    if name == "charge" and calls["undo charge"] == 1 and event.payload == "crash-once":
+                    if (
+                        name == "charge"
+                        and calls["undo charge"] == 1
+                        and event.payload == "crash-once"
+                    ):
                         raise ConnectionError("refund API down")
                     return f"undid {output}"
+
                 await step.do(name, lambda n=name: n, compensate=undo)
             await step.wait_for_event("w", type="go")
             return "shipped"
@@ -381,7 +417,11 @@ def test_compensate_on_failure_unwinds_then_errors_with_the_original_error(regis
         compensate_on_failure = True
 
         async def run(self, event, step):
-            await step.do("book hotel", lambda: "hotel-1", compensate=lambda out: calls.update([f"cancel {out}"]))
+            await step.do(
+                "book hotel",
+                lambda: "hotel-1",
+                compensate=lambda out: calls.update([f"cancel {out}"]),
+            )
             await step.do("book flight", lambda: 1 / 0, retries={"limit": 0})
 
     inst = get_workflow("unwinder").create()
@@ -390,12 +430,21 @@ def test_compensate_on_failure_unwinds_then_errors_with_the_original_error(regis
     assert inst.status().error["name"] == "ZeroDivisionError"
     assert calls == {"cancel hotel-1": 1}
     kinds = [h.type for h in inst.history()]
-    assert kinds.index("compensation.started") < kinds.index("compensation.completed") < kinds.index("instance.errored")
+    assert (
+        kinds.index("compensation.started")
+        < kinds.index("compensation.completed")
+        < kinds.index("instance.errored")
+    )
     started = next(h for h in inst.history() if h.type == "compensation.started")
-    assert started.data == {"reason": "failure", "error": {"name": "ZeroDivisionError", "message": "division by zero"}}
+    assert started.data == {
+        "reason": "failure",
+        "error": {"name": "ZeroDivisionError", "message": "division by zero"},
+    }
 
 
-def test_a_failure_unwinding_across_runs_shows_compensating_and_starts_compensation_once(registered):
+def test_a_failure_unwinding_across_runs_shows_compensating_and_starts_compensation_once(
+    registered,
+):
     @register("slow-unwinder")
     class SlowUnwinder(WorkflowEntrypoint):
         compensate_on_failure = True

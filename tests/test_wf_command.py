@@ -69,7 +69,13 @@ def test_start_reads_params_from_a_file(tmp_path: Path):
     params = tmp_path / "params.json"
     params.write_text('{"amount": 7}')
     data = wf_json("start", APPROVAL, "--params", f"@{params}", "--id", "from-file")
-    assert data == {"id": "from-file", "workflow": APPROVAL, "version": 1, "status": "running", "created": True}
+    assert data == {
+        "id": "from-file",
+        "workflow": APPROVAL,
+        "version": 1,
+        "status": "running",
+        "created": True,
+    }
     assert get_workflow(APPROVAL).get("from-file").row().params == {"amount": 7}
 
 
@@ -99,7 +105,9 @@ def test_start_count_creates_many_in_batches_with_a_progress_bar(monkeypatch):
 
 def test_start_count_refuses_an_id_or_key_and_a_count_below_one():
     assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--id", "x")
-    assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--idempotency-key", "k")
+    assert "leave them out with --count" in refused(
+        "start", SIMPLE, "--count", "2", "--idempotency-key", "k"
+    )
     assert refused("start", SIMPLE, "--count", "0") == "--count must be at least 1, got 0"
     assert "version 9" in refused("start", SIMPLE, "--count", "2", "--version", "9")
 
@@ -180,12 +188,17 @@ def test_status_json_has_output_and_steps_of_a_finished_instance():
     data = wf_json("status", "s", "--workflow", SIMPLE)
     assert data["status"] == "complete" and data["output"] == {"sum": 3}
     assert [(s["name"], s["status"], s["output"]) for s in data["steps"]] == [
-        ("one", "complete", 1), ("two", "complete", 2)]
+        ("one", "complete", 1),
+        ("two", "complete", 2),
+    ]
 
 
 def test_status_of_an_unknown_instance_names_it():
     assert refused("status", "ghost") == "no instance 'ghost' in any workflow"
-    assert refused("status", "ghost", "--workflow", SIMPLE) == f"workflow '{SIMPLE}' has no instance 'ghost'"
+    assert (
+        refused("status", "ghost", "--workflow", SIMPLE)
+        == f"workflow '{SIMPLE}' has no instance 'ghost'"
+    )
 
 
 def test_an_id_used_by_two_workflows_needs_the_workflow_flag():
@@ -212,7 +225,8 @@ def test_history_lists_the_records_in_order():
 def test_send_event_delivers_the_payload_and_the_instance_goes_on():
     waiting_approval("o-1")
     assert wf("send-event", "o-1", "approval", "--payload", '{"ok": true}').strip() == (
-        f"sent 'approval' to {APPROVAL}/o-1")
+        f"sent 'approval' to {APPROVAL}/o-1"
+    )
     testing.run_until_idle()
     assert wf_json("status", "o-1")["steps"][1]["status"] == "complete"
 
@@ -220,8 +234,12 @@ def test_send_event_delivers_the_payload_and_the_instance_goes_on():
 def test_send_event_refuses_an_invalid_type_a_bad_payload_and_bad_json():
     waiting_approval("o-1")
     assert "invalid event type 'no spaces'" in refused("send-event", "o-1", "no spaces")
-    assert "does not match the schema" in refused("send-event", "o-1", "approval", "--payload", '{"ok": "yes"}')
-    assert "--payload is not valid JSON" in refused("send-event", "o-1", "approval", "--payload", "{")
+    assert "does not match the schema" in refused(
+        "send-event", "o-1", "approval", "--payload", '{"ok": "yes"}'
+    )
+    assert "--payload is not valid JSON" in refused(
+        "send-event", "o-1", "approval", "--payload", "{"
+    )
     assert "no instance 'o-2'" in refused("send-event", "o-2", "approval")
 
 
@@ -304,8 +322,19 @@ def test_token_create_for_a_user_and_its_refusals():
 
 
 def test_token_create_takes_a_scope_workflows_and_an_expiry():
-    made = wf_json("token", "create", "reader", "--scope", "read", "--workflow", SIMPLE,
-                   "--workflow", "order-approval", "--expires", "30d")
+    made = wf_json(
+        "token",
+        "create",
+        "reader",
+        "--scope",
+        "read",
+        "--workflow",
+        SIMPLE,
+        "--workflow",
+        "order-approval",
+        "--expires",
+        "30d",
+    )
     token = ApiToken.objects.get(name="reader")
     assert (token.scope, token.workflow_names) == ("read", ["order-approval", SIMPLE])
     assert 29.9 < (token.expires_at - token.created_at).total_seconds() / 86400 <= 30
@@ -348,12 +377,15 @@ def test_watch_json_prints_one_json_object_per_line():
     records = [json.loads(line) for line in wf("watch", "w", "--run-engine", "--json").splitlines()]
     assert records[-1] == {"finished": {"status": "complete", "output": {"sum": 3}, "error": None}}
     assert [r["history"]["sequence"] for r in records if "history" in r] == list(
-        range(1, 1 + sum("history" in r for r in records)))
+        range(1, 1 + sum("history" in r for r in records))
+    )
 
 
 def test_watch_gives_up_after_its_timeout():
     waiting_approval("o-1")
-    assert refused("watch", "o-1", "--timeout", "0") == "instance 'o-1' is still waiting after 0.0 s"
+    assert (
+        refused("watch", "o-1", "--timeout", "0") == "instance 'o-1' is still waiting after 0.0 s"
+    )
 
 
 def test_demo_creates_instances_and_a_superuser_once():
@@ -361,14 +393,22 @@ def test_demo_creates_instances_and_a_superuser_once():
     assert "created superuser 'admin'" in out
     user = User.objects.get(username="admin")
     assert user.is_superuser and user.is_staff and user.check_password("secret")
-    assert Instance.objects.filter(workflow__in=["order-approval", "data-pipeline", "trial-reminder"]).count() == 5
+    assert (
+        Instance.objects.filter(
+            workflow__in=["order-approval", "data-pipeline", "trial-reminder"]
+        ).count()
+        == 5
+    )
     assert "exists; left unchanged" in wf("demo", "--superuser", "admin:other")
     user.refresh_from_db()
     assert user.check_password("secret")
 
 
 def test_demo_refuses_a_malformed_superuser():
-    assert refused("demo", "--superuser", "admin") == "--superuser must be USER:PASSWORD, e.g. admin:admin"
+    assert (
+        refused("demo", "--superuser", "admin")
+        == "--superuser must be USER:PASSWORD, e.g. admin:admin"
+    )
 
 
 def test_bench_without_a_bench_package_fails_in_one_line(monkeypatch):

@@ -62,7 +62,9 @@ def statuses(workflow: str) -> dict[str, str]:
 # --- 1. a full worker waits instead of spinning -------------------------------------------
 
 
-def test_a_full_worker_with_due_instances_waiting_does_not_spin(registered, loop_thread, monkeypatch):
+def test_a_full_worker_with_due_instances_waiting_does_not_spin(
+    registered, loop_thread, monkeypatch
+):
     gate = threading.Event()
     started = threading.Semaphore(0)
 
@@ -93,7 +95,11 @@ def test_a_full_worker_with_due_instances_waiting_does_not_spin(registered, loop
         assert spins <= 2, f"a full worker asked for the next wake time {spins} times in 0.5 s"
     finally:
         gate.set()
-    wait_until(lambda: set(statuses("full-house").values()) == {"complete"}, 60, "all 20 instances complete")
+    wait_until(
+        lambda: set(statuses("full-house").values()) == {"complete"},
+        60,
+        "all 20 instances complete",
+    )
     loop_thread.loop.call_soon_threadsafe(stop.set)
     serving.result(30)
 
@@ -101,7 +107,9 @@ def test_a_full_worker_with_due_instances_waiting_does_not_spin(registered, loop
 # --- 2. hung sync steps -------------------------------------------------------------------
 
 
-def test_hung_sync_steps_take_no_capacity_and_their_timeouts_count_running_time_only(registered, loop_thread):
+def test_hung_sync_steps_take_no_capacity_and_their_timeouts_count_running_time_only(
+    registered, loop_thread
+):
     release = threading.Event()
     ran: list[str] = []
 
@@ -141,7 +149,9 @@ def test_hung_sync_steps_take_no_capacity_and_their_timeouts_count_running_time_
         loop_thread.call(worker.stop(grace_seconds=0))
 
 
-def test_an_abandoned_sync_attempt_sees_it_was_cancelled_and_the_retry_starts_after_it_stops(registered):
+def test_an_abandoned_sync_attempt_sees_it_was_cancelled_and_the_retry_starts_after_it_stops(
+    registered,
+):
     from workflows_app import testing
 
     events: list[str] = []
@@ -168,7 +178,9 @@ def test_an_abandoned_sync_attempt_sees_it_was_cancelled_and_the_retry_starts_af
 # --- 3. a slow heartbeat aborts only the run whose lease it lost ----------------------------
 
 
-def test_a_heartbeat_in_flight_across_a_reclaim_does_not_abort_the_new_run(registered, loop_thread, monkeypatch):
+def test_a_heartbeat_in_flight_across_a_reclaim_does_not_abort_the_new_run(
+    registered, loop_thread, monkeypatch
+):
     gate_a, gate_b, proceed, in_heartbeat = (threading.Event() for _ in range(4))
 
     @register("reclaimed")
@@ -196,9 +208,15 @@ def test_a_heartbeat_in_flight_across_a_reclaim_does_not_abort_the_new_run(regis
         beat = loop_thread.spawn(worker.heartbeat_once())  # snapshot: the first run's token
         assert in_heartbeat.wait(10)
         gate_a.set()
-        wait_until(lambda: inst.status().status == "waiting", 20, "the first run to park on its event wait")
+        wait_until(
+            lambda: inst.status().status == "waiting", 20, "the first run to park on its event wait"
+        )
         inst.send_event("go")
-        wait_until(lambda: loop_thread.call(worker.claim_and_start()) == 1, 20, "the second run to be claimed")
+        wait_until(
+            lambda: loop_thread.call(worker.claim_and_start()) == 1,
+            20,
+            "the second run to be claimed",
+        )
         second = next(iter(worker.runs.values()))
         assert second.token != first_token
         proceed.set()
@@ -217,7 +235,9 @@ def test_a_heartbeat_in_flight_across_a_reclaim_does_not_abort_the_new_run(regis
 # --- 4. a deploy is not a crash -------------------------------------------------------------
 
 
-def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poison(registered, loop_thread):
+def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poison(
+    registered, loop_thread
+):
     finish = threading.Event()
     attempts: list[int] = []
 
@@ -237,7 +257,11 @@ def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poi
         worker = new_worker(concurrency=2, lease_seconds=30)
         loop_thread.call(worker.start())
         assert loop_thread.call(worker.claim_and_start()) == 1
-        wait_until(lambda: len(attempts) == deploy + 1, 20, f"the step to start under deploy {deploy + 1}")
+        wait_until(
+            lambda deploy=deploy: len(attempts) == deploy + 1,
+            20,
+            f"the step to start under deploy {deploy + 1}",
+        )
         loop_thread.call(worker.stop(grace_seconds=0.1))  # SIGTERM: the step outlives the grace
         row = Instance.objects.get(pk=inst.row().pk)
         assert row.lease_token is None, "a drained worker kept its lease"
@@ -257,7 +281,9 @@ def test_three_rolling_deploys_during_one_long_step_do_not_make_the_instance_poi
 # --- 15. bounded work -----------------------------------------------------------------------
 
 
-def test_a_wait_reads_only_the_buffered_events_of_its_type_and_only_as_far_as_it_needs(registered, monkeypatch):
+def test_a_wait_reads_only_the_buffered_events_of_its_type_and_only_as_far_as_it_needs(
+    registered, monkeypatch
+):
     from workflows_app import testing
     from workflows_app.models import InboxEvent
 
@@ -272,8 +298,14 @@ def test_a_wait_reads_only_the_buffered_events_of_its_type_and_only_as_far_as_it
     inst = get_workflow("inbox-reader").create(id="reader")
     pk = inst.row().pk
     now = Instance.objects.get(pk=pk).created_at
-    noise = [InboxEvent(instance_id=pk, type="noise", payload_json="{}", created_at=now) for _ in range(1000)]
-    refused = [InboxEvent(instance_id=pk, type="go", payload_json='{"n": 1}', created_at=now) for _ in range(250)]
+    noise = [
+        InboxEvent(instance_id=pk, type="noise", payload_json="{}", created_at=now)
+        for _ in range(1000)
+    ]
+    refused = [
+        InboxEvent(instance_id=pk, type="go", payload_json='{"n": 1}', created_at=now)
+        for _ in range(250)
+    ]
     InboxEvent.objects.bulk_create([*noise, *refused])
     inst.send_event("go", {"ok": True})
     read: list[str] = []

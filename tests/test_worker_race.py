@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -26,8 +27,11 @@ def record_execution():
         started = time.monotonic()
         time.sleep(0.001)
         with ledger_lock:
-            ledger.append((ctx.instance_id, ctx.step_name, threading.get_ident(), started, time.monotonic()))
+            ledger.append(
+                (ctx.instance_id, ctx.step_name, threading.get_ident(), started, time.monotonic())
+            )
         return ctx.step_name
+
     return body
 
 
@@ -76,5 +80,5 @@ def test_workers_racing_for_ready_instances_never_run_one_twice(registered, work
         by_instance.setdefault(instance_id, []).append((start, end))
     for intervals in by_instance.values():
         intervals.sort()
-        for (_, end), (start, _) in zip(intervals, intervals[1:]):
+        for (_, end), (start, _) in itertools.pairwise(intervals):
             assert end <= start  # never two steps of one instance at once

@@ -50,7 +50,12 @@ class WorkerProcess:
         }
         self.log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty worker never blocks
         self.process = subprocess.Popen(
-            [sys.executable, "-c", BOOT], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log, text=True
+            [sys.executable, "-c", BOOT],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            text=True,
         )
 
         WorkerProcess.live.append(self)
@@ -80,7 +85,11 @@ class WorkerProcess:
         text = self.log.read()
         logged, dump = text[:before], text[before:]
         lines = [line for line in logged.splitlines() if line.strip()]
-        state = f"alive, threads: {thread_summary(dump)}" if alive else f"exit {self.process.returncode}"
+        state = (
+            f"alive, threads: {thread_summary(dump)}"
+            if alive
+            else f"exit {self.process.returncode}"
+        )
         tracebacks = logged.count("Traceback (most recent call last)")
         last = lines[-1][:200] if lines else ""
         return f"worker {self.pid} {state}; {tracebacks} tracebacks, last line: {last!r}"

@@ -168,7 +168,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
 else:
     DATABASES["default"].setdefault("OPTIONS", {})
-    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and env_bool("WFDASH_DB_POOL", True):
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and env_bool(
+        "WFDASH_DB_POOL", True
+    ):
         # psycopg's pool (Django's "pool" option): each process holds at most this many
         # connections, and a step that uses the database borrows one for its duration
         # instead of opening its own (3.4 ms per step on this machine) or keeping one per
@@ -226,7 +228,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"workflows_app": {"handlers": ["console"], "level": os.environ.get("WFDASH_LOG_LEVEL", "INFO")}},
+    "loggers": {
+        "workflows_app": {
+            "handlers": ["console"],
+            "level": os.environ.get("WFDASH_LOG_LEVEL", "INFO"),
+        }
+    },
 }
 
 # wfdash engine settings. LIMITS overrides the Cloudflare defaults for every workflow;
@@ -248,5 +255,7 @@ WFDASH = {
     # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
     # PostgreSQL, whose parallel connections already overlap commits, and where one
     # dropped connection would cut every checkpoint of its group (more re-executions).
-    "GROUP_COMMIT": env_bool("WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")),
+    "GROUP_COMMIT": env_bool(
+        "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
+    ),
 }

@@ -511,8 +511,12 @@ def revoke_tokens(
     modeladmin.message_user(request, f"Revoked {count} token(s).", messages.SUCCESS)
 
 
-@admin.action(description="Rotate the selected token (a new secret, shown once)", permissions=["change"])
-def rotate_token(modeladmin: ApiTokenAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]) -> HttpResponse | None:
+@admin.action(
+    description="Rotate the selected token (a new secret, shown once)", permissions=["change"]
+)
+def rotate_token(
+    modeladmin: ApiTokenAdmin, request: HttpRequest, queryset: QuerySet[ApiToken]
+) -> HttpResponse | None:
     selected = list(queryset.select_related("user")[:2])
     if len(selected) != 1:
         modeladmin.message_user(request, "Select exactly one token to rotate.", messages.ERROR)
@@ -520,7 +524,9 @@ def rotate_token(modeladmin: ApiTokenAdmin, request: HttpRequest, queryset: Quer
     token = selected[0]
     refusal = tokens.issuer_refusal(request.user, token.user)
     if refusal:
-        modeladmin.message_user(request, f"Cannot rotate {token.name!r}: {refusal}.", messages.ERROR)
+        modeladmin.message_user(
+            request, f"Cannot rotate {token.name!r}: {refusal}.", messages.ERROR
+        )
         return None
     try:
         secret = tokens.rotate(token)
@@ -570,14 +576,34 @@ class ApiTokenAdmin(admin.ModelAdmin):
     token carrying more than they hold (tokens.issuer_refusal)."""
 
     form = ApiTokenForm
-    list_display = ("name", "prefix", "user", "scope", "workflows", "created_at", "expires_at", "last_used_at",
-                    "revoked_at")
+    list_display = (
+        "name",
+        "prefix",
+        "user",
+        "scope",
+        "workflows",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
+    )
     list_filter = ("scope", "revoked_at", "user")
     search_fields = ("name", "prefix", "user__username")
     actions = (revoke_tokens, rotate_token)
     add_fields = ("name", "user", "scope", "workflows", "expires")
-    all_fields = ("name", "user", "scope", "workflows", "prefix", "token_hash", "created_at", "expires_at",
-                  "last_used_at", "rotated_at", "revoked_at")
+    all_fields = (
+        "name",
+        "user",
+        "scope",
+        "workflows",
+        "prefix",
+        "token_hash",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "rotated_at",
+        "revoked_at",
+    )
 
     def get_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple[str, ...]:
         return self.add_fields if obj is None else self.all_fields
@@ -587,7 +613,9 @@ class ApiTokenAdmin(admin.ModelAdmin):
     ) -> tuple[str, ...]:
         return () if obj is None else self.all_fields
 
-    def get_form(self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False, **kwargs: Any) -> Any:
+    def get_form(
+        self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False, **kwargs: Any
+    ) -> Any:
         form = super().get_form(request, obj, change=change, **kwargs)
         return type(form.__name__, (form,), {"issuer": request.user})
 
@@ -601,19 +629,27 @@ class ApiTokenAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
         request.wf_token_secret = secret  # type: ignore[attr-defined]  # for response_add, this request only
 
-    def response_add(self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None) -> HttpResponse:
+    def response_add(
+        self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None
+    ) -> HttpResponse:
         return self.secret_page(request, obj, request.wf_token_secret, "created")  # type: ignore[attr-defined]
 
-    def secret_page(self, request: HttpRequest, token: ApiToken, secret: str, verb: str) -> HttpResponse:
+    def secret_page(
+        self, request: HttpRequest, token: ApiToken, secret: str, verb: str
+    ) -> HttpResponse:
         """The one page that ever shows the secret; never cached."""
-        response = TemplateResponse(request, "admin/workflows_app/apitoken/secret.html", {
-            **self.admin_site.each_context(request),
-            "opts": self.model._meta,
-            "title": f"API token {token.name} {verb}",
-            "token": token,
-            "secret": secret,
-            "verb": verb,
-            "changelist_url": reverse("admin:workflows_app_apitoken_changelist"),
-        })
+        response = TemplateResponse(
+            request,
+            "admin/workflows_app/apitoken/secret.html",
+            {
+                **self.admin_site.each_context(request),
+                "opts": self.model._meta,
+                "title": f"API token {token.name} {verb}",
+                "token": token,
+                "secret": secret,
+                "verb": verb,
+                "changelist_url": reverse("admin:workflows_app_apitoken_changelist"),
+            },
+        )
         add_never_cache_headers(response)
         return response

@@ -28,7 +28,9 @@ from .models import ApiToken
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
-LIMIT_PATTERN = re.compile(r"[0-9]{1,6}")  # ASCII digits only: "²".isdigit() is True, int("²") fails
+LIMIT_PATTERN = re.compile(
+    r"[0-9]{1,6}"
+)  # ASCII digits only: "²".isdigit() is True, int("²") fails
 
 # Most specific first: the first class an error is an instance of decides its status.
 ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
@@ -49,7 +51,9 @@ def error_status(exc: errors.WorkflowError) -> int:
 class ApiError(Exception):
     """A refusal decided by the API layer itself (auth, body, method)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
@@ -65,7 +69,9 @@ def ok(result: Any, status: int = 200, **extra: Any) -> JsonResponse:
 
 
 def fail(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"success": False, "errors": [{"code": code, "message": message}]}, status=status)
+    return JsonResponse(
+        {"success": False, "errors": [{"code": code, "message": message}]}, status=status
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -91,15 +97,25 @@ class Call:
             limit = max_body_bytes()
             raw = self.request.read(limit + 1)  # the actual body, whatever Content-Length said
             if len(raw) > limit:
-                raise ApiError(413, "PayloadTooLarge", f"request body exceeds the API limit of {limit} bytes")
+                raise ApiError(
+                    413, "PayloadTooLarge", f"request body exceeds the API limit of {limit} bytes"
+                )
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ApiError(400, "InvalidEncoding", f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+                raise ApiError(
+                    400,
+                    "InvalidEncoding",
+                    f"request body is not UTF-8: {exc.reason} at byte {exc.start}",
+                ) from None
             try:
-                self._body = json.loads(text, parse_constant=_reject_constant) if text.strip() else None
+                self._body = (
+                    json.loads(text, parse_constant=_reject_constant) if text.strip() else None
+                )
             except (ValueError, RecursionError) as exc:
-                raise ApiError(400, "InvalidJSON", f"request body is not valid JSON: {exc}") from None
+                raise ApiError(
+                    400, "InvalidJSON", f"request body is not valid JSON: {exc}"
+                ) from None
             self._read = True
         return self._body
 
@@ -109,16 +125,25 @@ class Call:
         if body is None:
             return {}
         if not isinstance(body, dict):
-            raise ApiError(400, "InvalidInput", f"request body must be a JSON object, got {json_type(body)}")
+            raise ApiError(
+                400, "InvalidInput", f"request body must be a JSON object, got {json_type(body)}"
+            )
         unknown = sorted(set(body) - allowed)
         if unknown:
-            raise ApiError(400, "InvalidInput", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+            raise ApiError(
+                400, "InvalidInput", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}"
+            )
         return body
 
 
 def json_type(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), "a number")
 
 
 def bearer_secret(request: HttpRequest) -> str:
@@ -131,15 +156,22 @@ def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
     while the client is locked out for guessing)."""
     retry_after = throttle.api_retry_after(request)
     if retry_after is not None:
-        raise ApiError(429, "TooManyRequests", f"too many wrong API tokens from this client; retry in "
-                                               f"{retry_after} s", {"Retry-After": str(retry_after)})
+        raise ApiError(
+            429,
+            "TooManyRequests",
+            f"too many wrong API tokens from this client; retry in {retry_after} s",
+            {"Retry-After": str(retry_after)},
+        )
     secret = bearer_secret(request)
     token = tokens.authenticate(secret)
     if token is None:
         if secret:
             throttle.record_api_failure(request)
-        raise ApiError(401, "Unauthorized",
-                       "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)")
+        raise ApiError(
+            401,
+            "Unauthorized",
+            "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)",
+        )
     refusal = tokens.refusal(token, write=request.method in WRITE_METHODS, workflow=workflow)
     if refusal:
         raise ApiError(403, "Forbidden", refusal)
@@ -171,14 +203,20 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
             token = authorize(request, kwargs.get("name"))
             handler = methods.get("GET" if request.method == "HEAD" else request.method or "")
             if handler is None:
-                response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: "
-                                                         f"{', '.join(allowed)}")
+                response = fail(
+                    405,
+                    "MethodNotAllowed",
+                    f"{request.method} is not allowed here; allowed: {', '.join(allowed)}",
+                )
                 response["Allow"] = ", ".join(allowed)
                 return response
             length = request.META.get("CONTENT_LENGTH") or "0"
             if length.isdigit() and len(length) < 20 and int(length) > max_body_bytes():
-                raise ApiError(413, "PayloadTooLarge",
-                               f"request body of {length} bytes exceeds the API limit of {max_body_bytes()} bytes")
+                raise ApiError(
+                    413,
+                    "PayloadTooLarge",
+                    f"request body of {length} bytes exceeds the API limit of {max_body_bytes()} bytes",
+                )
             return handler(Call(request, token), **kwargs)
         except ApiError as exc:
             response = fail(exc.status, exc.code, str(exc))
@@ -204,38 +242,61 @@ def list_instances(call: Call, name: str) -> JsonResponse:
     query = call.request.GET
     unknown = sorted(set(query) - {"status", "limit", "cursor"})
     if unknown:
-        raise ApiError(400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status")
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status",
+        )
     limit_text = query.get("limit", "50")
     if not LIMIT_PATTERN.fullmatch(limit_text):  # the range is the client's to check
-        raise ApiError(400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}")
-    page = surfaces.binding(name).list(status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor"))
-    return ok([surfaces.info_json(i) for i in page.instances],
-              result_info={"cursor": page.cursor, "per_page": int(limit_text)})
+        raise ApiError(
+            400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}"
+        )
+    page = surfaces.binding(name).list(
+        status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor")
+    )
+    return ok(
+        [surfaces.info_json(i) for i in page.instances],
+        result_info={"cursor": page.cursor, "per_page": int(limit_text)},
+    )
 
 
 def list_workflows(call: Call) -> JsonResponse:
     """Every workflow (registered, or with instances) the token may see: versions and counts."""
     if call.request.GET:
-        raise ApiError(400, "InvalidInput", f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed")
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed",
+        )
     visible = set(call.token.workflow_names)
-    return ok([
-        {"name": s.name, "versions": s.versions, "counts": s.counts, "total": s.total}
-        for s in dashboard.workflow_summaries()
-        if not visible or s.name in visible
-    ])
+    return ok(
+        [
+            {"name": s.name, "versions": s.versions, "counts": s.counts, "total": s.total}
+            for s in dashboard.workflow_summaries()
+            if not visible or s.name in visible
+        ]
+    )
 
 
 def create_instance(call: Call, name: str) -> JsonResponse:
     body = call.object_body({"id", "instance_id", "params", "idempotency_key", "retention"})
     ids = {key: body[key] for key in ("id", "instance_id") if key in body}
     if len(set(map(repr, ids.values()))) > 1:
-        raise ApiError(400, "InvalidInput", "give the instance id as id or instance_id, not two different ids")
+        raise ApiError(
+            400, "InvalidInput", "give the instance id as id or instance_id, not two different ids"
+        )
     instance_id = next(iter(ids.values()), None)
     if ids and (not isinstance(instance_id, str) or not instance_id):
-        raise ApiError(400, "InvalidInput", f"instance id must be a non-empty string, got {instance_id!r}")
+        raise ApiError(
+            400, "InvalidInput", f"instance id must be a non-empty string, got {instance_id!r}"
+        )
     handle = surfaces.binding(name).create(
-        params=body.get("params"), id=instance_id, idempotency_key=body.get("idempotency_key"),
-        actor=call.actor, retention=body.get("retention"),
+        params=body.get("params"),
+        id=instance_id,
+        idempotency_key=body.get("idempotency_key"),
+        actor=call.actor,
+        retention=body.get("retention"),
     )
     # 200 when an idempotency key found an instance created earlier: nothing new was made.
     return ok(surfaces.created_json(handle), status=201 if handle.created else 200)
@@ -244,9 +305,16 @@ def create_instance(call: Call, name: str) -> JsonResponse:
 def create_batch(call: Call, name: str) -> JsonResponse:
     items = call.body()
     if not isinstance(items, list):
-        raise ApiError(400, "InvalidInput", f"request body must be a JSON array of instances, got {json_type(items)}")
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"request body must be a JSON array of instances, got {json_type(items)}",
+        )
     handles = surfaces.binding(name).create_batch(items, actor=call.actor)
-    return ok([surfaces.created_json(h) for h in handles], status=201 if any(h.created for h in handles) else 200)
+    return ok(
+        [surfaces.created_json(h) for h in handles],
+        status=201 if any(h.created for h in handles) else 200,
+    )
 
 
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -261,15 +329,23 @@ def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:
     body = call.object_body({"status", "from_step"})
     action, from_step = body.get("status"), body.get("from_step")
     if action not in ("pause", "resume", "terminate", "restart"):
-        raise ApiError(400, "InvalidInput", f"status must be one of pause, resume, terminate, restart; got {action!r}")
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"status must be one of pause, resume, terminate, restart; got {action!r}",
+        )
     if from_step is not None and (action != "restart" or not isinstance(from_step, str)):
-        raise ApiError(400, "InvalidInput", "from_step must be a step name (a string), and only with restart")
+        raise ApiError(
+            400, "InvalidInput", "from_step must be a step name (a string), and only with restart"
+        )
     handle = instance(name, instance_id)
     if action == "restart":
         handle.restart(from_step=from_step, actor=call.actor)
     elif action == "terminate":
         if not handle.terminate(actor=call.actor):
-            raise errors.InvalidTransition(f"cannot terminate instance {instance_id!r}: it has already finished")
+            raise errors.InvalidTransition(
+                f"cannot terminate instance {instance_id!r}: it has already finished"
+            )
     else:
         getattr(handle, action)(actor=call.actor)
     return ok(state(handle))
@@ -285,7 +361,9 @@ def send_event(call: Call, name: str, instance_id: str, event_type: str) -> Json
 def cancel(call: Call, name: str, instance_id: str) -> JsonResponse:
     compensate = call.object_body({"compensate"}).get("compensate", True)
     if not isinstance(compensate, bool):
-        raise ApiError(400, "InvalidInput", f"compensate must be true or false, got {json_type(compensate)}")
+        raise ApiError(
+            400, "InvalidInput", f"compensate must be true or false, got {json_type(compensate)}"
+        )
     handle = instance(name, instance_id)
     handle.cancel(compensate=compensate, actor=call.actor)
     return ok(state(handle))
@@ -306,7 +384,9 @@ def state(handle: InstanceHandle) -> dict[str, Any]:
 def openapi_document(request: HttpRequest) -> HttpResponse:
     """Public: the description of the API, without any data."""
     if request.method not in ("GET", "HEAD"):
-        response = fail(405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET, HEAD")
+        response = fail(
+            405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET, HEAD"
+        )
         response["Allow"] = "GET, HEAD"
         return response
     return JsonResponse(openapi.document())

@@ -94,7 +94,9 @@ def get_workflow(name: str) -> WorkflowBinding:
     return WorkflowBinding(name)
 
 
-def _after_commit(kind: str, instance: Instance | int | None = None, workflow: str | None = None) -> None:
+def _after_commit(
+    kind: str, instance: Instance | int | None = None, workflow: str | None = None
+) -> None:
     pk = instance.pk if isinstance(instance, Instance) else instance
     transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow))
 
@@ -127,9 +129,22 @@ class WorkflowBinding:
         retention: Any = None,
     ) -> InstanceHandle:
         """Start an instance (`queued` beyond max_concurrent_instances)."""
-        return self._create([{"id": id, "params": params, "idempotency_key": idempotency_key, "retention": retention}], actor, version)[0]
+        return self._create(
+            [
+                {
+                    "id": id,
+                    "params": params,
+                    "idempotency_key": idempotency_key,
+                    "retention": retention,
+                }
+            ],
+            actor,
+            version,
+        )[0]
 
-    def create_batch(self, items: Sequence[dict[str, Any]], actor: Any = None, version: int | None = None) -> list[InstanceHandle]:
+    def create_batch(
+        self, items: Sequence[dict[str, Any]], actor: Any = None, version: int | None = None
+    ) -> list[InstanceHandle]:
         """Start several instances, all or none; at most max_batch_size.
 
         An empty list starts nothing and returns [], as Cloudflare's createBatch does.
@@ -137,46 +152,70 @@ class WorkflowBinding:
         definition = self.definition(version)
         limits = definition.limits()
         if not isinstance(items, (list, tuple)):
-            raise errors.InvalidInput(f"create_batch expects a list of {{id, params}} objects, got {type(items).__name__}")
+            raise errors.InvalidInput(
+                f"create_batch expects a list of {{id, params}} objects, got {type(items).__name__}"
+            )
         if len(items) > limits.max_batch_size:
-            raise errors.LimitExceeded("max_batch_size", len(items), limits.max_batch_size, "create_batch")
+            raise errors.LimitExceeded(
+                "max_batch_size", len(items), limits.max_batch_size, "create_batch"
+            )
         if not items:
             return []
         return self._create(items, actor, version)
 
-    def _create(self, items: Sequence[dict[str, Any]], actor: Any, version: int | None) -> list[InstanceHandle]:
+    def _create(
+        self, items: Sequence[dict[str, Any]], actor: Any, version: int | None
+    ) -> list[InstanceHandle]:
         definition = self.definition(version)
         limits = definition.limits()
         new: list[NewInstance] = []
         for position, item in enumerate(items):
             if not isinstance(item, dict):
-                raise errors.InvalidInput(f"batch item {position} must be an object with id and params")
+                raise errors.InvalidInput(
+                    f"batch item {position} must be an object with id and params"
+                )
             unknown = set(item) - {"id", "instance_id", "params", "idempotency_key", "retention"}
             if unknown:
-                raise errors.InvalidInput(f"batch item {position}: unknown field(s) {sorted(unknown)}")
+                raise errors.InvalidInput(
+                    f"batch item {position}: unknown field(s) {sorted(unknown)}"
+                )
             instance_id = item.get("id") if item.get("id") is not None else item.get("instance_id")
             if instance_id is None:
                 instance_id = str(uuid.uuid4())
             check_instance_id(instance_id, limits)
             params_json = encode_json(item.get("params"), f"params of instance {instance_id!r}")
-            check_size(params_json, "max_params_bytes", limits.max_params_bytes, f"params of instance {instance_id!r}")
+            check_size(
+                params_json,
+                "max_params_bytes",
+                limits.max_params_bytes,
+                f"params of instance {instance_id!r}",
+            )
             key = item.get("idempotency_key")
             if key is not None and (not isinstance(key, str) or not key or len(key) > 200):
-                raise errors.InvalidInput(f"idempotency_key must be a string of 1-200 characters, got {key!r}")
+                raise errors.InvalidInput(
+                    f"idempotency_key must be a string of 1-200 characters, got {key!r}"
+                )
             retention = item.get("retention")
             retention_ms = None if retention is None else parse_duration(retention)
             new.append(NewInstance(instance_id, params_json, key, retention_ms))
-        created = store.create_instances(definition.name, definition.version, limits, new, _actor(actor))
+        created = store.create_instances(
+            definition.name, definition.version, limits, new, _actor(actor)
+        )
         for instance, is_new in created:
             if is_new:
-                spans.creation_span(instance.trace_id, self.name, instance.instance_id, actor=_actor(actor))
+                spans.creation_span(
+                    instance.trace_id, self.name, instance.instance_id, actor=_actor(actor)
+                )
                 _after_commit("created", instance, self.name)
         if not running_in_this_process():
             try:
                 flush_spans()  # no engine here to store the `create` spans (a fleet's web process)
             except DatabaseError:  # the instances exist; a span is not worth failing the create
                 log.warning("could not store the create spans of %s", self.name, exc_info=True)
-        return [InstanceHandle(self.name, instance.instance_id, instance, created=is_new) for instance, is_new in created]
+        return [
+            InstanceHandle(self.name, instance.instance_id, instance, created=is_new)
+            for instance, is_new in created
+        ]
 
     async def acreate(self, *args: Any, **kwargs: Any) -> InstanceHandle:
         return await sync_to_async(self.create)(*args, **kwargs)
@@ -195,10 +234,18 @@ class WorkflowBinding:
     async def aget(self, id: str) -> InstanceHandle:
         return await sync_to_async(self.get)(id)
 
-    def list(self, status: str | None = None, version: int | None = None, limit: int = 50, cursor: str | None = None) -> Page:
+    def list(
+        self,
+        status: str | None = None,
+        version: int | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> Page:
         """Newest first, keyset-paginated: stable while instances are being created."""
         if status is not None and status not in Status.values:
-            raise errors.InvalidInput(f"unknown status {status!r}; statuses: {', '.join(Status.values)}")
+            raise errors.InvalidInput(
+                f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
+            )
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
         query = Instance.objects.filter(workflow=self.name)
@@ -211,7 +258,9 @@ class WorkflowBinding:
         rows = list(query.order_by("-id")[: limit + 1])
         more = len(rows) > limit
         rows = rows[:limit]
-        return Page([instance_info(r) for r in rows], encode_cursor(rows[-1].pk) if more and rows else None)
+        return Page(
+            [instance_info(r) for r in rows], encode_cursor(rows[-1].pk) if more and rows else None
+        )
 
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
         return await sync_to_async(self.list)(*args, **kwargs)
@@ -233,15 +282,23 @@ def decode_cursor(cursor: str) -> int:
 
 def instance_info(row: Instance) -> InstanceInfo:
     return InstanceInfo(
-        id=row.instance_id, workflow=row.workflow, version=row.version, status=row.status,
-        created_at=row.created_at, updated_at=row.updated_at, finished_at=row.finished_at, error=row.error,
+        id=row.instance_id,
+        workflow=row.workflow,
+        version=row.version,
+        status=row.status,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=row.finished_at,
+        error=row.error,
     )
 
 
 class InstanceHandle:
     """One instance of a workflow, by id. Methods read and write the database each call."""
 
-    def __init__(self, workflow: str, id: str, row: Instance | None = None, created: bool = False) -> None:
+    def __init__(
+        self, workflow: str, id: str, row: Instance | None = None, created: bool = False
+    ) -> None:
         self.workflow = workflow
         self.id = id
         self._row = row
@@ -286,7 +343,10 @@ class InstanceHandle:
         waits = StepRecord.objects.filter(
             instance_id=self.row().pk, kind=StepKind.WAIT_FOR_EVENT, status=StepStatus.WAITING
         ).order_by("seq")
-        return [PendingEvent(w.name, w.event_type, w.wake_at, decode_json(w.event_schema_json)) for w in waits]
+        return [
+            PendingEvent(w.name, w.event_type, w.wake_at, decode_json(w.event_schema_json))
+            for w in waits
+        ]
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until the instance finishes; its output, or WorkflowFailed / WorkflowTerminated."""
@@ -302,7 +362,9 @@ class InstanceHandle:
                     raise errors.WorkflowTerminated(self.id)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise errors.ResultTimeout(f"instance {self.id!r} is still {row.status} after {timeout} s")
+                    raise errors.ResultTimeout(
+                        f"instance {self.id!r} is still {row.status} after {timeout} s"
+                    )
                 # Woken at once by this process's engine; the 1 s re-read covers other processes.
                 event.wait(1.0 if remaining is None else min(1.0, remaining))
                 event.clear()
@@ -341,7 +403,12 @@ class InstanceHandle:
         check_event_type(type)
         limits = self._limits()
         payload_json = encode_json(payload, f"payload of event {type!r}")
-        check_size(payload_json, "max_event_payload_bytes", limits.max_event_payload_bytes, f"payload of event {type!r}")
+        check_size(
+            payload_json,
+            "max_event_payload_bytes",
+            limits.max_event_payload_bytes,
+            f"payload of event {type!r}",
+        )
 
         def validate(schema_json: str) -> None:
             validator_class = jsonschema.validators.validator_for(json.loads(schema_json))
@@ -357,13 +424,19 @@ class InstanceHandle:
                     violations,
                 )
 
-        event = store.send_event(self.workflow, self.id, type, payload_json, validate, _actor(actor))
+        event = store.send_event(
+            self.workflow, self.id, type, payload_json, validate, _actor(actor)
+        )
         _after_commit("event", event.instance_id, self.workflow)
 
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""
         status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
-        _after_commit("cancel" if status == Status.TERMINATED else "wake", self.row(refresh=False).pk, self.workflow)
+        _after_commit(
+            "cancel" if status == Status.TERMINATED else "wake",
+            self.row(refresh=False).pk,
+            self.workflow,
+        )
         return status
 
 
@@ -378,8 +451,20 @@ def _async_twin(name: str) -> Any:
     return twin
 
 
-for _name in ("status", "history", "steps", "pending_events", "result", "pause", "resume", "terminate",
-              "restart", "skip_sleep", "send_event", "cancel"):
+for _name in (
+    "status",
+    "history",
+    "steps",
+    "pending_events",
+    "result",
+    "pause",
+    "resume",
+    "terminate",
+    "restart",
+    "skip_sleep",
+    "send_event",
+    "cancel",
+):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
 __all__ = ["InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]

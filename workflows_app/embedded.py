@@ -43,7 +43,9 @@ async def _serve(worker: Worker) -> None:
         await worker.serve()
     except Exception:
         # Nothing runs from now on: say so as loudly as the log allows.
-        log.critical("embedded wfdash worker stopped: no workflow runs in this process", exc_info=True)
+        log.critical(
+            "embedded wfdash worker stopped: no workflow runs in this process", exc_info=True
+        )
 
 
 def embedded_worker() -> Worker | None:

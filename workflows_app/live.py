@@ -182,9 +182,13 @@ class Sender:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.hints = PendingHints()
-        self.updates: deque[tuple[str, dict[str, Any]]] = deque(maxlen=self.MAX_UPDATES)  # drops the oldest
+        self.updates: deque[tuple[str, dict[str, Any]]] = deque(
+            maxlen=self.MAX_UPDATES
+        )  # drops the oldest
         self.wake = asyncio.Event()
-        threading.Thread(target=self.loop.run_forever, name="wfdash-live-sender", daemon=True).start()
+        threading.Thread(
+            target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
+        ).start()
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
 
     def put(self, group: str, message: dict[str, Any]) -> None:

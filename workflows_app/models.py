@@ -41,7 +41,9 @@ class WorkflowVersion(models.Model):
     last_seen_at = models.DateTimeField()
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["name", "version"], name="workflowversion_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["name", "version"], name="workflowversion_unique")
+        ]
         ordering = ["name", "-version"]
 
     def __str__(self) -> str:
@@ -85,7 +87,9 @@ class Instance(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["workflow", "instance_id"], name="instance_id_per_workflow"),
+            models.UniqueConstraint(
+                fields=["workflow", "instance_id"], name="instance_id_per_workflow"
+            ),
             models.UniqueConstraint(
                 fields=["workflow", "version", "idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),
@@ -94,20 +98,32 @@ class Instance(models.Model):
         ]
         indexes = [
             # claim_runnable: WHERE wake_at <= now AND lease free ORDER BY wake_at
-            models.Index(fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)),
+            models.Index(
+                fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)
+            ),
             # list(): WHERE workflow = ? [AND status = ?] ORDER BY id DESC; queue promotion by id
             models.Index(fields=["workflow", "status", "id"], name="instance_wf_status"),
             models.Index(fields=["workflow", "id"], name="instance_wf_id"),
             # prune: WHERE expires_at <= now
-            models.Index(fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)),
+            models.Index(
+                fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)
+            ),
             # span flush: WHERE trace_id IN (...)
             models.Index(fields=["trace_id"], name="instance_trace"),
             # dashboard search across workflows: WHERE instance_id = ? / idempotency_key = ?
             models.Index(fields=["instance_id"], name="instance_public_id"),
-            models.Index(fields=["idempotency_key"], name="instance_idem", condition=Q(idempotency_key__isnull=False)),
+            models.Index(
+                fields=["idempotency_key"],
+                name="instance_idem",
+                condition=Q(idempotency_key__isnull=False),
+            ),
             # overview: runs and finishes in the last hour
             models.Index(fields=["created_at"], name="instance_created"),
-            models.Index(fields=["finished_at"], name="instance_finished", condition=Q(finished_at__isnull=False)),
+            models.Index(
+                fields=["finished_at"],
+                name="instance_finished",
+                condition=Q(finished_at__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -174,7 +190,11 @@ class StepRecord(models.Model):
     class Meta:
         # A compensation is checkpointed under the name of the step it undoes, with its
         # own kind: it cannot collide with any name a workflow gives its steps.
-        constraints = [models.UniqueConstraint(fields=["instance", "kind", "name"], name="step_kind_name_per_instance")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "kind", "name"], name="step_kind_name_per_instance"
+            )
+        ]
         ordering = ["instance", "seq"]
 
     def __str__(self) -> str:
@@ -210,7 +230,11 @@ class InboxEvent(models.Model):
     class Meta:
         indexes = [
             # deliver: WHERE instance = ? AND consumed_at IS NULL ORDER BY id
-            models.Index(fields=["instance", "id"], name="inbox_unconsumed", condition=Q(consumed_at__isnull=True)),
+            models.Index(
+                fields=["instance", "id"],
+                name="inbox_unconsumed",
+                condition=Q(consumed_at__isnull=True),
+            ),
         ]
         ordering = ["id"]
 
@@ -230,7 +254,11 @@ class HistoryRecord(models.Model):
     actor = models.CharField(max_length=200, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["instance", "sequence"], name="history_seq_per_instance")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "sequence"], name="history_seq_per_instance"
+            )
+        ]
         ordering = ["instance", "sequence"]
 
     def __str__(self) -> str:
@@ -240,7 +268,9 @@ class HistoryRecord(models.Model):
 class Span(models.Model):
     """A finished OpenTelemetry span, stored for the dashboard's trace waterfall."""
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="spans", null=True, blank=True)
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="spans", null=True, blank=True
+    )
     trace_id = models.CharField(max_length=32)
     span_id = models.CharField(max_length=16)
     parent_span_id = models.CharField(max_length=16, blank=True)
@@ -270,7 +300,9 @@ class Span(models.Model):
 class ErrorRecord(models.Model):
     """Every failed attempt and every failed instance, linked to its trace and span."""
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="errors", null=True, blank=True)
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="errors", null=True, blank=True
+    )
     workflow = models.CharField(max_length=200, blank=True)
     source = models.CharField(max_length=40)  # workflow.step | workflow.instance
     step_name = models.CharField(max_length=300, blank=True)
@@ -307,7 +339,9 @@ class ApiToken(models.Model):
     prefix = models.CharField(max_length=8, blank=True)
     user = models.ForeignKey("auth.User", on_delete=models.CASCADE, null=True, blank=True)
     scope = models.CharField(max_length=5, choices=SCOPES, default=WRITE)
-    workflows = models.TextField(blank=True, default="", help_text="workflow names separated by spaces; empty: all")
+    workflows = models.TextField(
+        blank=True, default="", help_text="workflow names separated by spaces; empty: all"
+    )
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)

@@ -19,9 +19,14 @@ def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def obj(properties: dict[str, Any], required: list[str] | None = None, closed: bool = True) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": properties,
-                              "required": list(properties) if required is None else required}
+def obj(
+    properties: dict[str, Any], required: list[str] | None = None, closed: bool = True
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+    }
     if closed:
         schema["additionalProperties"] = False
     return schema
@@ -39,13 +44,19 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 ERROR_RESPONSES = {
-    "400": "BadRequest", "401": "Unauthorized", "403": "Forbidden", "404": "NotFound",
-    "409": "Conflict", "413": "PayloadTooLarge", "429": "TooManyRequests",
+    "400": "BadRequest",
+    "401": "Unauthorized",
+    "403": "Forbidden",
+    "404": "NotFound",
+    "409": "Conflict",
+    "413": "PayloadTooLarge",
+    "429": "TooManyRequests",
 }
 
 
-def responses(ok: dict[str, Any], *errors: str, status: str = "200", also: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
+def responses(
+    ok: dict[str, Any], *errors: str, status: str = "200", also: dict[str, Any] | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {status: ok, **(also or {})}
     for code in ("401", *errors, "429"):
         out[code] = {"$ref": f"#/components/responses/{ERROR_RESPONSES[code]}"}
@@ -53,84 +64,186 @@ def responses(ok: dict[str, Any], *errors: str, status: str = "200", also: dict[
 
 
 def path_param(name: str, description: str) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}, "description": description}
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+        "description": description,
+    }
 
 
 WORKFLOW = path_param("name", "registered workflow name")
 INSTANCE = path_param("instance_id", "instance id (scoped by workflow)")
-READ = ("Needs a token limited to no workflows or to this one; a token with a user needs its "
-        "`workflows_app.view_instance` permission.")
-WRITE = ("Needs a token with the write scope, limited to no workflows or to this one; a token with a user "
-         "needs its `workflows_app.change_instance` permission.")
+READ = (
+    "Needs a token limited to no workflows or to this one; a token with a user needs its "
+    "`workflows_app.view_instance` permission."
+)
+WRITE = (
+    "Needs a token with the write scope, limited to no workflows or to this one; a token with a user "
+    "needs its `workflows_app.change_instance` permission."
+)
 
 SCHEMAS: dict[str, Any] = {
-    "ErrorInfo": {"type": ["object", "null"], "properties": {"name": {"type": "string"}, "message": {"type": "string"}},
-                  "required": ["name", "message"], "additionalProperties": False},
-    "Failure": obj({
-        "success": {"const": False},
-        "errors": {"type": "array", "minItems": 1, "items": obj({
-            "code": {"type": "string", "description": "stable error code, e.g. InstanceNotFound"},
-            "message": {"type": "string"},
-        })},
-    }),
+    "ErrorInfo": {
+        "type": ["object", "null"],
+        "properties": {"name": {"type": "string"}, "message": {"type": "string"}},
+        "required": ["name", "message"],
+        "additionalProperties": False,
+    },
+    "Failure": obj(
+        {
+            "success": {"const": False},
+            "errors": {
+                "type": "array",
+                "minItems": 1,
+                "items": obj(
+                    {
+                        "code": {
+                            "type": "string",
+                            "description": "stable error code, e.g. InstanceNotFound",
+                        },
+                        "message": {"type": "string"},
+                    }
+                ),
+            },
+        }
+    ),
     "ResultInfo": obj({"cursor": {"type": ["string", "null"]}, "per_page": {"type": "integer"}}),
     "Status": {"type": "string", "enum": list(Status.values)},
-    "InstanceSummary": obj({
-        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"},
-        "status": ref("Status"), "error": ref("ErrorInfo"),
-        "created_at": TIME, "updated_at": TIME, "finished_at": TIME_OR_NULL,
-    }),
-    "InstanceCreated": obj({
-        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"}, "status": ref("Status"),
-        "created": {"type": "boolean", "description": "false when an idempotency key found an existing instance"},
-    }),
-    "Workflow": obj({
-        "name": {"type": "string"}, "versions": {"type": "array", "items": {"type": "integer"}},
-        "counts": {"type": "object", "additionalProperties": {"type": "integer"},
-                   "description": "instances by status (statuses without any are left out)"},
-        "total": {"type": "integer"},
-    }),
-    "Step": obj({
-        "name": {"type": "string"},
-        "kind": {"type": "string", "enum": ["do", "sleep", "sleepUntil", "waitForEvent", "compensate"]},
-        "status": {"type": "string", "enum": ["running", "retrying", "waiting", "complete", "failed"]},
-        "attempts": {"type": "integer"}, "output": ANY, "error": ref("ErrorInfo"),
-        "started_at": TIME, "completed_at": TIME_OR_NULL, "duration_ms": {"type": ["number", "null"]},
-        "wake_at": TIME_OR_NULL,
-    }),
-    "PendingEvent": obj({
-        "name": {"type": "string"}, "type": {"type": "string"}, "timeout_at": TIME_OR_NULL,
-        "schema": {"type": ["object", "null"]},
-    }),
-    "Instance": obj({
-        "id": {"type": "string"}, "workflow": {"type": "string"}, "version": {"type": "integer"},
-        "status": ref("Status"), "params": ANY, "output": ANY, "error": ref("ErrorInfo"),
-        "waiting_reason": {"type": "string"}, "created_by": {"type": "string"},
-        "created_at": TIME, "updated_at": TIME, "started_at": TIME_OR_NULL, "finished_at": TIME_OR_NULL,
-        "steps": {"type": "array", "items": ref("Step")},
-        "pending_events": {"type": "array", "items": ref("PendingEvent")},
-    }),
-    "HistoryEntry": obj({
-        "sequence": {"type": "integer"}, "created_at": TIME, "type": {"type": "string"},
-        "data": {"type": "object"}, "actor": {"type": "string"},
-    }),
-    "InstanceState": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status")}),
-    "CreateInstance": obj({
-        "id": {"type": "string", "description": "instance id; a UUID when omitted"},
-        "instance_id": {"type": "string", "description": "alias of id (Cloudflare's name)"},
-        "params": ANY,
-        "idempotency_key": {"type": "string", "description": "same key, same workflow and version: same instance"},
-        "retention": {"type": ["string", "integer"],
-                      "description": "keep the finished instance this long (duration string or ms; 0 = forever)"},
-    }, required=[]),
-    "StatusChange": obj({
-        "status": {"type": "string", "enum": ["pause", "resume", "terminate", "restart"]},
-        "from_step": {"type": "string", "description": "restart only: drop this step's checkpoint and later ones"},
-    }, required=["status"]),
+    "InstanceSummary": obj(
+        {
+            "id": {"type": "string"},
+            "workflow": {"type": "string"},
+            "version": {"type": "integer"},
+            "status": ref("Status"),
+            "error": ref("ErrorInfo"),
+            "created_at": TIME,
+            "updated_at": TIME,
+            "finished_at": TIME_OR_NULL,
+        }
+    ),
+    "InstanceCreated": obj(
+        {
+            "id": {"type": "string"},
+            "workflow": {"type": "string"},
+            "version": {"type": "integer"},
+            "status": ref("Status"),
+            "created": {
+                "type": "boolean",
+                "description": "false when an idempotency key found an existing instance",
+            },
+        }
+    ),
+    "Workflow": obj(
+        {
+            "name": {"type": "string"},
+            "versions": {"type": "array", "items": {"type": "integer"}},
+            "counts": {
+                "type": "object",
+                "additionalProperties": {"type": "integer"},
+                "description": "instances by status (statuses without any are left out)",
+            },
+            "total": {"type": "integer"},
+        }
+    ),
+    "Step": obj(
+        {
+            "name": {"type": "string"},
+            "kind": {
+                "type": "string",
+                "enum": ["do", "sleep", "sleepUntil", "waitForEvent", "compensate"],
+            },
+            "status": {
+                "type": "string",
+                "enum": ["running", "retrying", "waiting", "complete", "failed"],
+            },
+            "attempts": {"type": "integer"},
+            "output": ANY,
+            "error": ref("ErrorInfo"),
+            "started_at": TIME,
+            "completed_at": TIME_OR_NULL,
+            "duration_ms": {"type": ["number", "null"]},
+            "wake_at": TIME_OR_NULL,
+        }
+    ),
+    "PendingEvent": obj(
+        {
+            "name": {"type": "string"},
+            "type": {"type": "string"},
+            "timeout_at": TIME_OR_NULL,
+            "schema": {"type": ["object", "null"]},
+        }
+    ),
+    "Instance": obj(
+        {
+            "id": {"type": "string"},
+            "workflow": {"type": "string"},
+            "version": {"type": "integer"},
+            "status": ref("Status"),
+            "params": ANY,
+            "output": ANY,
+            "error": ref("ErrorInfo"),
+            "waiting_reason": {"type": "string"},
+            "created_by": {"type": "string"},
+            "created_at": TIME,
+            "updated_at": TIME,
+            "started_at": TIME_OR_NULL,
+            "finished_at": TIME_OR_NULL,
+            "steps": {"type": "array", "items": ref("Step")},
+            "pending_events": {"type": "array", "items": ref("PendingEvent")},
+        }
+    ),
+    "HistoryEntry": obj(
+        {
+            "sequence": {"type": "integer"},
+            "created_at": TIME,
+            "type": {"type": "string"},
+            "data": {"type": "object"},
+            "actor": {"type": "string"},
+        }
+    ),
+    "InstanceState": obj(
+        {"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status")}
+    ),
+    "CreateInstance": obj(
+        {
+            "id": {"type": "string", "description": "instance id; a UUID when omitted"},
+            "instance_id": {"type": "string", "description": "alias of id (Cloudflare's name)"},
+            "params": ANY,
+            "idempotency_key": {
+                "type": "string",
+                "description": "same key, same workflow and version: same instance",
+            },
+            "retention": {
+                "type": ["string", "integer"],
+                "description": "keep the finished instance this long (duration string or ms; 0 = forever)",
+            },
+        },
+        required=[],
+    ),
+    "StatusChange": obj(
+        {
+            "status": {"type": "string", "enum": ["pause", "resume", "terminate", "restart"]},
+            "from_step": {
+                "type": "string",
+                "description": "restart only: drop this step's checkpoint and later ones",
+            },
+        },
+        required=["status"],
+    ),
     "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
-    "EventSent": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}),
-    "SleepSkipped": obj({"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status"),
-                         "skipped": {"type": "integer", "minimum": 1, "description": "sleeps made due now"}}),
+    "EventSent": obj(
+        {"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}
+    ),
+    "SleepSkipped": obj(
+        {
+            "id": {"type": "string"},
+            "workflow": {"type": "string"},
+            "status": ref("Status"),
+            "skipped": {"type": "integer", "minimum": 1, "description": "sleeps made due now"},
+        }
+    ),
 }
 
 
@@ -139,16 +252,28 @@ def failure(description: str) -> dict[str, Any]:
 
 
 def instance_action(
-    summary: str, operation_id: str, options: dict[str, Any], options_note: str, result: str, result_note: str
+    summary: str,
+    operation_id: str,
+    options: dict[str, Any],
+    options_note: str,
+    result: str,
+    result_note: str,
 ) -> dict[str, Any]:
     """A POST on an instance with an optional JSON object of options."""
     return {
         "parameters": [WORKFLOW, INSTANCE],
         "post": {
-            "summary": summary, "operationId": operation_id, "description": WRITE,
-            "requestBody": {"required": False, "description": options_note,
-                            "content": {"application/json": {"schema": options}}},
-            "responses": responses(json_body(success(ref(result)), result_note), "400", "403", "404", "409", "413"),
+            "summary": summary,
+            "operationId": operation_id,
+            "description": WRITE,
+            "requestBody": {
+                "required": False,
+                "description": options_note,
+                "content": {"application/json": {"schema": options}},
+            },
+            "responses": responses(
+                json_body(success(ref(result)), result_note), "400", "403", "404", "409", "413"
+            ),
         },
     }
 
@@ -169,103 +294,208 @@ def document() -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
         "paths": {
-            "/api/openapi.json": {"get": {
-                "summary": "This document", "operationId": "openapi", "security": [],
-                "responses": {"200": {"description": "the OpenAPI document",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
-            }},
+            "/api/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "operationId": "openapi",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "the OpenAPI document",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
             "/api/workflows": {
                 "get": {
                     "summary": "List workflows (registered, or with instances): versions and counts by status",
                     "operationId": "listWorkflows",
                     "description": "A token limited to some workflows sees only those.",
-                    "responses": responses(json_body(success({"type": "array", "items": ref("Workflow")}),
-                                                     "the workflows, by name"), "400", "403"),
+                    "responses": responses(
+                        json_body(
+                            success({"type": "array", "items": ref("Workflow")}),
+                            "the workflows, by name",
+                        ),
+                        "400",
+                        "403",
+                    ),
                 },
             },
             "/api/workflows/{name}/instances": {
                 "parameters": [WORKFLOW],
                 "get": {
-                    "summary": "List instances, newest first", "operationId": "listInstances", "description": READ,
+                    "summary": "List instances, newest first",
+                    "operationId": "listInstances",
+                    "description": READ,
                     "parameters": [
                         {"name": "status", "in": "query", "schema": ref("Status")},
-                        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
-                                                                     "default": 50}},
-                        {"name": "cursor", "in": "query", "schema": {"type": "string"},
-                         "description": "result_info.cursor of the previous page"},
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": 1000,
+                                "default": 50,
+                            },
+                        },
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "schema": {"type": "string"},
+                            "description": "result_info.cursor of the previous page",
+                        },
                     ],
-                    "responses": responses(json_body(
-                        success({"type": "array", "items": ref("InstanceSummary")}, paged=True), "a page"),
-                        "400", "403", "404"),
+                    "responses": responses(
+                        json_body(
+                            success({"type": "array", "items": ref("InstanceSummary")}, paged=True),
+                            "a page",
+                        ),
+                        "400",
+                        "403",
+                        "404",
+                    ),
                 },
                 "post": {
-                    "summary": "Create an instance", "operationId": "createInstance", "description": WRITE,
-                    "requestBody": json_body(ref("CreateInstance"), "the instance; an empty body is allowed"),
-                    "responses": responses(json_body(success(ref("InstanceCreated")), "created"),
-                                           "400", "403", "404", "409", "413", status="201", also={
-                                               "200": json_body(success(ref("InstanceCreated")),
-                                                                "not created: the instance an idempotency key "
-                                                                "already made (created: false)")}),
+                    "summary": "Create an instance",
+                    "operationId": "createInstance",
+                    "description": WRITE,
+                    "requestBody": json_body(
+                        ref("CreateInstance"), "the instance; an empty body is allowed"
+                    ),
+                    "responses": responses(
+                        json_body(success(ref("InstanceCreated")), "created"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                        status="201",
+                        also={
+                            "200": json_body(
+                                success(ref("InstanceCreated")),
+                                "not created: the instance an idempotency key "
+                                "already made (created: false)",
+                            )
+                        },
+                    ),
                 },
             },
             "/api/workflows/{name}/instances/batch": {
                 "parameters": [WORKFLOW],
                 "post": {
-                    "summary": "Create several instances, all or none", "operationId": "createBatch",
+                    "summary": "Create several instances, all or none",
+                    "operationId": "createBatch",
                     "description": WRITE,
-                    "requestBody": json_body({"type": "array", "items": ref("CreateInstance")}, "the instances"),
-                    "responses": responses(json_body(success({"type": "array", "items": ref("InstanceCreated")}),
-                                                     "created (at least one is new)"),
-                                           "400", "403", "404", "409", "413", status="201", also={
-                                               "200": json_body(success({"type": "array",
-                                                                         "items": ref("InstanceCreated")}),
-                                                                "every one existed: found by idempotency keys")}),
+                    "requestBody": json_body(
+                        {"type": "array", "items": ref("CreateInstance")}, "the instances"
+                    ),
+                    "responses": responses(
+                        json_body(
+                            success({"type": "array", "items": ref("InstanceCreated")}),
+                            "created (at least one is new)",
+                        ),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                        status="201",
+                        also={
+                            "200": json_body(
+                                success({"type": "array", "items": ref("InstanceCreated")}),
+                                "every one existed: found by idempotency keys",
+                            )
+                        },
+                    ),
                 },
             },
             instance_path: {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {
                     "summary": "An instance: status, params, output, error, steps, pending events",
-                    "operationId": "getInstance", "description": READ,
-                    "responses": responses(json_body(success(ref("Instance")), "the instance"), "403", "404"),
+                    "operationId": "getInstance",
+                    "description": READ,
+                    "responses": responses(
+                        json_body(success(ref("Instance")), "the instance"), "403", "404"
+                    ),
                 },
             },
             instance_path + "/history": {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {
-                    "summary": "The instance's append-only history", "operationId": "getHistory",
+                    "summary": "The instance's append-only history",
+                    "operationId": "getHistory",
                     "description": READ,
-                    "responses": responses(json_body(success({"type": "array", "items": ref("HistoryEntry")}),
-                                                     "records in order"), "403", "404"),
+                    "responses": responses(
+                        json_body(
+                            success({"type": "array", "items": ref("HistoryEntry")}),
+                            "records in order",
+                        ),
+                        "403",
+                        "404",
+                    ),
                 },
             },
             instance_path + "/status": {
                 "parameters": [WORKFLOW, INSTANCE],
                 "patch": {
-                    "summary": "Pause, resume, terminate or restart", "operationId": "changeStatus",
+                    "summary": "Pause, resume, terminate or restart",
+                    "operationId": "changeStatus",
                     "description": WRITE,
                     "requestBody": json_body(ref("StatusChange"), "the action"),
-                    "responses": responses(json_body(success(ref("InstanceState")), "the new status"),
-                                           "400", "403", "404", "409", "413"),
+                    "responses": responses(
+                        json_body(success(ref("InstanceState")), "the new status"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                    ),
                 },
             },
             instance_path + "/events/{event_type}": {
-                "parameters": [WORKFLOW, INSTANCE, path_param("event_type", "matches ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$")],
+                "parameters": [
+                    WORKFLOW,
+                    INSTANCE,
+                    path_param("event_type", "matches ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$"),
+                ],
                 "post": {
-                    "summary": "Send an event (the body is its payload)", "operationId": "sendEvent",
+                    "summary": "Send an event (the body is its payload)",
+                    "operationId": "sendEvent",
                     "description": WRITE,
-                    "requestBody": {"required": False, "description": "the payload, any JSON",
-                                    "content": {"application/json": {"schema": ANY}}},
-                    "responses": responses(json_body(success(ref("EventSent")), "stored for the instance"),
-                                           "400", "403", "404", "409", "413"),
+                    "requestBody": {
+                        "required": False,
+                        "description": "the payload, any JSON",
+                        "content": {"application/json": {"schema": ANY}},
+                    },
+                    "responses": responses(
+                        json_body(success(ref("EventSent")), "stored for the instance"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                    ),
                 },
             },
             instance_path + "/cancel": instance_action(
-                "Cancel, compensating completed steps first (unless compensate is false)", "cancelInstance",
-                ref("Cancel"), "options", "InstanceState", "compensating or terminated"),
+                "Cancel, compensating completed steps first (unless compensate is false)",
+                "cancelInstance",
+                ref("Cancel"),
+                "options",
+                "InstanceState",
+                "compensating or terminated",
+            ),
             instance_path + "/skip-sleep": instance_action(
-                "End the instance's current sleeps now (the steps after them run)", "skipSleep",
-                obj({}, required=[]), "no options: empty or {}", "SleepSkipped", "the sleeps are due now"),
+                "End the instance's current sleeps now (the steps after them run)",
+                "skipSleep",
+                obj({}, required=[]),
+                "no options: empty or {}",
+                "SleepSkipped",
+                "the sleeps are due now",
+            ),
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -273,13 +503,21 @@ def document() -> dict[str, Any]:
             "responses": {
                 "BadRequest": failure("invalid JSON, not UTF-8, wrong types, or a limit exceeded"),
                 "Unauthorized": failure("missing, unknown, expired or revoked token"),
-                "Forbidden": failure("the token's scope or workflows do not cover the request, or its user "
-                                     "lacks the permission it needs"),
+                "Forbidden": failure(
+                    "the token's scope or workflows do not cover the request, or its user "
+                    "lacks the permission it needs"
+                ),
                 "NotFound": failure("unknown workflow or instance"),
-                "MethodNotAllowed": failure("the path does not take this method (see the Allow header)"),
-                "Conflict": failure("the action does not apply to the instance's status, or the id is taken"),
+                "MethodNotAllowed": failure(
+                    "the path does not take this method (see the Allow header)"
+                ),
+                "Conflict": failure(
+                    "the action does not apply to the instance's status, or the id is taken"
+                ),
                 "PayloadTooLarge": failure("the body is larger than the API's request size limit"),
-                "TooManyRequests": failure("too many wrong tokens from this client: wait Retry-After seconds"),
+                "TooManyRequests": failure(
+                    "too many wrong tokens from this client: wait Retry-After seconds"
+                ),
             },
         },
     }

@@ -85,7 +85,12 @@ def history_json(entry: HistoryEntry) -> dict[str, Any]:
 
 
 def pending_json(pending: PendingEvent) -> dict[str, Any]:
-    return {"name": pending.name, "type": pending.type, "timeout_at": iso(pending.timeout_at), "schema": pending.schema}
+    return {
+        "name": pending.name,
+        "type": pending.type,
+        "timeout_at": iso(pending.timeout_at),
+        "schema": pending.schema,
+    }
 
 
 def instance_json(handle: InstanceHandle) -> dict[str, Any]:
@@ -114,5 +119,10 @@ def created_json(handle: InstanceHandle) -> dict[str, Any]:
     """What create answers: enough to find the instance again, and whether it is new
     (False when an idempotency key found one created earlier)."""
     row = handle.row(refresh=False)
-    return {"id": row.instance_id, "workflow": row.workflow, "version": row.version, "status": row.status,
-            "created": handle.created}
+    return {
+        "id": row.instance_id,
+        "workflow": row.workflow,
+        "version": row.version,
+        "status": row.status,
+        "created": handle.created,
+    }

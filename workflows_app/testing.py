@@ -66,16 +66,24 @@ def fake_clock(start: datetime | None = None) -> Iterator[engine_clock.Controlla
 
 
 def _instance(instance_id: str) -> InstanceHandle:
-    rows = list(Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True)[:2])
+    rows = list(
+        Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True)[:2]
+    )
     if not rows:
         raise InstanceNotFound(f"no instance {instance_id!r} in any workflow")
     if len(rows) > 1:
-        raise InvalidInput(f"instance id {instance_id!r} exists in several workflows; use the InstanceHandle")
+        raise InvalidInput(
+            f"instance id {instance_id!r} exists in several workflows; use the InstanceHandle"
+        )
     return InstanceHandle(rows[0], instance_id)
 
 
 def mock_step(
-    instance_id: str, step_name: str, result: Any = _MISSING, error: BaseException | None = None, times: int = -1
+    instance_id: str,
+    step_name: str,
+    result: Any = _MISSING,
+    error: BaseException | None = None,
+    times: int = -1,
 ) -> None:
     """Make a step return `result` or raise `error` instead of calling its callable.
 
@@ -91,7 +99,9 @@ def mock_step(
 def disable_sleeps(instance_id: str | None = None) -> None:
     """Sleeps of that instance (or of every instance) end at once; makes a parked sleep due."""
     overrides.sleeps_disabled.add(instance_id)
-    sleeping = StepRecord.objects.filter(kind__in=(StepKind.SLEEP, StepKind.SLEEP_UNTIL), status=StepStatus.WAITING)
+    sleeping = StepRecord.objects.filter(
+        kind__in=(StepKind.SLEEP, StepKind.SLEEP_UNTIL), status=StepStatus.WAITING
+    )
     if instance_id is not None:
         sleeping = sleeping.filter(instance__instance_id=instance_id)
     parked = Instance.objects.filter(pk__in=sleeping.values("instance_id"), status="waiting")
@@ -125,7 +135,9 @@ def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 1
             return current
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise AssertionError(f"instance {instance.id!r} is {current!r}, not {statuses} after {timeout} s")
+            raise AssertionError(
+                f"instance {instance.id!r} is {current!r}, not {statuses} after {timeout} s"
+            )
         try:
             runs = run_until_idle(timeout=remaining)
         except TimeoutError:  # a run was still going at the deadline

@@ -140,34 +140,59 @@ class DatabaseSpanProcessor(SpanProcessor):
         from .models import Instance, Span
 
         trace_ids = {format(s.context.trace_id, "032x") for s in batch}
-        instances = dict(Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id"))
+        instances = dict(
+            Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id")
+        )
         json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
         when = connection.ops.adapt_datetimefield_value
         stored, params = [], []
         for span in batch:
             trace_id = format(span.context.trace_id, "032x")
             row = StoredSpan(
-                instances.get(trace_id), trace_id, format(span.context.span_id, "016x"), span.name[:300],
+                instances.get(trace_id),
+                trace_id,
+                format(span.context.span_id, "016x"),
+                span.name[:300],
                 span.status.status_code.name,
             )
             stored.append(row)
             params += [
-                row.instance_id, trace_id, row.span_id,
+                row.instance_id,
+                trace_id,
+                row.span_id,
                 format(span.parent.span_id, "016x") if span.parent else "",
-                row.name, span.kind.name, when(_when(span.start_time)), when(_when(span.end_time)),
-                row.status_code, span.status.description or "",
+                row.name,
+                span.kind.name,
+                when(_when(span.start_time)),
+                when(_when(span.end_time)),
+                row.status_code,
+                span.status.description or "",
                 json.dumps({k: _jsonable(v) for k, v in (span.attributes or {}).items()}),
-                json.dumps([
-                    {"name": e.name, "time": _when(e.timestamp).isoformat(),
-                     "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()}}
-                    for e in span.events
-                ]),
-                json.dumps([
-                    {"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x")}
-                    for link in span.links
-                ]),
+                json.dumps(
+                    [
+                        {
+                            "name": e.name,
+                            "time": _when(e.timestamp).isoformat(),
+                            "attributes": {
+                                k: _jsonable(v) for k, v in (e.attributes or {}).items()
+                            },
+                        }
+                        for e in span.events
+                    ]
+                ),
+                json.dumps(
+                    [
+                        {
+                            "trace_id": format(link.context.trace_id, "032x"),
+                            "span_id": format(link.context.span_id, "016x"),
+                        }
+                        for link in span.links
+                    ]
+                ),
             ]
-        values = f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {json_value}, {json_value}, {json_value})"
+        values = (
+            f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {json_value}, {json_value}, {json_value})"
+        )
         with transaction.atomic(), connection.cursor() as cursor:
             for start in range(0, len(stored), FLUSH_ROWS):
                 chunk = stored[start : start + FLUSH_ROWS]
@@ -205,12 +230,16 @@ def configure() -> TracerProvider:
             return _provider
         trace_ids = InstanceTraceIds()
         provider = TracerProvider(
-            resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}),
+            resource=Resource.create(
+                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
+            ),
             id_generator=trace_ids,
         )
         _store = DatabaseSpanProcessor(trace_ids)
         provider.add_span_processor(_store)
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+        ):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
@@ -239,4 +268,3 @@ def flush_spans() -> list[Any]:
 def add_processor(processor: SpanProcessor) -> None:
     """Add a span processor (e.g. an in-memory exporter in tests) to wfdash's provider."""
     configure().add_span_processor(processor)
-

@@ -22,8 +22,8 @@ from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, forms
 from .client import InstanceHandle, get_workflow
-from .engine import errors
 from .converters import parse_pk
+from .engine import errors
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 

@@ -30,7 +30,9 @@ def session_cookie(*perms: str, staff: bool = True) -> bytes:
 async def connect(
     path: str, cookie: bytes | None, origin: bytes = b"http://testserver"
 ) -> tuple[WebsocketCommunicator, bool]:
-    headers = [(b"origin", origin), (b"host", b"testserver")] + ([(b"cookie", cookie)] if cookie else [])
+    headers = [(b"origin", origin), (b"host", b"testserver")] + (
+        [(b"cookie", cookie)] if cookie else []
+    )
     communicator = WebsocketCommunicator(router, path, headers=headers)
     connected, _ = await communicator.connect(timeout=RECEIVE_TIMEOUT)
     return communicator, connected
@@ -119,7 +121,9 @@ async def test_the_detail_socket_relays_steps_history_and_status(approval_workfl
     assert started["step"]["name"] == "prepare" and started["step"]["status"] == "running"
     done = await receive_until(communicator, "step.written")
     assert done["step"]["name"] == "prepare" and done["step"]["status"] == "complete"
-    assert (await receive_until(communicator, "history.appended"))["count"] == 2  # started + completed
+    assert (await receive_until(communicator, "history.appended"))[
+        "count"
+    ] == 2  # started + completed
     assert (await receive_until(communicator, "instance.status"))["instance"]["status"] == "waiting"
     await inst.asend_event("approval", {"ok": True}, actor="test")
     assert (await receive_until(communicator, "instance.status", kind="event"))["instance"][

@@ -64,7 +64,9 @@ def statuses_allowing(action: str) -> frozenset[str]:
     return frozenset(s for (a, s) in TRANSITIONS if a == action)
 
 
-def after(action: str, status: str, instance_id: str, *, held_by_run: bool = False, admitted: bool = True) -> str:
+def after(
+    action: str, status: str, instance_id: str, *, held_by_run: bool = False, admitted: bool = True
+) -> str:
     """The status `action` leads to, or InvalidTransition naming why it does not apply.
 
     held_by_run: a worker's run holds the instance now (its lease is live).
@@ -73,7 +75,9 @@ def after(action: str, status: str, instance_id: str, *, held_by_run: bool = Fal
     if not can(action, status):
         verb = action.replace("_", " ")
         state = f"already {status}" if status in FINISHED else status
-        raise InvalidTransition(f"cannot {verb} instance {instance_id!r}: it is {state}{WHY_NOT.get(action, '')}")
+        raise InvalidTransition(
+            f"cannot {verb} instance {instance_id!r}: it is {state}{WHY_NOT.get(action, '')}"
+        )
     target = TRANSITIONS[(action, status)]
     if action == PAUSE and held_by_run and status in (Status.RUNNING, Status.WAITING_FOR_PAUSE):
         return Status.WAITING_FOR_PAUSE  # takes effect at the run's next step boundary

@@ -68,19 +68,26 @@ class Limits:
         fields = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for layer in overrides:
-            for key, value in (layer or {}).items():
+            for key, given in (layer or {}).items():
+                value = given
                 if key not in fields:
-                    raise InvalidInput(f"unknown limit {key!r}; known limits: {', '.join(sorted(fields))}")
+                    raise InvalidInput(
+                        f"unknown limit {key!r}; known limits: {', '.join(sorted(fields))}"
+                    )
                 if key in cls._DURATIONS:
                     value = parse_duration(value)
                 elif key == "max_concurrent_instances":
                     if value is not None and (isinstance(value, float) and math.isinf(value)):
                         value = None
                     if value is not None and (not isinstance(value, int) or value < 1):
-                        raise InvalidInput(f"max_concurrent_instances must be a positive integer or None, got {value!r}")
+                        raise InvalidInput(
+                            f"max_concurrent_instances must be a positive integer or None, got {value!r}"
+                        )
                 elif key == "default_retry_backoff":
                     if value not in BACKOFFS:
-                        raise InvalidInput(f"default_retry_backoff must be one of {BACKOFFS}, got {value!r}")
+                        raise InvalidInput(
+                            f"default_retry_backoff must be one of {BACKOFFS}, got {value!r}"
+                        )
                 elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise InvalidInput(f"limit {key} must be a non-negative integer, got {value!r}")
                 values[key] = value
@@ -125,7 +132,13 @@ def json_text_depth(text: str) -> int:
     only brackets and quotes (bytes.translate), drop what lay between quotes (strings),
     then each pass removes the innermost empty pairs: the number of passes is the depth.
     """
-    kept = text.replace("\\\\", "").replace('\\"', "").encode(errors="surrogatepass").translate(None, _NOT_STRUCTURE).decode()
+    kept = (
+        text.replace("\\\\", "")
+        .replace('\\"', "")
+        .encode(errors="surrogatepass")
+        .translate(None, _NOT_STRUCTURE)
+        .decode()
+    )
     brackets = "".join(kept.split('"')[0::2])
     depth = 0
     while brackets:
@@ -153,7 +166,9 @@ def check_size(text: str, limit_name: str, maximum: int, what: str) -> None:
     try:
         size = len(text.encode())
     except UnicodeEncodeError as exc:
-        raise InvalidInput(f"{what} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
+        raise InvalidInput(
+            f"{what} is not valid Unicode text: {exc.reason} at position {exc.start}"
+        ) from None
     if size > maximum:
         raise SizeLimitExceeded(limit_name, f"{size} bytes", f"{maximum} bytes", what)
 
@@ -171,7 +186,9 @@ def check_instance_id(instance_id: object, limits: Limits) -> str:
     if not isinstance(instance_id, str) or not instance_id:
         raise InvalidInput(f"instance id must be a non-empty string, got {instance_id!r}")
     if len(instance_id) > limits.max_instance_id_length:
-        raise LimitExceeded("max_instance_id_length", len(instance_id), limits.max_instance_id_length, "instance id")
+        raise LimitExceeded(
+            "max_instance_id_length", len(instance_id), limits.max_instance_id_length, "instance id"
+        )
     if not INSTANCE_ID_PATTERN.match(instance_id):
         raise InvalidInput(
             f"invalid instance id {instance_id!r}: use letters, digits, '_', '-', '.', ':' "
@@ -184,7 +201,12 @@ def check_step_name(name: object, limits: Limits) -> str:
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"step name must be a non-empty string, got {name!r}")
     if len(name) > limits.max_step_name_length:
-        raise LimitExceeded("max_step_name_length", len(name), limits.max_step_name_length, f"step name {name[:40]!r}…")
+        raise LimitExceeded(
+            "max_step_name_length",
+            len(name),
+            limits.max_step_name_length,
+            f"step name {name[:40]!r}…",
+        )
     return name
 
 

@@ -76,14 +76,18 @@ def register(
 ) -> Callable[[type[WorkflowEntrypoint]], type[WorkflowEntrypoint]]:
     """Class decorator: make a WorkflowEntrypoint subclass available as `name` at `version`."""
     if not isinstance(name, str) or not name or len(name) > 200:
-        raise InvalidInput(f"workflow name must be a non-empty string of at most 200 characters, got {name!r}")
+        raise InvalidInput(
+            f"workflow name must be a non-empty string of at most 200 characters, got {name!r}"
+        )
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise InvalidInput(f"workflow version must be a positive integer, got {version!r}")
     Limits.build(limits)  # validate now, at import time, not at the first run
 
     def decorate(cls: type[WorkflowEntrypoint]) -> type[WorkflowEntrypoint]:
         if not (isinstance(cls, type) and issubclass(cls, WorkflowEntrypoint)):
-            raise InvalidInput(f"@register({name!r}) must decorate a WorkflowEntrypoint subclass, got {cls!r}")
+            raise InvalidInput(
+                f"@register({name!r}) must decorate a WorkflowEntrypoint subclass, got {cls!r}"
+            )
         if not inspect.iscoroutinefunction(cls.run):
             raise InvalidInput(f"{cls.__qualname__}.run must be `async def run(self, event, step)`")
         cls.workflow_name = name

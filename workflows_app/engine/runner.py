@@ -61,9 +61,21 @@ DbCall = Callable[..., Awaitable[Any]]
 QUIESCENCE_TICKS = 10
 # The latest step asked for in this branch of the workflow: asyncio tasks copy the context,
 # so each gathered branch carries its own from the step before the fork.
-_previous_step: contextvars.ContextVar[str] = contextvars.ContextVar("wfdash_previous_step", default="")
+_previous_step: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "wfdash_previous_step", default=""
+)
 # Waits before each new try of a checkpoint after a passing database error: about 10 s in all.
-WRITE_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0)  # loop iterations to let sibling branches start before calling a run blocked
+WRITE_RETRY_DELAYS = (
+    0.05,
+    0.1,
+    0.2,
+    0.4,
+    0.8,
+    1.6,
+    2.0,
+    2.0,
+    2.0,
+)  # loop iterations to let sibling branches start before calling a run blocked
 
 
 @dataclass
@@ -101,7 +113,9 @@ class Activity:
         self.run = run
         self.blocked = False
 
-    async def block(self, *, wake_at: datetime | None = None, event_type: str | None = None) -> None:
+    async def block(
+        self, *, wake_at: datetime | None = None, event_type: str | None = None
+    ) -> None:
         """Declare this branch unable to go on in this run; never returns."""
         self.blocked = True
         self.run.in_flight -= 1
@@ -142,7 +156,9 @@ class Run:
             if checkpoint.after is not None:
                 self.successors.setdefault(checkpoint.after, []).append(checkpoint)
         self.inboxes: dict[str, Inbox] = {}  # buffered events by type, read as waits ask for them
-        self.events_seen = 0  # the newest event id read: newer ones of an awaited type arrived during the run
+        self.events_seen = (
+            0  # the newest event id read: newer ones of an awaited type arrived during the run
+        )
         self.seen: set[str] = set()
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0
@@ -154,7 +170,9 @@ class Run:
         self.draining = False  # its worker is shutting down: stop at the next step boundary
         self.sync_attempts_running = 0  # step callables still running in threads
         self.sync_attempts: set[StepContext] = set()  # their contexts, told when the run stops
-        self.abandoned: dict[str, Any] = {}  # step name -> the thread future of its timed-out attempt
+        self.abandoned: dict[
+            str, Any
+        ] = {}  # step name -> the thread future of its timed-out attempt
         self.abort_reason: str | None = None
         self.abort_error: BaseException | None = None  # the database error that cut the run short
         self.fatal: BaseException | None = None
@@ -199,7 +217,9 @@ class Run:
         inst = self.instance
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
-        event = WorkflowEvent(payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at)
+        event = WorkflowEvent(
+            payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at
+        )
         self.span = spans.start_workflow_span(
             inst.trace_id,
             self.definition.name,
@@ -265,8 +285,11 @@ class Run:
     async def _run_compensations(self) -> None:
         step = Step(self)
         completed = sorted(
-            (r for r in self.checkpoints.values()
-             if r.kind == StepKind.DO and r.status == StepStatus.COMPLETE and r.has_compensation),
+            (
+                r
+                for r in self.checkpoints.values()
+                if r.kind == StepKind.DO and r.status == StepStatus.COMPLETE and r.has_compensation
+            ),
             key=lambda r: r.seq,
             reverse=True,
         )
@@ -274,10 +297,16 @@ class Run:
             fn = self.compensations.get(record.name)
             if fn is None:
                 raise NonRetryableError(
-                    f'step "{record.name}" has a compensation but the replay did not reach it', "CompensationMissing"
+                    f'step "{record.name}" has a compensation but the replay did not reach it',
+                    "CompensationMissing",
                 )
             await step._do(
-                record.name, functools.partial(fn, record.output), None, None, None, kind=StepKind.COMPENSATE
+                record.name,
+                functools.partial(fn, record.output),
+                None,
+                None,
+                None,
+                kind=StepKind.COMPENSATE,
             )
 
     def _quiescent(self) -> bool:
@@ -291,7 +320,13 @@ class Run:
     async def _park(self) -> str:
         try:
             status = await self.db(
-                store.park, self.pk, self.token, self.holding, list(self.awaited_types), "", self.events_seen
+                store.park,
+                self.pk,
+                self.token,
+                self.holding,
+                list(self.awaited_types),
+                "",
+                self.events_seen,
             )
         except LeaseLost:
             return "aborted"
@@ -314,8 +349,17 @@ class Run:
             history_first = []
         if exc is None and self.unwinding:
             ok = await self.db(
-                store.finish, self.pk, self.token, Status.TERMINATED, self.limits, None, None,
-                [History("compensation.completed", {}), History("instance.cancelled", {"compensated": True})],
+                store.finish,
+                self.pk,
+                self.token,
+                Status.TERMINATED,
+                self.limits,
+                None,
+                None,
+                [
+                    History("compensation.completed", {}),
+                    History("instance.cancelled", {"compensated": True}),
+                ],
             )
             return Status.TERMINATED if ok else "aborted"
         if exc is None:
@@ -325,14 +369,23 @@ class Run:
                 exc = error
             else:
                 ok = await self.db(
-                    store.finish, self.pk, self.token, Status.COMPLETE, self.limits, output_json, None,
+                    store.finish,
+                    self.pk,
+                    self.token,
+                    Status.COMPLETE,
+                    self.limits,
+                    output_json,
+                    None,
                     [History("instance.completed", {})],
                 )
                 return Status.COMPLETE if ok else "aborted"
         if (
             self.definition.cls.compensate_on_failure
             and not self.unwinding
-            and any(r.has_compensation and r.status == StepStatus.COMPLETE for r in self.checkpoints.values())
+            and any(
+                r.has_compensation and r.status == StepStatus.COMPLETE
+                for r in self.checkpoints.values()
+            )
         ):
             # Unwind first; replays fail the same way, so a parked unwinding resumes.
             self.failure = exc
@@ -345,21 +398,45 @@ class Run:
             return await self._unwind()
         name, message, stack = error_fields(exc)
         self.error_message = f"{name}: {message}"
-        spans.mark_error(self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message)
+        spans.mark_error(
+            self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message
+        )
         ok = await self.db(
-            store.finish, self.pk, self.token, Status.ERRORED, self.limits, None, (name, message, stack),
-            [*history_first, History("instance.errored", {"error": {"name": name, "message": message}})],
+            store.finish,
+            self.pk,
+            self.token,
+            Status.ERRORED,
+            self.limits,
+            None,
+            (name, message, stack),
+            [
+                *history_first,
+                History("instance.errored", {"error": {"name": name, "message": message}}),
+            ],
             self.error_record("workflow.instance", name, message, stack, self.span),
         )
         return Status.ERRORED if ok else "aborted"
 
     def error_record(
-        self, source: str, name: str, message: str, stack: str, span: Any, step: str = "", attempt: int | None = None
+        self,
+        source: str,
+        name: str,
+        message: str,
+        stack: str,
+        span: Any,
+        step: str = "",
+        attempt: int | None = None,
     ) -> dict[str, Any]:
         trace_id, span_id = spans.span_ids(span)
         return {
-            "workflow": self.definition.name, "source": source, "step_name": step, "attempt": attempt,
-            "name": name, "message": message, "stack": stack, "trace_id": trace_id or self.instance.trace_id,
+            "workflow": self.definition.name,
+            "source": source,
+            "step_name": step,
+            "attempt": attempt,
+            "name": name,
+            "message": message,
+            "stack": stack,
+            "trace_id": trace_id or self.instance.trace_id,
             "span_id": span_id,
         }
 
@@ -382,10 +459,14 @@ class Run:
         if kind == StepKind.COMPENSATE:  # the engine's own: undoes the step of that name
             return self.compensation_checkpoints.get(name)
         if name in self.seen:
-            raise DuplicateStepName(f'step name "{name}" is used twice in one execution; step names must be unique')
+            raise DuplicateStepName(
+                f'step name "{name}" is used twice in one execution; step names must be unique'
+            )
         self.op_count += 1
         if self.op_count > self.limits.max_steps_per_workflow:
-            raise LimitExceeded("max_steps_per_workflow", self.op_count, self.limits.max_steps_per_workflow)
+            raise LimitExceeded(
+                "max_steps_per_workflow", self.op_count, self.limits.max_steps_per_workflow
+            )
         previous = _previous_step.get()
         record = self.checkpoints.get(name)
         self._check_determinism(name, kind, previous, record)
@@ -394,7 +475,9 @@ class Run:
         _previous_step.set(name)  # in this branch's context: a gathered branch has its own
         return record
 
-    def _check_determinism(self, name: str, kind: str, previous: str, record: StepRecord | None) -> None:
+    def _check_determinism(
+        self, name: str, kind: str, previous: str, record: StepRecord | None
+    ) -> None:
         """Replay must ask for the steps the instance checkpointed, in each branch's order.
 
         Every checkpoint remembers the step before it in its branch; a step asked for
@@ -410,7 +493,9 @@ class Run:
                 f"asks for it after {_step_label(previous)}"
             )
         elif record is None:
-            skipped = next((r for r in self.successors.get(previous, ()) if r.name not in self.seen), None)
+            skipped = next(
+                (r for r in self.successors.get(previous, ()) if r.name not in self.seen), None
+            )
             if skipped is not None:
                 changed = (
                     f'the workflow now asks for {kind} step "{name}" after {_step_label(previous)}, where it '
@@ -469,7 +554,9 @@ class Run:
     ) -> None:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
-        write = store.StepWrite(self.pk, self.token, record, history, consume_event, progress, error)
+        write = store.StepWrite(
+            self.pk, self.token, record, history, consume_event, progress, error
+        )
         try:
             status = await self.checkpoint(write)
         except LeaseLost as exc:
@@ -477,7 +564,9 @@ class Run:
             raise RunAborted(str(exc)) from None
         except DatabaseError as exc:
             status = await self._write_again(write, exc)
-        (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[record.name] = record
+        (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[
+            record.name
+        ] = record
         if status == Status.WAITING_FOR_PAUSE and not self.pause_requested:
             self.request_pause()
         elif status == Status.RUNNING and self.pause_requested:
@@ -517,7 +606,9 @@ class Run:
         mock = overrides.step_mocks.get((self.instance_id, record.name))
         if mock is not None:
             fn = call = _mocked(mock, call)
-        timed_out = StepTimeout(f'step "{record.label}" attempt {record.attempts} timed out after {timeout_ms} ms')
+        timed_out = StepTimeout(
+            f'step "{record.label}" attempt {record.attempts} timed out after {timeout_ms} ms'
+        )
         if _is_async(fn):
             # In this task, under a deadline: no extra task per step; cancelled at the timeout.
             token = _current_step.set(context)
@@ -560,7 +651,9 @@ class Run:
                     return await await_returned(result, context, left, timed_out)
                 return result
             # The timeout counts running time only: not the wait for a thread to start it.
-            remaining = timeout_ms / 1000 if not began else began[0] + timeout_ms / 1000 - time.monotonic()
+            remaining = (
+                timeout_ms / 1000 if not began else began[0] + timeout_ms / 1000 - time.monotonic()
+            )
             if remaining <= 0:
                 break
         # Abandoned: its late result is discarded, so attempts never overlap in effect.
@@ -571,42 +664,71 @@ class Run:
 
     def _sync_attempt_ended(self, context: StepContext, _: Any) -> None:
         # Called in the step's thread: count on the loop, where the increments happen.
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads the count any more
             self.loop.call_soon_threadsafe(self._count_sync_attempt_ended, context)
-        except RuntimeError:
-            pass  # the loop is closed: nobody reads the count any more
 
     def _count_sync_attempt_ended(self, context: StepContext) -> None:
         self.sync_attempts_running -= 1
         self.sync_attempts.discard(context)
 
     async def schedule_retry(
-        self, record: StepRecord, exc: BaseException, delay_ms: int, history: list[History] | None = None
+        self,
+        record: StepRecord,
+        exc: BaseException,
+        delay_ms: int,
+        history: list[History] | None = None,
     ) -> None:
         name, message, stack = error_fields(exc)
-        record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
+        record.last_error_name, record.last_error_message, record.last_error_stack = (
+            name,
+            message,
+            stack,
+        )
         record.status = StepStatus.RETRYING
         record.wake_at = clock.now() + timedelta(milliseconds=delay_ms)
         span = trace.get_current_span()
-        spans.record_failed_attempt(span, record.attempts, record.max_attempts - 1, name, message, stack)
+        spans.record_failed_attempt(
+            span, record.attempts, record.max_attempts - 1, name, message, stack
+        )
         await self.write(
             record,
             [
                 *(history or []),
-                History("step.failed", {"step": record.label, "attempt": record.attempts, "error": {"name": name, "message": message}, "final": False}),
-                History("step.retry_scheduled", {"step": record.label, "delay_ms": delay_ms, "at": record.wake_at.isoformat()}),
+                History(
+                    "step.failed",
+                    {
+                        "step": record.label,
+                        "attempt": record.attempts,
+                        "error": {"name": name, "message": message},
+                        "final": False,
+                    },
+                ),
+                History(
+                    "step.retry_scheduled",
+                    {"step": record.label, "delay_ms": delay_ms, "at": record.wake_at.isoformat()},
+                ),
             ],
-            error=self.error_record("workflow.step", name, message, stack, span, record.label, record.attempts),
+            error=self.error_record(
+                "workflow.step", name, message, stack, span, record.label, record.attempts
+            ),
         )
         self.notify("attempt_failed", self, record, exc)
 
     async def fail_step(
-        self, record: StepRecord, exc: BaseException | None, nonretryable: bool, history: list[History] | None = None
+        self,
+        record: StepRecord,
+        exc: BaseException | None,
+        nonretryable: bool,
+        history: list[History] | None = None,
     ) -> BaseException:
         """Record the step as failed for good; returns the exception to raise into run()."""
         if exc is not None:
             name, message, stack = error_fields(exc)
-            record.last_error_name, record.last_error_message, record.last_error_stack = name, message, stack
+            record.last_error_name, record.last_error_message, record.last_error_stack = (
+                name,
+                message,
+                stack,
+            )
         elif not record.last_error_name:
             record.last_error_name = "StepFailed"
             record.last_error_message = f'step "{record.label}" used all {record.attempts} attempts'
@@ -619,9 +741,13 @@ class Run:
         if exc is not None:
             name, message, stack = error_fields(exc)
             if record.kind in (StepKind.DO, StepKind.COMPENSATE):
-                spans.record_failed_attempt(span, record.attempts, record.max_attempts - 1, name, message, stack)
+                spans.record_failed_attempt(
+                    span, record.attempts, record.max_attempts - 1, name, message, stack
+                )
             spans.mark_error(span, exc)
-            error = self.error_record("workflow.step", name, message, stack, span, record.label, record.attempts)
+            error = self.error_record(
+                "workflow.step", name, message, stack, span, record.label, record.attempts
+            )
         await self.write(
             record,
             [
@@ -629,8 +755,13 @@ class Run:
                 History(
                     "step.failed",
                     {
-                        "step": record.label, "attempt": record.attempts, "final": True,
-                        "error": {"name": record.last_error_name, "message": record.last_error_message},
+                        "step": record.label,
+                        "attempt": record.attempts,
+                        "final": True,
+                        "error": {
+                            "name": record.last_error_name,
+                            "message": record.last_error_message,
+                        },
                     },
                 ),
             ],
@@ -648,32 +779,40 @@ class Run:
             return EventTimeout(record.last_error_message)
         if info.get("nonretryable"):
             return NonRetryableError(record.last_error_message, record.last_error_name)
-        return StepFailed(record.name, record.last_error_name, record.last_error_message, record.last_error_stack)
+        return StepFailed(
+            record.name, record.last_error_name, record.last_error_message, record.last_error_stack
+        )
 
     def sleep_is_due(self, record: StepRecord) -> bool:
         if self.instance_id in overrides.sleeps_disabled or None in overrides.sleeps_disabled:
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
-    async def take_event(self, event_type: str, schema: dict[str, Any] | None = None) -> InboxEvent | None:
+    async def take_event(
+        self, event_type: str, schema: dict[str, Any] | None = None
+    ) -> InboxEvent | None:
         """The oldest undelivered event of a type, reserved for the caller (program order).
 
         With a schema (a typed wait), events buffered before the wait whose payload does
         not match it are passed over: they stay in the inbox, never delivered to this wait.
         Events are read EVENT_BATCH at a time and only as far as a wait needs them.
         """
-        validator = jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
+        validator = (
+            jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
+        )
         inbox = self.inboxes.setdefault(event_type, Inbox())
         async with inbox.lock:  # parallel waits on one type read the inbox once
-            index = 0
+            checked = 0
             while True:
-                for index in range(index, len(inbox.events)):
+                for index in range(checked, len(inbox.events)):
                     if validator is None or validator.is_valid(inbox.events[index].payload):
                         return inbox.events.pop(index)
-                index = len(inbox.events)
+                checked = len(inbox.events)
                 if inbox.exhausted:
                     return None
-                batch = await self.db(store.unconsumed_events, self.pk, event_type, inbox.last_id, EVENT_BATCH)
+                batch = await self.db(
+                    store.unconsumed_events, self.pk, event_type, inbox.last_id, EVENT_BATCH
+                )
                 inbox.events.extend(batch)
                 inbox.exhausted = len(batch) < EVENT_BATCH
                 if batch:

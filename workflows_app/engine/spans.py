@@ -19,7 +19,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 # Read by the tracer provider's id generator: the trace id of the span about to start.
-forced_trace_id: contextvars.ContextVar[int | None] = contextvars.ContextVar("wfdash_trace_id", default=None)
+forced_trace_id: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "wfdash_trace_id", default=None
+)
 
 _tracer: trace.Tracer | None = None
 _enabled = True
@@ -59,7 +61,10 @@ def start_workflow_span(trace_id_hex: str, name: str, attributes: dict[str, Any]
     token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
     try:
         return tracer().start_span(
-            f"workflow {name}", context=otel_context.Context(), kind=SpanKind.SERVER, attributes=attributes
+            f"workflow {name}",
+            context=otel_context.Context(),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
         )
     finally:
         forced_trace_id.reset(token)
@@ -70,13 +75,22 @@ def child_span(parent: Span | None, name: str, attributes: dict[str, Any]) -> It
     """A span under `parent`, current for the block (user spans in the step nest under it)."""
     ctx = trace.set_span_in_context(parent) if parent is not None else None
     with tracer().start_as_current_span(
-        name, context=ctx, attributes=attributes, record_exception=False, set_status_on_exception=False
+        name,
+        context=ctx,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
         yield span
 
 
 def finished_span(
-    parent: Span | None, name: str, start: datetime, end: datetime, attributes: dict[str, Any], error: BaseException | None = None
+    parent: Span | None,
+    name: str,
+    start: datetime,
+    end: datetime,
+    attributes: dict[str, Any],
+    error: BaseException | None = None,
 ) -> None:
     """A span that started in an earlier run (a sleep, an event wait), ended now."""
     ctx = trace.set_span_in_context(parent) if parent is not None else None
@@ -87,7 +101,9 @@ def finished_span(
     span.end(end_time=ns(max(start, end)))
 
 
-def record_failed_attempt(span: Span | None, attempt: int, max_retries: int, name: str, message: str, stack: str) -> None:
+def record_failed_attempt(
+    span: Span | None, attempt: int, max_retries: int, name: str, message: str, stack: str
+) -> None:
     if span is None:
         return
     span.add_event(
@@ -117,8 +133,15 @@ def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "
     token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
     try:
         span = tracer().start_span(
-            f"create {name}", context=otel_context.Context(), kind=SpanKind.PRODUCER, links=links,
-            attributes={"workflow.name": name, "workflow.instance_id": instance_id, "workflow.actor": actor},
+            f"create {name}",
+            context=otel_context.Context(),
+            kind=SpanKind.PRODUCER,
+            links=links,
+            attributes={
+                "workflow.name": name,
+                "workflow.instance_id": instance_id,
+                "workflow.actor": actor,
+            },
         )
     finally:
         forced_trace_id.reset(token)

@@ -96,7 +96,9 @@ class StepContext:
         self._abandoned.set()
 
 
-_current_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("wfdash_step", default=None)
+_current_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+    "wfdash_step", default=None
+)
 
 
 def current_step() -> StepContext | None:
@@ -146,7 +148,8 @@ def error_fields(exc: BaseException) -> tuple[str, str, str]:
 def _takes_context(fn: Callable[..., Any]) -> bool:
     try:
         params = [
-            p for p in inspect.signature(fn).parameters.values()
+            p
+            for p in inspect.signature(fn).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
         ]
     except (TypeError, ValueError):
@@ -229,17 +232,28 @@ class Step:
             if record.status == StepStatus.FAILED:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
-            if record is not None and record.status == StepStatus.RETRYING and record.wake_at > clock.now():
+            if (
+                record is not None
+                and record.status == StepStatus.RETRYING
+                and record.wake_at > clock.now()
+            ):
                 await activity.block(wake_at=record.wake_at)
             if record is None:
                 record = run.new_record(name, kind, StepStatus.RUNNING)
             record.max_attempts = policy.limit + 1
             record.has_compensation = compensate is not None
-            with spans.child_span(run.span, f"step {record.label}", run.span_attributes(record.label, kind)):
+            with spans.child_span(
+                run.span, f"step {record.label}", run.span_attributes(record.label, kind)
+            ):
                 return await self._attempts(record, fn, policy, timeout_ms, activity)
 
     async def _attempts(
-        self, record: StepRecord, fn: Callable[..., Any], policy: RetryPolicy, timeout_ms: int, activity: Any
+        self,
+        record: StepRecord,
+        fn: Callable[..., Any],
+        policy: RetryPolicy,
+        timeout_ms: int,
+        activity: Any,
     ) -> Any:
         """Attempt the step until it succeeds, fails for good, or must wait for a retry."""
         run, name = self._run, record.label
@@ -251,7 +265,12 @@ class Step:
             record.status = StepStatus.RUNNING
             # No write before the attempt: its start is recorded with its outcome, in the one
             # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
-            started = [History("step.started", {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()})]
+            started = [
+                History(
+                    "step.started",
+                    {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()},
+                )
+            ]
             run.notify("step_started", run, record)
             try:
                 result = await run.attempt(record, fn, timeout_ms)
@@ -261,7 +280,9 @@ class Step:
                 raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
             except Exception as exc:  # a failed attempt: retry or give up
                 if record.attempts >= policy.limit + 1:
-                    raise await run.fail_step(record, exc, nonretryable=False, history=started) from exc
+                    raise await run.fail_step(
+                        record, exc, nonretryable=False, history=started
+                    ) from exc
                 delay = policy.delay_after(record.attempts)
                 await run.schedule_retry(record, exc, delay, history=started)
                 if delay > 0:
@@ -272,21 +293,29 @@ class Step:
             record.completed_at = clock.now()
             record.wake_at = None
             await run.write(
-                record, [*started, History("step.completed", {"step": name, "attempt": record.attempts})], progress=True
+                record,
+                [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
+                progress=True,
             )
             return json.loads(output_json)
 
-    def _step_config(self, name: str, retries: dict[str, Any] | None, timeout: Any) -> tuple[RetryPolicy, int]:
+    def _step_config(
+        self, name: str, retries: dict[str, Any] | None, timeout: Any
+    ) -> tuple[RetryPolicy, int]:
         limits = self._run.limits
         retries = dict(retries or {})
         unknown = set(retries) - {"limit", "delay", "backoff"}
         if unknown:
-            raise InvalidInput(f'step "{name}": unknown retries option(s) {sorted(unknown)}; use limit, delay, backoff')
+            raise InvalidInput(
+                f'step "{name}": unknown retries option(s) {sorted(unknown)}; use limit, delay, backoff'
+            )
         limit = retries.get("limit")
         if limit is None:
             limit = limits.default_retry_limit
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise InvalidInput(f'step "{name}": retries limit must be a non-negative integer, got {limit!r}')
+            raise InvalidInput(
+                f'step "{name}": retries limit must be a non-negative integer, got {limit!r}'
+            )
         delay = retries.get("delay")
         delay_ms = limits.default_retry_delay if delay is None else parse_duration(delay)
         backoff = retries.get("backoff")
@@ -295,7 +324,12 @@ class Step:
             raise InvalidInput(f'step "{name}": backoff must be one of {BACKOFFS}, got {backoff!r}')
         timeout_ms = limits.default_step_timeout if timeout is None else parse_duration(timeout)
         if timeout_ms > limits.max_step_timeout:
-            raise LimitExceeded("max_step_timeout", f"{timeout_ms} ms", f"{limits.max_step_timeout} ms", f'step "{name}" timeout')
+            raise LimitExceeded(
+                "max_step_timeout",
+                f"{timeout_ms} ms",
+                f"{limits.max_step_timeout} ms",
+                f'step "{name}" timeout',
+            )
         return RetryPolicy(limit, delay_ms, backoff), timeout_ms
 
     # --- sleeps -----------------------------------------------------------------------
@@ -305,7 +339,9 @@ class Step:
         ms = parse_duration(duration)
         limits = self._run.limits
         if ms > limits.max_sleep:
-            raise LimitExceeded("max_sleep", f"{ms} ms", f"{limits.max_sleep} ms", f'sleep "{name}"')
+            raise LimitExceeded(
+                "max_sleep", f"{ms} ms", f"{limits.max_sleep} ms", f'sleep "{name}"'
+            )
         await self._sleep(name, StepKind.SLEEP, lambda now: now + timedelta(milliseconds=ms))
 
     async def sleep_until(self, name: str, until: Any) -> None:
@@ -314,10 +350,17 @@ class Step:
         limits = self._run.limits
         delay_ms = (instant - clock.now()) / timedelta(milliseconds=1)
         if delay_ms > limits.max_sleep:
-            raise LimitExceeded("max_sleep", f"{int(delay_ms)} ms", f"{limits.max_sleep} ms", f'sleep_until "{name}"')
+            raise LimitExceeded(
+                "max_sleep",
+                f"{int(delay_ms)} ms",
+                f"{limits.max_sleep} ms",
+                f'sleep_until "{name}"',
+            )
         await self._sleep(name, StepKind.SLEEP_UNTIL, lambda now: instant)
 
-    async def _sleep(self, name: str, kind: str, wake_at_from: Callable[[datetime], datetime]) -> None:
+    async def _sleep(
+        self, name: str, kind: str, wake_at_from: Callable[[datetime], datetime]
+    ) -> None:
         run = self._run
         record = run.begin_op(name, kind)
         if record is not None and record.status == StepStatus.COMPLETE:
@@ -328,7 +371,9 @@ class Step:
                 record = run.new_record(name, kind, StepStatus.WAITING)
                 record.wake_at = wake_at_from(clock.now())
                 record.attempts = 1
-                history = [History("sleep.started", {"step": name, "until": record.wake_at.isoformat()})]
+                history = [
+                    History("sleep.started", {"step": name, "until": record.wake_at.isoformat()})
+                ]
                 if not run.sleep_is_due(record):
                     await run.write(record, history)
                     await activity.block(wake_at=record.wake_at)
@@ -342,7 +387,11 @@ class Step:
             history.append(History("sleep.completed", {"step": name}))
             await run.write(record, history, progress=True)
             spans.finished_span(
-                run.span, f"{kind} {name}", record.started_at, record.completed_at, run.span_attributes(name, kind)
+                run.span,
+                f"{kind} {name}",
+                record.started_at,
+                record.completed_at,
+                run.span_attributes(name, kind),
             )
 
     # --- events -----------------------------------------------------------------------
@@ -354,8 +403,13 @@ class Step:
         run = self._run
         limits = run.limits
         check_event_type(type)
-        timeout_ms = limits.default_wait_for_event_timeout if timeout is None else parse_duration(timeout)
-        if timeout_ms < limits.min_wait_for_event_timeout or timeout_ms > limits.max_wait_for_event_timeout:
+        timeout_ms = (
+            limits.default_wait_for_event_timeout if timeout is None else parse_duration(timeout)
+        )
+        if (
+            timeout_ms < limits.min_wait_for_event_timeout
+            or timeout_ms > limits.max_wait_for_event_timeout
+        ):
             raise LimitExceeded(
                 "wait_for_event timeout",
                 f"{timeout_ms} ms",
@@ -367,7 +421,9 @@ class Step:
             try:
                 jsonschema.validators.validator_for(schema).check_schema(schema)
             except jsonschema.SchemaError as exc:
-                raise InvalidInput(f'wait_for_event "{name}": invalid JSON Schema: {exc.message}') from None
+                raise InvalidInput(
+                    f'wait_for_event "{name}": invalid JSON Schema: {exc.message}'
+                ) from None
             schema_json = encode_json(schema, f'schema of wait_for_event "{name}"')
         record = run.begin_op(name, StepKind.WAIT_FOR_EVENT)
         if record is not None:
@@ -384,25 +440,44 @@ class Step:
                 record.attempts = 1
                 record.wake_at = clock.now() + timedelta(milliseconds=timeout_ms)
                 history.append(
-                    History("event.waiting", {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()})
+                    History(
+                        "event.waiting",
+                        {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()},
+                    )
                 )
             delivered = await run.take_event(type, schema)
             if delivered is None and not run.event_timed_out(record):
                 if history:
                     await run.write(record, history)
                 await activity.block(event_type=type, wake_at=record.wake_at)
-            attributes = {**run.span_attributes(name, StepKind.WAIT_FOR_EVENT), "workflow.event.type": type}
+            attributes = {
+                **run.span_attributes(name, StepKind.WAIT_FOR_EVENT),
+                "workflow.event.type": type,
+            }
             if delivered is None:
-                error = EventTimeout(f'wait_for_event "{name}" timed out waiting for an event of type {type!r}')
+                error = EventTimeout(
+                    f'wait_for_event "{name}" timed out waiting for an event of type {type!r}'
+                )
                 history.append(History("event.timeout", {"step": name, "type": type}))
                 failure = await run.fail_step(record, error, nonretryable=False, history=history)
-                spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, clock.now(), attributes, error)
+                spans.finished_span(
+                    run.span,
+                    f"waitForEvent {name}",
+                    record.started_at,
+                    clock.now(),
+                    attributes,
+                    error,
+                )
                 raise failure
             event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()
             record.output_json = encode_json(
-                {"type": type, "payload": delivered.payload, "timestamp": delivered.created_at.isoformat()},
+                {
+                    "type": type,
+                    "payload": delivered.payload,
+                    "timestamp": delivered.created_at.isoformat(),
+                },
                 f'event received by "{name}"',
             )
             record.wake_at = None
@@ -410,13 +485,19 @@ class Step:
             data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
             history.append(History("event.received", data))
             await run.write(record, history, consume_event=delivered.pk, progress=True)
-            spans.finished_span(run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes)
+            spans.finished_span(
+                run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes
+            )
             return event
 
 
 def _event_from_json(text: str | None) -> Event:
     data = json.loads(text or "{}")
-    return Event(type=data["type"], payload=data["payload"], timestamp=datetime.fromisoformat(data["timestamp"]))
+    return Event(
+        type=data["type"],
+        payload=data["payload"],
+        timestamp=datetime.fromisoformat(data["timestamp"]),
+    )
 
 
 def new_step_record(name: str, kind: str, status: str, seq: int) -> StepRecord:

@@ -8,6 +8,7 @@ sent, resume) only save latency: the database is the truth and a slow poll is th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -126,9 +127,9 @@ class StepThreads:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[
+            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for work that no submit has reserved yet
         self._started = 0
@@ -199,7 +200,9 @@ class GroupCommit:
     def __init__(self, db: ConnectionThreads) -> None:
         self.db = db
         self.pending: list[tuple[store.StepWrite, asyncio.Future[str]]] = []
-        self.flushing: set[asyncio.Task[None]] = set()  # referenced: a task may not vanish mid-flush
+        self.flushing: set[asyncio.Task[None]] = (
+            set()
+        )  # referenced: a task may not vanish mid-flush
 
     async def __call__(self, write: store.StepWrite) -> str:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -309,7 +312,11 @@ class Worker:
                     # The database is restarting or dropped us: a worker outlives that.
                     if attempt == STARTUP_ATTEMPTS - 1:
                         raise
-                    log.warning("worker %s: database error at start; retrying", self.worker_id, exc_info=True)
+                    log.warning(
+                        "worker %s: database error at start; retrying",
+                        self.worker_id,
+                        exc_info=True,
+                    )
                     await asyncio.sleep(min(self.poll_seconds, 1.0))
         except BaseException:
             await self._close_threads()
@@ -363,10 +370,8 @@ class Worker:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(self._on_hint, kind, pk)
-        except RuntimeError:
-            pass  # loop closed meanwhile
 
     def _on_hint(self, kind: str, pk: int | None) -> None:
         run = self.runs.get(pk) if pk is not None else None
@@ -386,7 +391,9 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        claimed = await self.db(store.claim_and_load, self.worker_id, free, self.lease_seconds, list(self.tasks))
+        claimed = await self.db(
+            store.claim_and_load, self.worker_id, free, self.lease_seconds, list(self.tasks)
+        )
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
             self.runs_started += 1
@@ -431,7 +438,9 @@ class Worker:
             try:
                 await self.db(self.hooks.flush)
             except Exception:  # the spans stay queued for the next flush; the worker goes on
-                log.warning("worker %s: could not store spans; will retry", self.worker_id, exc_info=True)
+                log.warning(
+                    "worker %s: could not store spans; will retry", self.worker_id, exc_info=True
+                )
 
     async def _execute(self, pk: int, token: str, loaded: store.LoadedRun | None) -> str:
         assert self.db is not None
@@ -452,13 +461,33 @@ class Worker:
                     "its run keeps killing or hanging its worker (poison instance); fix it, then restart"
                 )
                 await self.db(
-                    store.finish, pk, token, Status.ERRORED, definition.limits(), None, ("PoisonInstance", message, ""),
-                    [History("instance.errored", {"error": {"name": "PoisonInstance", "message": message}})],
-                    {"workflow": inst.workflow, "source": "workflow.instance", "name": "PoisonInstance",
-                     "message": message, "stack": "", "trace_id": inst.trace_id, "span_id": ""},
+                    store.finish,
+                    pk,
+                    token,
+                    Status.ERRORED,
+                    definition.limits(),
+                    None,
+                    ("PoisonInstance", message, ""),
+                    [
+                        History(
+                            "instance.errored",
+                            {"error": {"name": "PoisonInstance", "message": message}},
+                        )
+                    ],
+                    {
+                        "workflow": inst.workflow,
+                        "source": "workflow.instance",
+                        "name": "PoisonInstance",
+                        "message": message,
+                        "stack": "",
+                        "trace_id": inst.trace_id,
+                        "span_id": "",
+                    },
                 )
                 return Status.ERRORED
-            run = Run(definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit)
+            run = Run(
+                definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit
+            )
             self.runs[pk] = run
             outcome = await run.execute()
             if (
@@ -481,10 +510,14 @@ class Worker:
             raise
         except Exception as exc:
             if store.transient(exc):
-                log.warning("run of instance #%s cut short by a database error; released", pk, exc_info=True)
+                log.warning(
+                    "run of instance #%s cut short by a database error; released", pk, exc_info=True
+                )
                 await self._release(pk, token)
             else:
-                log.exception("run of instance #%s failed inside the engine; its lease will run out", pk)
+                log.exception(
+                    "run of instance #%s failed inside the engine; its lease will run out", pk
+                )
             return "aborted"
 
     async def _release(self, pk: int, token: str) -> None:
@@ -503,7 +536,12 @@ class Worker:
         try:
             await self.db(store.release, leases)
         except Exception:
-            log.warning("worker %s: could not release %s leases; will retry", self.worker_id, len(leases), exc_info=True)
+            log.warning(
+                "worker %s: could not release %s leases; will retry",
+                self.worker_id,
+                len(leases),
+                exc_info=True,
+            )
             return
         for pk, token in leases:
             if self.unreleased.get(pk) == token:
@@ -529,7 +567,10 @@ class Worker:
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         due = await self.db(store.next_wake_at)
                 except Exception:
-                    log.exception("worker %s: database error; retrying after the poll interval", self.worker_id)
+                    log.exception(
+                        "worker %s: database error; retrying after the poll interval",
+                        self.worker_id,
+                    )
                 if due is not None:
                     timeout = max(0.0, min(timeout, (due - clock.now()).total_seconds()))
                     if timeout == 0.0 and not started:
@@ -577,4 +618,10 @@ def sync_catalog() -> None:
     """Record every registered version in the catalog; refuse changed code under an old version."""
     strict = bool(engine_settings().get("STRICT_VERSIONS", True))
     for definition in registry.all_definitions():
-        store.sync_catalog(definition.name, definition.version, definition.source_hash, definition.class_path, strict)
+        store.sync_catalog(
+            definition.name,
+            definition.version,
+            definition.source_hash,
+            definition.class_path,
+            strict,
+        )

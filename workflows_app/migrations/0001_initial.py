@@ -5,125 +5,251 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Instance',
+            name="Instance",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('workflow', models.CharField(max_length=200)),
-                ('instance_id', models.CharField(max_length=200)),
-                ('version', models.PositiveIntegerField()),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('paused', 'Paused'), ('waiting', 'Waiting'), ('waitingForPause', 'Waiting For Pause'), ('compensating', 'Compensating'), ('complete', 'Complete'), ('errored', 'Errored'), ('terminated', 'Terminated'), ('unknown', 'Unknown')], default='running', max_length=20)),
-                ('params_json', models.TextField(default='null')),
-                ('output_json', models.TextField(blank=True, null=True)),
-                ('error_name', models.CharField(blank=True, max_length=200)),
-                ('error_message', models.TextField(blank=True)),
-                ('error_stack', models.TextField(blank=True)),
-                ('idempotency_key', models.CharField(blank=True, max_length=200, null=True)),
-                ('created_by', models.CharField(blank=True, max_length=200)),
-                ('created_at', models.DateTimeField()),
-                ('updated_at', models.DateTimeField()),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('wake_at', models.DateTimeField(blank=True, null=True)),
-                ('waiting_reason', models.CharField(blank=True, max_length=500)),
-                ('lease_owner', models.CharField(blank=True, max_length=200)),
-                ('lease_token', models.CharField(blank=True, max_length=32, null=True)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('unproductive_claims', models.PositiveIntegerField(default=0)),
-                ('run_count', models.PositiveIntegerField(default=0)),
-                ('history_seq', models.PositiveIntegerField(default=0)),
-                ('step_seq', models.PositiveIntegerField(default=0)),
-                ('compensate_on_cancel', models.BooleanField(default=False)),
-                ('trace_id', models.CharField(blank=True, max_length=32)),
-                ('retention_ms', models.BigIntegerField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("workflow", models.CharField(max_length=200)),
+                ("instance_id", models.CharField(max_length=200)),
+                ("version", models.PositiveIntegerField()),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("paused", "Paused"),
+                            ("waiting", "Waiting"),
+                            ("waitingForPause", "Waiting For Pause"),
+                            ("compensating", "Compensating"),
+                            ("complete", "Complete"),
+                            ("errored", "Errored"),
+                            ("terminated", "Terminated"),
+                            ("unknown", "Unknown"),
+                        ],
+                        default="running",
+                        max_length=20,
+                    ),
+                ),
+                ("params_json", models.TextField(default="null")),
+                ("output_json", models.TextField(blank=True, null=True)),
+                ("error_name", models.CharField(blank=True, max_length=200)),
+                ("error_message", models.TextField(blank=True)),
+                ("error_stack", models.TextField(blank=True)),
+                ("idempotency_key", models.CharField(blank=True, max_length=200, null=True)),
+                ("created_by", models.CharField(blank=True, max_length=200)),
+                ("created_at", models.DateTimeField()),
+                ("updated_at", models.DateTimeField()),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("wake_at", models.DateTimeField(blank=True, null=True)),
+                ("waiting_reason", models.CharField(blank=True, max_length=500)),
+                ("lease_owner", models.CharField(blank=True, max_length=200)),
+                ("lease_token", models.CharField(blank=True, max_length=32, null=True)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("unproductive_claims", models.PositiveIntegerField(default=0)),
+                ("run_count", models.PositiveIntegerField(default=0)),
+                ("history_seq", models.PositiveIntegerField(default=0)),
+                ("step_seq", models.PositiveIntegerField(default=0)),
+                ("compensate_on_cancel", models.BooleanField(default=False)),
+                ("trace_id", models.CharField(blank=True, max_length=32)),
+                ("retention_ms", models.BigIntegerField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'indexes': [models.Index(condition=models.Q(('wake_at__isnull', False)), fields=['wake_at'], name='instance_runnable'), models.Index(fields=['workflow', 'status', 'id'], name='instance_wf_status'), models.Index(fields=['workflow', 'id'], name='instance_wf_id'), models.Index(condition=models.Q(('expires_at__isnull', False)), fields=['expires_at'], name='instance_expiry')],
-                'constraints': [models.UniqueConstraint(fields=('workflow', 'instance_id'), name='instance_id_per_workflow'), models.UniqueConstraint(condition=models.Q(('idempotency_key__isnull', False)), fields=('workflow', 'version', 'idempotency_key'), name='instance_idempotency_key')],
+                "indexes": [
+                    models.Index(
+                        condition=models.Q(("wake_at__isnull", False)),
+                        fields=["wake_at"],
+                        name="instance_runnable",
+                    ),
+                    models.Index(fields=["workflow", "status", "id"], name="instance_wf_status"),
+                    models.Index(fields=["workflow", "id"], name="instance_wf_id"),
+                    models.Index(
+                        condition=models.Q(("expires_at__isnull", False)),
+                        fields=["expires_at"],
+                        name="instance_expiry",
+                    ),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("workflow", "instance_id"), name="instance_id_per_workflow"
+                    ),
+                    models.UniqueConstraint(
+                        condition=models.Q(("idempotency_key__isnull", False)),
+                        fields=("workflow", "version", "idempotency_key"),
+                        name="instance_idempotency_key",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='WorkflowVersion',
+            name="WorkflowVersion",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200)),
-                ('version', models.PositiveIntegerField()),
-                ('source_hash', models.CharField(max_length=64)),
-                ('class_path', models.CharField(blank=True, max_length=300)),
-                ('registered_at', models.DateTimeField()),
-                ('last_seen_at', models.DateTimeField()),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200)),
+                ("version", models.PositiveIntegerField()),
+                ("source_hash", models.CharField(max_length=64)),
+                ("class_path", models.CharField(blank=True, max_length=300)),
+                ("registered_at", models.DateTimeField()),
+                ("last_seen_at", models.DateTimeField()),
             ],
             options={
-                'ordering': ['name', '-version'],
-                'constraints': [models.UniqueConstraint(fields=('name', 'version'), name='workflowversion_unique')],
+                "ordering": ["name", "-version"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("name", "version"), name="workflowversion_unique"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='InboxEvent',
+            name="InboxEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('type', models.CharField(max_length=100)),
-                ('payload_json', models.TextField(default='null')),
-                ('created_at', models.DateTimeField()),
-                ('actor', models.CharField(blank=True, max_length=200)),
-                ('consumed_at', models.DateTimeField(blank=True, null=True)),
-                ('consumed_by', models.CharField(blank=True, max_length=300)),
-                ('instance', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='events', to='workflows_app.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("type", models.CharField(max_length=100)),
+                ("payload_json", models.TextField(default="null")),
+                ("created_at", models.DateTimeField()),
+                ("actor", models.CharField(blank=True, max_length=200)),
+                ("consumed_at", models.DateTimeField(blank=True, null=True)),
+                ("consumed_by", models.CharField(blank=True, max_length=300)),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="events",
+                        to="workflows_app.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['id'],
-                'indexes': [models.Index(condition=models.Q(('consumed_at__isnull', True)), fields=['instance', 'id'], name='inbox_unconsumed')],
+                "ordering": ["id"],
+                "indexes": [
+                    models.Index(
+                        condition=models.Q(("consumed_at__isnull", True)),
+                        fields=["instance", "id"],
+                        name="inbox_unconsumed",
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='HistoryRecord',
+            name="HistoryRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('sequence', models.PositiveIntegerField()),
-                ('created_at', models.DateTimeField()),
-                ('type', models.CharField(max_length=40)),
-                ('data', models.JSONField(blank=True, default=dict)),
-                ('actor', models.CharField(blank=True, max_length=200)),
-                ('instance', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='history', to='workflows_app.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("sequence", models.PositiveIntegerField()),
+                ("created_at", models.DateTimeField()),
+                ("type", models.CharField(max_length=40)),
+                ("data", models.JSONField(blank=True, default=dict)),
+                ("actor", models.CharField(blank=True, max_length=200)),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="history",
+                        to="workflows_app.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['instance', 'sequence'],
-                'constraints': [models.UniqueConstraint(fields=('instance', 'sequence'), name='history_seq_per_instance')],
+                "ordering": ["instance", "sequence"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("instance", "sequence"), name="history_seq_per_instance"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='StepRecord',
+            name="StepRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=300)),
-                ('kind', models.CharField(choices=[('do', 'Do'), ('sleep', 'Sleep'), ('sleepUntil', 'Sleep Until'), ('waitForEvent', 'Wait For Event'), ('compensate', 'Compensate')], max_length=16)),
-                ('seq', models.PositiveIntegerField()),
-                ('status', models.CharField(choices=[('running', 'Running'), ('retrying', 'Retrying'), ('waiting', 'Waiting'), ('complete', 'Complete'), ('failed', 'Failed')], max_length=10)),
-                ('output_json', models.TextField(blank=True, null=True)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('max_attempts', models.PositiveIntegerField(default=1)),
-                ('last_error_name', models.CharField(blank=True, max_length=200)),
-                ('last_error_message', models.TextField(blank=True)),
-                ('last_error_stack', models.TextField(blank=True)),
-                ('started_at', models.DateTimeField()),
-                ('completed_at', models.DateTimeField(blank=True, null=True)),
-                ('wake_at', models.DateTimeField(blank=True, null=True)),
-                ('event_type', models.CharField(blank=True, max_length=100)),
-                ('event_schema_json', models.TextField(blank=True, null=True)),
-                ('has_compensation', models.BooleanField(default=False)),
-                ('instance', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='steps', to='workflows_app.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=300)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("do", "Do"),
+                            ("sleep", "Sleep"),
+                            ("sleepUntil", "Sleep Until"),
+                            ("waitForEvent", "Wait For Event"),
+                            ("compensate", "Compensate"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("seq", models.PositiveIntegerField()),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("running", "Running"),
+                            ("retrying", "Retrying"),
+                            ("waiting", "Waiting"),
+                            ("complete", "Complete"),
+                            ("failed", "Failed"),
+                        ],
+                        max_length=10,
+                    ),
+                ),
+                ("output_json", models.TextField(blank=True, null=True)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("max_attempts", models.PositiveIntegerField(default=1)),
+                ("last_error_name", models.CharField(blank=True, max_length=200)),
+                ("last_error_message", models.TextField(blank=True)),
+                ("last_error_stack", models.TextField(blank=True)),
+                ("started_at", models.DateTimeField()),
+                ("completed_at", models.DateTimeField(blank=True, null=True)),
+                ("wake_at", models.DateTimeField(blank=True, null=True)),
+                ("event_type", models.CharField(blank=True, max_length=100)),
+                ("event_schema_json", models.TextField(blank=True, null=True)),
+                ("has_compensation", models.BooleanField(default=False)),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="steps",
+                        to="workflows_app.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['instance', 'seq'],
-                'constraints': [models.UniqueConstraint(fields=('instance', 'name'), name='step_name_per_instance')],
+                "ordering": ["instance", "seq"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("instance", "name"), name="step_name_per_instance"
+                    )
+                ],
             },
         ),
     ]

@@ -6,68 +6,111 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workflows_app', '0001_initial'),
+        ("workflows_app", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ApiToken',
+            name="ApiToken",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('token_hash', models.CharField(max_length=64, unique=True)),
-                ('prefix', models.CharField(blank=True, max_length=8)),
-                ('created_at', models.DateTimeField()),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('user', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("token_hash", models.CharField(max_length=64, unique=True)),
+                ("prefix", models.CharField(blank=True, max_length=8)),
+                ("created_at", models.DateTimeField()),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='ErrorRecord',
+            name="ErrorRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('workflow', models.CharField(blank=True, max_length=200)),
-                ('source', models.CharField(max_length=40)),
-                ('step_name', models.CharField(blank=True, max_length=300)),
-                ('attempt', models.PositiveIntegerField(blank=True, null=True)),
-                ('name', models.CharField(max_length=200)),
-                ('message', models.TextField(blank=True)),
-                ('stack', models.TextField(blank=True)),
-                ('trace_id', models.CharField(blank=True, max_length=32)),
-                ('span_id', models.CharField(blank=True, max_length=16)),
-                ('created_at', models.DateTimeField()),
-                ('instance', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='errors', to='workflows_app.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("workflow", models.CharField(blank=True, max_length=200)),
+                ("source", models.CharField(max_length=40)),
+                ("step_name", models.CharField(blank=True, max_length=300)),
+                ("attempt", models.PositiveIntegerField(blank=True, null=True)),
+                ("name", models.CharField(max_length=200)),
+                ("message", models.TextField(blank=True)),
+                ("stack", models.TextField(blank=True)),
+                ("trace_id", models.CharField(blank=True, max_length=32)),
+                ("span_id", models.CharField(blank=True, max_length=16)),
+                ("created_at", models.DateTimeField()),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="errors",
+                        to="workflows_app.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-id'],
-                'indexes': [models.Index(fields=['workflow', 'id'], name='error_workflow')],
+                "ordering": ["-id"],
+                "indexes": [models.Index(fields=["workflow", "id"], name="error_workflow")],
             },
         ),
         migrations.CreateModel(
-            name='Span',
+            name="Span",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('trace_id', models.CharField(max_length=32)),
-                ('span_id', models.CharField(max_length=16)),
-                ('parent_span_id', models.CharField(blank=True, max_length=16)),
-                ('name', models.CharField(max_length=300)),
-                ('kind', models.CharField(max_length=16)),
-                ('start_time', models.DateTimeField()),
-                ('end_time', models.DateTimeField()),
-                ('status_code', models.CharField(default='UNSET', max_length=8)),
-                ('status_message', models.TextField(blank=True)),
-                ('attributes', models.JSONField(blank=True, default=dict)),
-                ('events', models.JSONField(blank=True, default=list)),
-                ('links', models.JSONField(blank=True, default=list)),
-                ('instance', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='spans', to='workflows_app.instance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("trace_id", models.CharField(max_length=32)),
+                ("span_id", models.CharField(max_length=16)),
+                ("parent_span_id", models.CharField(blank=True, max_length=16)),
+                ("name", models.CharField(max_length=300)),
+                ("kind", models.CharField(max_length=16)),
+                ("start_time", models.DateTimeField()),
+                ("end_time", models.DateTimeField()),
+                ("status_code", models.CharField(default="UNSET", max_length=8)),
+                ("status_message", models.TextField(blank=True)),
+                ("attributes", models.JSONField(blank=True, default=dict)),
+                ("events", models.JSONField(blank=True, default=list)),
+                ("links", models.JSONField(blank=True, default=list)),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="spans",
+                        to="workflows_app.instance",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['start_time'],
-                'indexes': [models.Index(fields=['trace_id', 'start_time'], name='span_trace'), models.Index(fields=['instance', 'start_time'], name='span_instance')],
+                "ordering": ["start_time"],
+                "indexes": [
+                    models.Index(fields=["trace_id", "start_time"], name="span_trace"),
+                    models.Index(fields=["instance", "start_time"], name="span_instance"),
+                ],
             },
         ),
     ]

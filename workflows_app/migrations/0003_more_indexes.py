@@ -4,30 +4,37 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workflows_app', '0002_tracing_and_tokens'),
+        ("workflows_app", "0002_tracing_and_tokens"),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='instance',
-            index=models.Index(fields=['trace_id'], name='instance_trace'),
+            model_name="instance",
+            index=models.Index(fields=["trace_id"], name="instance_trace"),
         ),
         migrations.AddIndex(
-            model_name='instance',
-            index=models.Index(fields=['instance_id'], name='instance_public_id'),
+            model_name="instance",
+            index=models.Index(fields=["instance_id"], name="instance_public_id"),
         ),
         migrations.AddIndex(
-            model_name='instance',
-            index=models.Index(condition=models.Q(('idempotency_key__isnull', False)), fields=['idempotency_key'], name='instance_idem'),
+            model_name="instance",
+            index=models.Index(
+                condition=models.Q(("idempotency_key__isnull", False)),
+                fields=["idempotency_key"],
+                name="instance_idem",
+            ),
         ),
         migrations.AddIndex(
-            model_name='instance',
-            index=models.Index(fields=['created_at'], name='instance_created'),
+            model_name="instance",
+            index=models.Index(fields=["created_at"], name="instance_created"),
         ),
         migrations.AddIndex(
-            model_name='instance',
-            index=models.Index(condition=models.Q(('finished_at__isnull', False)), fields=['finished_at'], name='instance_finished'),
+            model_name="instance",
+            index=models.Index(
+                condition=models.Q(("finished_at__isnull", False)),
+                fields=["finished_at"],
+                name="instance_finished",
+            ),
         ),
     ]

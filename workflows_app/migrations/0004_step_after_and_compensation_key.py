@@ -2,14 +2,15 @@
 
 from django.db import migrations, models
 
-
 PREFIX = "compensate:"
 
 
 def name_compensations_after_their_steps(apps, schema_editor):
     """Compensations were named "compensate:<step>"; now they keep the step's own name."""
     StepRecord = apps.get_model("workflows_app", "StepRecord")
-    for record in StepRecord.objects.filter(kind="compensate", name__startswith=PREFIX).only("id", "name"):
+    for record in StepRecord.objects.filter(kind="compensate", name__startswith=PREFIX).only(
+        "id", "name"
+    ):
         StepRecord.objects.filter(id=record.id).update(name=record.name[len(PREFIX) :])
 
 
@@ -20,24 +21,25 @@ def prefix_compensations(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workflows_app', '0003_more_indexes'),
+        ("workflows_app", "0003_more_indexes"),
     ]
 
     operations = [
         migrations.RemoveConstraint(
-            model_name='steprecord',
-            name='step_name_per_instance',
+            model_name="steprecord",
+            name="step_name_per_instance",
         ),
         migrations.AddField(
-            model_name='steprecord',
-            name='after',
+            model_name="steprecord",
+            name="after",
             field=models.CharField(blank=True, max_length=300, null=True),
         ),
         migrations.RunPython(name_compensations_after_their_steps, prefix_compensations),
         migrations.AddConstraint(
-            model_name='steprecord',
-            constraint=models.UniqueConstraint(fields=('instance', 'kind', 'name'), name='step_kind_name_per_instance'),
+            model_name="steprecord",
+            constraint=models.UniqueConstraint(
+                fields=("instance", "kind", "name"), name="step_kind_name_per_instance"
+            ),
         ),
     ]

@@ -7,6 +7,7 @@ worker claims the instances again.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -66,10 +67,8 @@ def claim_and_load(
         # The claims are committed but cannot run here: hand them back rather than leave
         # them leased to nobody until the leases run out (best effort: expiry is the net).
         connection.close()  # a broken connection is not reused; the release reconnects
-        try:
+        with contextlib.suppress(DatabaseError):
             release(claimed)
-        except DatabaseError:
-            pass
         raise
     return [(pk, token, loaded.get(pk)) for pk, token in claimed]
 

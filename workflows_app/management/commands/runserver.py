@@ -19,7 +19,9 @@ class EngineServer(Server):
         def on_ready() -> None:
             from workflows_app.embedded import start_embedded_worker
 
-            start_embedded_worker(asyncio.get_event_loop())  # daphne's loop; runs once the reactor starts
+            start_embedded_worker(
+                asyncio.get_event_loop()
+            )  # daphne's loop; runs once the reactor starts
             if ready:
                 ready()
 

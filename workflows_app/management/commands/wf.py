@@ -33,8 +33,7 @@ from tqdm import tqdm
 
 from workflows_app import surfaces, testing, tokens
 from workflows_app.client import InstanceHandle
-from workflows_app.engine import clock, errors, store
-from workflows_app.engine import lifecycle
+from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.models import ApiToken, Instance
 
 POLL_SECONDS = 0.5
@@ -52,7 +51,9 @@ def parse_json_arg(value: str | None, flag: str) -> Any:
         except OSError as exc:
             raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
-            raise CommandError(f"{flag}: {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+            raise CommandError(
+                f"{flag}: {path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
+            ) from None
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
@@ -65,7 +66,9 @@ def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
     """The instance with that id in --workflow, or in the one workflow that has it."""
     if workflow:
         return surfaces.binding(workflow).get(instance_id)
-    workflows = sorted(set(Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True)))
+    workflows = sorted(
+        set(Instance.objects.filter(instance_id=instance_id).values_list("workflow", flat=True))
+    )
     if not workflows:
         raise CommandError(f"no instance {instance_id!r} in any workflow")
     if len(workflows) > 1:
@@ -104,7 +107,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         verbs = parser.add_subparsers(dest="verb", metavar="<verb>", required=True)
 
-        def verb(name: str, handler: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
+        def verb(
+            name: str, handler: Callable[[argparse.Namespace], None], help: str
+        ) -> argparse.ArgumentParser:
             sub = verbs.add_parser(name, help=help, description=help)
             sub.set_defaults(handler=handler)
             sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -112,14 +117,18 @@ class Command(BaseCommand):
 
         def by_id(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
             sub.add_argument("id", help="instance id")
-            sub.add_argument("--workflow", "-w", help="the instance's workflow (needed if the id is ambiguous)")
+            sub.add_argument(
+                "--workflow", "-w", help="the instance's workflow (needed if the id is ambiguous)"
+            )
             return sub
 
         sub = verb("list", self.do_list, "list instances, newest first")
         sub.add_argument("--workflow", "-w")
         sub.add_argument("--status", "-s")
         sub.add_argument("--limit", "-n", type=int, default=20)
-        sub.add_argument("--cursor", help="next page (with --workflow): the cursor a previous list printed")
+        sub.add_argument(
+            "--cursor", help="next page (with --workflow): the cursor a previous list printed"
+        )
 
         sub = verb("start", self.do_start, "start an instance of a workflow")
         sub.add_argument("workflow")
@@ -129,7 +138,13 @@ class Command(BaseCommand):
         sub.add_argument("--version", type=int)
         sub.add_argument("--count", type=int, default=1, help="start N instances with these params")
 
-        by_id(verb("status", self.do_status, "show an instance: status, output, error, steps, pending events"))
+        by_id(
+            verb(
+                "status",
+                self.do_status,
+                "show an instance: status, output, error, steps, pending events",
+            )
+        )
         by_id(verb("history", self.do_history, "show an instance's history records"))
 
         sub = by_id(verb("send-event", self.do_send_event, "send an event to an instance"))
@@ -144,32 +159,59 @@ class Command(BaseCommand):
         ):
             by_id(verb(name, self.do_action, help)).set_defaults(action=name.replace("-", "_"))
 
-        sub = by_id(verb("restart", self.do_restart, "run an instance again from the start or from a step"))
+        sub = by_id(
+            verb("restart", self.do_restart, "run an instance again from the start or from a step")
+        )
         sub.add_argument("--from-step", help="drop this step's checkpoint and every later one")
 
-        sub = by_id(verb("cancel", self.do_cancel, "cancel an instance, compensating its completed steps"))
-        sub.add_argument("--no-compensate", action="store_true", help="terminate without running compensations")
+        sub = by_id(
+            verb("cancel", self.do_cancel, "cancel an instance, compensating its completed steps")
+        )
+        sub.add_argument(
+            "--no-compensate", action="store_true", help="terminate without running compensations"
+        )
 
         verb("prune", self.do_prune, "delete finished instances past their retention")
 
         sub = verb("token", self.do_token, "manage API tokens")
         sub.add_argument("token_verb", choices=["create", "rotate", "revoke", "list"])
         sub.add_argument("name", nargs="?")
-        sub.add_argument("--user", help="act as this user (without: a service token, limited only by its scope)")
-        sub.add_argument("--scope", choices=["read", "write"], default="write",
-                         help="read: list and get only; write (default): also create and act")
-        sub.add_argument("--workflow", action="append", dest="workflows", metavar="NAME",
-                         help="limit the token to this workflow (repeat for several; default: all)")
-        sub.add_argument("--expires", metavar="DURATION", help='expire after this long, e.g. "30d" (default: never)')
+        sub.add_argument(
+            "--user", help="act as this user (without: a service token, limited only by its scope)"
+        )
+        sub.add_argument(
+            "--scope",
+            choices=["read", "write"],
+            default="write",
+            help="read: list and get only; write (default): also create and act",
+        )
+        sub.add_argument(
+            "--workflow",
+            action="append",
+            dest="workflows",
+            metavar="NAME",
+            help="limit the token to this workflow (repeat for several; default: all)",
+        )
+        sub.add_argument(
+            "--expires",
+            metavar="DURATION",
+            help='expire after this long, e.g. "30d" (default: never)',
+        )
 
         sub = by_id(verb("watch", self.do_watch, "follow an instance until it finishes"))
-        sub.add_argument("--run-engine", action="store_true", help="run the engine in this process too")
+        sub.add_argument(
+            "--run-engine", action="store_true", help="run the engine in this process too"
+        )
         sub.add_argument("--timeout", type=float, help="give up after this many seconds")
 
         sub = verb("demo", self.do_demo, "create demo instances (and optionally a superuser)")
         sub.add_argument("--superuser", metavar="USER:PASSWORD")
 
-        sub = verb("bench", self.do_bench, "run the benchmark: python -m bench (wf bench -- ARGS passes ARGS on)")
+        sub = verb(
+            "bench",
+            self.do_bench,
+            "run the benchmark: python -m bench (wf bench -- ARGS passes ARGS on)",
+        )
         sub.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -195,7 +237,9 @@ class Command(BaseCommand):
         names = [opts.workflow] if opts.workflow else surfaces.workflow_names()
         infos, cursor = [], None
         for name in names:
-            page = surfaces.binding(name).list(status=opts.status, limit=opts.limit, cursor=opts.cursor)
+            page = surfaces.binding(name).list(
+                status=opts.status, limit=opts.limit, cursor=opts.cursor
+            )
             infos += page.instances
             cursor = page.cursor
         infos = sorted(infos, key=lambda i: i.created_at, reverse=True)[: opts.limit]
@@ -203,8 +247,14 @@ class Command(BaseCommand):
         human = table(
             ["workflow", "id", "version", "status", "created", "error"],
             [
-                [r["workflow"], r["id"], f"v{r['version']}", r["status"], short_time(r["created_at"]),
-                 f"{r['error']['name']}: {r['error']['message']}" if r["error"] else ""]
+                [
+                    r["workflow"],
+                    r["id"],
+                    f"v{r['version']}",
+                    r["status"],
+                    short_time(r["created_at"]),
+                    f"{r['error']['name']}: {r['error']['message']}" if r["error"] else "",
+                ]
                 for r in rows
             ],
         )
@@ -217,7 +267,8 @@ class Command(BaseCommand):
         lines = [
             f"{data['workflow']}/{data['id']}  v{data['version']}  {data['status']}",
             f"params:   {compact(data['params'])}",
-            f"created:  {short_time(data['created_at'])}" + (f" by {data['created_by']}" if data["created_by"] else ""),
+            f"created:  {short_time(data['created_at'])}"
+            + (f" by {data['created_by']}" if data["created_by"] else ""),
         ]
         if data["output"] is not None:
             lines.append(f"output:   {compact(data['output'])}")
@@ -226,28 +277,48 @@ class Command(BaseCommand):
         if data["waiting_reason"]:
             lines.append(f"waiting:  {data['waiting_reason']}")
         if data["steps"]:
-            lines += ["", table(
-                ["step", "kind", "status", "attempts", "ms", "output / error"],
-                [
-                    [s["name"], s["kind"], s["status"], s["attempts"],
-                     "" if s["duration_ms"] is None else f"{s['duration_ms']:.0f}",
-                     f"{s['error']['name']}: {s['error']['message']}" if s["error"] and s["status"] != "complete"
-                     else s["output"]]
-                    for s in data["steps"]
-                ],
-            )]
+            lines += [
+                "",
+                table(
+                    ["step", "kind", "status", "attempts", "ms", "output / error"],
+                    [
+                        [
+                            s["name"],
+                            s["kind"],
+                            s["status"],
+                            s["attempts"],
+                            "" if s["duration_ms"] is None else f"{s['duration_ms']:.0f}",
+                            f"{s['error']['name']}: {s['error']['message']}"
+                            if s["error"] and s["status"] != "complete"
+                            else s["output"],
+                        ]
+                        for s in data["steps"]
+                    ],
+                ),
+            ]
         if data["pending_events"]:
-            lines += ["", table(
-                ["waiting for", "type", "timeout at"],
-                [[p["name"], p["type"], short_time(p["timeout_at"])] for p in data["pending_events"]],
-            )]
+            lines += [
+                "",
+                table(
+                    ["waiting for", "type", "timeout at"],
+                    [
+                        [p["name"], p["type"], short_time(p["timeout_at"])]
+                        for p in data["pending_events"]
+                    ],
+                ),
+            ]
         self.emit(opts, data, "\n".join(lines))
 
     def do_history(self, opts: argparse.Namespace) -> None:
-        entries = [surfaces.history_json(h) for h in find_instance(opts.id, opts.workflow).history()]
+        entries = [
+            surfaces.history_json(h) for h in find_instance(opts.id, opts.workflow).history()
+        ]
         human = table(
             ["seq", "time", "type", "actor", "data"],
-            [[h["sequence"], short_time(h["created_at"]), h["type"], h["actor"], h["data"]] for h in entries],
+            [
+                [h["sequence"], short_time(h["created_at"]), h["type"], h["actor"], h["data"]]
+                for h in entries
+            ],
         )
         self.emit(opts, entries, human)
 
@@ -259,19 +330,28 @@ class Command(BaseCommand):
             self.start_many(opts, params)
             return
         handle = surfaces.binding(opts.workflow).create(
-            params=params, id=opts.instance_id,
-            idempotency_key=opts.idempotency_key, actor="cli", version=opts.version,
+            params=params,
+            id=opts.instance_id,
+            idempotency_key=opts.idempotency_key,
+            actor="cli",
+            version=opts.version,
         )
         data = surfaces.created_json(handle)
         verb = "started" if data["created"] else "found (its idempotency key was used before)"
-        self.emit(opts, data, f"{verb} {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})")
+        self.emit(
+            opts,
+            data,
+            f"{verb} {data['workflow']}/{data['id']} (v{data['version']}, {data['status']})",
+        )
 
     def start_many(self, opts: argparse.Namespace, params: Any) -> None:
         """--count N: N instances with the same params, in batches (START_BATCH at most)."""
         if opts.count < 1:
             raise CommandError(f"--count must be at least 1, got {opts.count}")
         if opts.instance_id or opts.idempotency_key:
-            raise CommandError("--id and --idempotency-key name one instance; leave them out with --count")
+            raise CommandError(
+                "--id and --idempotency-key name one instance; leave them out with --count"
+            )
         binding = surfaces.binding(opts.workflow)
         per_batch = min(START_BATCH, binding.definition(opts.version).limits().max_batch_size)
         ids: list[str] = []
@@ -283,33 +363,48 @@ class Command(BaseCommand):
                 )
                 ids += [h.id for h in handles]
                 bar.update(size)
-        self.emit(opts, {"workflow": opts.workflow, "count": len(ids), "ids": ids},
-                  f"started {len(ids)} instances of {opts.workflow}")
+        self.emit(
+            opts,
+            {"workflow": opts.workflow, "count": len(ids), "ids": ids},
+            f"started {len(ids)} instances of {opts.workflow}",
+        )
 
     def progress(self, opts: argparse.Namespace, total: int, what: str) -> tqdm:
         """A progress bar on stderr for long work; off with --json and when not a terminal."""
-        return tqdm(total=total, desc=what, unit=" instances", disable=True if opts.json else None,
-                    file=sys.stderr)
+        return tqdm(
+            total=total,
+            desc=what,
+            unit=" instances",
+            disable=True if opts.json else None,
+            file=sys.stderr,
+        )
 
     def do_send_event(self, opts: argparse.Namespace) -> None:
         payload = parse_json_arg(opts.payload, "--payload")
         handle = find_instance(opts.id, opts.workflow)
         handle.send_event(opts.type, payload, actor="cli")
-        self.emit(opts, {"id": handle.id, "workflow": handle.workflow, "type": opts.type, "sent": True},
-                  f"sent {opts.type!r} to {handle.workflow}/{handle.id}")
+        self.emit(
+            opts,
+            {"id": handle.id, "workflow": handle.workflow, "type": opts.type, "sent": True},
+            f"sent {opts.type!r} to {handle.workflow}/{handle.id}",
+        )
 
     def do_action(self, opts: argparse.Namespace) -> None:
         handle = find_instance(opts.id, opts.workflow)
         method = getattr(handle, opts.action)
         result = method(actor="cli")
         if opts.action == "terminate" and result is False:
-            raise CommandError(f"instance {handle.id!r} had already finished ({handle.status().status})")
+            raise CommandError(
+                f"instance {handle.id!r} had already finished ({handle.status().status})"
+            )
         self.report(opts, handle, opts.action.replace("_", "-"))
 
     def do_restart(self, opts: argparse.Namespace) -> None:
         handle = find_instance(opts.id, opts.workflow)
         handle.restart(from_step=opts.from_step, actor="cli")
-        self.report(opts, handle, "restart" + (f" from {opts.from_step!r}" if opts.from_step else ""))
+        self.report(
+            opts, handle, "restart" + (f" from {opts.from_step!r}" if opts.from_step else "")
+        )
 
     def do_cancel(self, opts: argparse.Namespace) -> None:
         handle = find_instance(opts.id, opts.workflow)
@@ -318,54 +413,102 @@ class Command(BaseCommand):
 
     def report(self, opts: argparse.Namespace, handle: InstanceHandle, what: str) -> None:
         status = handle.status().status
-        self.emit(opts, {"id": handle.id, "workflow": handle.workflow, "status": status},
-                  f"{what}: {handle.workflow}/{handle.id} is now {status}")
+        self.emit(
+            opts,
+            {"id": handle.id, "workflow": handle.workflow, "status": status},
+            f"{what}: {handle.workflow}/{handle.id} is now {status}",
+        )
 
     def do_prune(self, opts: argparse.Namespace) -> None:
         now = clock.now()
         with self.progress(opts, store.prunable(now), "pruning") as bar:
             deleted = store.prune(now, on_batch=bar.update)
-        self.emit(opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention")
+        self.emit(
+            opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention"
+        )
 
     # --- tokens ---------------------------------------------------------------------
 
     def do_token(self, opts: argparse.Namespace) -> None:
         if opts.token_verb == "list":
             rows = [
-                {"name": t.name, "prefix": t.prefix, "user": t.user.get_username() if t.user else None,
-                 "scope": t.scope, "workflows": t.workflow_names,
-                 "created_at": surfaces.iso(t.created_at), "expires_at": surfaces.iso(t.expires_at),
-                 "last_used_at": surfaces.iso(t.last_used_at), "rotated_at": surfaces.iso(t.rotated_at),
-                 "revoked_at": surfaces.iso(t.revoked_at)}
+                {
+                    "name": t.name,
+                    "prefix": t.prefix,
+                    "user": t.user.get_username() if t.user else None,
+                    "scope": t.scope,
+                    "workflows": t.workflow_names,
+                    "created_at": surfaces.iso(t.created_at),
+                    "expires_at": surfaces.iso(t.expires_at),
+                    "last_used_at": surfaces.iso(t.last_used_at),
+                    "rotated_at": surfaces.iso(t.rotated_at),
+                    "revoked_at": surfaces.iso(t.revoked_at),
+                }
                 for t in ApiToken.objects.select_related("user").order_by("name")
             ]
-            human = table(["name", "prefix", "user", "scope", "workflows", "created", "expires", "last used",
-                           "revoked"], [
-                [r["name"], r["prefix"] + "…", r["user"] or "(service)", r["scope"], " ".join(r["workflows"]) or "*",
-                 short_time(r["created_at"]), short_time(r["expires_at"]), short_time(r["last_used_at"]),
-                 short_time(r["revoked_at"])] for r in rows
-            ])
+            human = table(
+                [
+                    "name",
+                    "prefix",
+                    "user",
+                    "scope",
+                    "workflows",
+                    "created",
+                    "expires",
+                    "last used",
+                    "revoked",
+                ],
+                [
+                    [
+                        r["name"],
+                        r["prefix"] + "…",
+                        r["user"] or "(service)",
+                        r["scope"],
+                        " ".join(r["workflows"]) or "*",
+                        short_time(r["created_at"]),
+                        short_time(r["expires_at"]),
+                        short_time(r["last_used_at"]),
+                        short_time(r["revoked_at"]),
+                    ]
+                    for r in rows
+                ],
+            )
             self.emit(opts, rows, human)
             return
         if not opts.name:
             raise CommandError(f"wf token {opts.token_verb} needs a token name")
         if opts.token_verb in ("create", "rotate"):
             if opts.token_verb == "create":
-                token, raw = tokens.issue(opts.name, opts.user, opts.scope, opts.workflows, opts.expires)
+                token, raw = tokens.issue(
+                    opts.name, opts.user, opts.scope, opts.workflows, opts.expires
+                )
             else:
                 token = tokens.named(opts.name)
                 raw = tokens.rotate(token)
             who = f"user {token.user.get_username()}" if token.user else "a service token"
-            limits = f"{token.scope} scope, workflows: {' '.join(token.workflow_names) or 'all'}, expires: " \
-                     f"{short_time(surfaces.iso(token.expires_at)) if token.expires_at else 'never'}"
-            self.emit(opts, {"name": token.name, "token": raw, "user": token.user.get_username() if token.user else None,
-                             "scope": token.scope, "workflows": token.workflow_names,
-                             "expires_at": surfaces.iso(token.expires_at)},
-                      f"{raw}\n(token {token.name!r} for {who}; {limits}; shown once, only its hash is stored)")
+            limits = (
+                f"{token.scope} scope, workflows: {' '.join(token.workflow_names) or 'all'}, expires: "
+                f"{short_time(surfaces.iso(token.expires_at)) if token.expires_at else 'never'}"
+            )
+            self.emit(
+                opts,
+                {
+                    "name": token.name,
+                    "token": raw,
+                    "user": token.user.get_username() if token.user else None,
+                    "scope": token.scope,
+                    "workflows": token.workflow_names,
+                    "expires_at": surfaces.iso(token.expires_at),
+                },
+                f"{raw}\n(token {token.name!r} for {who}; {limits}; shown once, only its hash is stored)",
+            )
         else:
             token = tokens.revoke(opts.name)
-            self.emit(opts, {"name": token.name, "revoked_at": surfaces.iso(token.revoked_at)},
-                      f"revoked token {token.name!r}")
+            self.emit(
+                opts,
+                {"name": token.name, "revoked_at": surfaces.iso(token.revoked_at)},
+                f"revoked token {token.name!r}",
+            )
 
     # --- follow ---------------------------------------------------------------------
 
@@ -381,25 +524,46 @@ class Command(BaseCommand):
             for entry in handle.history():
                 if entry.sequence > seen_history:
                     seen_history = entry.sequence
-                    self.line(opts, {"history": surfaces.history_json(entry)},
-                              f"{short_time(entry.created_at.isoformat())}  #{entry.sequence:<3} {entry.type}"
-                              + (f"  {compact(entry.data)}" if entry.data else "")
-                              + (f"  by {entry.actor}" if entry.actor else ""))
+                    self.line(
+                        opts,
+                        {"history": surfaces.history_json(entry)},
+                        f"{short_time(entry.created_at.isoformat())}  #{entry.sequence:<3} {entry.type}"
+                        + (f"  {compact(entry.data)}" if entry.data else "")
+                        + (f"  by {entry.actor}" if entry.actor else ""),
+                    )
             for step in handle.steps():
                 state = (step.status, step.attempts)
                 if seen_steps.get(step.name) != state:
                     seen_steps[step.name] = state
-                    self.line(opts, {"step": surfaces.step_json(step)},
-                              f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}")
+                    self.line(
+                        opts,
+                        {"step": surfaces.step_json(step)},
+                        f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}",
+                    )
             status = handle.status()
             if status.status in lifecycle.FINISHED:
-                self.line(opts, {"finished": {"status": status.status, "output": status.output, "error": status.error}},
-                          f"finished: {status.status}"
-                          + (f"  output {compact(status.output)}" if status.output is not None else "")
-                          + (f"  error {status.error['name']}: {status.error['message']}" if status.error else ""))
+                self.line(
+                    opts,
+                    {
+                        "finished": {
+                            "status": status.status,
+                            "output": status.output,
+                            "error": status.error,
+                        }
+                    },
+                    f"finished: {status.status}"
+                    + (f"  output {compact(status.output)}" if status.output is not None else "")
+                    + (
+                        f"  error {status.error['name']}: {status.error['message']}"
+                        if status.error
+                        else ""
+                    ),
+                )
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                raise CommandError(f"instance {handle.id!r} is still {status.status} after {opts.timeout} s")
+                raise CommandError(
+                    f"instance {handle.id!r} is still {status.status} after {opts.timeout} s"
+                )
             time.sleep(POLL_SECONDS)
 
     def line(self, opts: argparse.Namespace, data: Any, human: str) -> None:
@@ -430,7 +594,9 @@ class Command(BaseCommand):
     def do_bench(self, opts: argparse.Namespace) -> None:
         spec = importlib.util.find_spec("bench")
         if spec is None:
-            raise CommandError("no bench package here: `python -m bench` needs bench/ beside manage.py")
+            raise CommandError(
+                "no bench package here: `python -m bench` needs bench/ beside manage.py"
+            )
         args = opts.bench_args[1:] if opts.bench_args[:1] == ["--"] else opts.bench_args
         # Run from the folder holding the package, so `-m bench` finds it whatever the cwd.
         cwd = Path(spec.origin).parent.parent if getattr(spec, "origin", None) else None
