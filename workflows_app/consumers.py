@@ -27,6 +27,9 @@ from .models import Instance
 MAX_CLIENT_FRAME = 8192  # bytes; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 OVERVIEW_COALESCE_SECONDS = 0.25  # one summary per workflow per window, however busy it is
+LIST_COALESCE_SECONDS = (
+    0.05  # the instance list reads the instances that changed in a window at once
+)
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 
@@ -56,6 +59,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     client_types: frozenset[str] = frozenset({"ping"})
     ended = False  # closed for lost access: send nothing more, even what is already queued
     recheck_task: asyncio.Task[None] | None = None
+    flush_task: asyncio.Task[None] | None = None  # coalesced updates, where a page has them
 
     def groups_for(self) -> list[str]:
         return []
@@ -112,8 +116,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await super().send_json(content, close)
 
     async def disconnect(self, code: int) -> None:
-        if self.recheck_task is not None:
-            self.recheck_task.cancel()
+        for task in (self.recheck_task, self.flush_task):
+            if task is not None:
+                task.cancel()
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -155,7 +160,7 @@ class OverviewConsumer(DashboardConsumer):
 
     async def snapshot(self) -> dict[str, Any]:
         self.dirty: set[str | int] = set()
-        self.flush_task: asyncio.Task[None] | None = None
+        self.flush_task = None
         summaries = await database_sync_to_async(dashboard.workflow_summaries)()
         return {"type": "snapshot", "workflows": [s.as_json() for s in summaries]}
 
@@ -165,16 +170,13 @@ class OverviewConsumer(DashboardConsumer):
             self.flush_task = asyncio.ensure_future(self.flush())
 
     async def flush(self) -> None:
-        await asyncio.sleep(OVERVIEW_COALESCE_SECONDS)
-        dirty, self.dirty = self.dirty, set()
-        for summary in await database_sync_to_async(_summaries_for)(dirty):
-            await self.send_json({"type": "workflow.summary", "workflow": summary})
-
-    async def disconnect(self, code: int) -> None:
-        await super().disconnect(code)
-        task = getattr(self, "flush_task", None)
-        if task is not None:
-            task.cancel()
+        # Until nothing is left: a change that arrives while a window is being read goes
+        # in the next window (wf_instance starts no second flush while this one runs).
+        while self.dirty:
+            await asyncio.sleep(OVERVIEW_COALESCE_SECONDS)
+            dirty, self.dirty = self.dirty, set()
+            for summary in await database_sync_to_async(_summaries_for)(dirty):
+                await self.send_json({"type": "workflow.summary", "workflow": summary})
 
 
 def _summaries_for(dirty: set[str | int]) -> list[dashboard.WorkflowSummaryJSON]:
@@ -193,6 +195,8 @@ class InstanceListConsumer(DashboardConsumer):
         return [live.OVERVIEW_GROUP]
 
     async def snapshot(self) -> dict[str, Any]:
+        self.pending: dict[int, str | None] = {}  # pk -> the latest kind of change
+        self.flush_task = None
         page = await database_sync_to_async(dashboard.instance_page)(dashboard.ListFilters())
         return {"type": "snapshot", "instances": [dashboard.instance_summary(r) for r in page.rows]}
 
@@ -214,11 +218,19 @@ class InstanceListConsumer(DashboardConsumer):
         await self.send_json({"type": "snapshot", "instances": rows})
 
     async def wf_instance(self, message: dict[str, Any]) -> None:
-        summary = await database_sync_to_async(_summary)(int(message["pk"]))
-        if summary is not None:
-            await self.send_json(
-                {"type": "instance.status", "kind": message.get("kind"), "instance": summary}
-            )
+        """Changes are read in windows of LIST_COALESCE_SECONDS: one query for all the
+        instances that changed in it, not one per change (a burst costs one read)."""
+        self.pending[int(message["pk"])] = message.get("kind")
+        if self.flush_task is None or self.flush_task.done():
+            self.flush_task = asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        while self.pending:
+            await asyncio.sleep(LIST_COALESCE_SECONDS)
+            pending, self.pending = self.pending, {}
+            for summary in await database_sync_to_async(_rows)(list(pending)):
+                kind = pending[summary["pk"]]
+                await self.send_json({"type": "instance.status", "kind": kind, "instance": summary})
 
 
 def _rows(pks: list[int]) -> list[dashboard.InstanceSummaryJSON]:

@@ -196,3 +196,63 @@ async def test_after_lost_messages_a_reconnected_socket_shows_exactly_the_databa
     row = await database_sync_to_async(Instance.objects.get)(pk=pk)
     assert snapshot["status"] == row.status == "paused"
     await reconnected.disconnect()
+
+
+async def test_a_change_that_arrives_while_the_overview_reads_its_window_is_not_dropped(
+    monkeypatch,
+):
+    import asyncio
+    import threading
+
+    from workflows_app import consumers
+
+    reads: list[set] = []
+    reading, go = threading.Event(), threading.Event()
+
+    def held_first_read(dirty):
+        reads.append(set(dirty))
+        if len(reads) == 1:
+            reading.set()
+            go.wait(10)
+        return []
+
+    monkeypatch.setattr(consumers, "_summaries_for", held_first_read)
+    overview = consumers.OverviewConsumer()
+    overview.dirty, overview.flush_task = set(), None
+    await overview.wf_instance({"type": "wf.instance", "pk": 1, "workflow": "a"})
+    assert await asyncio.to_thread(reading.wait, 10)  # the first window is being read now
+    await overview.wf_instance({"type": "wf.instance", "pk": 2, "workflow": "b"})
+    go.set()
+    await asyncio.wait_for(overview.flush_task, 10)
+    assert reads == [{"a"}, {"b"}]
+
+
+async def test_the_list_socket_reads_a_burst_of_changes_at_once_not_once_per_change(
+    approval_workflow, monkeypatch
+):
+    from channels.layers import get_channel_layer
+
+    from workflows_app import consumers, live
+
+    reads: list[int] = []
+    real = consumers._rows
+    monkeypatch.setattr(consumers, "_rows", lambda pks: reads.append(len(pks)) or real(pks))
+    wf = get_workflow(approval_workflow)
+    pks = []
+    for n in range(20):
+        inst = await wf.acreate(id=f"b{n}")
+        pks.append((await database_sync_to_async(inst.row)()).pk)
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    layer = get_channel_layer()
+    for pk in pks:
+        await layer.group_send(
+            live.OVERVIEW_GROUP, {"type": "wf.instance", "pk": pk, "workflow": None, "kind": "x"}
+        )
+    seen = set()
+    while len(seen) < 20:
+        seen.add((await receive_until(communicator, "instance.status"))["instance"]["id"])
+    assert seen == {f"b{n}" for n in range(20)}
+    assert sum(reads) == 20 and len(reads) <= 3, reads  # 20 changes, read in a window or two
+    await communicator.disconnect()
