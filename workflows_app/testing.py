@@ -26,7 +26,7 @@ from .client import InstanceHandle
 from .engine import clock as engine_clock
 from .engine import store
 from .engine.errors import InstanceNotFound, InvalidInput
-from .engine.runner import overrides
+from .engine.overrides import overrides
 from .engine.worker import Worker
 from .live import EngineHooks
 from .models import Instance, StepKind, StepRecord, StepStatus

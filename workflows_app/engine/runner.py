@@ -40,6 +40,7 @@ from .errors import (
     StepTimeout,
 )
 from .limits import check_step_name, encode_step_output
+from .overrides import overrides
 from .registry import Definition
 from .step import (
     Step,
@@ -76,23 +77,6 @@ WRITE_RETRY_DELAYS = (
     2.0,
     2.0,
 )  # loop iterations to let sibling branches start before calling a run blocked
-
-
-@dataclass
-class TestOverrides:
-    """In-process overrides used by workflows_app.testing; empty in production."""
-
-    step_mocks: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    sleeps_disabled: set[str | None] = field(default_factory=set)
-    forced_event_timeouts: set[tuple[str, str]] = field(default_factory=set)
-
-    def clear(self) -> None:
-        self.step_mocks.clear()
-        self.sleeps_disabled.clear()
-        self.forced_event_timeouts.clear()
-
-
-overrides = TestOverrides()
 
 
 EVENT_BATCH = 100  # buffered events read at a time by a wait
@@ -603,9 +587,9 @@ class Run:
         """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""
         context = StepContext(self.instance_id, record.name, record.attempts)
         call = functools.partial(fn, context) if _takes_context(fn) else fn
-        mock = overrides.step_mocks.get((self.instance_id, record.name))
-        if mock is not None:
-            fn = call = _mocked(mock, call)
+        mocked = overrides.step_callable(self.instance_id, record.name, call)
+        if mocked is not call:
+            fn = call = mocked
         timed_out = StepTimeout(
             f'step "{record.label}" attempt {record.attempts} timed out after {timeout_ms} ms'
         )
@@ -784,7 +768,7 @@ class Run:
         )
 
     def sleep_is_due(self, record: StepRecord) -> bool:
-        if self.instance_id in overrides.sleeps_disabled or None in overrides.sleeps_disabled:
+        if overrides.sleep_disabled(self.instance_id):
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
@@ -820,28 +804,10 @@ class Run:
                     self.events_seen = max(self.events_seen, inbox.last_id)
 
     def event_timed_out(self, record: StepRecord) -> bool:
-        forced = (self.instance_id, record.event_type)
-        if forced in overrides.forced_event_timeouts:
-            overrides.forced_event_timeouts.discard(forced)  # the next wait only
+        if overrides.take_forced_timeout(self.instance_id, record.event_type):
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
 
 
 def _step_label(name: str) -> str:
     return f'step "{name}"' if name else "the start of its branch"
-
-
-def _mocked(mock: dict[str, Any], real: Callable[..., Any]) -> Callable[[], Any]:
-    """A step callable that fails `times` times with the mock's error, then returns its result."""
-
-    def call() -> Any:
-        if mock.get("error") is not None and mock["remaining"] != 0:
-            if mock["remaining"] > 0:
-                mock["remaining"] -= 1
-            raise mock["error"]
-        if "result" in mock:
-            return mock["result"]
-        result = real()
-        return asyncio.run(result) if inspect.iscoroutine(result) else result
-
-    return call
