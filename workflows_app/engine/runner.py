@@ -595,16 +595,7 @@ class Run:
         )
         if _is_async(fn):
             # In this task, under a deadline: no extra task per step; cancelled at the timeout.
-            token = _current_step.set(context)
-            try:
-                async with asyncio.timeout(timeout_ms / 1000) as deadline:
-                    return await call()
-            except TimeoutError:
-                if deadline.expired():
-                    raise timed_out from None
-                raise
-            finally:
-                _current_step.reset(token)
+            return await await_returned(call(), context, timeout_ms / 1000, timed_out)
         previous = self.abandoned.pop(record.name, None)
         if previous is not None and not previous.done():
             # The last attempt timed out but its thread still runs (it was told through

@@ -166,9 +166,10 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 async def await_returned(
     result: Awaitable[Any], context: StepContext, seconds: float, timed_out: StepTimeout
 ) -> Any:
-    """Await what a sync step callable returned, as the step: `step.do("x", lambda: fetch())`
-    ran the lambda in a thread, which only built the coroutine. It runs here, in the loop,
-    under what is left of the attempt's timeout, with current_step() set."""
+    """Await a step's coroutine in this task (no extra task per step), with current_step()
+    set, cancelled when `seconds` run out. An async callable's coroutine comes here, and so
+    does what a sync one returned when it only built one (`step.do("x", lambda: fetch())`
+    ran the lambda in a thread), under what is left of the attempt's timeout."""
     token = _current_step.set(context)
     try:
         async with asyncio.timeout(max(0.0, seconds)) as deadline:
