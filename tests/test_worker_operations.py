@@ -346,3 +346,28 @@ def test_pending_hints_fold_wakes_into_one_and_stay_bounded():
     assert len(hints) == PendingHints.MAX
     taken = hints.take()
     assert taken[-1][1]["pk"] == PendingHints.MAX + 49 and len(hints) == 0
+
+
+def test_an_event_for_a_waiting_step_comes_with_the_load_without_a_read_of_its_own(
+    registered, monkeypatch
+):
+    from workflows_app import testing
+
+    @register("preloaded")
+    class Preloaded(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("approval", type="go")
+            return got.payload
+
+    inst = get_workflow("preloaded").create()
+    testing.run_until_idle()  # parks in the wait
+    inst.send_event("noise", {"n": 0})
+    inst.send_event("go", {"ok": True})
+    reads: list[str] = []
+    real = store.unconsumed_events
+    monkeypatch.setattr(store, "unconsumed_events", lambda *a: reads.append(a[1]) or real(*a))
+    testing.run_until_idle()
+    assert inst.status().output == {"ok": True}
+    assert reads == []
+    loaded = store.load_run(inst.row().pk)  # finished: nothing waits, nothing is read
+    assert loaded.events == {}

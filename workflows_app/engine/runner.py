@@ -139,10 +139,14 @@ class Run:
         for checkpoint in self.checkpoints.values():
             if checkpoint.after is not None:
                 self.successors.setdefault(checkpoint.after, []).append(checkpoint)
-        self.inboxes: dict[str, Inbox] = {}  # buffered events by type, read as waits ask for them
-        self.events_seen = (
-            0  # the newest event id read: newer ones of an awaited type arrived during the run
-        )
+        # Buffered events by type: those of waiting steps came with the load, others are
+        # read as waits ask for them.
+        self.inboxes: dict[str, Inbox] = {
+            event_type: Inbox(list(events), events[-1].pk if events else 0, complete)
+            for event_type, (events, complete) in loaded.events.items()
+        }
+        # The newest event id read: newer ones of an awaited type arrived during the run.
+        self.events_seen = max((inbox.last_id for inbox in self.inboxes.values()), default=0)
         self.seen: set[str] = set()
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0

@@ -21,6 +21,7 @@ from ...models import (
     Status,
     StepKind,
     StepRecord,
+    StepStatus,
 )
 from .. import clock, faults
 from .dialect import db_time, lock_rows, retry_while_locked, skip_rows_being_claimed
@@ -32,15 +33,39 @@ def load_run(pk: int) -> LoadedRun:
     return load_runs([pk])[pk]
 
 
+EVENTS_PER_LOAD = 100  # buffered events read with a load, per instance loaded
+
+
 def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
-    """Several instances with all their checkpoints: two queries. Buffered events are
-    read when a wait asks for its type (unconsumed_events), not on every run."""
+    """Several instances with all their checkpoints, and the oldest buffered events of the
+    types their waiting steps wait for: three queries at most, bounded whatever is buffered.
+    Other events are read when a wait asks for them (unconsumed_events)."""
     runs = {i.pk: LoadedRun(i, {}) for i in Instance.objects.filter(id__in=list(pks))}
+    awaited: set[tuple[int, str]] = set()
     for step in StepRecord.objects.filter(instance_id__in=list(runs)):
         loaded = runs[step.instance_id]
-        (loaded.compensations if step.kind == StepKind.COMPENSATE else loaded.steps)[step.name] = (
-            step
+        if step.kind == StepKind.COMPENSATE:
+            loaded.compensations[step.name] = step
+            continue
+        loaded.steps[step.name] = step
+        if step.kind == StepKind.WAIT_FOR_EVENT and step.status == StepStatus.WAITING:
+            awaited.add((step.instance_id, step.event_type))
+    if awaited:
+        limit = EVENTS_PER_LOAD * len(runs)
+        # Ordered by id under one limit: each (instance, type) gets a prefix of its events.
+        events = list(
+            InboxEvent.objects.filter(
+                instance_id__in={pk for pk, _ in awaited},
+                type__in={t for _, t in awaited},
+                consumed_at__isnull=True,
+            ).order_by("id")[:limit]
         )
+        complete = len(events) < limit
+        for pk, event_type in awaited:
+            runs[pk].events[event_type] = ([], complete)
+        for event in events:
+            if (event.instance_id, event.type) in awaited:
+                runs[event.instance_id].events[event.type][0].append(event)
     return runs
 
 

@@ -12,6 +12,7 @@ from django.db import connection
 
 from ...models import (
     HistoryRecord,
+    InboxEvent,
     Instance,
     StepRecord,
     StepStatus,
@@ -56,9 +57,11 @@ class NewInstance:
 class LoadedRun:
     instance: Instance
     steps: dict[str, StepRecord]  # by name: the workflow's own steps
-    compensations: dict[str, StepRecord] = field(
-        default_factory=dict
-    )  # by the name of the step undone
+    # By the name of the step undone.
+    compensations: dict[str, StepRecord] = field(default_factory=dict)
+    # The oldest buffered events of the types its waiting steps wait for, read with the
+    # load: type -> (events, whether they are all there are).
+    events: dict[str, tuple[list[InboxEvent], bool]] = field(default_factory=dict)
 
 
 def allocate_history(pk: int, count: int) -> int:
