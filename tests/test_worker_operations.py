@@ -371,3 +371,30 @@ def test_an_event_for_a_waiting_step_comes_with_the_load_without_a_read_of_its_o
     assert reads == []
     loaded = store.load_run(inst.row().pk)  # finished: nothing waits, nothing is read
     assert loaded.events == {}
+
+
+def test_a_heartbeat_finds_its_leases_through_an_index_not_a_table_scan(registered):
+    from django.db import connection, transaction
+
+    @register("leased")
+    class Leased(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    for n in range(50):
+        get_workflow("leased").create(id=f"l{n}")
+    ((_, token),) = store.claim_runnable("w", 1, lease_seconds=30)
+    sql, params = (
+        Instance.objects.filter(lease_token__in=[token])
+        .values_list("id", "lease_token")
+        .query.sql_with_params()
+    )
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
+            cursor.execute("EXPLAIN " + sql, params)
+        else:
+            cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+    assert "instance_leased" in plan, plan
+    assert store.heartbeat([token], 30) == set()

@@ -101,6 +101,12 @@ class Instance(models.Model):
             models.Index(
                 fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)
             ),
+            # heartbeat: WHERE lease_token IN (the worker's tokens); only leased rows are in it
+            models.Index(
+                fields=["lease_token"],
+                name="instance_leased",
+                condition=Q(lease_token__isnull=False),
+            ),
             # list(): WHERE workflow = ? [AND status = ?] ORDER BY id DESC; queue promotion by id
             models.Index(fields=["workflow", "status", "id"], name="instance_wf_status"),
             models.Index(fields=["workflow", "id"], name="instance_wf_id"),
