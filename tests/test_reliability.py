@@ -239,8 +239,16 @@ def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_hi
     ],
 )
 def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_the_step(plan):
+    assert run_to_completion_under_faults("retried", plan) == 1
+    assert executions("retried") == {("retried", f"step {i}"): 1 for i in range(3)}
+    assert_one_checkpoint_per_step("rel-race", 3, 1)
+    assert_history_gap_free("rel-race")
+
+
+def run_to_completion_under_faults(instance_id: str, plan: str) -> int:
+    """Run a rel-race instance in this process under a fault plan; how many runs it took."""
     fleet_workflows.ensure_ledger()
-    inst = get_workflow("rel-race").create(id="retried")
+    inst = get_workflow("rel-race").create(id=instance_id)
     faults.configure(plan)
     try:
         testing.run_until_idle()
@@ -248,11 +256,9 @@ def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_t
         faults.configure("")
     status = inst.status()
     assert status.status == "complete", status
-    assert executions("retried") == {("retried", f"step {i}"): 1 for i in range(3)}
-    assert_one_checkpoint_per_step("rel-race", 3, 1)
-    runs = HistoryRecord.objects.filter(instance__instance_id="retried", type="run.started").count()
-    assert runs == 1
-    assert_history_gap_free("rel-race")
+    return HistoryRecord.objects.filter(
+        instance__instance_id=instance_id, type="run.started"
+    ).count()
 
 
 @pytest.mark.parametrize(
@@ -272,20 +278,10 @@ def test_a_run_cut_short_by_a_database_error_is_released_at_once_and_resumes_fro
     from workflows_app.engine import runner
 
     monkeypatch.setattr(runner, "WRITE_RETRY_DELAYS", (0.01, 0.01))  # two retries, then give up
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("rel-race").create(id="cut")
-    faults.configure(plan)
-    try:
-        testing.run_until_idle()
-    finally:
-        faults.configure("")
-    status = inst.status()
-    assert status.status == "complete", status
+    assert run_to_completion_under_faults("cut", plan) == 2
     # The first step's work was done, but its checkpoint never landed: it runs again.
     assert executions("cut") == {("cut", "step 0"): 2, ("cut", "step 1"): 1, ("cut", "step 2"): 1}
     assert_one_checkpoint_per_step("rel-race", 3, 1)
-    runs = HistoryRecord.objects.filter(instance__instance_id="cut", type="run.started").count()
-    assert runs == 2
     assert_history_gap_free("rel-race")
 
 
