@@ -55,6 +55,11 @@ WHY_NOT = {
 }
 
 
+def holds_place(status: str, started: bool) -> bool:
+    """Whether an instance takes a place under max_concurrent_instances (see HOLDS_PLACE)."""
+    return status in HOLDS_PLACE and (status != Status.PAUSED or started)
+
+
 def can(action: str, status: str) -> bool:
     """Whether `action` applies to an instance in `status`."""
     return (action, status) in TRANSITIONS

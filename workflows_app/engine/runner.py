@@ -156,8 +156,8 @@ class Run:
         self.awaited_types: list[str] = []
         self.pause_requested = loaded.instance.status == Status.WAITING_FOR_PAUSE
         self.draining = False  # its worker is shutting down: stop at the next step boundary
-        self.sync_attempts_running = 0  # step callables still running in threads
-        self.sync_attempts: set[StepContext] = set()  # their contexts, told when the run stops
+        # The contexts of step callables still running in threads, told when the run stops.
+        self.sync_attempts: set[StepContext] = set()
         self.abandoned: dict[
             str, Any
         ] = {}  # step name -> the thread future of its timed-out attempt
@@ -616,7 +616,6 @@ class Run:
             return ctx.run(call)
 
         thread_future = self.step_threads.submit(in_thread)
-        self.sync_attempts_running += 1
         self.sync_attempts.add(context)
         thread_future.add_done_callback(functools.partial(self._sync_attempt_ended, context))
         future = asyncio.wrap_future(thread_future)
@@ -642,13 +641,9 @@ class Run:
         raise timed_out
 
     def _sync_attempt_ended(self, context: StepContext, _: Any) -> None:
-        # Called in the step's thread: count on the loop, where the increments happen.
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads the count any more
-            self.loop.call_soon_threadsafe(self._count_sync_attempt_ended, context)
-
-    def _count_sync_attempt_ended(self, context: StepContext) -> None:
-        self.sync_attempts_running -= 1
-        self.sync_attempts.discard(context)
+        # Called in the step's thread: the set changes on the loop, where it is read.
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads it any more
+            self.loop.call_soon_threadsafe(self.sync_attempts.discard, context)
 
     async def schedule_retry(
         self,

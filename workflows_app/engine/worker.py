@@ -493,7 +493,7 @@ class Worker:
             if (
                 outcome == "aborted"
                 and store.transient(run.abort_error)
-                and (not run.sync_attempts_running or self._stopping)
+                and (not run.sync_attempts or self._stopping)
             ):
                 # Shutdown, an operator action, a dropped connection: give the lease back now
                 # (fenced: a no-op when the lease is no longer ours), so the instance is

@@ -314,7 +314,7 @@ def restart(
             steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
         dropped = steps.count()
         steps.delete()
-        was_active = holding_places(Instance.objects.filter(id=inst.pk)).exists()
+        was_active = lifecycle.holds_place(inst.status, inst.started_at is not None)
         if limits.max_concurrent_instances is not None:
             lock_workflow(name)
         slots = _free_slots(name, limits)
