@@ -97,8 +97,10 @@ def test_a_worker_whose_lease_was_stolen_cannot_write_a_checkpoint_or_status(reg
         attempts=1,
         started_at=inst.row().created_at,
     )
-    with pytest.raises(LeaseLost):
-        store.write_step(pk, zombie_token, record, [History("step.completed", {})])
+    (refused,) = store.write_steps(
+        [store.StepWrite(pk, zombie_token, record, [History("step.completed", {})])]
+    )
+    assert isinstance(refused, LeaseLost)
     assert not store.finish(pk, zombie_token, "complete", Limits(), '"zombie"')
     assert Step.objects.filter(instance_id=pk).count() == 0
     assert inst.status().status == "running" and inst.row().lease_owner == "owner"

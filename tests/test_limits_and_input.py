@@ -139,6 +139,19 @@ def test_an_instance_stored_with_a_retention_past_the_calendar_finishes_and_term
         assert inst.row().expires_at == LATEST_INSTANT
 
 
+def test_a_finished_instance_expires_its_retention_after_it_finished(waiter):
+    kept = waiter.create(id="kept", retention="7 days")
+    forever, zero = waiter.create(id="forever"), waiter.create(id="zero", retention=0)
+    testing.run_until_idle()
+    for inst in (kept, forever, zero):
+        inst.send_event("ping", {"n": 1})
+    testing.run_until_idle()
+    assert {i.status().status for i in (kept, forever, zero)} == {"complete"}
+    row = kept.row()
+    assert row.expires_at == row.finished_at + timedelta(days=7)
+    assert forever.row().expires_at is None and zero.row().expires_at is None
+
+
 def test_a_duplicate_id_is_refused_and_ids_are_scoped_by_workflow(waiter, registered):
     waiter.create(id="same")
     with pytest.raises(InstanceAlreadyExists, match="same"):

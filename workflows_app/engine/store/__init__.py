@@ -47,7 +47,6 @@ from .runs import (
     park,
     park_unrunnable,
     rewrite_step,
-    write_step,
     write_steps,
 )
 
@@ -91,6 +90,5 @@ __all__ = [
     "transient",
     "unconsumed_events",
     "wake_registered_versions",
-    "write_step",
     "write_steps",
 ]

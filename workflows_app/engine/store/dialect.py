@@ -8,7 +8,7 @@ rows other workers are claiming and may drop idle connections.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -51,6 +51,20 @@ def db_time(value: datetime | None) -> Any:
 
 def json_placeholder() -> str:
     return "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
+
+
+def writes_in_one_statement() -> bool:
+    """PostgreSQL runs data-modifying CTEs: a checkpoint's fence, step upsert, history and
+    error rows go as one autocommit statement, one round trip instead of five (BEGIN,
+    three statements, COMMIT). SQLite has no such CTEs, and its round trips cost nothing."""
+    return connection.vendor == "postgresql"
+
+
+def typed_placeholders(model: Any, columns: Sequence[str]) -> list[str]:
+    """`CAST(%s AS <column type>)` per column: a value selected (not VALUES-inserted) into
+    a table has no type of its own, and a NULL or a text literal must not stay text."""
+    fields = {f.column: f for f in model._meta.concrete_fields}
+    return [f"CAST(%s AS {fields[c].db_type(connection)})" for c in columns]
 
 
 def transient(error: BaseException | None) -> bool:

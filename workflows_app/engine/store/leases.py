@@ -24,8 +24,14 @@ from ...models import (
     StepStatus,
 )
 from .. import clock, faults
-from .dialect import db_time, lock_rows, retry_while_locked, skip_rows_being_claimed
-from .records import INSTANCE_TABLE, History, LoadedRun, insert_history
+from .dialect import (
+    db_time,
+    lock_rows,
+    retry_while_locked,
+    skip_rows_being_claimed,
+    writes_in_one_statement,
+)
+from .records import HISTORY_TABLE, INSTANCE_TABLE, History, LoadedRun, insert_history
 
 
 def load_run(pk: int) -> LoadedRun:
@@ -111,6 +117,8 @@ def claim_runnable(
     """
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
+    if writes_in_one_statement():
+        return _claim_at_once(worker_id, limit, now, lease_until, exclude)
     claimed: list[tuple[int, str]] = []
     with transaction.atomic():
         query = (
@@ -160,6 +168,62 @@ def claim_runnable(
         for pk, seq, record in started:
             insert_history(pk, seq, [record], now)
     return claimed
+
+
+# claim_runnable as one autocommit statement (PostgreSQL): pick and lock the due rows,
+# lease them under fresh tokens, start their runs and write their run.started records.
+CLAIM_SQL = f"""
+WITH picked AS (
+    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel
+    FROM {INSTANCE_TABLE}
+    WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
+      AND id <> ALL(%(exclude)s)
+    ORDER BY wake_at LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE {INSTANCE_TABLE} AS i SET
+        lease_owner = %(worker)s,
+        lease_token = replace(gen_random_uuid()::text, '-', ''),
+        lease_expires_at = %(lease_until)s,
+        unproductive_claims = i.unproductive_claims
+            + CASE WHEN p.old_token IS NULL THEN 0 ELSE 1 END,
+        status = CASE
+            WHEN p.compensate_on_cancel THEN %(compensating)s
+            WHEN p.old_status IN (%(waiting)s, %(running)s) THEN %(running)s
+            ELSE p.old_status END,
+        waiting_reason = '',
+        run_count = i.run_count + 1,
+        history_seq = i.history_seq + 1
+    FROM picked AS p WHERE i.id = p.id
+    RETURNING i.id, i.lease_token, i.history_seq, i.run_count, p.old_status
+), started AS (
+    INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
+    SELECT id, history_seq, %(now)s, 'run.started',
+        jsonb_build_object('run', run_count, 'from', old_status, 'worker', %(worker)s::text), ''
+    FROM claimed
+)
+SELECT id, lease_token FROM claimed
+"""
+
+
+def _claim_at_once(
+    worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
+) -> list[tuple[int, str]]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            CLAIM_SQL,
+            {
+                "now": db_time(now),
+                "lease_until": db_time(lease_until),
+                "exclude": list(exclude),
+                "limit": limit,
+                "worker": worker_id,
+                "compensating": Status.COMPENSATING,
+                "waiting": Status.WAITING,
+                "running": Status.RUNNING,
+            },
+        )
+        return [(pk, token) for pk, token in cursor.fetchall()]
 
 
 @retry_while_locked

@@ -11,6 +11,7 @@ from typing import Any
 from django.db import connection
 
 from ...models import (
+    ErrorRecord,
     HistoryRecord,
     InboxEvent,
     Instance,
@@ -30,6 +31,12 @@ STEP_TABLE = StepRecord._meta.db_table
 
 
 HISTORY_TABLE = HistoryRecord._meta.db_table
+
+
+INBOX_TABLE = InboxEvent._meta.db_table
+
+
+ERROR_TABLE = ErrorRecord._meta.db_table
 
 
 class LeaseLost(Exception):
@@ -107,16 +114,19 @@ def append_history(pk: int, records: Sequence[History], now: datetime | None = N
         insert_history(pk, allocate_history(pk, len(records)), records, now or clock.now())
 
 
+OPEN_STEP_STATUSES = (StepStatus.WAITING, StepStatus.RETRYING, StepStatus.RUNNING)
+FINISHED_BEFORE_STEP = ("InstanceFinished", "the instance finished before this step did")
+
+
 def close_open_steps(pk: int, now: datetime) -> None:
     """A finished instance has no step still waiting, retrying or running."""
-    StepRecord.objects.filter(
-        instance_id=pk, status__in=(StepStatus.WAITING, StepStatus.RETRYING, StepStatus.RUNNING)
-    ).update(
+    name, message = FINISHED_BEFORE_STEP
+    StepRecord.objects.filter(instance_id=pk, status__in=OPEN_STEP_STATUSES).update(
         status=StepStatus.FAILED,
         wake_at=None,
         completed_at=now,
-        last_error_name="InstanceFinished",
-        last_error_message="the instance finished before this step did",
+        last_error_name=name,
+        last_error_message=message,
     )
 
 

@@ -7,6 +7,8 @@ the old run's writes match no row and are refused (LeaseLost).
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,13 +26,24 @@ from ...models import (
     StepStatus,
 )
 from .. import clock, faults
-from ..durations import add_duration
+from ..durations import LATEST_INSTANT, add_duration
 from ..limits import Limits
 from .catalog import VERSION_MISSING
 from .control import promote_queued
-from .dialect import close_if_dropped, db_time, retry_while_locked
+from .dialect import (
+    close_if_dropped,
+    db_time,
+    retry_while_locked,
+    typed_placeholders,
+    writes_in_one_statement,
+)
 from .records import (
+    ERROR_TABLE,
+    FINISHED_BEFORE_STEP,
+    HISTORY_TABLE,
+    INBOX_TABLE,
     INSTANCE_TABLE,
+    OPEN_STEP_STATUSES,
     STEP_TABLE,
     History,
     LeaseLost,
@@ -59,6 +72,16 @@ STEP_COLUMNS = (
     "has_compensation",
     "after",
 )
+
+
+# An error record's columns besides its keys and time: a raw INSERT sets every one (a
+# default of the model is not a default of the table).
+ERROR_FIELDS = [
+    f
+    for f in ErrorRecord._meta.concrete_fields
+    if f.column not in ("id", "instance_id", "created_at")
+]
+ERROR_COLUMNS = tuple(f.column for f in ERROR_FIELDS)
 
 
 # One statement whether the step is new or not: a checkpoint is an upsert keyed by name
@@ -100,27 +123,6 @@ def fence(
     return row[0], row[1] - history_count + 1
 
 
-@retry_while_locked
-def write_step(
-    pk: int,
-    token: str,
-    step: StepRecord,
-    history: Sequence[History],
-    consume_event: int | None = None,
-    progress: bool = False,
-    error: dict[str, Any] | None = None,
-) -> str:
-    """Upsert one step record with its history in one fenced transaction; returns the status.
-
-    consume_event marks that inbox event consumed by this step in the same transaction, so
-    an event is never both lost and checkpointed, nor consumed twice.
-    """
-    with transaction.atomic():
-        status = _write_step(pk, token, step, history, consume_event, progress, error)
-    faults.hit("after_checkpoint")
-    return status
-
-
 @dataclass
 class StepWrite:
     """One run's checkpoint, queued for a group commit (write_steps)."""
@@ -145,10 +147,13 @@ def write_steps(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
     if len(writes) == 1:  # no savepoint needed: a LeaseLost rolls the one write back
         w = writes[0]
         try:
-            with transaction.atomic():
-                status = _write_step(
-                    w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error
-                )
+            if writes_in_one_statement():
+                status = _write_at_once(w)
+            else:
+                with transaction.atomic():
+                    status = _write_step(
+                        w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error
+                    )
         except LeaseLost as exc:
             return [exc]
         faults.hit("after_checkpoint")
@@ -195,33 +200,132 @@ def _write_step(
             raise LeaseLost(f"event #{consume_event} was consumed by another run")
     step.instance_id = pk
     with connection.cursor() as cursor:
-        cursor.execute(
-            UPSERT_STEP_SQL,
-            [
-                pk,
-                step.name,
-                step.kind,
-                step.seq,
-                step.status,
-                step.output_json,
-                step.attempts,
-                step.max_attempts,
-                step.last_error_name,
-                step.last_error_message,
-                step.last_error_stack,
-                db_time(step.started_at),
-                db_time(step.completed_at),
-                db_time(step.wake_at),
-                step.event_type,
-                step.event_schema_json,
-                step.has_compensation,
-                step.after,
-            ],
-        )
+        cursor.execute(UPSERT_STEP_SQL, _step_values(pk, step))
     insert_history(pk, first_seq, history, now)
     if error is not None:
         ErrorRecord.objects.create(instance_id=pk, created_at=now, **error)
     return status
+
+
+def _step_values(pk: int, step: StepRecord) -> list[Any]:
+    return [
+        pk,
+        step.name,
+        step.kind,
+        step.seq,
+        step.status,
+        step.output_json,
+        step.attempts,
+        step.max_attempts,
+        step.last_error_name,
+        step.last_error_message,
+        step.last_error_stack,
+        db_time(step.started_at),
+        db_time(step.completed_at),
+        db_time(step.wake_at),
+        step.event_type,
+        step.event_schema_json,
+        step.has_compensation,
+        step.after,
+    ]
+
+
+@functools.cache
+def _checkpoint_sql(
+    history_count: int,
+    step_seq: bool,
+    progress: bool,
+    consume: bool,
+    error_columns: tuple[str, ...],
+) -> str:
+    """The statement of _write_at_once for one shape of checkpoint (cached per shape).
+
+    Every part selects FROM the fence, so when the lease is gone nothing is written; with
+    an event to consume, the fence also requires it unconsumed, and the rest requires it
+    taken.
+    """
+    sets = "history_seq = history_seq + %s, updated_at = %s"
+    if step_seq:
+        sets += ", step_seq = %s"
+    if progress:
+        sets += ", unproductive_claims = 0"
+    where = "id = %s AND lease_token = %s"
+    if consume:
+        where += f" AND EXISTS (SELECT 1 FROM {INBOX_TABLE} WHERE id = %s AND consumed_at IS NULL)"
+    parts = [
+        f"fence AS (UPDATE {INSTANCE_TABLE} SET {sets} WHERE {where} RETURNING status, history_seq)"
+    ]
+    source = "fence"
+    if consume:
+        parts.append(
+            f"taken AS (UPDATE {INBOX_TABLE} SET consumed_at = %s, consumed_by = %s "
+            "WHERE id = %s AND consumed_at IS NULL AND EXISTS (SELECT 1 FROM fence) RETURNING id)"
+        )
+        source = "fence, taken"
+    parts.append(
+        f"step AS (INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) "
+        f"SELECT {', '.join(typed_placeholders(StepRecord, STEP_COLUMNS))} FROM {source} "
+        + UPSERT_STEP_SQL[UPSERT_STEP_SQL.index("ON CONFLICT") :]
+        + ")"
+    )
+    if history_count:
+        rows = ", ".join(f"({n}, %s, %s, %s)" for n in range(1, history_count + 1))
+        parts.append(
+            f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
+            f"SELECT %s, fence.history_seq - {history_count} + v.n, CAST(%s AS timestamptz), "
+            f"v.type, CAST(v.data AS jsonb), v.actor FROM {source}, "
+            f"(VALUES {rows}) AS v(n, type, data, actor))"
+        )
+    if error_columns:
+        columns = ("instance_id", "created_at", *error_columns)
+        parts.append(
+            f"error AS (INSERT INTO {ERROR_TABLE} ({', '.join(columns)}) "
+            f"SELECT {', '.join(typed_placeholders(ErrorRecord, columns))} FROM {source})"
+        )
+    return "WITH " + ", ".join(parts) + " SELECT fence.status FROM " + source
+
+
+def _write_at_once(w: StepWrite) -> str:
+    """_write_step as one autocommit statement (PostgreSQL): one round trip per checkpoint."""
+    faults.hit("before_checkpoint")
+    now = clock.now()
+    error_columns = ERROR_COLUMNS if w.error is not None else ()
+    sql = _checkpoint_sql(
+        len(w.history),
+        w.step.seq is not None,
+        w.progress,
+        w.consume_event is not None,
+        error_columns,
+    )
+    params: list[Any] = [len(w.history), db_time(now)]
+    if w.step.seq is not None:
+        params.append(w.step.seq)
+    params += [w.pk, w.token]
+    if w.consume_event is not None:
+        params += [w.consume_event, db_time(now), w.step.name, w.consume_event]
+    params += _step_values(w.pk, w.step)
+    if w.history:
+        params += [w.pk, db_time(now)]
+        for record in w.history:
+            params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
+    if w.error is not None:
+        params += [
+            w.pk,
+            db_time(now),
+            *(w.error.get(f.name, f.get_default()) for f in ERROR_FIELDS),
+        ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
+        if w.consume_event is not None:
+            raise LeaseLost(
+                f"instance #{w.pk}: lease {w.token[:8]} is no longer held, "
+                f"or event #{w.consume_event} was consumed by another run"
+            )
+        raise LeaseLost(f"instance #{w.pk}: lease {w.token[:8]} is no longer held")
+    w.step.instance_id = w.pk
+    return row[0]
 
 
 @retry_while_locked
@@ -266,6 +370,19 @@ def finish(
     """End the instance (complete, errored, terminated), free its place, start queued ones."""
     now = clock.now()
     name, message, stack = error or ("", "", "")
+    if writes_in_one_statement() and limits.max_concurrent_instances is None:
+        # (With a limit, the finish and the promotion of the queue share a transaction.)
+        return _finish_at_once(
+            pk,
+            token,
+            status,
+            limits,
+            now,
+            output_json,
+            (name, message, stack),
+            history,
+            error_record,
+        )
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute(
@@ -302,6 +419,70 @@ def finish(
         if limits.max_concurrent_instances is not None:  # queues exist only under a limit
             promote_queued(workflow, limits, now)
     return True
+
+
+@functools.cache
+def _finish_sql(history_count: int, with_error: bool) -> str:
+    """The statement of _finish_at_once for one shape (cached per shape)."""
+    parts = [
+        f"done AS (UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, "
+        "status = %s, output_json = %s, error_name = %s, error_message = %s, error_stack = %s, "
+        "finished_at = %s, compensate_on_cancel = false, wake_at = NULL, waiting_reason = '', "
+        "lease_token = NULL, lease_owner = '', lease_expires_at = NULL, "
+        # add_duration in SQL: the retention (the instance's, else the limit's; 0 keeps
+        # it for ever) from now, at most LATEST_INSTANT.
+        "expires_at = CASE WHEN COALESCE(retention_ms, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
+        "+ make_interval(secs => LEAST(COALESCE(retention_ms, %s), 1e15) / 1000.0), "
+        "CAST(%s AS timestamptz)) ELSE expires_at END "
+        "WHERE id = %s AND lease_token = %s RETURNING history_seq)",
+        f"closed AS (UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
+        "last_error_name = %s, last_error_message = %s "
+        "WHERE instance_id = %s AND status IN (%s, %s, %s) AND EXISTS (SELECT 1 FROM done))",
+    ]
+    if history_count:
+        rows = ", ".join(f"({n}, %s, %s, %s)" for n in range(1, history_count + 1))
+        parts.append(
+            f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
+            f"SELECT %s, done.history_seq - {history_count} + v.n, CAST(%s AS timestamptz), "
+            f"v.type, CAST(v.data AS jsonb), v.actor FROM done, "
+            f"(VALUES {rows}) AS v(n, type, data, actor))"
+        )
+    if with_error:
+        columns = ("instance_id", "created_at", *ERROR_COLUMNS)
+        parts.append(
+            f"error AS (INSERT INTO {ERROR_TABLE} ({', '.join(columns)}) "
+            f"SELECT {', '.join(typed_placeholders(ErrorRecord, columns))} FROM done)"
+        )
+    return "WITH " + ", ".join(parts) + " SELECT history_seq FROM done"
+
+
+def _finish_at_once(
+    pk: int,
+    token: str,
+    status: str,
+    limits: Limits,
+    now: datetime,
+    output_json: str | None,
+    error: tuple[str, str, str],
+    history: Sequence[History],
+    error_record: dict[str, Any] | None,
+) -> bool:
+    """finish as one autocommit statement (PostgreSQL), for workflows without a queue."""
+    when = db_time(now)
+    retention = limits.max_retention
+    params: list[Any] = [len(history), when, status, output_json, *error, when]
+    params += [retention, when, retention, db_time(LATEST_INSTANT), pk, token]
+    params += [StepStatus.FAILED, when, *FINISHED_BEFORE_STEP, pk, *OPEN_STEP_STATUSES]
+    if history:
+        params += [pk, when]
+        for record in history:
+            params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
+    if error_record is not None:
+        params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
+    with connection.cursor() as cursor:
+        cursor.execute(_finish_sql(len(history), error_record is not None), params)
+        row = cursor.fetchone()
+    return row is not None
 
 
 @retry_while_locked
