@@ -8,18 +8,17 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connection, connections, transaction
-from django.db.backends.signals import connection_created
 
 from workflows_app.client import get_workflow
 from workflows_app.engine import clock, spans
 from workflows_app.engine.worker import notify_local
 from workflows_app.models import Instance, StepKind, StepRecord, StepStatus
+from workflows_app.testing import QueryCounter
 
 from . import workflows as wf
 from .inproc import ServingWorker, run_until_idle
@@ -113,34 +112,6 @@ def bulk_park(
                 )
                 for row in rows
             )
-
-
-class QueryCounter:
-    """Counts SQL statements on every connection opened while installed (all threads)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.kinds: dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    def __call__(
-        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
-    ) -> Any:
-        word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
-        with self.lock:
-            self.count += 1
-            self.kinds[word] = self.kinds.get(word, 0) + 1
-        return execute(sql, params, many, context)
-
-    def _install(self, sender: Any, connection: Any, **kwargs: Any) -> None:
-        connection.execute_wrappers.append(self)
-
-    def __enter__(self) -> QueryCounter:
-        connection_created.connect(self._install)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        connection_created.disconnect(self._install)
 
 
 # --- 1. baseline -----------------------------------------------------------------------

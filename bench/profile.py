@@ -62,10 +62,11 @@ def main() -> None:
 
     from workflows_app.engine import spans
     from workflows_app.engine import worker as engine_worker
+    from workflows_app.testing import QueryCounter
 
     from . import workflows  # noqa: F401
     from .inproc import run_until_idle
-    from .measures import QueryCounter, _create
+    from .measures import _create
 
     call_command("migrate", verbosity=0)
     spans.set_enabled(not args.untraced)

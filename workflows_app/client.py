@@ -98,6 +98,7 @@ def _after_commit(
     kind: str, instance: Instance | int | None = None, workflow: str | None = None
 ) -> None:
     pk = instance.pk if isinstance(instance, Instance) else instance
+    store.hint_workers(kind, [pk])  # PostgreSQL: delivered to every worker at commit
     transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow))
 
 

@@ -14,13 +14,15 @@ Step timeouts run on real time, not on the fake clock.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 from asgiref.sync import async_to_sync
+from django.db.backends.signals import connection_created
 
 from .client import InstanceHandle
 from .engine import clock as engine_clock
@@ -159,3 +161,35 @@ def step_result(instance: InstanceHandle, step_name: str) -> Any:
         if record.name == step_name and record.status == "complete":
             return record.output
     raise AssertionError(f"instance {instance.id!r} has no completed step {step_name!r}")
+
+
+class QueryCounter:
+    """Counts SQL statements on every connection opened while installed, in every thread
+    (the engine's database threads open their own): `with QueryCounter() as q: ...`;
+    `q.count`, `q.kinds` (by first word), `q.statements` (the SQL, in order)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kinds: dict[str, int] = {}
+        self.statements: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
+        with self.lock:
+            self.count += 1
+            self.kinds[word] = self.kinds.get(word, 0) + 1
+            self.statements.append(sql)
+        return execute(sql, params, many, context)
+
+    def _install(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        connection.execute_wrappers.append(self)
+
+    def __enter__(self) -> QueryCounter:
+        connection_created.connect(self._install)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        connection_created.disconnect(self._install)

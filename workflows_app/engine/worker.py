@@ -553,6 +553,10 @@ class Worker:
         """Run until `stop` is set (or stop() is called)."""
         await self.start()
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        listener = None
+        if connection.vendor == "postgresql" and engine_settings().get("WAKE_NOTIFY", True):
+            listener = store.WakeListener(self.hint)  # hints from every process, no Redis
+            listener.start()
         try:
             while not self._stopping and not (stop is not None and stop.is_set()):
                 assert self._wake is not None and self.db is not None
@@ -586,6 +590,8 @@ class Worker:
                     waiter.cancel()
         finally:
             heartbeat.cancel()
+            if listener is not None:
+                await asyncio.get_running_loop().run_in_executor(None, listener.stop)
             await self.stop()
 
     async def _heartbeat_loop(self) -> None:

@@ -49,6 +49,7 @@ from .runs import (
     rewrite_step,
     write_steps,
 )
+from .wakes import WakeListener, hint_workers
 
 __all__ = [
     "VERSION_MISSING",
@@ -57,6 +58,7 @@ __all__ = [
     "LoadedRun",
     "NewInstance",
     "StepWrite",
+    "WakeListener",
     "append_history",
     "begin_compensation",
     "cancel",
@@ -67,6 +69,7 @@ __all__ = [
     "finish",
     "get_instance",
     "heartbeat",
+    "hint_workers",
     "holding_places",
     "load_run",
     "load_runs",

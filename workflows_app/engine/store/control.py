@@ -43,6 +43,7 @@ from .records import (
     close_open_steps,
     locked_instance,
 )
+from .wakes import hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
 on_promoted: Callable[[list[int]], None] | None = None
@@ -182,6 +183,7 @@ def promote_queued(name: str, limits: Limits, now: datetime) -> list[int]:
         )
         for pk in pks:
             append_history(pk, [History("instance.started", {"from": "queued"})], now)
+        hint_workers("promoted", pks)
         if on_promoted is not None:
             callback = on_promoted
             transaction.on_commit(lambda: callback(pks))

@@ -1,0 +1,100 @@
+"""The PostgreSQL fast path: one statement per checkpoint, claim and finish; wake hints
+through LISTEN/NOTIFY between processes; the database's clock for leases and timers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from django.db import connection
+
+from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
+from tests.polling import wait_until
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register, store
+from workflows_app.models import HistoryRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def postgres_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: SQLite has no LISTEN/NOTIFY and no data-modifying CTEs")
+
+
+def test_each_checkpoint_claim_and_finish_is_one_statement_and_the_history_is_whole(registered):
+    postgres_only()
+
+    @register("fast-path-steps")
+    class FastPathSteps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            total = 0
+            for n in range(5):
+                total += await step.do(f"add {n}", lambda n=n: n)
+            return total
+
+    inst = get_workflow("fast-path-steps").create(id="one-statement")
+    with testing.QueryCounter() as queries:
+        testing.run_until_idle()
+    assert inst.status().output == 10
+    statements = queries.statements
+    # Five checkpoints and one finish, each one statement; claims one statement each.
+    assert sum(sql.startswith("WITH fence AS") for sql in statements) == 5
+    assert sum(sql.startswith("WITH done AS") for sql in statements) == 1
+    assert any(sql.lstrip().startswith("WITH picked AS") for sql in statements)
+    # Nothing else writes steps or history (the worker's start-up touches instance rows).
+    others = [s for s in statements if not s.lstrip().startswith("WITH")]
+    for table in (
+        "workflows_app_steprecord",
+        "workflows_app_historyrecord",
+    ):
+        assert not any(
+            s.lstrip().upper().startswith(("INSERT", "UPDATE")) and table in s for s in others
+        ), [s for s in others if table in s]
+    seqs = list(
+        HistoryRecord.objects.filter(instance_id=inst.row().pk)
+        .order_by("sequence")
+        .values_list("sequence", "type")
+    )
+    assert [s for s, _ in seqs] == list(range(1, len(seqs) + 1))  # no gap, no duplicate
+    types = [t for _, t in seqs]
+    assert types.count("run.started") == 1 and types.count("step.completed") == 5
+    assert types[-1] == "instance.completed"
+
+
+def test_a_notify_wakes_a_worker_in_another_process_without_redis(workers):
+    postgres_only()
+    # No Redis for the worker and a 60 s poll: only a NOTIFY can wake it in time.
+    (worker,) = workers(1, REDIS_URL="", WFDASH_POLL_SECONDS="60")
+    inst = get_workflow("fleet-waiter").create()
+    wait_until(lambda: inst.status().status == "waiting", 30, "the worker to park the instance")
+    sent = time.monotonic()
+    inst.send_event("go", {"from": os.getpid()})
+    wait_until(lambda: inst.status().status == "complete", 10, "the notified worker to finish")
+    latency = time.monotonic() - sent
+    assert inst.status().output == {"payload": {"from": os.getpid()}, "pid": worker.pid}
+    assert latency < 5, latency
+    print(f"\nevent latency through NOTIFY: {latency * 1000:.0f} ms")
+
+
+def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
+    postgres_only()
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        wait_until(lambda: ("wake", None) in heard, 10, "the listener's first wake")
+        from django.db import transaction
+
+        with pytest.raises(RuntimeError), transaction.atomic():
+            store.hint_workers("event", [41])
+            raise RuntimeError("rolled back")
+        with transaction.atomic():
+            store.hint_workers("terminate", [42])
+        wait_until(lambda: ("terminate", 42) in heard, 10, "the committed hint")
+        assert ("event", 41) not in heard
+    finally:
+        listener.stop()
