@@ -266,14 +266,18 @@ def event_latency(n: int) -> Figures:
     }
 
 
-def event_latency_worker(n: int) -> Figures:
-    """The same through a separate `runworker workflows` process (needs REDIS_URL for the hint)."""
-    if not os.environ.get("REDIS_URL"):
-        return {"event_latency_worker_p50_ms": None, "event_latency_worker_p95_ms": None}
+def event_latency_worker(n: int, via: str = "redis") -> Figures:
+    """The same through a separate `runworker workflows` process, hinted through Redis
+    (needs REDIS_URL) or, via="notify", through PostgreSQL's NOTIFY (the worker has no Redis)."""
+    key = "event_latency_worker" if via == "redis" else "event_latency_notify"
+    usable = os.environ.get("REDIS_URL") if via == "redis" else connection.vendor == "postgresql"
+    if not usable:
+        return {f"{key}_p50_ms": None, f"{key}_p95_ms": None}
     wf.ensure_marks_table()
     binding = get_workflow("bench-event-table")
     latencies: list[float] = []
-    with WorkerProcess(WFDASH_POLL_SECONDS="5") as proc:
+    env = {"WFDASH_POLL_SECONDS": "5", **({"REDIS_URL": ""} if via == "notify" else {})}
+    with WorkerProcess(**env) as proc:
         proc.wait_ready()
         prefix = _prefix("evw")
         for i in range(n):
@@ -296,10 +300,7 @@ def event_latency_worker(n: int) -> Figures:
                         raise TimeoutError(f"{iid}: no mark from the worker process")
                     time.sleep(0.001)
             latencies.append((row[0] - t0) * 1000)
-    return {
-        "event_latency_worker_p50_ms": _pct(latencies, 50),
-        "event_latency_worker_p95_ms": _pct(latencies, 95),
-    }
+    return {f"{key}_p50_ms": _pct(latencies, 50), f"{key}_p95_ms": _pct(latencies, 95)}
 
 
 # --- 5. timers -------------------------------------------------------------------------

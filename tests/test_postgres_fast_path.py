@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime, timedelta
 
 import pytest
 from django.db import connection
@@ -13,7 +14,7 @@ from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
 from tests.polling import wait_until
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register, store
+from workflows_app.engine import WorkflowEntrypoint, clock, register, store
 from workflows_app.models import HistoryRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -98,3 +99,55 @@ def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
         assert ("event", 41) not in heard
     finally:
         listener.stop()
+
+
+class SkewedHostClock(clock.RealClock):
+    """A host whose clock is off by `skew` (the engine only sees host_now())."""
+
+    def __init__(self, skew: timedelta) -> None:
+        super().__init__()
+        self.skew = skew
+
+    def host_now(self) -> datetime:
+        return super().host_now() + self.skew
+
+
+def database_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
+
+
+def test_a_worker_whose_host_clock_runs_an_hour_ahead_does_not_wake_a_sleep_early(registered):
+    postgres_only()
+
+    @register("skew-sleeper")
+    class SkewSleeper(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "10 minutes")
+            return "woke"
+
+    inst = get_workflow("skew-sleeper").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    clock.set_clock(SkewedHostClock(timedelta(hours=1)))
+    testing.run_until_idle()  # its worker measures the offset as it starts
+    assert inst.status().status == "waiting"
+    assert abs(clock.now() - database_now()) < timedelta(seconds=5)
+
+
+def test_a_worker_whose_host_clock_runs_an_hour_behind_writes_leases_that_are_not_over(registered):
+    postgres_only()
+
+    @register("skew-lease")
+    class SkewLease(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    inst = get_workflow("skew-lease").create()
+    clock.set_clock(SkewedHostClock(timedelta(hours=-1)))
+    store.measure_clock_offset(force=True)
+    ((pk, _token),) = store.claim_runnable("behind", 1, 30)
+    assert pk == inst.row().pk
+    lease = inst.row().lease_expires_at
+    assert timedelta(seconds=25) < lease - database_now() <= timedelta(seconds=31)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 from django.conf import settings
+from django.db.backends.signals import connection_created
 from django.utils.module_loading import autodiscover_modules
 
 
@@ -17,6 +18,9 @@ class WorkflowsAppConfig(AppConfig):
         from .engine import store
 
         access.connect_signals()
+        connection_created.connect(
+            store.dialect.measure_clock_offset_on_connect, dispatch_uid="wfdash-clock-offset"
+        )
 
         store.control.on_promoted = live.instances_promoted
         if getattr(settings, "WFDASH", {}).get("TRACING", True):

@@ -14,8 +14,23 @@ from .durations import parse_duration
 
 
 class RealClock:
-    def now(self) -> datetime:
+    """The host's clock corrected by its offset from the database's clock.
+
+    Leases and wake times are compared across hosts: a host whose clock runs ahead would
+    wake sleeps early, one behind would write leases that are already over. The store
+    measures the offset (PostgreSQL) when a worker starts, at its heartbeats and, at most
+    once a minute, when any process connects; until then it is zero.
+    """
+
+    def __init__(self) -> None:
+        self.offset = timedelta(0)
+        self.measured_at: float | None = None  # time.monotonic() of the last measurement
+
+    def host_now(self) -> datetime:
         return datetime.now(UTC)
+
+    def now(self) -> datetime:
+        return self.host_now() + self.offset
 
 
 class ControllableClock:

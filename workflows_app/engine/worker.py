@@ -328,6 +328,7 @@ class Worker:
     async def _prepare(self) -> None:
         """Catalog this process's versions; wake and admit what they make runnable."""
         assert self.db is not None
+        await self.db(store.measure_clock_offset, True)
         await self.db(sync_catalog)
         definitions = registry.all_definitions()
         await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])

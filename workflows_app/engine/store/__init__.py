@@ -12,7 +12,7 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import control
+from . import control, dialect
 from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
 from .control import (
     cancel,
@@ -28,7 +28,7 @@ from .control import (
     skip_sleep,
     terminate,
 )
-from .dialect import retry_while_locked, transient
+from .dialect import measure_clock_offset, retry_while_locked, transient
 from .leases import (
     claim_and_load,
     claim_runnable,
@@ -66,6 +66,7 @@ __all__ = [
     "claim_runnable",
     "control",
     "create_instances",
+    "dialect",
     "finish",
     "get_instance",
     "heartbeat",
@@ -73,6 +74,7 @@ __all__ = [
     "holding_places",
     "load_run",
     "load_runs",
+    "measure_clock_offset",
     "next_wake_at",
     "park",
     "park_unrunnable",

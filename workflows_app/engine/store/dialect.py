@@ -8,11 +8,15 @@ rows other workers are claiming and may drop idle connections.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import DatabaseError, InterfaceError, OperationalError, connection
+
+from .. import clock
 
 LOCKED_RETRIES = 3
 
@@ -95,3 +99,41 @@ def close_if_dropped() -> None:
         and not connection.is_usable()
     ):
         connection.close()
+
+
+CLOCK_OFFSET_MAX_AGE = 60.0  # seconds between measurements of the clock offset
+
+
+def measure_clock_offset(force: bool = False) -> None:
+    """PostgreSQL: set the real clock's offset from the database's clock (see RealClock).
+
+    One round trip, at most once a minute unless forced; the database's time is taken
+    as that of the middle of the round trip.
+    """
+    real = clock.get_clock()
+    if connection.vendor != "postgresql" or not isinstance(real, clock.RealClock):
+        return
+    fresh = (
+        real.measured_at is not None and time.monotonic() - real.measured_at < CLOCK_OFFSET_MAX_AGE
+    )
+    if fresh and not force:
+        return
+    real.measured_at = time.monotonic()  # first: a failure does not retry on every connect
+    before = real.host_now()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        (database_now,) = cursor.fetchone()
+    after = real.host_now()
+    real.offset = database_now - (before + (after - before) / 2)
+
+
+def measure_clock_offset_on_connect(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """connection_created receiver: keeps every process's clock offset under a minute old
+    (web processes write wake times too: an event sent makes its instance due "now")."""
+    if connection.alias == "default" and connection.vendor == "postgresql":
+        try:
+            measure_clock_offset()
+        except DatabaseError:
+            logging.getLogger("workflows_app.engine").warning(
+                "could not read the database's clock", exc_info=True
+            )

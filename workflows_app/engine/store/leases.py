@@ -27,6 +27,7 @@ from .. import clock, faults
 from .dialect import (
     db_time,
     lock_rows,
+    measure_clock_offset,
     retry_while_locked,
     skip_rows_being_claimed,
     writes_in_one_statement,
@@ -229,6 +230,7 @@ def _claim_at_once(
 @retry_while_locked
 def heartbeat(tokens: Sequence[str], lease_seconds: float) -> set[str]:
     """Extend the leases held under these tokens; returns the tokens that were lost."""
+    measure_clock_offset()  # at most once a minute: a long-lived worker's clock drifts
     if not tokens:
         return set()
     lease_until = clock.now() + timedelta(seconds=lease_seconds)
