@@ -245,6 +245,32 @@ def test_a_checkpoint_write_that_meets_a_passing_database_error_is_retried_not_t
     assert_history_gap_free("rel-race")
 
 
+@pytest.mark.parametrize(
+    "plan", ["before_checkpoint=terminate_backend@4", "after_checkpoint=raise@4"]
+)
+def test_a_group_commit_that_loses_its_connection_writes_its_checkpoints_again_not_the_steps(
+    plan, settings
+):
+    """Group commit on: a group of concurrent runs' checkpoints fails as one (the connection
+    drops inside its transaction, or the answer is lost after the commit); every run writes
+    its checkpoint again, and no step runs twice."""
+    settings.WFDASH = {**settings.WFDASH, "GROUP_COMMIT": True}
+    fleet_workflows.ensure_ledger()
+    wf = get_workflow("rel-race")
+    insts = [wf.create(id=f"group-{n}") for n in range(12)]
+    faults.configure(plan)
+    try:
+        testing.run_until_idle(timeout=60)
+    finally:
+        faults.configure("")
+    assert {inst.status().status for inst in insts} == {"complete"}
+    assert executions("group-") == {
+        (f"group-{n}", f"step {i}"): 1 for n in range(12) for i in range(3)
+    }
+    assert_one_checkpoint_per_step("rel-race", 3, 12)
+    assert_history_gap_free("rel-race")
+
+
 def run_to_completion_under_faults(instance_id: str, plan: str) -> int:
     """Run a rel-race instance in this process under a fault plan; how many runs it took."""
     fleet_workflows.ensure_ledger()

@@ -10,7 +10,8 @@ callable returned, before its checkpoint), before_checkpoint (inside a checkpoin
 transaction, before it writes), after_checkpoint (a checkpoint committed),
 before_release (a worker gives back the leases of runs cut short).
 Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
-thread's database connection), raise (an OperationalError).
+thread's database connection), terminate_backend (PostgreSQL ends this thread's connection
+under it; elsewhere: raise), raise (an OperationalError).
 Unused, a fault point costs one dictionary lookup.
 """
 
@@ -63,8 +64,21 @@ def hit(point: str) -> None:
         from django.db import connection
 
         connection.close()
+    elif action == "terminate_backend":
+        _terminate_backend(point)
     elif action == "raise":
         raise InjectedFault(f"fault injected at {point}")
+
+
+def _terminate_backend(point: str) -> None:
+    """The server ends this thread's connection, as a restart or pg_terminate_backend
+    would: the call fails as a dropped connection fails (SQLite: an OperationalError)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        raise InjectedFault(f"fault injected at {point}")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
 
 
 configure()
