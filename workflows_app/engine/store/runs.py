@@ -356,11 +356,10 @@ def _write_pipelined(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
         for _ in writes:
             faults.hit("before_checkpoint")
         connection.ensure_connection()
-        raw = connection.connection
         cursors = {}
-        with raw.pipeline():
+        with connection.connection.pipeline():
             for i in order:
-                cursor = raw.cursor()
+                cursor = connection.cursor()  # Django's: counted, logged like any statement
                 cursor.execute(*statements[i])
                 cursors[i] = cursor
         results = [
