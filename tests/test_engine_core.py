@@ -619,3 +619,39 @@ def test_the_orm_works_inside_sync_steps(registered):
     inst = get_workflow("orm").create()
     testing.run_until_idle()
     assert inst.status().output == 1
+
+
+def test_a_sleep_ending_within_a_second_is_waited_for_in_its_run_not_parked(registered):
+    @register("short-nap")
+    class ShortNap(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "200 milliseconds")
+            return "rested"
+
+    inst = get_workflow("short-nap").create()
+    testing.run_until_idle()
+    assert inst.status().status == "complete" and inst.status().output == "rested"
+    history = list(
+        HistoryRecord.objects.filter(instance_id=inst.row().pk)
+        .order_by("sequence")
+        .values_list("type", flat=True)
+    )
+    assert history.count("run.started") == 1  # no park, no second run
+    assert history.index("sleep.started") < history.index("sleep.completed")
+    nap = StepRecord.objects.get(instance_id=inst.row().pk, name="nap")
+    assert nap.completed_at >= nap.wake_at  # not early
+
+
+def test_a_sleep_longer_than_a_second_still_parks_its_instance(registered):
+    @register("long-nap")
+    class LongNap(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "5 seconds")
+            return "rested"
+
+    parked = get_workflow("long-nap").create()
+    testing.run_until_idle()
+    assert parked.status().status == "waiting"
+    assert (
+        HistoryRecord.objects.filter(instance_id=parked.row().pk, type="run.started").count() == 1
+    )

@@ -151,3 +151,35 @@ def test_a_worker_whose_host_clock_runs_an_hour_behind_writes_leases_that_are_no
     assert pk == inst.row().pk
     lease = inst.row().lease_expires_at
     assert timedelta(seconds=25) < lease - database_now() <= timedelta(seconds=31)
+
+
+def test_an_event_is_stored_made_due_recorded_and_hinted_in_one_statement(registered):
+    postgres_only()
+
+    @register("one-statement-waiter")
+    class Waiter(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("wait", type="go", timeout="1 hour")
+            return got.payload
+
+    inst = get_workflow("one-statement-waiter").create()
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        connection.close()  # the counter sees the statements of connections opened under it
+        with testing.QueryCounter() as queries:
+            inst.send_event("go", {"n": 1})
+        pk = inst.row().pk
+        wait_until(lambda: ("event", pk) in heard, 10, "the event's hint")
+    finally:
+        listener.stop()
+    writes = [s for s in queries.statements if "clock_timestamp" not in s]
+    assert len(writes) == 1 and writes[0].lstrip().startswith("WITH inst AS"), writes
+    sent = HistoryRecord.objects.get(instance_id=pk, type="event.sent")
+    assert sent.data["type"] == "go" and inst.row().wake_at is not None
+    testing.run_until_idle()
+    assert inst.status().output == {"n": 1}

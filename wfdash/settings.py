@@ -255,6 +255,8 @@ WFDASH = {
     # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
     # PostgreSQL, whose parallel connections already overlap commits, and where one
     # dropped connection would cut every checkpoint of its group (more re-executions).
+    # A sleep ending within this many ms is waited for by its run, not parked and woken.
+    "SLEEP_IN_PROCESS_MS": int(os.environ.get("WFDASH_SLEEP_IN_PROCESS_MS", "1000")),
     "GROUP_COMMIT": env_bool(
         "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
     ),

@@ -95,10 +95,15 @@ def get_workflow(name: str) -> WorkflowBinding:
 
 
 def _after_commit(
-    kind: str, instance: Instance | int | None = None, workflow: str | None = None
+    kind: str,
+    instance: Instance | int | None = None,
+    workflow: str | None = None,
+    hinted: bool = False,
 ) -> None:
+    """Tell workers (unless the store's transaction did: hinted) and dashboards."""
     pk = instance.pk if isinstance(instance, Instance) else instance
-    store.hint_workers(kind, [pk])  # PostgreSQL: delivered to every worker at commit
+    if not hinted:
+        store.hint_workers(kind, [pk])  # PostgreSQL: delivered to every worker at commit
     transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow))
 
 
@@ -310,8 +315,9 @@ class InstanceHandle:
         return f"<InstanceHandle {self.workflow}/{self.id}>"
 
     def _limits(self) -> Limits:
-        """The limits of the instance's version; the settings' limits if its code is gone."""
-        row = self.row()
+        """The limits of the instance's version; the settings' limits if its code is gone.
+        (An instance's version never changes: the row read once will do.)"""
+        row = self.row(refresh=False)
         definition = find_definition(self.workflow, row.version)
         if definition is None:
             try:
@@ -428,7 +434,7 @@ class InstanceHandle:
         event = store.send_event(
             self.workflow, self.id, type, payload_json, validate, _actor(actor)
         )
-        _after_commit("event", event.instance_id, self.workflow)
+        _after_commit("event", event.instance_id, self.workflow, hinted=True)
 
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""

@@ -172,11 +172,14 @@ class QueryCounter:
         self.count = 0
         self.kinds: dict[str, int] = {}
         self.statements: list[str] = []
+        self.active = False
         self.lock = threading.Lock()
 
     def __call__(
         self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
     ) -> Any:
+        if not self.active:  # installed on a connection that outlived the block
+            return execute(sql, params, many, context)
         word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
         with self.lock:
             self.count += 1
@@ -188,8 +191,10 @@ class QueryCounter:
         connection.execute_wrappers.append(self)
 
     def __enter__(self) -> QueryCounter:
+        self.active = True
         connection_created.connect(self._install)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.active = False
         connection_created.disconnect(self._install)

@@ -377,10 +377,11 @@ class Step:
                 ]
                 if not run.sleep_is_due(record):
                     await run.write(record, history)
-                    await activity.block(wake_at=record.wake_at)
+                    if not await run.sleep_here(record.wake_at):
+                        await activity.block(wake_at=record.wake_at)
             else:
                 history = []
-                if not run.sleep_is_due(record):
+                if not run.sleep_is_due(record) and not await run.sleep_here(record.wake_at):
                     await activity.block(wake_at=record.wake_at)
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()

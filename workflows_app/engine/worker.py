@@ -279,6 +279,7 @@ class Worker:
         self.lease_seconds = lease_seconds or float(conf.get("LEASE_SECONDS", 30))
         self.poll_seconds = poll_seconds or float(conf.get("POLL_SECONDS", 5))
         self.db_threads = db_threads or db_threads_default()
+        self.sleep_in_process = float(conf.get("SLEEP_IN_PROCESS_MS", 1000)) / 1000
         self.hooks = hooks
         self.runs: dict[int, Run] = {}
         self.tasks: dict[int, asyncio.Task[str]] = {}
@@ -487,7 +488,14 @@ class Worker:
                 )
                 return Status.ERRORED
             run = Run(
-                definition, loaded, token, self.db, self.step_threads, self.hooks, self.group_commit
+                definition,
+                loaded,
+                token,
+                self.db,
+                self.step_threads,
+                self.hooks,
+                self.group_commit,
+                self.sleep_in_process,
             )
             self.runs[pk] = run
             outcome = await run.execute()

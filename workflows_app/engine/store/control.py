@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 
 from ...models import (
@@ -34,8 +34,12 @@ from ..errors import (
     InvalidTransition,
 )
 from ..limits import Limits
-from .dialect import retry_while_locked
+from .dialect import db_time, retry_while_locked, writes_in_one_statement
 from .records import (
+    HISTORY_TABLE,
+    INBOX_TABLE,
+    INSTANCE_TABLE,
+    STEP_TABLE,
     History,
     NewInstance,
     append_history,
@@ -43,7 +47,7 @@ from .records import (
     close_open_steps,
     locked_instance,
 )
-from .wakes import hint_workers
+from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
 on_promoted: Callable[[list[int]], None] | None = None
@@ -387,6 +391,13 @@ def send_event(
     (if any) before anything is written; it raises to refuse the payload.
     """
     now = clock.now()
+    if writes_in_one_statement():
+        sent = _send_event_at_once(
+            name, instance_id, event_type, payload_json, validate is not None, actor, now
+        )
+        if sent is not None:
+            return sent
+        # Refused, unknown, or a typed wait's schema to check first: the long way says why.
     with transaction.atomic():
         inst = locked_instance(name, instance_id)
         if not lifecycle.can(lifecycle.SEND_EVENT, inst.status):
@@ -420,7 +431,84 @@ def send_event(
         append_history(
             inst.pk, [History("event.sent", {"type": event_type, "event_id": event.pk}, actor)], now
         )
+        hint_workers("event", [inst.pk])
     return event
+
+
+# send_event as one autocommit statement (PostgreSQL): lock the instance, store the event,
+# make the instance due, append event.sent and notify the workers, or write nothing when
+# the instance may not take the event or a typed wait must validate it first (then the
+# caller takes the long way, which says why or validates).
+SEND_EVENT_SQL = f"""
+WITH inst AS (
+    SELECT id, status FROM {INSTANCE_TABLE}
+    WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s FOR UPDATE
+), ok AS (
+    SELECT id, status FROM inst
+    WHERE status = ANY(%(allowed)s) AND NOT (%(validate)s AND EXISTS (
+        SELECT 1 FROM {STEP_TABLE} AS s WHERE s.instance_id = inst.id AND s.kind = %(wait_kind)s
+          AND s.status = %(waiting_step)s AND s.event_type = %(type)s
+          AND s.event_schema_json IS NOT NULL))
+), due AS (
+    UPDATE {INSTANCE_TABLE} AS i SET history_seq = i.history_seq + 1,
+        wake_at = CASE WHEN ok.status = ANY(%(wakes)s) THEN %(now)s ELSE i.wake_at END,
+        updated_at = CASE WHEN ok.status = ANY(%(wakes)s) THEN %(now)s ELSE i.updated_at END
+    FROM ok WHERE i.id = ok.id
+    RETURNING i.id, i.history_seq
+), event AS (
+    INSERT INTO {INBOX_TABLE} (instance_id, type, payload_json, created_at, actor, consumed_at, consumed_by)
+    SELECT id, %(type)s, %(payload)s, %(now)s, %(actor)s, NULL, '' FROM due
+    RETURNING id, instance_id
+), sent AS (
+    INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
+    SELECT due.id, due.history_seq, %(now)s, 'event.sent',
+        jsonb_build_object('type', %(type)s::text, 'event_id', event.id), %(actor)s
+    FROM due JOIN event ON event.instance_id = due.id
+), hint AS (
+    SELECT pg_notify(%(channel)s, 'event ' || id) FROM due
+)
+SELECT (SELECT id FROM event), (SELECT id FROM due), (SELECT count(*) FROM hint)
+"""
+
+
+def _send_event_at_once(
+    name: str,
+    instance_id: str,
+    event_type: str,
+    payload_json: str,
+    validate: bool,
+    actor: str,
+    now: datetime,
+) -> InboxEvent | None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            SEND_EVENT_SQL,
+            {
+                "workflow": name,
+                "instance_id": instance_id,
+                "allowed": sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT)),
+                "validate": validate,
+                "wait_kind": StepKind.WAIT_FOR_EVENT,
+                "waiting_step": StepStatus.WAITING,
+                "type": event_type,
+                "wakes": [Status.WAITING, Status.RUNNING],
+                "now": db_time(now),
+                "payload": payload_json,
+                "actor": actor,
+                "channel": WAKE_CHANNEL,
+            },
+        )
+        event_id, pk, _ = cursor.fetchone()
+    if event_id is None:
+        return None
+    return InboxEvent(
+        id=event_id,
+        instance_id=pk,
+        type=event_type,
+        payload_json=payload_json,
+        created_at=now,
+        actor=actor,
+    )
 
 
 @retry_while_locked
