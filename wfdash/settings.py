@@ -253,8 +253,8 @@ WFDASH = {
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
     # Checkpoints of concurrent runs share one transaction (group commit). Default: on for
     # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
-    # PostgreSQL, whose parallel connections already overlap commits, and where one
-    # dropped connection would cut every checkpoint of its group (more re-executions).
+    # PostgreSQL, whose parallel connections already overlap commits (on, its group is
+    # pipelined; a group cut by a dropped connection is written again, not re-run).
     # A sleep ending within this many ms is waited for by its run, not parked and woken.
     "SLEEP_IN_PROCESS_MS": int(os.environ.get("WFDASH_SLEEP_IN_PROCESS_MS", "1000")),
     "GROUP_COMMIT": env_bool(

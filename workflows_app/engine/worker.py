@@ -599,9 +599,9 @@ class Worker:
                     waiter.cancel()
         finally:
             heartbeat.cancel()
+            await self.stop()  # first: the drain must not wait for the listener
             if listener is not None:
                 await asyncio.get_running_loop().run_in_executor(None, listener.stop)
-            await self.stop()
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -11,9 +11,11 @@ import contextlib
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Min, Q
+from django.db.models import Exists, Min, OuterRef, Q
+from django.db.models.expressions import RawSQL
 
 from ...models import (
     InboxEvent,
@@ -32,7 +34,13 @@ from .dialect import (
     skip_rows_being_claimed,
     writes_in_one_statement,
 )
-from .records import HISTORY_TABLE, INSTANCE_TABLE, History, LoadedRun, insert_history
+from .records import (
+    HISTORY_TABLE,
+    INSTANCE_TABLE,
+    History,
+    LoadedRun,
+    insert_history,
+)
 
 
 def load_run(pk: int) -> LoadedRun:
@@ -47,32 +55,54 @@ def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
     """Several instances with all their checkpoints, and the oldest buffered events of the
     types their waiting steps wait for: three queries at most, bounded whatever is buffered.
     Other events are read when a wait asks for them (unconsumed_events)."""
-    runs = {i.pk: LoadedRun(i, {}) for i in Instance.objects.filter(id__in=list(pks))}
-    awaited: set[tuple[int, str]] = set()
-    for step in StepRecord.objects.filter(instance_id__in=list(runs)):
-        loaded = runs[step.instance_id]
-        if step.kind == StepKind.COMPENSATE:
-            loaded.compensations[step.name] = step
-            continue
-        loaded.steps[step.name] = step
-        if step.kind == StepKind.WAIT_FOR_EVENT and step.status == StepStatus.WAITING:
-            awaited.add((step.instance_id, step.event_type))
-    if awaited:
-        limit = EVENTS_PER_LOAD * len(runs)
-        # Ordered by id under one limit: each (instance, type) gets a prefix of its events.
-        events = list(
+    instances = list(Instance.objects.filter(id__in=list(pks)))
+    steps = list(StepRecord.objects.filter(instance_id__in=[i.pk for i in instances]))
+    awaited = {
+        (s.instance_id, s.event_type)
+        for s in steps
+        if s.kind == StepKind.WAIT_FOR_EVENT and s.status == StepStatus.WAITING
+    }
+    limit = EVENTS_PER_LOAD * len(instances)
+    events = (
+        list(
             InboxEvent.objects.filter(
                 instance_id__in={pk for pk, _ in awaited},
                 type__in={t for _, t in awaited},
                 consumed_at__isnull=True,
             ).order_by("id")[:limit]
         )
-        complete = len(events) < limit
-        for pk, event_type in awaited:
-            runs[pk].events[event_type] = ([], complete)
-        for event in events:
-            if (event.instance_id, event.type) in awaited:
-                runs[event.instance_id].events[event.type][0].append(event)
+        if awaited
+        else []
+    )
+    return _assemble(instances, steps, events, len(instances))
+
+
+def _assemble(
+    instances: Sequence[Instance],
+    steps: Sequence[StepRecord],
+    events: Sequence[InboxEvent],
+    loaded_at_most: int,
+) -> dict[int, LoadedRun]:
+    """LoadedRuns from the rows read: events are the oldest EVENTS_PER_LOAD * loaded_at_most
+    of the types waiting steps wait for, in id order (each type gets a prefix of its own)."""
+    runs = {i.pk: LoadedRun(i, {}) for i in instances}
+    awaited: set[tuple[int, str]] = set()
+    for step in steps:
+        loaded = runs.get(step.instance_id)
+        if loaded is None:
+            continue
+        if step.kind == StepKind.COMPENSATE:
+            loaded.compensations[step.name] = step
+            continue
+        loaded.steps[step.name] = step
+        if step.kind == StepKind.WAIT_FOR_EVENT and step.status == StepStatus.WAITING:
+            awaited.add((step.instance_id, step.event_type))
+    complete = len(events) < EVENTS_PER_LOAD * loaded_at_most
+    for pk, event_type in awaited:
+        runs[pk].events[event_type] = ([], complete)
+    for event in events:
+        if (event.instance_id, event.type) in awaited:
+            runs[event.instance_id].events[event.type][0].append(event)
     return runs
 
 
@@ -89,6 +119,8 @@ def claim_and_load(
     worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
 ) -> list[tuple[int, str, LoadedRun | None]]:
     """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
+    if writes_in_one_statement():
+        return _claim_and_load_pipelined(worker_id, limit, lease_seconds, exclude)
     claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
     if not claimed:
         return []
@@ -96,13 +128,17 @@ def claim_and_load(
         faults.hit("after_claim")
         loaded = load_runs([pk for pk, _ in claimed])
     except DatabaseError:
-        # The claims are committed but cannot run here: hand them back rather than leave
-        # them leased to nobody until the leases run out (best effort: expiry is the net).
-        connection.close()  # a broken connection is not reused; the release reconnects
-        with contextlib.suppress(DatabaseError):
-            release(claimed)
+        _release_after_failed_load(claimed)
         raise
     return [(pk, token, loaded.get(pk)) for pk, token in claimed]
+
+
+def _release_after_failed_load(claimed: Sequence[tuple[int, str]]) -> None:
+    """The claims are committed but cannot run here: hand them back rather than leave
+    them leased to nobody until the leases run out (best effort: expiry is the net)."""
+    connection.close()  # a broken connection is not reused; the release reconnects
+    with contextlib.suppress(DatabaseError):
+        release(claimed)
 
 
 @retry_while_locked
@@ -172,7 +208,8 @@ def claim_runnable(
 
 
 # claim_runnable as one autocommit statement (PostgreSQL): pick and lock the due rows,
-# lease them under fresh tokens, start their runs and write their run.started records.
+# lease them under the tokens given (in pick order), start their runs and write their
+# run.started records.
 CLAIM_SQL = f"""
 WITH picked AS (
     SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel
@@ -181,10 +218,12 @@ WITH picked AS (
       AND id <> ALL(%(exclude)s)
     ORDER BY wake_at LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), numbered AS (
+    SELECT *, row_number() OVER () AS n FROM picked
 ), claimed AS (
     UPDATE {INSTANCE_TABLE} AS i SET
         lease_owner = %(worker)s,
-        lease_token = replace(gen_random_uuid()::text, '-', ''),
+        lease_token = (CAST(%(tokens)s AS text[]))[p.n],
         lease_expires_at = %(lease_until)s,
         unproductive_claims = i.unproductive_claims
             + CASE WHEN p.old_token IS NULL THEN 0 ELSE 1 END,
@@ -195,7 +234,7 @@ WITH picked AS (
         waiting_reason = '',
         run_count = i.run_count + 1,
         history_seq = i.history_seq + 1
-    FROM picked AS p WHERE i.id = p.id
+    FROM numbered AS p WHERE i.id = p.id
     RETURNING i.id, i.lease_token, i.history_seq, i.run_count, p.old_status
 ), started AS (
     INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
@@ -207,24 +246,79 @@ SELECT id, lease_token FROM claimed
 """
 
 
+def _claim_params(
+    worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
+) -> dict[str, Any]:
+    return {
+        "now": db_time(now),
+        "lease_until": db_time(lease_until),
+        "exclude": list(exclude),
+        "limit": limit,
+        "worker": worker_id,
+        "tokens": [uuid.uuid4().hex for _ in range(limit)],
+        "compensating": Status.COMPENSATING,
+        "waiting": Status.WAITING,
+        "running": Status.RUNNING,
+    }
+
+
 def _claim_at_once(
     worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
 ) -> list[tuple[int, str]]:
     with connection.cursor() as cursor:
-        cursor.execute(
-            CLAIM_SQL,
-            {
-                "now": db_time(now),
-                "lease_until": db_time(lease_until),
-                "exclude": list(exclude),
-                "limit": limit,
-                "worker": worker_id,
-                "compensating": Status.COMPENSATING,
-                "waiting": Status.WAITING,
-                "running": Status.RUNNING,
-            },
-        )
+        cursor.execute(CLAIM_SQL, _claim_params(worker_id, limit, now, lease_until, exclude))
         return [(pk, token) for pk, token in cursor.fetchall()]
+
+
+def _claim_and_load_pipelined(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int]
+) -> list[tuple[int, str, LoadedRun | None]]:
+    """claim_and_load in one round trip (PostgreSQL): the claim, then the reads of what it
+    claimed (rows, checkpoints, events of waiting steps), sent together in pipeline mode;
+    the reads find the claimed rows by the tokens this worker chose."""
+    now = clock.now()
+    params = _claim_params(worker_id, limit, now, now + timedelta(seconds=lease_seconds), exclude)
+    tokens = params["tokens"]
+    claimed_ids = RawSQL(f"SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(%s)", [tokens])
+    waiting_for_it = StepRecord.objects.filter(
+        instance_id=OuterRef("instance_id"),
+        event_type=OuterRef("type"),
+        kind=StepKind.WAIT_FOR_EVENT,
+        status=StepStatus.WAITING,
+    )
+    reads = [
+        Instance.objects.filter(id__in=claimed_ids),
+        StepRecord.objects.filter(instance_id__in=claimed_ids),
+        InboxEvent.objects.filter(
+            Exists(waiting_for_it), instance_id__in=claimed_ids, consumed_at__isnull=True
+        ).order_by("id")[: EVENTS_PER_LOAD * limit],
+    ]
+    connection.ensure_connection()
+    with connection.connection.pipeline():
+        claim = connection.cursor()
+        claim.execute(CLAIM_SQL, params)
+        cursors = []
+        for query in reads:
+            sql, query_params = query.query.sql_with_params()
+            cursor = connection.cursor()
+            cursor.execute(sql, query_params)
+            cursors.append(cursor)
+    claimed = [(pk, token) for pk, token in claim.fetchall()]
+    try:
+        faults.hit("after_claim")
+        instances, steps, events = (
+            _models(query.model, cursor.fetchall()) for query, cursor in zip(reads, cursors)
+        )
+        loaded = _assemble(instances, steps, events, limit)
+    except DatabaseError:
+        _release_after_failed_load(claimed)
+        raise
+    return [(pk, token, loaded.get(pk)) for pk, token in claimed]
+
+
+def _models(model: Any, rows: list[tuple[Any, ...]]) -> list[Any]:
+    names = [f.attname for f in model._meta.concrete_fields]
+    return [model.from_db(connection.alias, names, row) for row in rows]
 
 
 @retry_while_locked
