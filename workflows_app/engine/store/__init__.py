@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import control
 from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
 from .control import (
+    admit_due,
     cancel,
     create_instances,
     get_instance,
@@ -58,6 +59,7 @@ __all__ = [
     "LoadedRun",
     "NewInstance",
     "StepWrite",
+    "admit_due",
     "append_history",
     "begin_compensation",
     "cancel",

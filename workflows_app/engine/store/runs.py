@@ -28,7 +28,7 @@ from ..durations import add_duration
 from ..limits import Limits
 from .catalog import VERSION_MISSING
 from .control import promote_queued
-from .dialect import close_if_dropped, db_time, retry_while_locked
+from .dialect import close_if_dropped, db_time, lock_rows, retry_while_locked
 from .records import (
     INSTANCE_TABLE,
     STEP_TABLE,
@@ -37,6 +37,7 @@ from .records import (
     append_history,
     close_open_steps,
     insert_history,
+    wake_parent,
 )
 
 STEP_COLUMNS = (
@@ -262,18 +263,26 @@ def finish(
     error: tuple[str, str, str] | None = None,
     history: Sequence[History] = (),
     error_record: dict[str, Any] | None = None,
+    parent_pk: int | None = None,
 ) -> bool:
-    """End the instance (complete, errored, terminated), free its place, start queued ones."""
+    """End the instance (complete, errored, terminated), free its place, start queued ones.
+
+    A child wakes its parent in the same transaction; parent_pk (the child's parent, when
+    the caller knows it) is locked first, the order every parent-and-child change keeps.
+    """
     now = clock.now()
     name, message, stack = error or ("", "", "")
     with transaction.atomic():
+        if parent_pk is not None:  # issue 15 (children): parent before child
+            list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
         with connection.cursor() as cursor:
             cursor.execute(
                 f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
                 "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
                 "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
                 "lease_owner = '', lease_expires_at = NULL "
-                "WHERE id = %s AND lease_token = %s RETURNING history_seq, retention_ms, workflow",
+                "WHERE id = %s AND lease_token = %s "
+                "RETURNING history_seq, retention_ms, workflow, parent_id, parent_step",
                 [
                     len(history),
                     db_time(now),
@@ -291,15 +300,17 @@ def finish(
             row = cursor.fetchone()
         if row is None:
             return False
-        last_seq, retention_ms, workflow = row
+        last_seq, retention_ms, workflow, parent_id, parent_step = row
         close_open_steps(pk, now)
+        if parent_id is not None:  # issue 15 (children)
+            wake_parent(parent_id, parent_step, now)
         retention = retention_ms if retention_ms is not None else limits.max_retention
         if retention:
             Instance.objects.filter(id=pk).update(expires_at=add_duration(now, retention))
         insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
-        if limits.max_concurrent_instances is not None:  # queues exist only under a limit
+        if limits.flow_controlled:  # queues form only under flow control (issue 15)
             promote_queued(workflow, limits, now)
     return True
 
