@@ -223,3 +223,63 @@ def test_a_debounce_that_ends_while_the_limit_is_full_waits_for_a_place(register
         holder.send_event("go")
         testing.run_until_idle()
         assert late.status().status == "waiting"
+
+
+def test_the_api_creates_with_priority_and_keys_and_refuses_bad_ones_naming_the_field(registered):
+    from django.test import Client
+
+    from tests.test_api import Api, error_of
+    from workflows_app import tokens
+
+    register_gated("api-flow", max_concurrent_per_key=1)
+    _, secret = tokens.issue("service")
+    api = Api(Client(enforce_csrf_checks=True), secret)
+    path = "/api/workflows/api-flow/instances"
+    made = api.post(path, {"id": "a", "priority": 0, "concurrency_key": "k"})
+    assert made.status_code == 201
+    second = api.post(path, {"id": "b", "priority": 2, "concurrency_key": "k"})
+    assert second.json()["result"]["status"] == "queued"
+    shown = api.get(f"{path}/b").json()["result"]
+    assert (shown["priority"], shown["concurrency_key"]) == (2, "k")
+    assert "max_concurrent_per_key (1)" in shown["waiting_reason"]
+    for body, field in (
+        ({"priority": 12}, "priority"),
+        ({"priority": "high"}, "priority"),
+        ({"concurrency_key": 5}, "concurrency_key"),
+        ({"debounce": "5 seconds"}, "debounce_key"),
+        ({"debounce_key": "d", "debounce": "soon"}, "soon"),
+    ):
+        status, _code, message = error_of(api.post(path, body))
+        assert status == 400 and field in message, (body, message)
+    assert sorted(i.id for i in get_workflow("api-flow").list().instances) == ["a", "b"]
+    debounced = api.post(path, {"debounce_key": "d", "debounce": "1 minute", "params": 1})
+    again = api.post(path, {"debounce_key": "d", "debounce": "1 minute", "params": 2})
+    assert (debounced.status_code, again.status_code) == (201, 200)
+    assert again.json()["result"]["id"] == debounced.json()["result"]["id"]
+
+
+def test_wf_start_takes_priority_and_a_concurrency_key(registered):
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    register_gated("cli-flow", max_concurrent_instances=1)
+    out = StringIO()
+    call_command("wf", "start", "cli-flow", "--id", "first", stdout=out)
+    call_command("wf", "start", "cli-flow", "--id", "low", "--priority", "8", stdout=out)
+    call_command(
+        "wf", "start", "cli-flow", "--id", "high", "--priority", "1", "--json",
+        "--concurrency-key", "c", stdout=(out := StringIO()),
+    )  # fmt: skip
+    assert json.loads(out.getvalue())["status"] == "queued"
+    wf = get_workflow("cli-flow")
+    assert (wf.get("high").row().priority, wf.get("high").row().concurrency_key) == (1, "c")
+    with pytest.raises(
+        (CommandError, InvalidInput), match="priority must be an integer from 0 to 9"
+    ):
+        call_command("wf", "start", "cli-flow", "--priority", "11", stdout=StringIO())
+    wf.get("first").send_event("go")
+    testing.run_until_idle()
+    assert statuses([wf.get("high"), wf.get("low")]) == ["waiting", "queued"]

@@ -394,6 +394,23 @@ class InstanceHandle:
     def steps(self) -> list[StepRecord]:
         return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
 
+    def parent_row(self) -> Instance | None:
+        """The row of the instance that started this one (step.invoke / step.start)."""
+        row = self.row()
+        return None if row.parent_id is None else Instance.objects.filter(id=row.parent_id).first()
+
+    def children_rows(self) -> list[Instance]:
+        return list(Instance.objects.filter(parent_id=self.row().pk).order_by("id"))
+
+    def parent(self) -> InstanceHandle | None:
+        """The parent instance's handle, or None if this one is not a child."""
+        row = self.parent_row()
+        return None if row is None else InstanceHandle(row.workflow, row.instance_id, row)
+
+    def children(self) -> list[InstanceHandle]:
+        """The instances this one started with step.invoke / step.start, oldest first."""
+        return [InstanceHandle(c.workflow, c.instance_id, c) for c in self.children_rows()]
+
     def pending_events(self) -> list[PendingEvent]:
         waits = StepRecord.objects.filter(
             instance_id=self.row().pk, kind=StepKind.WAIT_FOR_EVENT, status=StepStatus.WAITING
@@ -508,6 +525,8 @@ def _async_twin(name: str) -> Any:
 
 for _name in (
     "status",
+    "parent",
+    "children",
     "history",
     "steps",
     "pending_events",
