@@ -17,6 +17,7 @@ from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_regist
 from .control import (
     admit_due,
     cancel,
+    child_of,
     create_instances,
     get_instance,
     holding_places,
@@ -27,6 +28,7 @@ from .control import (
     resume,
     send_event,
     skip_sleep,
+    start_child,
     terminate,
 )
 from .dialect import retry_while_locked, transient
@@ -63,6 +65,7 @@ __all__ = [
     "append_history",
     "begin_compensation",
     "cancel",
+    "child_of",
     "claim_and_load",
     "claim_runnable",
     "control",
@@ -88,6 +91,7 @@ __all__ = [
     "rewrite_step",
     "send_event",
     "skip_sleep",
+    "start_child",
     "sync_catalog",
     "terminate",
     "transient",

@@ -483,6 +483,32 @@ def _create_instances(
     return [(found[n], False) if n in found else (next(created), True) for n in range(len(items))]
 
 
+# --- children ---------------------------------------------------------------------------
+
+
+def start_child(
+    workflow: str, version: int, limits: Limits, item: NewInstance, fallback_id: str, actor: str
+) -> tuple[Instance, bool]:
+    """Create the child of a parent's step once (replays find it: one per parent step).
+
+    The readable id (item.instance_id) may be taken by an unrelated instance: the child
+    then takes fallback_id, derived from the parent's pk and the step name.
+    """
+    try:
+        [(child, created)] = create_instances(workflow, version, limits, [item], actor)
+    except InstanceAlreadyExists:
+        item.instance_id = fallback_id
+        [(child, created)] = create_instances(workflow, version, limits, [item], actor)
+    if created and child.status == Status.RUNNING and on_promoted is not None:
+        on_promoted([child.pk])  # committed: workers here and elsewhere may run it now
+    return child, created
+
+
+def child_of(parent_pk: int, step_name: str) -> Instance | None:
+    """The child a parent's step started, as it is now."""
+    return Instance.objects.filter(parent_id=parent_pk, parent_step=step_name).first()
+
+
 @retry_while_locked
 def promote_all_queued(workflows: Sequence[tuple[str, Limits]]) -> int:
     """At worker start: queued instances start wherever there is room (after a restart too)."""
