@@ -225,14 +225,16 @@ def promote_queued(
     start (a debounce, a rate window), their admit_at: admit_due looks at them again then.
     created: instances inserted by this transaction (their history says created, not started).
     """
-    if not _queued(name).exists():
+    if not created and not _queued(name).exists():
         return []
     lock_workflow(name)
     admission = Admission(name, limits, now)
     admitted: list[int] = []
     waiting: dict[tuple[str, datetime | None], list[int]] = {}
     undecided = set(created)
+    scanned, stopped_early = 0, False
     for page in _scan_queue(name):
+        scanned += len(page)
         admission.learn_keys({c.concurrency_key for c in page})
         for candidate in page:
             assert candidate.pk is not None
@@ -246,17 +248,20 @@ def promote_queued(
                 waiting.setdefault((reason, admit_at), []).append(candidate.pk)
         else:
             continue
+        stopped_early = True
         break
     full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
     if undecided:  # new instances behind a full queue: say why they wait
         waiting.setdefault((full, None), []).extend(undecided)
     for (reason, admit_at), pks in waiting.items():
         Instance.objects.filter(id__in=pks).update(waiting_reason=reason, admit_at=admit_at)
-    # Due but not reached (a debounce that ended while no place was free): not due again
-    # until a place frees up, so admit_due does not look at them over and over.
-    _queued(name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
-        admit_at=None, waiting_reason=full
-    )
+    if stopped_early or scanned >= ADMISSION_SCAN:
+        # Due but not reached (a debounce that ended while no place was free): not due
+        # again until a place frees up, so admit_due does not look at them over and over.
+        # (Every instance reached got its reason and admit_at above.)
+        _queued(name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
+            admit_at=None, waiting_reason=full
+        )
     if admitted:
         Instance.objects.filter(id__in=admitted, status=Status.QUEUED).update(
             status=Status.RUNNING,
