@@ -671,8 +671,9 @@ def child_ids(parent_pk: int, parent_id: str, step_name: str, limits: Limits) ->
     and the step, so every replay names the same child."""
     digest = hashlib.sha256(f"{parent_pk}/{step_name}".encode()).hexdigest()
     fallback = f"child-{digest[:32]}"
-    slug = _ID_UNSAFE.sub("-", step_name)
-    readable = f"{parent_id}:{slug}" if slug == step_name else f"{parent_id}:{slug}-{digest[:8]}"
+    # Two step names may make one slug ("a b", "a-b"): the second child finds the id taken
+    # and falls back (store.start_child); replays find children by step, not by id.
+    readable = f"{parent_id}:{_ID_UNSAFE.sub('-', step_name)}"
     if len(readable) > limits.max_instance_id_length or not INSTANCE_ID_PATTERN.match(readable):
         return fallback, fallback
     return readable, fallback

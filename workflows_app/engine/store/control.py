@@ -227,7 +227,8 @@ def promote_queued(
     """
     if not created and not _queued(name).exists():
         return []
-    lock_workflow(name)
+    if not created:  # a caller that inserted or requeued instances holds the lock already
+        lock_workflow(name)
     admission = Admission(name, limits, now)
     admitted: list[int] = []
     waiting: dict[tuple[str, datetime | None], list[int]] = {}
@@ -726,6 +727,8 @@ def restart(
             ],
             now,
         )
+        if not keeps_place:
+            lock_workflow(name)
         admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
     return Status.RUNNING if admitted else Status.QUEUED
 
