@@ -61,3 +61,28 @@ def test_parent_and_child_pages_link_each_other_and_the_step_shows_its_child(
     assert "waiting for child" in page
     child_page = operator_client.get(child_link).content.decode()
     assert 'data-field="parent"' in child_page and page_url(parent) in child_page
+
+
+def test_the_admin_change_page_shows_flow_control_and_the_parent(registered):
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    @register("admin-child")
+    class AdminChild(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go")
+
+    @register("admin-parent")
+    class AdminParent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("child step", "admin-child")
+
+    parent = get_workflow("admin-parent").create(id="ap", priority=3)
+    testing.run_until_idle()
+    (child,) = parent.children()
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", password="pw"))
+    url = reverse("admin:workflows_app_instance_change", args=[child.row().pk])
+    page = client.get(url).content.decode()
+    assert "Flow control and children" in page and "child step" in page
+    assert reverse("admin:workflows_app_instance_change", args=[parent.row().pk]) in page
