@@ -243,3 +243,13 @@ class FleetAdmission(WorkflowEntrypoint):
         for i in range(3):
             await step.do(f"sample {i}", sample_admission)
         return "done"
+
+
+# Children across processes: a parent invokes a child; whichever worker finishes the
+# child wakes the parent through the database, whichever worker then runs it.
+@register("fleet-parent")
+class FleetParent(WorkflowEntrypoint):
+    async def run(self, event, step):
+        out = await step.invoke("child", "fleet")
+        started = await step.start("side", "fleet")
+        return {"child": out, "side": started, "pid": os.getpid()}

@@ -59,3 +59,26 @@ def test_several_workers_never_run_more_than_the_limits_allow_overall_or_per_key
     # Not vacuous: the limits were reached, so they were what held instances back.
     assert most == limits["max_concurrent_instances"]
     assert most_per_key == limits["max_concurrent_per_key"]
+
+
+def test_parents_parked_on_children_are_woken_by_whichever_worker_finishes_the_child(workers):
+    fleet_workflows.ensure_ledger()
+    parents = 60 if connection.vendor == "postgresql" else 20
+    wf = get_workflow("fleet-parent")
+    wf.create_batch([{"id": f"p{n}"} for n in range(parents)])
+    workers(3)
+    wait_until(
+        lambda: (
+            Instance.objects.filter(workflow="fleet-parent", status="complete").count() == parents
+        ),
+        180,
+        "every parent to complete",
+    )
+    children = Instance.objects.filter(workflow="fleet", parent__workflow="fleet-parent")
+    assert children.count() == parents * 2  # one per step: no replay started a second
+    assert all(wf.get(f"p{n}").status().output["child"] == "done" for n in range(parents))
+    wait_until(
+        lambda: children.filter(status="complete").count() == parents * 2,
+        120,
+        "the started children to complete too",
+    )

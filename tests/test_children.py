@@ -177,3 +177,32 @@ def test_given_ids_and_bad_step_names_make_valid_deterministic_child_ids():
     a, b = parent.status().output
     assert (a, b) == ("n1:ship-it-", "chosen-id")
     assert {c.id for c in parent.children()} == {a, b}
+
+
+def test_an_uncaught_child_failure_errors_the_parent_and_a_replay_raises_it_from_the_checkpoint():
+    @register("strict-order")
+    class StrictOrder(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("ship", "ship", params={"order": 1, "fail": True})
+
+    @register("patient-order")
+    class PatientOrder(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.invoke("ship", "ship", params={"order": 2, "fail": True})
+            except ChildWorkflowFailed as exc:
+                first = [exc.workflow, exc.instance_id, exc.error_name, exc.message]
+            await step.wait_for_event("again", type="again", timeout="1 hour")
+            return first
+
+    strict = get_workflow("strict-order").create(id="s1")
+    patient = get_workflow("patient-order").create(id="p1")
+    testing.run_until_idle()
+    error = strict.status().error
+    assert error["name"] == "ChildWorkflowFailed"
+    assert "child ship/s1:ship failed: OutOfStock: no stock" in error["message"]
+    assert patient.status().status == "waiting"
+    patient.send_event("again")  # the replay meets the failed invoke's checkpoint
+    testing.run_until_idle()
+    assert patient.status().output == ["ship", "p1:ship", "OutOfStock", "no stock"]
+    assert Instance.objects.filter(workflow="ship").count() == 2
