@@ -283,3 +283,34 @@ def test_wf_start_takes_priority_and_a_concurrency_key(registered):
     wf.get("first").send_event("go")
     testing.run_until_idle()
     assert statuses([wf.get("high"), wf.get("low")]) == ["waiting", "queued"]
+
+
+def test_a_serving_worker_wakes_by_itself_when_a_debounce_ends(registered):
+    """The poll interval is an hour: only the admit_at the worker read can wake it."""
+    import asyncio
+
+    from tests.polling import wait_until
+    from tests.test_worker_operations import LoopThread
+    from workflows_app.engine.worker import Worker
+
+    @register("debounce-serve")
+    class Quick(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    loop_thread = LoopThread()
+    worker = Worker(worker_id="debounce-serve", poll_seconds=3600)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        wait_until(lambda: worker._loop is not None, 10, "the worker to start")
+        inst = get_workflow("debounce-serve").create(
+            params="late", debounce_key="k", debounce="300 ms"
+        )
+        assert inst.status().status == "queued"
+        wait_until(lambda: inst.status().status == "complete", 10, "the debounced instance")
+        assert inst.status().output == "late"
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+        loop_thread.close()
