@@ -206,3 +206,17 @@ def test_an_uncaught_child_failure_errors_the_parent_and_a_replay_raises_it_from
     testing.run_until_idle()
     assert patient.status().output == ["ship", "p1:ship", "OutOfStock", "no stock"]
     assert Instance.objects.filter(workflow="ship").count() == 2
+
+
+def test_a_parent_that_ended_while_its_step_ran_starts_no_orphan_child():
+    from workflows_app.engine import store
+    from workflows_app.engine.errors import InvalidTransition
+    from workflows_app.engine.store import NewInstance
+
+    parent = get_workflow("order").create(id="ended", params={"order": 1, "wait": True})
+    parent.terminate()
+    ship = get_workflow("ship").definition()
+    item = NewInstance("ended:ship", "{}", parent_pk=parent.row().pk, parent_step="ship")
+    with pytest.raises(InvalidTransition, match="terminated: it starts no child"):
+        store.start_child("ship", ship.version, ship.limits(), item, "fallback", "test")
+    assert not Instance.objects.filter(workflow="ship").exists()

@@ -344,6 +344,17 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
                 found[position] = by_key[item.idempotency_key]
     for position, item in enumerate(items):
         if item.parent_pk is not None and position not in found:
+            # Parent first (the order of every parent-and-child change); a parent that
+            # ended meanwhile (terminated while its step ran) starts no orphan.
+            status = (
+                lock_rows(Instance.objects.filter(id=item.parent_pk))
+                .values_list("status", flat=True)
+                .first()
+            )
+            if status is None or status in lifecycle.FINISHED:
+                raise InvalidTransition(
+                    f"instance #{item.parent_pk} is {status or 'gone'}: it starts no child"
+                )
             child = Instance.objects.filter(
                 parent_id=item.parent_pk, parent_step=item.parent_step
             ).first()
