@@ -220,3 +220,19 @@ def test_a_parent_that_ended_while_its_step_ran_starts_no_orphan_child():
     with pytest.raises(InvalidTransition, match="terminated: it starts no child"):
         store.start_child("ship", ship.version, ship.limits(), item, "fallback", "test")
     assert not Instance.objects.filter(workflow="ship").exists()
+
+
+def test_wf_status_names_the_parent_and_the_children():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    parent = get_workflow("order").create(id="cli-p", params={"order": 4, "wait": True})
+    testing.run_until_idle()
+    out = StringIO()
+    call_command("wf", "status", "cli-p", stdout=out)
+    assert "child:    ship/cli-p:ship waiting (step 'ship')" in out.getvalue()
+    out = StringIO()
+    call_command("wf", "status", "cli-p:ship", stdout=out)
+    assert "parent:   order/cli-p (step 'ship')" in out.getvalue()
+    assert parent.children()[0].id == "cli-p:ship"

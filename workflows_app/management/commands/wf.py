@@ -284,6 +284,13 @@ class Command(BaseCommand):
             lines.append(f"error:    {data['error']['name']}: {data['error']['message']}")
         if data["waiting_reason"]:
             lines.append(f"waiting:  {data['waiting_reason']}")
+        if data["parent"]:
+            parent = data["parent"]
+            lines.append(f"parent:   {parent['workflow']}/{parent['id']} (step {parent['step']!r})")
+        for child in data["children"]:
+            lines.append(
+                f"child:    {child['workflow']}/{child['id']} {child['status']} (step {child['step']!r})"
+            )
         if data["steps"]:
             lines += [
                 "",
