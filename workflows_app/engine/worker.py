@@ -584,9 +584,9 @@ class Worker:
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         due = await self.db(store.next_wake_at)
-                    admission = self.next_admission_at
-                    if admission is not None and (due is None or admission < due):
-                        due = admission  # a debounce ends or a rate window opens then
+                        admission = self.next_admission_at  # a debounce ends, a rate window opens
+                        if admission is not None and (due is None or admission < due):
+                            due = admission
                 except Exception:
                     log.exception(
                         "worker %s: database error; retrying after the poll interval",
