@@ -23,6 +23,7 @@ FULL = {
     "baseline": (5, 200),
     "per_step": 200,
     "throughput": 2000,
+    "admission": 1000,
     "event": 100,
     "timers": 50,
     "herd": 10_000,
@@ -67,6 +68,12 @@ PER_COMMIT_MS = {
     "event_latency_notify_p95_ms",
     "replay_run_ms",
     "replay_load_rows_ms",
+    "admission_off_create_ms",
+    "admission_on_create_ms",
+    "admission_off_total_ms",
+    "admission_on_total_ms",
+    "admission_overhead_create_ms",
+    "admission_overhead_total_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
 PER_SECOND = {
@@ -101,6 +108,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("baseline", lambda: m.baseline(*size["baseline"])),
         ("per_step", lambda: m.per_step(size["per_step"])),
         ("throughput", lambda: m.throughput(size["throughput"])),
+        ("admission", lambda: m.admission(size["admission"])),
         ("event", lambda: m.event_latency(size["event"])),
         ("event_worker", lambda: m.event_latency_worker(size["event"])),
         ("event_notify", lambda: m.event_latency_worker(size["event"], via="notify")),
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline",
                 "per_step",
                 "throughput",
+                "admission",
                 "event",
                 "event_worker",
                 "timers",

@@ -238,6 +238,43 @@ def throughput(n: int, threads: int = 4, batch: int = 100) -> Figures:
     return out
 
 
+# --- 3b. admission with flow control ---------------------------------------------------
+
+
+def admission(n: int) -> Figures:
+    """create() one at a time, then run them all: flow control off (bench-step1) against on
+    (bench-admission: max_concurrent_instances and max_concurrent_per_key, every create
+    with a priority and a concurrency key), in the same run. Per instance, in ms."""
+    out: Figures = {}
+    for workflow, key, extra in (
+        ("bench-step1", "off", lambda i: {}),
+        (
+            "bench-admission",
+            "on",
+            lambda i: {"priority": i % 10, "concurrency_key": f"customer-{i % 50}"},
+        ),
+    ):
+        binding = get_workflow(workflow)
+        prefix = _prefix(f"adm-{key}")
+        t0 = time.perf_counter()
+        for i in range(n):
+            binding.create(id=f"{prefix}-{i}", **extra(i))
+        created = time.perf_counter()
+        _, seconds = run_until_idle()
+        done = _count(workflow, prefix)
+        if done != n:
+            raise RuntimeError(f"admission {key}: only {done}/{n} instances completed")
+        out[f"admission_{key}_create_ms"] = (created - t0) * 1000 / n
+        out[f"admission_{key}_total_ms"] = ((created - t0) + seconds) * 1000 / n
+    out["admission_overhead_create_ms"] = (
+        out["admission_on_create_ms"] - out["admission_off_create_ms"]
+    )
+    out["admission_overhead_total_ms"] = (
+        out["admission_on_total_ms"] - out["admission_off_total_ms"]
+    )
+    return out
+
+
 # --- 4. event latency ------------------------------------------------------------------
 
 

@@ -143,3 +143,15 @@ class SlowSteps(WorkflowEntrypoint):
         for i in range(4):
             await step.do(f"s{i}", slow_step)
         return "done"
+
+
+# Admission with flow control on: limits high enough that nothing queues, so the figure is
+# what deciding costs (the lock, the counts, the queue read), not time spent queued.
+@register(
+    "bench-admission",
+    limits={"max_concurrent_instances": 1_000_000, "max_concurrent_per_key": 1_000_000},
+)
+class OneStepAdmitted(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.do("s0", noop)
+        return "done"

@@ -192,3 +192,64 @@ class RelOutage(WorkflowEntrypoint):
                 retries={"limit": 10, "delay": "50 ms", "backoff": "constant"},
             )
         return "done"
+
+
+# Flow control across processes: each step reads how many instances hold a place, overall
+# and under its own concurrency key, as committed now; admission must never let it pass
+# the limits, whichever worker admitted whom.
+ADMISSION_LIMITS = {"max_concurrent_instances": 6, "max_concurrent_per_key": 2}
+ADMISSION_DDL = (
+    "CREATE TABLE IF NOT EXISTS fleet_admission ("
+    " instance_id VARCHAR(200), concurrency_key VARCHAR(200), active INTEGER, active_per_key INTEGER)"
+)
+
+
+def ensure_admission_ledger() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(ADMISSION_DDL)
+        cursor.execute("DELETE FROM fleet_admission")
+
+
+def admission_samples() -> list[tuple[str, str, int, int]]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT instance_id, concurrency_key, active, active_per_key FROM fleet_admission"
+        )
+        return list(cursor.fetchall())
+
+
+def sample_admission() -> int:
+    from workflows_app.engine.store import holding_places
+    from workflows_app.models import Instance
+
+    ctx = current_step()
+    mine = Instance.objects.filter(workflow="fleet-admission")
+    key = mine.filter(instance_id=ctx.instance_id).values_list("concurrency_key", flat=True).get()
+    active = holding_places(mine).count()
+    per_key = holding_places(mine.filter(concurrency_key=key)).count()
+    time.sleep(float(os.environ.get("FLEET_STEP_SECONDS", "0.01")))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_admission (instance_id, concurrency_key, active, active_per_key) "
+            "VALUES (%s, %s, %s, %s)",
+            [ctx.instance_id, key, active, per_key],
+        )
+    return active
+
+
+@register("fleet-admission", limits=ADMISSION_LIMITS)
+class FleetAdmission(WorkflowEntrypoint):
+    async def run(self, event, step):
+        for i in range(3):
+            await step.do(f"sample {i}", sample_admission)
+        return "done"
+
+
+# Children across processes: a parent invokes a child; whichever worker finishes the
+# child wakes the parent through the database, whichever worker then runs it.
+@register("fleet-parent")
+class FleetParent(WorkflowEntrypoint):
+    async def run(self, event, step):
+        out = await step.invoke("child", "fleet")
+        started = await step.start("side", "fleet")
+        return {"child": out, "side": started, "pid": os.getpid()}

@@ -24,7 +24,14 @@ def status(workflow: str, instance_id: str) -> str:
 def test_the_demo_has_one_instance_per_readme_story_with_readable_ids():
     with testing.fake_clock() as clock:
         created = create_demo_instances()
-        assert created == ["order-1001", "import-2001", "import-2002", "trial-ada", "trial-grace"]
+        assert created == [
+            "order-1001",
+            "import-2001",
+            "import-2002",
+            "trial-ada",
+            "trial-grace",
+            "nightly-3001",
+        ]
         testing.run_until_idle()
         clock.advance("5 seconds")  # the flaky pipeline's two retries come due
         testing.run_until_idle()
@@ -49,6 +56,15 @@ def test_the_demo_has_one_instance_per_readme_story_with_readable_ids():
         assert re.search(r"sleeping for an hour and for 14 days", README)
         assert status("trial-reminder", "trial-ada") == "waiting"
         assert status("trial-reminder", "trial-grace") == "waiting"
+        # "a nightly import that runs two pipelines as child workflows"
+        assert "two pipelines as child workflows" in " ".join(README.split())
+        nightly = get_workflow("nightly-import").get("nightly-3001")
+        assert nightly.status().output == {"rows": 15, "reminder": "nightly-3001:remind-ops"}
+        assert sorted((c.id, c.workflow) for c in nightly.children()) == [
+            ("nightly-3001:import-eu", "data-pipeline"),  # started in parallel
+            ("nightly-3001:import-us", "data-pipeline"),
+            ("nightly-3001:remind-ops", "trial-reminder"),
+        ]
         clock.advance("1 hour")
         testing.run_until_idle()
         assert status("trial-reminder", "trial-ada") == "complete"
@@ -58,4 +74,4 @@ def test_the_demo_has_one_instance_per_readme_story_with_readable_ids():
 def test_running_the_demo_again_creates_nothing_twice():
     first = create_demo_instances()
     assert create_demo_instances() == []
-    assert len(first) == 5
+    assert len(first) == 6

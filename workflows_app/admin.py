@@ -209,6 +209,7 @@ class InstanceAdmin(admin.ModelAdmin):
         "instance_id",
         "workflow",
         "idempotency_key",
+        "concurrency_key",
         "created_by",
         "error_name",
         "error_message",
@@ -237,6 +238,19 @@ class InstanceAdmin(admin.ModelAdmin):
         (
             "Data",
             {"fields": ("params", "output_pretty", "error_name", "error_message", "error_stack")},
+        ),
+        (
+            "Flow control and children",
+            {
+                "fields": (
+                    "priority",
+                    "concurrency_key",
+                    "debounce_key",
+                    "admit_at",
+                    "parent",
+                    "parent_step",
+                )
+            },
         ),
         (
             "Times",

@@ -279,8 +279,13 @@ def list_workflows(call: Call) -> JsonResponse:
     )
 
 
+FLOW_CONTROL_FIELDS = ("priority", "concurrency_key", "debounce_key", "debounce")
+
+
 def create_instance(call: Call, name: str) -> JsonResponse:
-    body = call.object_body({"id", "instance_id", "params", "idempotency_key", "retention"})
+    body = call.object_body(
+        {"id", "instance_id", "params", "idempotency_key", "retention", *FLOW_CONTROL_FIELDS}
+    )
     ids = {key: body[key] for key in ("id", "instance_id") if key in body}
     if len(set(map(repr, ids.values()))) > 1:
         raise ApiError(
@@ -297,6 +302,7 @@ def create_instance(call: Call, name: str) -> JsonResponse:
         idempotency_key=body.get("idempotency_key"),
         actor=call.actor,
         retention=body.get("retention"),
+        **{field: body[field] for field in FLOW_CONTROL_FIELDS if field in body},
     )
     # 200 when an idempotency key found an instance created earlier: nothing new was made.
     return ok(surfaces.created_json(handle), status=201 if handle.created else 200)

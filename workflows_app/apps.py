@@ -23,6 +23,7 @@ class WorkflowsAppConfig(AppConfig):
         )
 
         store.control.on_promoted = live.instances_promoted
+        store.control.on_child_terminated = live.instance_terminated
         if getattr(settings, "WFDASH", {}).get("TRACING", True):
             from . import tracing
 

@@ -44,6 +44,8 @@ from .tracing import flush_spans
 
 log = logging.getLogger("workflows_app.client")
 
+DEFAULT_PRIORITY = 5  # 0-9; lower starts first while queued
+
 
 @dataclass(frozen=True)
 class InstanceStatus:
@@ -133,20 +135,23 @@ class WorkflowBinding:
         actor: Any = None,
         version: int | None = None,
         retention: Any = None,
+        *,
+        priority: int = DEFAULT_PRIORITY,
+        concurrency_key: str | None = None,
+        debounce_key: str | None = None,
+        debounce: Any = None,
     ) -> InstanceHandle:
-        """Start an instance (`queued` beyond max_concurrent_instances)."""
-        return self._create(
-            [
-                {
-                    "id": id,
-                    "params": params,
-                    "idempotency_key": idempotency_key,
-                    "retention": retention,
-                }
-            ],
-            actor,
-            version,
-        )[0]
+        """Start an instance (`queued` while flow control holds it back).
+
+        priority 0-9 (lower starts first while queued); concurrency_key with
+        limits={"max_concurrent_per_key": N}; debounce_key + debounce: an instance of that
+        key not started yet takes these params and starts `debounce` from now (returned
+        with created=False), else a new one starts after `debounce`.
+        """
+        item = {"id": id, "params": params, "idempotency_key": idempotency_key}
+        item.update(retention=retention, priority=priority, concurrency_key=concurrency_key)
+        item.update(debounce_key=debounce_key, debounce=debounce)
+        return self._create([item], actor, version)[0]
 
     def create_batch(
         self, items: Sequence[dict[str, Any]], actor: Any = None, version: int | None = None
@@ -180,7 +185,7 @@ class WorkflowBinding:
                 raise errors.InvalidInput(
                     f"batch item {position} must be an object with id and params"
                 )
-            unknown = set(item) - {"id", "instance_id", "params", "idempotency_key", "retention"}
+            unknown = set(item) - ITEM_FIELDS
             if unknown:
                 raise errors.InvalidInput(
                     f"batch item {position}: unknown field(s) {sorted(unknown)}"
@@ -203,7 +208,11 @@ class WorkflowBinding:
                 )
             retention = item.get("retention")
             retention_ms = None if retention is None else parse_duration(retention)
-            new.append(NewInstance(instance_id, params_json, key, retention_ms))
+            new.append(
+                NewInstance(
+                    instance_id, params_json, key, retention_ms, **flow_control(item, limits)
+                )
+            )
         created = store.create_instances(
             definition.name, definition.version, limits, new, _actor(actor)
         )
@@ -270,6 +279,52 @@ class WorkflowBinding:
 
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
         return await sync_to_async(self.list)(*args, **kwargs)
+
+
+ITEM_FIELDS = frozenset(
+    {
+        "id",
+        "instance_id",
+        "params",
+        "idempotency_key",
+        "retention",
+        "priority",
+        "concurrency_key",
+        "debounce_key",
+        "debounce",
+    }
+)
+
+
+def _key(item: dict[str, Any], field: str) -> str | None:
+    value = item.get(field)
+    if value is not None and (not isinstance(value, str) or not value or len(value) > 200):
+        raise errors.InvalidInput(f"{field} must be a string of 1-200 characters, got {value!r}")
+    return value
+
+
+def flow_control(item: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """The flow-control fields of a create item, checked: priority, concurrency_key,
+    debounce_key with debounce. InvalidInput names the field that is wrong."""
+    priority = item.get("priority")
+    if priority is None:
+        priority = DEFAULT_PRIORITY
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+        raise errors.InvalidInput(f"priority must be an integer from 0 to 9, got {priority!r}")
+    debounce_key, debounce = _key(item, "debounce_key"), item.get("debounce")
+    if (debounce_key is None) != (debounce is None):
+        raise errors.InvalidInput("debounce_key and debounce go together: give both or neither")
+    debounce_ms = None if debounce is None else parse_duration(debounce)
+    if debounce_ms is not None and debounce_ms > limits.max_sleep:
+        raise errors.LimitExceeded(
+            "max_sleep", f"{debounce_ms} ms", f"{limits.max_sleep} ms", "debounce"
+        )
+    return {
+        "priority": priority,
+        "concurrency_key": _key(item, "concurrency_key"),
+        "debounce_key": debounce_key,
+        "debounce_ms": debounce_ms,
+    }
 
 
 def encode_cursor(pk: int) -> str:
@@ -345,6 +400,23 @@ class InstanceHandle:
 
     def steps(self) -> list[StepRecord]:
         return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
+
+    def parent_row(self) -> Instance | None:
+        """The row of the instance that started this one (step.invoke / step.start)."""
+        row = self.row()
+        return None if row.parent_id is None else Instance.objects.filter(id=row.parent_id).first()
+
+    def children_rows(self) -> list[Instance]:
+        return list(Instance.objects.filter(parent_id=self.row().pk).order_by("id"))
+
+    def parent(self) -> InstanceHandle | None:
+        """The parent instance's handle, or None if this one is not a child."""
+        row = self.parent_row()
+        return None if row is None else InstanceHandle(row.workflow, row.instance_id, row)
+
+    def children(self) -> list[InstanceHandle]:
+        """The instances this one started with step.invoke / step.start, oldest first."""
+        return [InstanceHandle(c.workflow, c.instance_id, c) for c in self.children_rows()]
 
     def pending_events(self) -> list[PendingEvent]:
         waits = StepRecord.objects.filter(
@@ -460,6 +532,8 @@ def _async_twin(name: str) -> Any:
 
 for _name in (
     "status",
+    "parent",
+    "children",
     "history",
     "steps",
     "pending_events",

@@ -422,6 +422,7 @@ class StepView:
     """A step row as an operator reads it: the engine's bookkeeping turned into words."""
 
     record: StepRecord
+    child: Instance | None = None  # the child workflow a step.invoke / step.start started
 
     @property
     def was_cut_short(self) -> bool:
@@ -497,6 +498,8 @@ class InstanceDetail:
     trace_ms: float
     errors: list[ErrorRecord]
     inbox: list[InboxEvent]
+    parent: Instance | None = None
+    children: list[Instance] = field(default_factory=list)
 
     @property
     def params_pretty(self) -> str:
@@ -517,6 +520,12 @@ class InstanceDetail:
     @property
     def waiting_on(self) -> list[WaitReason]:
         """Why a waiting instance waits: the engine's reason, else what its open steps say."""
+        if (
+            self.instance.status == Status.QUEUED
+        ):  # flow control says why (limit, key, rate, debounce)
+            return [
+                WaitReason(f"queued: {self.instance.waiting_reason or 'waiting for a place'}", None)
+            ]
         if self.instance.status not in (Status.WAITING, Status.PAUSED, Status.WAITING_FOR_PAUSE):
             return []
         if self.instance.waiting_reason:
@@ -524,7 +533,10 @@ class InstanceDetail:
         reasons = []
         for s in self.steps:
             r = s.record
-            if r.status == StepStatus.WAITING and r.kind == StepKind.WAIT_FOR_EVENT:
+            if r.status == StepStatus.WAITING and r.kind == StepKind.INVOKE:
+                child = s.child.instance_id if s.child else "?"
+                reasons.append(WaitReason(f"waiting for child “{child}” ({r.name})", None))
+            elif r.status == StepStatus.WAITING and r.kind == StepKind.WAIT_FOR_EVENT:
                 reasons.append(
                     WaitReason(
                         f"waiting for event “{r.event_type}” ({r.name})", r.wake_at, "times out"
@@ -605,7 +617,16 @@ def instance_detail(pk: int) -> InstanceDetail:
     spans, trace_ms = waterfall(list(Span.objects.filter(instance_id=pk).order_by("start_time")))
     errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
     inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
-    return InstanceDetail(instance, steps, history, pending, spans, trace_ms, errors, inbox)
+    parent = Instance.objects.filter(pk=instance.parent_id).first() if instance.parent_id else None
+    starts = any(s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD) for s in steps)
+    children = list(Instance.objects.filter(parent_id=pk).order_by("id")) if starts else []
+    by_step = {c.parent_step: c for c in children}
+    for s in steps:
+        if s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD):
+            s.child = by_step.get(s.record.name)
+    return InstanceDetail(
+        instance, steps, history, pending, spans, trace_ms, errors, inbox, parent, children
+    )
 
 
 class InstanceSummaryJSON(TypedDict):

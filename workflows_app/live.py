@@ -139,6 +139,11 @@ def instances_promoted(pks: list[int]) -> None:
         instance_changed("promoted", pk)
 
 
+def instance_terminated(pk: int) -> None:
+    """An instance was terminated with its parent: a worker running it stops its run."""
+    instance_changed("terminate", pk)
+
+
 class PendingHints:
     """Hints to workers waiting to be sent, folded as they arrive: every wake hint is one
     (any worker may act on it), the others one per (kind, instance), newest last. While

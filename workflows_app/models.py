@@ -84,6 +84,21 @@ class Instance(models.Model):
     trace_id = models.CharField(max_length=32, blank=True)
     retention_ms = models.BigIntegerField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    # Flow control (admission of queued instances): lower priority starts first; at most
+    # max_concurrent_per_key active instances share a concurrency_key; a queued instance is
+    # not admitted before admit_at (debounce), and admission is looked at again then (a rate
+    # window opening). waiting_reason says why a queued instance waits.
+    priority = models.PositiveSmallIntegerField(default=5)
+    concurrency_key = models.CharField(max_length=200, null=True, blank=True)
+    debounce_key = models.CharField(max_length=200, null=True, blank=True)
+    admit_at = models.DateTimeField(null=True, blank=True)
+    # A child workflow: the parent instance and the step (invoke / start) that started it;
+    # parent_span is "<trace id>:<span id>" of the parent's step span, linked from the child's.
+    parent = models.ForeignKey(
+        "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="children"
+    )
+    parent_step = models.CharField(max_length=300, blank=True)
+    parent_span = models.CharField(max_length=49, blank=True)
 
     class Meta:
         constraints = [
@@ -94,6 +109,22 @@ class Instance(models.Model):
                 fields=["workflow", "version", "idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),
                 name="instance_idempotency_key",
+            ),
+            # A step starts one child, whatever the replays: step.invoke / step.start.
+            models.UniqueConstraint(
+                fields=["parent", "parent_step"],
+                condition=Q(parent__isnull=False),
+                name="instance_child_per_step",
+            ),
+            # One not-yet-started instance per debounce key: a second create updates it.
+            models.UniqueConstraint(
+                fields=["workflow", "debounce_key"],
+                condition=Q(
+                    debounce_key__isnull=False,
+                    started_at__isnull=True,
+                    status__in=["queued", "paused"],
+                ),
+                name="instance_pending_debounce",
             ),
         ]
         indexes = [
@@ -110,6 +141,28 @@ class Instance(models.Model):
             # list(): WHERE workflow = ? [AND status = ?] ORDER BY id DESC; queue promotion by id
             models.Index(fields=["workflow", "status", "id"], name="instance_wf_status"),
             models.Index(fields=["workflow", "id"], name="instance_wf_id"),
+            # admission: WHERE workflow = ? AND status = 'queued' ORDER BY priority, id
+            models.Index(
+                fields=["workflow", "priority", "id"],
+                name="instance_queue",
+                condition=Q(status="queued"),
+            ),
+            # admit_due: WHERE status = 'queued' AND admit_at <= now (debounce, rate windows)
+            models.Index(
+                fields=["admit_at"], name="instance_admit_at", condition=Q(admit_at__isnull=False)
+            ),
+            # max_concurrent_per_key: active instances WHERE workflow = ? AND concurrency_key IN (...)
+            models.Index(
+                fields=["workflow", "concurrency_key", "status"],
+                name="instance_concurrency_key",
+                condition=Q(concurrency_key__isnull=False),
+            ),
+            # rate_limit: starts WHERE workflow = ? AND started_at > now - period
+            models.Index(
+                fields=["workflow", "started_at"],
+                name="instance_started",
+                condition=Q(started_at__isnull=False),
+            ),
             # prune: WHERE expires_at <= now
             models.Index(
                 fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)
@@ -156,6 +209,8 @@ class StepKind(models.TextChoices):
     SLEEP_UNTIL = "sleepUntil"
     WAIT_FOR_EVENT = "waitForEvent"
     COMPENSATE = "compensate"
+    INVOKE = "invoke"  # step.invoke: start a child workflow and wait for its output
+    START_CHILD = "startChild"  # step.start: start a child workflow, don't wait
 
 
 class StepStatus(models.TextChoices):

@@ -185,6 +185,10 @@ SCHEMAS: dict[str, Any] = {
             "output": ANY,
             "error": ref("ErrorInfo"),
             "waiting_reason": {"type": "string"},
+            "priority": {"type": "integer"},
+            "concurrency_key": {"type": ["string", "null"]},
+            "parent": {"oneOf": [{"type": "null"}, ref("InstanceRef")]},
+            "children": {"type": "array", "items": ref("InstanceRef")},
             "created_by": {"type": "string"},
             "created_at": TIME,
             "updated_at": TIME,
@@ -203,6 +207,14 @@ SCHEMAS: dict[str, Any] = {
             "actor": {"type": "string"},
         }
     ),
+    "InstanceRef": obj(
+        {
+            "id": {"type": "string"},
+            "workflow": {"type": "string"},
+            "status": ref("Status"),
+            "step": {"type": "string", "description": "the parent's step that started the child"},
+        }
+    ),
     "InstanceState": obj(
         {"id": {"type": "string"}, "workflow": {"type": "string"}, "status": ref("Status")}
     ),
@@ -218,6 +230,25 @@ SCHEMAS: dict[str, Any] = {
             "retention": {
                 "type": ["string", "integer"],
                 "description": "keep the finished instance this long (duration string or ms; 0 = forever)",
+            },
+            "priority": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": 9,
+                "default": 5,
+                "description": "lower starts first while queued",
+            },
+            "concurrency_key": {
+                "type": "string",
+                "description": "bounded by the workflow's max_concurrent_per_key",
+            },
+            "debounce_key": {
+                "type": "string",
+                "description": "with debounce: an instance of this key not started yet takes these params",
+            },
+            "debounce": {
+                "type": ["string", "integer"],
+                "description": "start this long after the last create with the debounce_key",
             },
         },
         required=[],

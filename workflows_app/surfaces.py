@@ -93,6 +93,13 @@ def pending_json(pending: PendingEvent) -> dict[str, Any]:
     }
 
 
+def ref_json(row: Instance | None, step: str) -> dict[str, Any] | None:
+    """A parent or a child, as instance_json links it."""
+    if row is None:
+        return None
+    return {"id": row.instance_id, "workflow": row.workflow, "status": row.status, "step": step}
+
+
 def instance_json(handle: InstanceHandle) -> dict[str, Any]:
     """Everything an operator asks about one instance: status, params, output, steps."""
     row = handle.row()
@@ -105,6 +112,10 @@ def instance_json(handle: InstanceHandle) -> dict[str, Any]:
         "output": row.output,
         "error": row.error,
         "waiting_reason": row.waiting_reason,
+        "priority": row.priority,
+        "concurrency_key": row.concurrency_key,
+        "parent": ref_json(handle.parent_row(), row.parent_step),
+        "children": [ref_json(c, c.parent_step) for c in handle.children_rows()],
         "created_by": row.created_by,
         "created_at": iso(row.created_at),
         "updated_at": iso(row.updated_at),

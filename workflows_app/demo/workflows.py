@@ -1,4 +1,4 @@
-"""Three realistic workflows, registered when settings.WFDASH["DEMO"] is on."""
+"""Four realistic workflows, registered when settings.WFDASH["DEMO"] is on."""
 
 from __future__ import annotations
 
@@ -94,6 +94,24 @@ class TrialReminder(WorkflowEntrypoint):
         return sent
 
 
+@register("nightly-import", version=1)
+class NightlyImport(WorkflowEntrypoint):
+    """A parent: two data pipelines as child workflows (waited for, in parallel), then a
+    reminder started and not waited for."""
+
+    async def run(self, event: Any, step: Any) -> dict[str, Any]:
+        eu, us = await _gather(
+            step.invoke("import eu", "data-pipeline", params={"rows": 6, "flaky_attempts": 0}),
+            step.invoke("import us", "data-pipeline", params={"rows": 9, "flaky_attempts": 0}),
+        )
+        reminder = await step.start(
+            "remind ops",
+            "trial-reminder",
+            params={"email": "ops@example.com", "trial": "1 hour"},
+        )
+        return {"rows": eu["rows"] + us["rows"], "reminder": reminder}
+
+
 def _reject(reason: str) -> None:
     raise NonRetryableError(reason, "ValidationError")
 
@@ -136,6 +154,12 @@ DEMO_STORIES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
         "trial-grace",
         {"email": "grace@example.com", "trial": "14 days"},
         "a trial reminder sleeping for 14 days",
+    ),
+    (
+        "nightly-import",
+        "nightly-3001",
+        {},
+        "a nightly import that runs two pipelines as child workflows",
     ),
 )
 

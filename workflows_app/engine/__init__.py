@@ -1,10 +1,11 @@
 """The durable workflow engine. Knows nothing of views, templates or channel layers."""
 
-from .errors import NonRetryableError, WorkflowError
+from .errors import ChildWorkflowFailed, NonRetryableError, WorkflowError
 from .registry import WorkflowEntrypoint, register
 from .step import Event, StepContext, WorkflowEvent, current_step
 
 __all__ = [
+    "ChildWorkflowFailed",
     "Event",
     "NonRetryableError",
     "StepContext",

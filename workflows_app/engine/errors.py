@@ -115,6 +115,20 @@ class WorkflowTerminated(WorkflowError):
         super().__init__(f"instance {instance_id!r} was terminated")
 
 
+class ChildWorkflowFailed(WorkflowError):
+    """A child workflow that step.invoke waited for errored or was terminated; not retried.
+
+    error_name and message are the child's error (terminated: "WorkflowTerminated").
+    """
+
+    def __init__(self, workflow: str, instance_id: str, error_name: str, message: str) -> None:
+        self.workflow = workflow
+        self.instance_id = instance_id
+        self.error_name = error_name
+        self.message = message
+        super().__init__(f"child {workflow}/{instance_id} failed: {error_name}: {message}")
+
+
 class ResultTimeout(WorkflowError, TimeoutError):
     """result(timeout=…) expired before the instance finished."""
 

@@ -29,6 +29,35 @@ HISTORY_PAYLOAD_MAX_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """limits={"rate_limit": {"limit": 10, "period": "1 minute"}}: at most `limit` starts
+    per sliding `period` (milliseconds)."""
+
+    limit: int
+    period_ms: int
+    period_label: str = dataclasses.field(default="", compare=False)
+
+    @classmethod
+    def build(cls, value: Any) -> RateLimit | None:
+        if value is None or isinstance(value, RateLimit):
+            return value
+        if not isinstance(value, dict) or set(value) != {"limit", "period"}:
+            raise InvalidInput(
+                f'rate_limit must be {{"limit": <positive integer>, "period": <duration>}}, got {value!r}'
+            )
+        limit = value["limit"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise InvalidInput(f"rate_limit limit must be a positive integer, got {limit!r}")
+        period = parse_duration(value["period"])
+        if period < 1:
+            raise InvalidInput(
+                f"rate_limit period must be longer than 0 ms, got {value['period']!r}"
+            )
+        label = value["period"] if isinstance(value["period"], str) else f"{period} ms"
+        return cls(limit, period, label)
+
+
+@dataclass(frozen=True)
 class Limits:
     """Per-workflow limits. Durations are milliseconds; max_concurrent_instances None is ∞."""
 
@@ -50,6 +79,9 @@ class Limits:
     max_params_bytes: int = 1024 * 1024
     max_event_payload_bytes: int = 1024 * 1024
     max_retention: int = 0  # 0 keeps finished instances forever
+    # Flow control: active instances per concurrency_key (None: no bound), starts per period.
+    max_concurrent_per_key: int | None = None
+    rate_limit: RateLimit | None = None
 
     _DURATIONS = (
         "max_sleep",
@@ -83,6 +115,15 @@ class Limits:
                         raise InvalidInput(
                             f"max_concurrent_instances must be a positive integer or None, got {value!r}"
                         )
+                elif key == "max_concurrent_per_key":
+                    if value is not None and (
+                        not isinstance(value, int) or isinstance(value, bool) or value < 1
+                    ):
+                        raise InvalidInput(
+                            f"max_concurrent_per_key must be a positive integer or None, got {value!r}"
+                        )
+                elif key == "rate_limit":
+                    value = RateLimit.build(value)
                 elif key == "default_retry_backoff":
                     if value not in BACKOFFS:
                         raise InvalidInput(
@@ -92,6 +133,15 @@ class Limits:
                     raise InvalidInput(f"limit {key} must be a non-negative integer, got {value!r}")
                 values[key] = value
         return cls(**values)
+
+    @property
+    def flow_controlled(self) -> bool:
+        """Whether admission must count anything: a queue can form under these limits."""
+        return (
+            self.max_concurrent_instances is not None
+            or self.max_concurrent_per_key is not None
+            or self.rate_limit is not None
+        )
 
 
 # Params, outputs and payloads nested deeper than this are refused: every reader of them

@@ -30,6 +30,7 @@ from opentelemetry import trace
 from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
 from . import clock, spans, store
 from .errors import (
+    ChildWorkflowFailed,
     DuplicateStepName,
     EventTimeout,
     LimitExceeded,
@@ -135,6 +136,8 @@ class Run:
         self.step_threads = step_threads
         self.hooks = hooks
         self.limits = definition.limits()
+        # A child's finish locks its parent first and wakes it (store.finish).
+        self._finish = functools.partial(store.finish, parent_pk=loaded.instance.parent_id)
         self.checkpoints = loaded.steps
         self.compensation_checkpoints = loaded.compensations
         # Checkpoints by the step before them in their branch: where replay must go next.
@@ -220,6 +223,7 @@ class Run:
                 "workflow.version": self.definition.version,
                 "workflow.run": inst.run_count,
             },
+            inst.parent_span,
         )
         # The workflow coroutine runs with the run's span current: user spans nest under it.
         ctx = contextvars.copy_context()
@@ -340,7 +344,7 @@ class Run:
             history_first = []
         if exc is None and self.unwinding:
             ok = await self.db(
-                store.finish,
+                self._finish,
                 self.pk,
                 self.token,
                 Status.TERMINATED,
@@ -360,7 +364,7 @@ class Run:
                 exc = error
             else:
                 ok = await self.db(
-                    store.finish,
+                    self._finish,
                     self.pk,
                     self.token,
                     Status.COMPLETE,
@@ -393,7 +397,7 @@ class Run:
             self.span, exc if not isinstance(exc, StepFailed) else None, self.error_message
         )
         ok = await self.db(
-            store.finish,
+            self._finish,
             self.pk,
             self.token,
             Status.ERRORED,
@@ -752,6 +756,14 @@ class Run:
     def stored_failure(self, record: StepRecord) -> BaseException:
         """The exception a failed step raises, the same on its first run and on every replay."""
         info = json.loads(record.output_json or "{}")
+        if record.kind == StepKind.INVOKE:
+            child = info.get("child", {})
+            return ChildWorkflowFailed(
+                child.get("workflow", ""),
+                child.get("id", ""),
+                child.get("error_name", record.last_error_name),
+                child.get("message", record.last_error_message),
+            )
         if record.last_error_name == "EventTimeout":
             return EventTimeout(record.last_error_message)
         if info.get("nonretryable"):

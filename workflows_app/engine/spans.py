@@ -57,7 +57,11 @@ def span_ids(span: Span | None) -> tuple[str, str]:
     return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
 
 
-def start_workflow_span(trace_id_hex: str, name: str, attributes: dict[str, Any]) -> Span:
+def start_workflow_span(
+    trace_id_hex: str, name: str, attributes: dict[str, Any], linked: str = ""
+) -> Span:
+    """linked: "<trace id>:<span id>" of the span that caused this instance (a child's
+    parent): its own trace stays one per instance, with a link to the parent's."""
     token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
     try:
         return tracer().start_span(
@@ -65,9 +69,24 @@ def start_workflow_span(trace_id_hex: str, name: str, attributes: dict[str, Any]
             context=otel_context.Context(),
             kind=SpanKind.SERVER,
             attributes=attributes,
+            links=span_links(linked),
         )
     finally:
         forced_trace_id.reset(token)
+
+
+def span_links(linked: str) -> list[trace.Link]:
+    """A link to the span named "<trace id>:<span id>", or none."""
+    trace_hex, _, span_hex = linked.partition(":")
+    if not trace_hex or not span_hex:
+        return []
+    context = trace.SpanContext(
+        int(trace_hex, 16),
+        int(span_hex, 16),
+        is_remote=True,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+    )
+    return [trace.Link(context, {"workflow.link": "parent"})]
 
 
 @contextmanager

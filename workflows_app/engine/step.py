@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import hashlib
 import inspect
 import json
+import re
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
@@ -21,11 +23,13 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
+from opentelemetry import trace
 
-from ..models import StepKind, StepRecord, StepStatus
-from . import clock, faults, spans
+from ..models import Instance, Status, StepKind, StepRecord, StepStatus
+from . import clock, faults, spans, store
 from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
+    ChildWorkflowFailed,
     EventTimeout,
     InvalidInput,
     LimitExceeded,
@@ -36,13 +40,17 @@ from .errors import (
 )
 from .limits import (
     BACKOFFS,
+    INSTANCE_ID_PATTERN,
+    Limits,
     check_event_type,
+    check_instance_id,
+    check_size,
     encode_json,
     encode_step_output,
     error_name,
     payload_for_history,
 )
-from .store import History
+from .store import History, NewInstance
 
 if TYPE_CHECKING:
     from .runner import Run
@@ -491,6 +499,192 @@ class Step:
                 run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes
             )
             return event
+
+    # --- children -----------------------------------------------------------------------
+
+    async def invoke(
+        self,
+        name: str,
+        workflow: str,
+        params: Any = None,
+        *,
+        id: str | None = None,
+        version: int | None = None,
+    ) -> Any:
+        """Start a child workflow once and return its output when it completes.
+
+        The parent parks meanwhile (it holds no worker slot); the child's finish makes it
+        due. A child that errors or is terminated raises ChildWorkflowFailed (not retried).
+        """
+        run = self._run
+        record = run.begin_op(name, StepKind.INVOKE)
+        if record is not None:
+            if record.status == StepStatus.COMPLETE:
+                return record.output
+            if record.status == StepStatus.FAILED:
+                raise run.stored_failure(record)
+        async with run.activity() as activity:
+            if record is None:
+                child = await self._start_child(name, workflow, params, id, version)
+                record = run.new_record(name, StepKind.INVOKE, StepStatus.WAITING)
+                record.attempts = 1
+                await run.write(record, [_child_history("child.started", name, child, wait=True)])
+            # Read after the waiting checkpoint is stored: a child finishing later finds
+            # that step and wakes this instance; one that finished before is seen here.
+            child = await run.db(store.child_of, run.pk, name)
+            if child is not None and child.status not in FINISHED_STATUSES:
+                await activity.block()
+            return await self._child_finished(record, child, workflow)
+
+    async def start(
+        self,
+        name: str,
+        workflow: str,
+        params: Any = None,
+        *,
+        id: str | None = None,
+        version: int | None = None,
+    ) -> str:
+        """Start a child workflow once and return its instance id at once (no waiting)."""
+        run = self._run
+        record = run.begin_op(name, StepKind.START_CHILD)
+        if record is not None and record.status == StepStatus.COMPLETE:
+            return str(record.output)
+        async with run.activity():
+            child = await self._start_child(name, workflow, params, id, version)
+            record = record or run.new_record(name, StepKind.START_CHILD, StepStatus.RUNNING)
+            record.status = StepStatus.COMPLETE
+            record.attempts = 1
+            record.output_json = json.dumps(child.instance_id)
+            record.completed_at = clock.now()
+            history = [_child_history("child.started", name, child, wait=False)]
+            await run.write(record, history, progress=True)
+            return child.instance_id
+
+    async def _start_child(
+        self, name: str, workflow: str, params: Any, id: str | None, version: int | None
+    ) -> Instance:
+        from .registry import get_definition  # the registry imports this module
+
+        run = self._run
+        definition = get_definition(workflow, version)
+        limits = definition.limits()
+        what = f'params of the child of step "{name}"'
+        params_json = encode_json(params, what)
+        check_size(params_json, "max_params_bytes", limits.max_params_bytes, what)
+        if id is None:
+            readable, fallback = child_ids(run.pk, run.instance_id, name, limits)
+        else:
+            readable = fallback = check_instance_id(id, limits)
+        trace_id, span_id = spans.span_ids(run.span)
+        item = NewInstance(
+            readable,
+            params_json,
+            parent_pk=run.pk,
+            parent_step=name,
+            parent_span=f"{trace_id}:{span_id}" if span_id else "",
+        )
+        actor = f"{run.definition.name}/{run.instance_id}"
+        child, created = await run.db(
+            store.start_child, definition.name, definition.version, limits, item, fallback, actor
+        )
+        if created:  # in the parent's context: the creation span links to the parent's span
+            spans.creation_span(child.trace_id, definition.name, child.instance_id, actor)
+        return child
+
+    async def _child_finished(
+        self, record: StepRecord, child: Instance | None, workflow: str
+    ) -> Any:
+        """Checkpoint what became of the child: its output, or ChildWorkflowFailed."""
+        run, name = self._run, record.name
+        attributes = {**run.span_attributes(name, StepKind.INVOKE), "workflow.child": workflow}
+        record.completed_at = clock.now()
+        record.wake_at = None
+        if child is not None and child.status == Status.COMPLETE:
+            record.status = StepStatus.COMPLETE
+            record.output_json = child.output_json or "null"
+            await run.write(record, [_child_history("child.completed", name, child)], progress=True)
+            spans.finished_span(
+                run.span, f"invoke {name}", record.started_at, record.completed_at, attributes
+            )
+            return json.loads(record.output_json)
+        if child is None:
+            error = ChildWorkflowFailed(
+                workflow, "", "InstanceNotFound", "the child instance no longer exists"
+            )
+        else:
+            terminated = child.status == Status.TERMINATED
+            error = ChildWorkflowFailed(
+                child.workflow,
+                child.instance_id,
+                child.error_name or ("WorkflowTerminated" if terminated else "WorkflowFailed"),
+                child.error_message or ("the child was terminated" if terminated else ""),
+            )
+        record.status = StepStatus.FAILED
+        record.last_error_name = "ChildWorkflowFailed"
+        record.last_error_message = str(error)
+        record.output_json = json.dumps(
+            {
+                "nonretryable": True,
+                "child": {
+                    "workflow": error.workflow,
+                    "id": error.instance_id,
+                    "error_name": error.error_name,
+                    "message": error.message,
+                },
+            }
+        )
+        failed = {"name": error.error_name, "message": error.message}
+        history = [
+            History("child.failed", {"step": name, "id": error.instance_id, "error": failed}),
+            History(
+                "step.failed",
+                {
+                    "step": name,
+                    "attempt": 1,
+                    "final": True,
+                    "error": {"name": "ChildWorkflowFailed", "message": str(error)},
+                },
+            ),
+        ]
+        span = trace.get_current_span()
+        await run.write(
+            record,
+            history,
+            progress=True,
+            error=run.error_record(
+                "workflow.step", "ChildWorkflowFailed", str(error), "", span, name, 1
+            ),
+        )
+        spans.finished_span(
+            run.span, f"invoke {name}", record.started_at, record.completed_at, attributes, error
+        )
+        raise error
+
+
+FINISHED_STATUSES = frozenset({Status.COMPLETE, Status.ERRORED, Status.TERMINATED})
+_ID_UNSAFE = re.compile(r"[^a-zA-Z0-9_.:-]+")
+
+
+def child_ids(parent_pk: int, parent_id: str, step_name: str, limits: Limits) -> tuple[str, str]:
+    """The id a child gets (readable: "<parent id>:<step name>") and the one it falls back
+    to (when that is not a valid id, too long, or taken): both depend only on the parent
+    and the step, so every replay names the same child."""
+    digest = hashlib.sha256(f"{parent_pk}/{step_name}".encode()).hexdigest()
+    fallback = f"child-{digest[:32]}"
+    # Two step names may make one slug ("a b", "a-b"): the second child finds the id taken
+    # and falls back (store.start_child); replays find children by step, not by id.
+    readable = f"{parent_id}:{_ID_UNSAFE.sub('-', step_name)}"
+    if len(readable) > limits.max_instance_id_length or not INSTANCE_ID_PATTERN.match(readable):
+        return fallback, fallback
+    return readable, fallback
+
+
+def _child_history(kind: str, step_name: str, child: Instance, wait: bool | None = None) -> History:
+    data: dict[str, Any] = {"step": step_name, "workflow": child.workflow, "id": child.instance_id}
+    if wait is not None:
+        data["wait"] = wait
+    return History(kind, data)
 
 
 def _event_from_json(text: str | None) -> Event:

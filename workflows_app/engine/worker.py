@@ -286,6 +286,9 @@ class Worker:
         self.tokens: dict[int, str] = {}
         self.unreleased: dict[int, str] = {}  # leases of runs cut short, not yet given back
         self.runs_started = 0
+        self.next_admission_at: Any = None  # when a queued instance may start (admit_due)
+        self._admission_stale = True  # a hint came since admit_due last looked
+        self._admission_checked_at = float("-inf")  # time.monotonic() of that look
         self._last_flush = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -376,6 +379,7 @@ class Worker:
             loop.call_soon_threadsafe(self._on_hint, kind, pk)
 
     def _on_hint(self, kind: str, pk: int | None) -> None:
+        self._admission_stale = True
         run = self.runs.get(pk) if pk is not None else None
         if run is not None:
             if kind in ("terminate", "restart", "cancel"):
@@ -393,9 +397,7 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        claimed = await self.db(
-            store.claim_and_load, self.worker_id, free, self.lease_seconds, list(self.tasks)
-        )
+        claimed = await self.db(self._admit_then_claim, free, list(self.tasks))
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
             self.runs_started += 1
@@ -403,6 +405,22 @@ class Worker:
             self.tasks[pk] = task
             task.add_done_callback(functools.partial(self._run_done, pk))
         return len(claimed)
+
+    def _admit_then_claim(
+        self, free: int, exclude: list[int]
+    ) -> list[tuple[int, str, store.LoadedRun | None]]:
+        """Admit the queued instances whose time came (debounce, rate window), then claim:
+        one trip to a database thread. Remembers when admission is due next."""
+        due = self.next_admission_at is not None and self.next_admission_at <= clock.now()
+        checked_long_ago = time.monotonic() - self._admission_checked_at >= self.poll_seconds
+        if self._admission_stale or due or checked_long_ago:
+            # Only when something may have changed (a hint: a create, the clock moved),
+            # a known admit_at came, or a poll interval passed: not on every claim.
+            self._admission_stale = False
+            self._admission_checked_at = time.monotonic()
+            workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
+            _, self.next_admission_at = store.admit_due(workflows)
+        return store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
         self.tasks.pop(pk, None)
@@ -579,6 +597,9 @@ class Worker:
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         due = await self.db(store.next_wake_at)
+                        admission = self.next_admission_at  # a debounce ends, a rate window opens
+                        if admission is not None and (due is None or admission < due):
+                            due = admission
                 except Exception:
                     log.exception(
                         "worker %s: database error; retrying after the poll interval",

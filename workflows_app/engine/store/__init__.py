@@ -15,7 +15,9 @@ from __future__ import annotations
 from . import control, dialect
 from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
 from .control import (
+    admit_due,
     cancel,
+    child_of,
     create_instances,
     get_instance,
     holding_places,
@@ -26,6 +28,7 @@ from .control import (
     resume,
     send_event,
     skip_sleep,
+    start_child,
     terminate,
 )
 from .dialect import measure_clock_offset, retry_while_locked, transient
@@ -59,9 +62,11 @@ __all__ = [
     "NewInstance",
     "StepWrite",
     "WakeListener",
+    "admit_due",
     "append_history",
     "begin_compensation",
     "cancel",
+    "child_of",
     "claim_and_load",
     "claim_runnable",
     "control",
@@ -90,6 +95,7 @@ __all__ = [
     "rewrite_step",
     "send_event",
     "skip_sleep",
+    "start_child",
     "sync_catalog",
     "terminate",
     "transient",

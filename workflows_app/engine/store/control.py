@@ -7,13 +7,16 @@ Each action is one transaction under the instance's row lock; the lifecycle tabl
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import Callable, Sequence
-from datetime import datetime
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Q
+from django.db.models import Count, Min, Q
 
 from ...models import (
     HistoryRecord,
@@ -23,18 +26,24 @@ from ...models import (
     StepKind,
     StepRecord,
     StepStatus,
-    WorkflowVersion,
 )
-from .. import clock, lifecycle
+from .. import clock, lifecycle, registry
 from ..durations import add_duration
 from ..errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
     InvalidInput,
     InvalidTransition,
+    UnknownWorkflow,
 )
 from ..limits import Limits
-from .dialect import db_time, retry_while_locked, writes_in_one_statement
+from .dialect import (
+    db_time,
+    lock_admission,
+    lock_rows,
+    retry_while_locked,
+    writes_in_one_statement,
+)
 from .records import (
     HISTORY_TABLE,
     INBOX_TABLE,
@@ -46,16 +55,19 @@ from .records import (
     clear_lease,
     close_open_steps,
     locked_instance,
+    wake_parent,
 )
 from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
 on_promoted: Callable[[list[int]], None] | None = None
+# Told (after commit) of a child terminated with its parent, so a worker running it stops.
+on_child_terminated: Callable[[int], None] | None = None
 
 
 def lock_workflow(name: str) -> None:
-    """Serialise admission decisions of one workflow (PostgreSQL: row locks on its catalog)."""
-    list(WorkflowVersion.objects.select_for_update().filter(name=name).values_list("id", flat=True))
+    """Serialise admission decisions of one workflow across processes (see lock_admission)."""
+    lock_admission(name)
 
 
 def holding_places(instances: Any) -> Any:
@@ -74,11 +86,242 @@ def _free_slots(name: str, limits: Limits) -> int | None:
     return max(0, limits.max_concurrent_instances - active)
 
 
+# --- admission ------------------------------------------------------------------------
+#
+# A queued instance starts when every bound allows it: max_concurrent_instances,
+# max_concurrent_per_key for its concurrency_key, the rate_limit window, and its admit_at
+# (debounce). The queue is looked at in (priority, id) order; an instance blocked by its
+# key or its debounce does not hold back the ones behind it. Decisions of one workflow
+# are serialised (lock_workflow), so they are race-free across processes.
+
+# The reason of an instance whose debounce has not ended: its admit_at is a "not before".
+# (Any other queued instance's admit_at only says when to look at the queue again.)
+DEBOUNCED = "debounced until "
+ADMISSION_SCAN = 1000  # queued instances looked at per admission pass, at most
+ADMISSION_PAGE = 100
+
+
+@dataclass
+class Candidate:
+    """A queued instance (pk) or one being created (pk None) as admission sees it."""
+
+    pk: int | None
+    priority: int
+    concurrency_key: str | None
+    admit_at: datetime | None
+    reason: str = ""
+
+
+class Admission:
+    """What one admission pass of a workflow may still start now, and why not."""
+
+    def __init__(
+        self, name: str, limits: Limits, now: datetime, keys: Collection[str | None] = ()
+    ) -> None:
+        self.limits = limits
+        self.now = now
+        self.name = name
+        self.slots = _free_slots(name, limits)
+        self.key_active: dict[str, int] = {}
+        self.learn_keys(keys)
+        self.rate_left: int | None = None
+        self.rate_reopens_at: datetime | None = None
+        rate = limits.rate_limit
+        if rate is not None:
+            window = timedelta(milliseconds=rate.period_ms)
+            started = Instance.objects.filter(workflow=name, started_at__gt=now - window).aggregate(
+                n=Count("id"), first=Min("started_at")
+            )
+            self.rate_left = max(0, rate.limit - started["n"])
+            # A sliding window: the oldest start in it leaving frees the next start.
+            self.rate_reopens_at = (started["first"] or now) + window
+
+    def learn_keys(self, keys: Collection[str | None]) -> None:
+        """Count the active instances of the keys not counted yet (one query)."""
+        if self.limits.max_concurrent_per_key is None:
+            return
+        wanted = {k for k in keys if k is not None and k not in self.key_active}
+        if not wanted:
+            return
+        counted = holding_places(
+            Instance.objects.filter(workflow=self.name, concurrency_key__in=wanted)
+        )
+        self.key_active.update({key: 0 for key in wanted})
+        self.key_active.update(
+            counted.values_list("concurrency_key").annotate(n=Count("id")).order_by()
+        )
+
+    def decide(self, candidate: Candidate) -> tuple[bool, str, datetime | None]:
+        """(admitted, why not, the admit_at to keep) for the next candidate in queue order."""
+        limits = self.limits
+        if (
+            candidate.admit_at is not None
+            and candidate.admit_at > self.now
+            and candidate.reason.startswith(DEBOUNCED)
+        ):
+            return False, candidate.reason, candidate.admit_at
+        if self.slots is not None and self.slots <= 0:
+            return (
+                False,
+                f"max_concurrent_instances ({limits.max_concurrent_instances}) reached",
+                None,
+            )
+        key = candidate.concurrency_key
+        if (
+            key is not None
+            and limits.max_concurrent_per_key is not None
+            and self.key_active.get(key, 0) >= limits.max_concurrent_per_key
+        ):
+            return (
+                False,
+                f"max_concurrent_per_key ({limits.max_concurrent_per_key}) reached for key {key!r}",
+                None,
+            )
+        if self.rate_left is not None and self.rate_left <= 0:
+            rate = limits.rate_limit
+            assert rate is not None and self.rate_reopens_at is not None
+            return (
+                False,
+                f"rate_limit ({rate.limit} per {rate.period_label}) reached; "
+                f"next start at {self.rate_reopens_at.isoformat()}",
+                self.rate_reopens_at,
+            )
+        if self.slots is not None:
+            self.slots -= 1
+        if key is not None:
+            self.key_active[key] = self.key_active.get(key, 0) + 1
+        if self.rate_left is not None:
+            self.rate_left -= 1
+        return True, "", None
+
+    @property
+    def full(self) -> bool:
+        """No place is left under max_concurrent_instances: nothing more starts in this pass
+        (a rate window still tells the instances behind it when to look again)."""
+        return self.slots is not None and self.slots <= 0
+
+
+def _queued(name: str) -> Any:
+    return Instance.objects.filter(workflow=name, status=Status.QUEUED)
+
+
+def _scan_queue(name: str) -> Iterator[list[Candidate]]:
+    """The head of the queue in admission order, a page at a time, up to ADMISSION_SCAN."""
+    query = _queued(name).order_by("priority", "id")
+    after: tuple[int, int] | None = None
+    scanned = 0
+    while scanned < ADMISSION_SCAN:
+        page = query
+        if after is not None:
+            page = page.filter(Q(priority__gt=after[0]) | Q(priority=after[0], id__gt=after[1]))
+        rows = list(
+            page.values_list("id", "priority", "concurrency_key", "admit_at", "waiting_reason")[
+                :ADMISSION_PAGE
+            ]
+        )
+        scanned += len(rows)
+        if rows:
+            yield [Candidate(*row) for row in rows]
+        if len(rows) < ADMISSION_PAGE:
+            return
+        after = (rows[-1][1], rows[-1][0])
+
+
+def promote_queued(
+    name: str, limits: Limits, now: datetime, created: Collection[int] = ()
+) -> list[int]:
+    """Start queued instances of a workflow while flow control allows; returns their pks.
+
+    Those left queued get their reason (waiting_reason) and, when time will let them
+    start (a debounce, a rate window), their admit_at: admit_due looks at them again then.
+    created: instances inserted by this transaction (their history says created, not started).
+    """
+    if not created and not _queued(name).exists():
+        return []
+    if not created:  # a caller that inserted or requeued instances holds the lock already
+        lock_workflow(name)
+    admission = Admission(name, limits, now)
+    admitted: list[int] = []
+    waiting: dict[tuple[str, datetime | None], list[int]] = {}
+    undecided = set(created)
+    scanned, stopped_early = 0, False
+    for page in _scan_queue(name):
+        scanned += len(page)
+        admission.learn_keys({c.concurrency_key for c in page})
+        for candidate in page:
+            assert candidate.pk is not None
+            if admission.full and (candidate.admit_at is None or candidate.admit_at <= now):
+                break  # the rest wait for a place
+            undecided.discard(candidate.pk)
+            ok, reason, admit_at = admission.decide(candidate)
+            if ok:
+                admitted.append(candidate.pk)
+            elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
+                waiting.setdefault((reason, admit_at), []).append(candidate.pk)
+        else:
+            continue
+        stopped_early = True
+        break
+    full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
+    if undecided:  # new instances behind a full queue: say why they wait
+        waiting.setdefault((full, None), []).extend(undecided)
+    for (reason, admit_at), pks in waiting.items():
+        Instance.objects.filter(id__in=pks).update(waiting_reason=reason, admit_at=admit_at)
+    if stopped_early or scanned >= ADMISSION_SCAN:
+        # Due but not reached (a debounce that ended while no place was free): not due
+        # again until a place frees up, so admit_due does not look at them over and over.
+        # (Every instance reached got its reason and admit_at above.)
+        _queued(name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
+            admit_at=None, waiting_reason=full
+        )
+    if admitted:
+        Instance.objects.filter(id__in=admitted, status=Status.QUEUED).update(
+            status=Status.RUNNING,
+            wake_at=now,
+            started_at=now,
+            updated_at=now,
+            admit_at=None,
+            waiting_reason="",
+        )
+        started = [pk for pk in admitted if pk not in created]
+        for pk in started:
+            append_history(pk, [History("instance.started", {"from": "queued"})], now)
+        hint_workers("promoted", started)
+        if on_promoted is not None and started:
+            callback = on_promoted
+            transaction.on_commit(lambda: callback(started))
+    return admitted
+
+
+@retry_while_locked
+def admit_due(workflows: Sequence[tuple[str, Limits]]) -> tuple[list[int], datetime | None]:
+    """Admit queued instances whose admit_at came (a debounce ended, a rate window opened).
+
+    Only this process's workflows (it knows their limits). Returns the pks started and
+    the next admit_at to wake up for. One indexed read when nothing is due.
+    """
+    now = clock.now()
+    limits_by_name = dict(workflows)
+    timed = Instance.objects.filter(
+        status=Status.QUEUED, admit_at__isnull=False, workflow__in=list(limits_by_name)
+    )
+    first = timed.aggregate(m=Min("admit_at"))["m"]
+    if first is None or first > now:
+        return [], first
+    admitted: list[int] = []
+    for name in set(timed.filter(admit_at__lte=now).values_list("workflow", flat=True)):
+        with transaction.atomic():
+            admitted += promote_queued(name, limits_by_name[name], now)
+    return admitted, timed.aggregate(m=Min("admit_at"))["m"]
+
+
 @retry_while_locked
 def create_instances(
     name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str = ""
 ) -> list[tuple[Instance, bool]]:
-    """Insert instances all-or-nothing; an idempotency key already used returns its instance.
+    """Insert instances all-or-nothing; an idempotency key already used returns its instance,
+    and so does a debounce key of an instance not started yet (with the new params) or the
+    step of a parent that started its child already.
 
     Returns (instance, created) pairs in the order of items.
     """
@@ -87,8 +330,8 @@ def create_instances(
             with transaction.atomic():
                 return _create_instances(name, version, limits, items, actor)
         except IntegrityError as exc:
-            # A concurrent create with the same idempotency key or id won the race; the
-            # next attempt sees its row. Anything else is a real conflict.
+            # A concurrent create with the same idempotency key, debounce key, parent step
+            # or id won the race; the next attempt sees its row. Anything else is a real conflict.
             if attempt == 2:
                 raise InstanceAlreadyExists(
                     f"could not create instances of {name!r}: {exc}"
@@ -96,25 +339,82 @@ def create_instances(
     raise AssertionError("unreachable")
 
 
-def _create_instances(
-    name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str
-) -> list[tuple[Instance, bool]]:
-    now = clock.now()
+def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int, Instance]:
+    """Items that name an instance already there, by position: same idempotency key, or
+    the same parent step (a replay of step.invoke / step.start)."""
+    found: dict[int, Instance] = {}
     keys = [i.idempotency_key for i in items if i.idempotency_key]
-    existing_by_key = (
-        {
+    if keys:
+        by_key = {
             inst.idempotency_key: inst
             for inst in Instance.objects.filter(
                 workflow=name, version=version, idempotency_key__in=keys
             )
         }
-        if keys
-        else {}
+        for position, item in enumerate(items):
+            if item.idempotency_key in by_key:
+                found[position] = by_key[item.idempotency_key]
+    for position, item in enumerate(items):
+        if item.parent_pk is not None and position not in found:
+            # Parent first (the order of every parent-and-child change); a parent that
+            # ended meanwhile (terminated while its step ran) starts no orphan.
+            status = (
+                lock_rows(Instance.objects.filter(id=item.parent_pk))
+                .values_list("status", flat=True)
+                .first()
+            )
+            if status is None or status in lifecycle.FINISHED:
+                raise InvalidTransition(
+                    f"instance #{item.parent_pk} is {status or 'gone'}: it starts no child"
+                )
+            child = Instance.objects.filter(
+                parent_id=item.parent_pk, parent_step=item.parent_step
+            ).first()
+            if child is not None:
+                found[position] = child
+    return found
+
+
+def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instance | None:
+    """An instance with the item's debounce key that has not started: it takes the new
+    params and starts debounce after now. None if there is none."""
+    pending = lock_rows(
+        Instance.objects.filter(
+            workflow=name,
+            debounce_key=item.debounce_key,
+            started_at__isnull=True,
+            status__in=(Status.QUEUED, Status.PAUSED),
+        )
+    ).first()
+    if pending is None:
+        return None
+    admit_at = now + timedelta(milliseconds=item.debounce_ms or 0)
+    Instance.objects.filter(id=pending.pk).update(
+        params_json=item.params_json,
+        admit_at=admit_at,
+        priority=item.priority,
+        waiting_reason=DEBOUNCED + admit_at.isoformat(),
+        updated_at=now,
     )
-    fresh = [i for i in items if not (i.idempotency_key and i.idempotency_key in existing_by_key)]
+    append_history(
+        pending.pk, [History("instance.debounced", {"until": admit_at.isoformat()}, actor)], now
+    )
+    pending.refresh_from_db()
+    return pending
+
+
+def _create_instances(
+    name: str, version: int, limits: Limits, items: Sequence[NewInstance], actor: str
+) -> list[tuple[Instance, bool]]:
+    now = clock.now()
+    found = _existing(name, version, items)
+    fresh = [i for n, i in enumerate(items) if n not in found]
     ids = [i.instance_id for i in fresh]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a batch names the same instance id twice")
+    debounce_keys = [i.debounce_key for i in fresh if i.debounce_key is not None]
+    if len(set(debounce_keys)) != len(debounce_keys):
+        raise InvalidInput("a batch names the same debounce_key twice")
     taken = list(
         Instance.objects.filter(workflow=name, instance_id__in=ids).values_list(
             "instance_id", flat=True
@@ -124,74 +424,118 @@ def _create_instances(
         raise InstanceAlreadyExists(
             f"workflow {name!r} already has an instance with id {taken[0]!r}"
         )
-    if limits.max_concurrent_instances is not None:
+    controlled = limits.flow_controlled or bool(debounce_keys)
+    if controlled:
         lock_workflow(name)
-    slots = _free_slots(name, limits)
-    if slots is not None and Instance.objects.filter(workflow=name, status=Status.QUEUED).exists():
-        slots = 0  # earlier queued instances go first: creation order
+        for position, item in enumerate(items):
+            if position not in found and item.debounce_key is not None:
+                pending = _debounce(name, item, now, actor)
+                if pending is not None:
+                    found[position] = pending
+        fresh = [i for n, i in enumerate(items) if n not in found]
     rows = []
     for item in fresh:
-        admitted = slots is None or slots > 0
-        if slots is not None and admitted:
-            slots -= 1
+        admit_at = (
+            now + timedelta(milliseconds=item.debounce_ms)
+            if item.debounce_key is not None and item.debounce_ms is not None
+            else None
+        )
         rows.append(
             Instance(
                 workflow=name,
                 instance_id=item.instance_id,
                 version=version,
-                status=Status.RUNNING if admitted else Status.QUEUED,
+                # Under flow control every new instance is queued first, then admitted
+                # below with the queue, in one order (priority, then creation).
+                status=Status.QUEUED if controlled else Status.RUNNING,
                 params_json=item.params_json,
                 idempotency_key=item.idempotency_key,
                 created_by=actor,
                 created_at=now,
                 updated_at=now,
-                started_at=now if admitted else None,
-                wake_at=now if admitted else None,
+                started_at=None if controlled else now,
+                wake_at=None if controlled else now,
                 retention_ms=item.retention_ms,
                 history_seq=1,
                 trace_id=uuid.uuid4().hex,
+                priority=item.priority,
+                concurrency_key=item.concurrency_key,
+                debounce_key=item.debounce_key,
+                admit_at=admit_at,
+                waiting_reason=DEBOUNCED + admit_at.isoformat() if admit_at else "",
+                parent_id=item.parent_pk,
+                parent_step=item.parent_step,
+                parent_span=item.parent_span,
             )
         )
     Instance.objects.bulk_create(rows)
+    if controlled and rows:
+        admitted = set(promote_queued(name, limits, now, created={r.pk for r in rows}))
+        for row in rows:
+            if row.pk in admitted:
+                row.status, row.started_at, row.wake_at, row.admit_at = (
+                    Status.RUNNING,
+                    now,
+                    now,
+                    None,
+                )
+                row.waiting_reason = ""
+        queued = [r.pk for r in rows if r.pk not in admitted]
+        for row_pk, reason in Instance.objects.filter(id__in=queued).values_list(
+            "id", "waiting_reason"
+        ):
+            next(r for r in rows if r.pk == row_pk).waiting_reason = reason
     HistoryRecord.objects.bulk_create(
         HistoryRecord(
             instance_id=row.pk,
             sequence=1,
             created_at=now,
             type="instance.created",
-            data={"version": version, "status": row.status},
+            data={
+                "version": version,
+                "status": row.status,
+                **({"priority": row.priority} if row.priority != 5 else {}),
+                **({"concurrency_key": row.concurrency_key} if row.concurrency_key else {}),
+                **({"debounce_key": row.debounce_key} if row.debounce_key else {}),
+                **({"reason": row.waiting_reason} if row.waiting_reason else {}),
+                **(
+                    {"parent": {"pk": row.parent_id, "step": row.parent_step}}
+                    if row.parent_id
+                    else {}
+                ),
+            },
             actor=actor,
         )
         for row in rows
     )
     created = iter(rows)
-    return [
-        (existing_by_key[i.idempotency_key], False)
-        if i.idempotency_key and i.idempotency_key in existing_by_key
-        else (next(created), True)
-        for i in items
-    ]
+    return [(found[n], False) if n in found else (next(created), True) for n in range(len(items))]
 
 
-def promote_queued(name: str, limits: Limits, now: datetime) -> list[int]:
-    """Start queued instances of a workflow, oldest first, while there is room."""
-    if not Instance.objects.filter(workflow=name, status=Status.QUEUED).exists():
-        return []
-    lock_workflow(name)
-    slots = _free_slots(name, limits)
-    queue = Instance.objects.filter(workflow=name, status=Status.QUEUED).order_by("id")
-    pks = list((queue if slots is None else queue[:slots]).values_list("id", flat=True))
-    if pks:
-        Instance.objects.filter(id__in=pks, status=Status.QUEUED).update(
-            status=Status.RUNNING, wake_at=now, started_at=now, updated_at=now
-        )
-        for pk in pks:
-            append_history(pk, [History("instance.started", {"from": "queued"})], now)
-        hint_workers("promoted", pks)
-        if on_promoted is not None:
-            callback = on_promoted
-            transaction.on_commit(lambda: callback(pks))
-    return pks
+# --- children ---------------------------------------------------------------------------
+
+
+def start_child(
+    workflow: str, version: int, limits: Limits, item: NewInstance, fallback_id: str, actor: str
+) -> tuple[Instance, bool]:
+    """Create the child of a parent's step once (replays find it: one per parent step).
+
+    The readable id (item.instance_id) may be taken by an unrelated instance: the child
+    then takes fallback_id, derived from the parent's pk and the step name.
+    """
+    try:
+        [(child, created)] = create_instances(workflow, version, limits, [item], actor)
+    except InstanceAlreadyExists:
+        item.instance_id = fallback_id
+        [(child, created)] = create_instances(workflow, version, limits, [item], actor)
+    if created and child.status == Status.RUNNING and on_promoted is not None:
+        on_promoted([child.pk])  # committed: workers here and elsewhere may run it now
+    return child, created
+
+
+def child_of(parent_pk: int, step_name: str) -> Instance | None:
+    """The child a parent's step started, as it is now."""
+    return Instance.objects.filter(parent_id=parent_pk, parent_step=step_name).first()
 
 
 @retry_while_locked
@@ -263,13 +607,41 @@ def resume(name: str, instance_id: str, limits: Limits, actor: str = "") -> str:
     return new_status
 
 
+def limits_of(workflow: str, version: int) -> Limits:
+    """The limits of an instance's version; the settings' limits if its code is not here."""
+    definition = registry.find_definition(workflow, version)
+    if definition is None:
+        try:
+            definition = registry.get_definition(workflow)
+        except UnknownWorkflow:
+            return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+    return definition.limits()
+
+
+def locked_with_parent(name: str, instance_id: str) -> Instance:
+    """The instance, row-locked after its parent's row (if it has one).
+
+    Every transaction that touches a parent and its child locks the parent first (a
+    child's finish wakes its parent; a parent's terminate ends its children), so the two
+    can never deadlock on PostgreSQL.
+    """
+    parent_pk = (
+        Instance.objects.filter(workflow=name, instance_id=instance_id)
+        .values_list("parent_id", flat=True)
+        .first()
+    )
+    if parent_pk is not None:
+        list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
+    return locked_instance(name, instance_id)
+
+
 @retry_while_locked
 def terminate(
     name: str, instance_id: str, limits: Limits, actor: str = "", reason: str = ""
 ) -> bool:
     """Terminate a live instance; returns False if it had already finished."""
     with transaction.atomic():
-        inst = locked_instance(name, instance_id)
+        inst = locked_with_parent(name, instance_id)
         if not lifecycle.can(lifecycle.TERMINATE, inst.status):
             return False
         _terminate_locked(inst, limits, actor, reason, clock.now())
@@ -287,6 +659,7 @@ def _terminate_locked(
         updated_at=now,
         waiting_reason="",
         compensate_on_cancel=False,
+        admit_at=None,
         expires_at=add_duration(now, retention) if retention else None,
         **clear_lease(),
     )
@@ -296,7 +669,33 @@ def _terminate_locked(
         [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)],
         now,
     )
-    promote_queued(inst.workflow, limits, now)
+    if inst.parent_id is not None:
+        wake_parent(inst.parent_id, inst.parent_step, now)
+    _terminate_children(inst, actor, now)
+    if limits.flow_controlled:
+        promote_queued(inst.workflow, limits, now)
+
+
+def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
+    """A parent terminated or cancelled takes its unfinished children (and theirs) with it."""
+    children = lock_rows(
+        Instance.objects.filter(parent_id=parent.pk, status__in=lifecycle.LIVE).order_by("id")
+    )
+    for child in children:
+        append_history(
+            parent.pk,
+            [History("child.terminated", {"workflow": child.workflow, "id": child.instance_id})],
+            now,
+        )
+        _terminate_locked(
+            child,
+            limits_of(child.workflow, child.version),
+            actor,
+            f"parent {parent.workflow}/{parent.instance_id} ended",
+            now,
+        )
+        if on_child_terminated is not None:  # a worker running the child stops its run
+            transaction.on_commit(functools.partial(on_child_terminated, child.pk))
 
 
 @retry_while_locked
@@ -320,15 +719,12 @@ def restart(
             steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
         dropped = steps.count()
         steps.delete()
-        was_active = lifecycle.holds_place(inst.status, inst.started_at is not None)
-        if limits.max_concurrent_instances is not None:
-            lock_workflow(name)
-        slots = _free_slots(name, limits)
-        admitted = was_active or slots is None or slots > 0
+        # One that held a place keeps it; any other goes through admission with the queue.
+        keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
         Instance.objects.filter(id=inst.pk).update(
-            status=Status.RUNNING if admitted else Status.QUEUED,
-            wake_at=now if admitted else None,
-            started_at=(inst.started_at or now) if admitted else None,
+            status=Status.RUNNING if keeps_place else Status.QUEUED,
+            wake_at=now if keeps_place else None,
+            started_at=(inst.started_at or now) if keeps_place else None,
             output_json=None,
             error_name="",
             error_message="",
@@ -336,6 +732,8 @@ def restart(
             finished_at=None,
             expires_at=None,
             waiting_reason="",
+            admit_at=None,
+            debounce_key=None,  # a debounce key names the next instance to start, not this one
             updated_at=now,
             unproductive_claims=0,
             compensate_on_cancel=False,
@@ -352,6 +750,9 @@ def restart(
             ],
             now,
         )
+        if not keeps_place:
+            lock_workflow(name)
+        admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
     return Status.RUNNING if admitted else Status.QUEUED
 
 
@@ -516,7 +917,7 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
     """Cancel: terminate at once, or first run the compensations of completed steps."""
     now = clock.now()
     with transaction.atomic():
-        inst = locked_instance(name, instance_id)
+        inst = locked_with_parent(name, instance_id)
         lifecycle.after(lifecycle.CANCEL, inst.status, instance_id)
         compensable = (
             compensate
@@ -533,7 +934,9 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
             )
             _terminate_locked(inst, limits, actor, "cancelled", now)
             return Status.TERMINATED
-        # The next run replays to collect the compensations, then runs them newest first.
+        # The next run replays to collect the compensations, then runs them newest first;
+        # its children end now, as with a terminate.
+        _terminate_children(inst, actor, now)
         Instance.objects.filter(id=inst.pk).update(
             status=Status.COMPENSATING,
             compensate_on_cancel=True,

@@ -84,6 +84,24 @@ def skip_rows_being_claimed(query: Any) -> Any:
     return query
 
 
+# Namespace of the advisory locks admission takes (PostgreSQL), beside hashtext(workflow).
+ADMISSION_LOCK_SPACE = 0x7F10
+
+
+def lock_admission(workflow: str) -> None:
+    """Serialise the admission decisions of one workflow until the transaction ends.
+
+    PostgreSQL: an advisory transaction lock on the workflow's name, so two processes can
+    never both see the same free place (it needs no catalog row, unlike a row lock).
+    SQLite needs nothing: its IMMEDIATE transactions already run one at a time.
+    """
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [ADMISSION_LOCK_SPACE, workflow]
+            )
+
+
 def lock_rows(query: Any) -> Any:
     """Row locks where the database has them (SQLite locks the whole database instead)."""
     return query.select_for_update() if connection.features.has_select_for_update else query

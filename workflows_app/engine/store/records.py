@@ -15,6 +15,8 @@ from ...models import (
     HistoryRecord,
     InboxEvent,
     Instance,
+    Status,
+    StepKind,
     StepRecord,
     StepStatus,
 )
@@ -58,6 +60,15 @@ class NewInstance:
     params_json: str
     idempotency_key: str | None = None
     retention_ms: int | None = None
+    # Flow control (see Instance): priority 0-9; debounce_ms with a debounce_key.
+    priority: int = 5
+    concurrency_key: str | None = None
+    debounce_key: str | None = None
+    debounce_ms: int | None = None
+    # A child workflow: the parent instance and its step that starts this one.
+    parent_pk: int | None = None
+    parent_step: str = ""
+    parent_span: str = ""
 
 
 @dataclass
@@ -128,6 +139,22 @@ def close_open_steps(pk: int, now: datetime) -> None:
         last_error_name=name,
         last_error_message=message,
     )
+
+
+def wake_parent(parent_pk: int, parent_step: str, now: datetime) -> None:
+    """A child finished: the parent's step.invoke waiting for it and the parent are due now.
+
+    Both rows, in the child's finishing transaction: a parent parked meanwhile reads the
+    step's wake time when it parks, one parked before finds its own wake_at set; any worker
+    of the fleet then claims it. A paused parent stays paused (its resume makes it due).
+    """
+    woke = StepRecord.objects.filter(
+        instance_id=parent_pk, kind=StepKind.INVOKE, name=parent_step, status=StepStatus.WAITING
+    ).update(wake_at=now)
+    if woke:
+        Instance.objects.filter(id=parent_pk, status__in=(Status.WAITING, Status.RUNNING)).update(
+            wake_at=now
+        )
 
 
 def locked_instance(name: str, instance_id: str) -> Instance:

@@ -33,6 +33,7 @@ from .control import promote_queued
 from .dialect import (
     close_if_dropped,
     db_time,
+    lock_rows,
     retry_while_locked,
     typed_placeholders,
     writes_in_one_statement,
@@ -50,6 +51,7 @@ from .records import (
     append_history,
     close_open_steps,
     insert_history,
+    wake_parent,
 )
 
 STEP_COLUMNS = (
@@ -408,13 +410,20 @@ def finish(
     error: tuple[str, str, str] | None = None,
     history: Sequence[History] = (),
     error_record: dict[str, Any] | None = None,
+    parent_pk: int | None = None,
 ) -> bool:
-    """End the instance (complete, errored, terminated), free its place, start queued ones."""
+    """End the instance (complete, errored, terminated), free its place, start queued ones.
+
+    A child wakes its parent in the same transaction; parent_pk (the child's parent, when
+    the caller knows it) is locked first, the order every parent-and-child change keeps.
+    """
     now = clock.now()
     name, message, stack = error or ("", "", "")
-    if writes_in_one_statement() and limits.max_concurrent_instances is None:
-        # (With a limit, the finish and the promotion of the queue share a transaction.)
-        return _finish_at_once(
+    if (
+        writes_in_one_statement()
+        and parent_pk is None
+        and not limits.flow_controlled
+        and _finish_at_once(
             pk,
             token,
             status,
@@ -425,14 +434,21 @@ def finish(
             history,
             error_record,
         )
+    ):
+        return True
+    # Under flow control the finish and the promotion of the queue share a transaction;
+    # a child's finish wakes its parent in it. (Also the answer when the lease is lost.)
     with transaction.atomic():
+        if parent_pk is not None:  # issue 15 (children): parent before child
+            list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
         with connection.cursor() as cursor:
             cursor.execute(
                 f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
                 "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
                 "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
                 "lease_owner = '', lease_expires_at = NULL "
-                "WHERE id = %s AND lease_token = %s RETURNING history_seq, retention_ms, workflow",
+                "WHERE id = %s AND lease_token = %s "
+                "RETURNING history_seq, retention_ms, workflow, parent_id, parent_step",
                 [
                     len(history),
                     db_time(now),
@@ -450,15 +466,17 @@ def finish(
             row = cursor.fetchone()
         if row is None:
             return False
-        last_seq, retention_ms, workflow = row
+        last_seq, retention_ms, workflow, parent_id, parent_step = row
         close_open_steps(pk, now)
+        if parent_id is not None:  # issue 15 (children)
+            wake_parent(parent_id, parent_step, now)
         retention = retention_ms if retention_ms is not None else limits.max_retention
         if retention:
             Instance.objects.filter(id=pk).update(expires_at=add_duration(now, retention))
         insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
-        if limits.max_concurrent_instances is not None:  # queues exist only under a limit
+        if limits.flow_controlled:  # queues form only under flow control (issue 15)
             promote_queued(workflow, limits, now)
     return True
 
@@ -476,7 +494,7 @@ def _finish_sql(history_count: int, with_error: bool) -> str:
         "expires_at = CASE WHEN COALESCE(retention_ms, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
         "+ make_interval(secs => LEAST(COALESCE(retention_ms, %s), 1e15) / 1000.0), "
         "CAST(%s AS timestamptz)) ELSE expires_at END "
-        "WHERE id = %s AND lease_token = %s RETURNING history_seq)",
+        "WHERE id = %s AND lease_token = %s AND parent_id IS NULL RETURNING history_seq)",
         f"closed AS (UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
         "last_error_name = %s, last_error_message = %s "
         "WHERE instance_id = %s AND status IN (%s, %s, %s) AND EXISTS (SELECT 1 FROM done))",
@@ -509,7 +527,8 @@ def _finish_at_once(
     history: Sequence[History],
     error_record: dict[str, Any] | None,
 ) -> bool:
-    """finish as one autocommit statement (PostgreSQL), for workflows without a queue."""
+    """finish as one autocommit statement (PostgreSQL), for workflows without a queue;
+    False, writing nothing, for a lost lease or a child (whose parent must wake with it)."""
     when = db_time(now)
     retention = limits.max_retention
     params: list[Any] = [len(history), when, status, output_json, *error, when]

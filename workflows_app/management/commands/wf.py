@@ -137,6 +137,14 @@ class Command(BaseCommand):
         sub.add_argument("--idempotency-key")
         sub.add_argument("--version", type=int)
         sub.add_argument("--count", type=int, default=1, help="start N instances with these params")
+        sub.add_argument(
+            "--priority", type=int, default=5, help="0-9, lower starts first while queued"
+        )
+        sub.add_argument("--concurrency-key", help="bounded by max_concurrent_per_key")
+        sub.add_argument("--debounce-key", help="with --debounce: one pending instance per key")
+        sub.add_argument(
+            "--debounce", help='start this long after the last create, e.g. "5 seconds"'
+        )
 
         by_id(
             verb(
@@ -276,6 +284,13 @@ class Command(BaseCommand):
             lines.append(f"error:    {data['error']['name']}: {data['error']['message']}")
         if data["waiting_reason"]:
             lines.append(f"waiting:  {data['waiting_reason']}")
+        if data["parent"]:
+            parent = data["parent"]
+            lines.append(f"parent:   {parent['workflow']}/{parent['id']} (step {parent['step']!r})")
+        for child in data["children"]:
+            lines.append(
+                f"child:    {child['workflow']}/{child['id']} {child['status']} (step {child['step']!r})"
+            )
         if data["steps"]:
             lines += [
                 "",
@@ -335,9 +350,15 @@ class Command(BaseCommand):
             idempotency_key=opts.idempotency_key,
             actor="cli",
             version=opts.version,
+            priority=opts.priority,
+            concurrency_key=opts.concurrency_key,
+            debounce_key=opts.debounce_key,
+            debounce=opts.debounce,
         )
         data = surfaces.created_json(handle)
-        verb = "started" if data["created"] else "found (its idempotency key was used before)"
+        verb = (
+            "started" if data["created"] else "found (its idempotency key or debounce key named it)"
+        )
         self.emit(
             opts,
             data,
@@ -358,8 +379,10 @@ class Command(BaseCommand):
         with self.progress(opts, opts.count, "starting") as bar:
             for start in range(0, opts.count, per_batch):
                 size = min(per_batch, opts.count - start)
+                item = {"params": params, "priority": opts.priority}
+                item.update(concurrency_key=opts.concurrency_key)
                 handles = binding.create_batch(
-                    [{"params": params} for _ in range(size)], actor="cli", version=opts.version
+                    [dict(item) for _ in range(size)], actor="cli", version=opts.version
                 )
                 ids += [h.id for h in handles]
                 bar.update(size)

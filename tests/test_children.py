@@ -1,0 +1,238 @@
+"""Child workflows (SPEC §8): step.invoke and step.start, parking, failure, cascade, links."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import ChildWorkflowFailed, WorkflowEntrypoint, register
+from workflows_app.engine.errors import NonRetryableError
+from workflows_app.models import Instance, Span, StepRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+created_children: Counter[str] = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _flows(registered):
+    created_children.clear()
+
+    @register("ship")
+    class Ship(WorkflowEntrypoint):
+        async def run(self, event, step):
+            if event.payload.get("wait"):
+                await step.wait_for_event("dispatched", type="dispatched", timeout="1 day")
+            if event.payload.get("fail"):
+                await step.do(
+                    "refuse",
+                    lambda: (_ for _ in ()).throw(NonRetryableError("no stock", "OutOfStock")),
+                )
+            return {"shipped": event.payload["order"]}
+
+    @register("order")
+    class Order(WorkflowEntrypoint):
+        async def run(self, event, step):
+            before = await step.do("before", lambda: "ok")
+            try:
+                shipped = await step.invoke("ship", "ship", params=event.payload)
+            except ChildWorkflowFailed as exc:
+                return {"failed": [exc.error_name, exc.message], "child": exc.instance_id}
+            audit = await step.start("audit", "ship", params={"order": 0})
+            return {"before": before, "shipped": shipped, "audit": audit}
+
+
+def test_invoke_starts_one_child_parks_the_parent_and_returns_the_child_output():
+    parent = get_workflow("order").create(id="o1", params={"order": 42, "wait": True})
+    testing.run_until_idle()
+    row = parent.row()
+    assert row.status == "waiting" and row.lease_token is None  # parked: no worker holds it
+    assert row.wake_at is None
+    (child,) = parent.children()
+    assert child.id == "o1:ship" and child.status().status == "waiting"
+    assert child.parent().id == "o1"
+    # A replay of the parent (a pause and resume make it run again) starts no second child.
+    parent.pause()
+    parent.resume()
+    assert testing.run_until_idle() >= 1
+    assert parent.row().status == "waiting"
+    assert Instance.objects.filter(workflow="ship").count() == 1
+    child.send_event("dispatched")
+    testing.run_until_idle()  # the child completes, which makes the parent due; both run
+    out = parent.status().output
+    assert out["shipped"] == {"shipped": 42} and out["before"] == "ok"
+    assert out["audit"] == "o1:audit"
+    assert {c.id for c in parent.children()} == {"o1:ship", "o1:audit"}
+    types = [h.type for h in parent.history()]
+    assert types.count("child.started") == 2 and "child.completed" in types
+    assert child.history()[0].data["parent"]["step"] == "ship"
+    steps = {s.name: s.kind for s in StepRecord.objects.filter(instance_id=row.pk)}
+    assert steps["ship"] == "invoke" and steps["audit"] == "startChild"
+
+
+def test_a_child_that_errors_raises_child_workflow_failed_with_its_error_not_retried():
+    parent = get_workflow("order").create(id="o2", params={"order": 7, "fail": True})
+    testing.run_until_idle()
+    testing.run_until_idle()
+    assert parent.status().output == {
+        "failed": ["OutOfStock", "no stock"],
+        "child": "o2:ship",
+    }
+    record = StepRecord.objects.get(instance__instance_id="o2", name="ship")
+    assert (record.status, record.attempts) == ("failed", 1)
+    # Run again from scratch: the step finds the child it started, which failed.
+    parent.restart()
+    testing.run_until_idle()
+    assert parent.status().output["failed"] == ["OutOfStock", "no stock"]
+    assert Instance.objects.filter(workflow="ship").count() == 1
+
+
+def test_a_terminated_child_fails_the_invoke_and_a_terminated_parent_ends_its_children():
+    first = get_workflow("order").create(id="o3", params={"order": 1, "wait": True})
+    testing.run_until_idle()
+    (child,) = first.children()
+    assert child.terminate() is True
+    testing.run_until_idle()
+    assert first.status().output["failed"] == ["WorkflowTerminated", "the child was terminated"]
+
+    second = get_workflow("order").create(id="o4", params={"order": 2, "wait": True})
+    testing.run_until_idle()
+    (child,) = second.children()
+    assert second.terminate() is True
+    assert child.status().status == "terminated"
+    assert "child.terminated" in [h.type for h in second.history()]
+    assert "parent order/o4 ended" in child.history()[-1].data["reason"]
+
+
+def test_cancelling_a_parent_terminates_its_unfinished_children():
+    parent = get_workflow("order").create(id="o5", params={"order": 3, "wait": True})
+    testing.run_until_idle()
+    (child,) = parent.children()
+    parent.cancel(compensate=True)
+    testing.run_until_idle()
+    assert parent.status().status == "terminated"
+    assert child.status().status == "terminated"
+
+
+def test_a_child_finishing_wakes_the_parent_in_the_same_transaction():
+    parent = get_workflow("order").create(id="o6", params={"order": 5, "wait": True})
+    testing.run_until_idle()
+    (child,) = parent.children()
+    child.send_event("dispatched")
+    # Run only the child: its finish must leave the parent due (wake_at set, step due).
+    from workflows_app.engine import store
+
+    store.control.on_promoted = None  # no hints: only the rows can say it
+    try:
+        from workflows_app.engine.worker import Worker
+
+        async def run_child_only():
+            worker = Worker(worker_id="child-only")
+            await worker.start()
+            try:
+                await worker.claim_and_start()
+                await __import__("asyncio").gather(*worker.tasks.values())
+            finally:
+                await worker.stop(grace_seconds=0)
+
+        __import__("asyncio").run(run_child_only())
+    finally:
+        from workflows_app import live
+
+        store.control.on_promoted = live.instances_promoted
+    assert child.status().status == "complete"
+    row = parent.row()
+    assert row.wake_at is not None and row.status == "waiting"
+    assert StepRecord.objects.get(instance_id=row.pk, name="ship").wake_at is not None
+    testing.run_until_idle()
+    assert parent.status().status == "complete"
+
+
+def test_the_child_trace_links_to_the_parent_span():
+    parent = get_workflow("order").create(id="o7", params={"order": 9})
+    testing.run_until_idle()
+    testing.run_until_idle()
+    assert parent.status().status == "complete"
+    child = get_workflow("ship").get("o7:ship").row()
+    parent_row = parent.row()
+    assert child.parent_span.startswith(parent_row.trace_id + ":")
+    child_span = Span.objects.filter(trace_id=child.trace_id, name="workflow ship").first()
+    assert child_span is not None
+    assert any(link["trace_id"] == parent_row.trace_id for link in child_span.links)
+
+
+def test_given_ids_and_bad_step_names_make_valid_deterministic_child_ids():
+    @register("named-children")
+    class Named(WorkflowEntrypoint):
+        async def run(self, event, step):
+            a = await step.start("ship it!", "ship", params={"order": 1})
+            b = await step.start("explicit", "ship", params={"order": 2}, id="chosen-id")
+            return [a, b]
+
+    parent = get_workflow("named-children").create(id="n1")
+    testing.run_until_idle()
+    a, b = parent.status().output
+    assert (a, b) == ("n1:ship-it-", "chosen-id")
+    assert {c.id for c in parent.children()} == {a, b}
+
+
+def test_an_uncaught_child_failure_errors_the_parent_and_a_replay_raises_it_from_the_checkpoint():
+    @register("strict-order")
+    class StrictOrder(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("ship", "ship", params={"order": 1, "fail": True})
+
+    @register("patient-order")
+    class PatientOrder(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.invoke("ship", "ship", params={"order": 2, "fail": True})
+            except ChildWorkflowFailed as exc:
+                first = [exc.workflow, exc.instance_id, exc.error_name, exc.message]
+            await step.wait_for_event("again", type="again", timeout="1 hour")
+            return first
+
+    strict = get_workflow("strict-order").create(id="s1")
+    patient = get_workflow("patient-order").create(id="p1")
+    testing.run_until_idle()
+    error = strict.status().error
+    assert error["name"] == "ChildWorkflowFailed"
+    assert "child ship/s1:ship failed: OutOfStock: no stock" in error["message"]
+    assert patient.status().status == "waiting"
+    patient.send_event("again")  # the replay meets the failed invoke's checkpoint
+    testing.run_until_idle()
+    assert patient.status().output == ["ship", "p1:ship", "OutOfStock", "no stock"]
+    assert Instance.objects.filter(workflow="ship").count() == 2
+
+
+def test_a_parent_that_ended_while_its_step_ran_starts_no_orphan_child():
+    from workflows_app.engine import store
+    from workflows_app.engine.errors import InvalidTransition
+    from workflows_app.engine.store import NewInstance
+
+    parent = get_workflow("order").create(id="ended", params={"order": 1, "wait": True})
+    parent.terminate()
+    ship = get_workflow("ship").definition()
+    item = NewInstance("ended:ship", "{}", parent_pk=parent.row().pk, parent_step="ship")
+    with pytest.raises(InvalidTransition, match="terminated: it starts no child"):
+        store.start_child("ship", ship.version, ship.limits(), item, "fallback", "test")
+    assert not Instance.objects.filter(workflow="ship").exists()
+
+
+def test_wf_status_names_the_parent_and_the_children():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    parent = get_workflow("order").create(id="cli-p", params={"order": 4, "wait": True})
+    testing.run_until_idle()
+    out = StringIO()
+    call_command("wf", "status", "cli-p", stdout=out)
+    assert "child:    ship/cli-p:ship waiting (step 'ship')" in out.getvalue()
+    out = StringIO()
+    call_command("wf", "status", "cli-p:ship", stdout=out)
+    assert "parent:   order/cli-p (step 'ship')" in out.getvalue()
+    assert parent.children()[0].id == "cli-p:ship"
