@@ -843,7 +843,7 @@ def send_event(
 SEND_EVENT_SQL = f"""
 WITH inst AS (
     SELECT id, status FROM {INSTANCE_TABLE}
-    WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s FOR UPDATE
+    WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s FOR NO KEY UPDATE
 ), ok AS (
     SELECT id, status FROM inst
     WHERE status = ANY(%(allowed)s) AND NOT (%(validate)s AND EXISTS (

@@ -80,7 +80,7 @@ def skip_rows_being_claimed(query: Any) -> Any:
     """PostgreSQL: lock the rows a claim takes and skip those another worker is claiming.
     SQLite needs nothing: its IMMEDIATE transaction already serialises claimers."""
     if connection.features.has_select_for_update_skip_locked:
-        return query.select_for_update(skip_locked=True, of=("self",))
+        return query.select_for_update(skip_locked=True, of=("self",), no_key=True)
     return query
 
 
@@ -103,8 +103,15 @@ def lock_admission(workflow: str) -> None:
 
 
 def lock_rows(query: Any) -> Any:
-    """Row locks where the database has them (SQLite locks the whole database instead)."""
-    return query.select_for_update() if connection.features.has_select_for_update else query
+    """Row locks where the database has them (SQLite locks the whole database instead).
+
+    FOR NO KEY UPDATE, like every row lock of the store: the engine never changes an
+    instance's key, and the stronger FOR UPDATE would block (and deadlock with) the
+    FOR KEY SHARE locks that foreign-key checks of concurrent inserts take at commit
+    (a history or span row of the same instance)."""
+    return (
+        query.select_for_update(no_key=True) if connection.features.has_select_for_update else query
+    )
 
 
 def close_if_dropped() -> None:

@@ -217,7 +217,7 @@ WITH picked AS (
     WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
       AND id <> ALL(%(exclude)s)
     ORDER BY wake_at LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    FOR NO KEY UPDATE SKIP LOCKED
 ), numbered AS (
     SELECT *, row_number() OVER () AS n FROM picked
 ), claimed AS (

@@ -24,7 +24,7 @@ from .. import clock
 from ..errors import (
     InstanceNotFound,
 )
-from .dialect import db_time, json_placeholder
+from .dialect import db_time, json_placeholder, lock_rows
 
 INSTANCE_TABLE = Instance._meta.db_table
 
@@ -159,7 +159,7 @@ def wake_parent(parent_pk: int, parent_step: str, now: datetime) -> None:
 
 def locked_instance(name: str, instance_id: str) -> Instance:
     try:
-        return Instance.objects.select_for_update().get(workflow=name, instance_id=instance_id)
+        return lock_rows(Instance.objects.filter(workflow=name, instance_id=instance_id)).get()
     except Instance.DoesNotExist:
         raise InstanceNotFound(f"workflow {name!r} has no instance {instance_id!r}") from None
 
