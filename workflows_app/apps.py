@@ -19,6 +19,7 @@ class WorkflowsAppConfig(AppConfig):
         access.connect_signals()
 
         store.control.on_promoted = live.instances_promoted
+        store.schedules.on_fired = live.instances_scheduled
         if getattr(settings, "WFDASH", {}).get("TRACING", True):
             from . import tracing
 

@@ -143,6 +143,8 @@ def _create_instances(
                 started_at=now if admitted else None,
                 wake_at=now if admitted else None,
                 retention_ms=item.retention_ms,
+                schedule=item.schedule,
+                scheduled_at=item.scheduled_at,
                 history_seq=1,
                 trace_id=uuid.uuid4().hex,
             )

@@ -51,6 +51,8 @@ class NewInstance:
     params_json: str
     idempotency_key: str | None = None
     retention_ms: int | None = None
+    schedule: str = ""  # the schedule that starts it, and the tick it fires for
+    scheduled_at: datetime | None = None
 
 
 @dataclass
