@@ -25,6 +25,7 @@ FULL = {
     "throughput": 2000,
     "event": 100,
     "timers": 50,
+    "schedule": 20,
     "herd": 10_000,
     "replay": 1000,
     "recovery": 500,
@@ -46,6 +47,7 @@ REQUIRED_KEYS = [
     "event_latency_worker_p50_ms",
     "timer_lateness_p50_ms",
     "timer_lateness_p95_ms",
+    "schedule_tick_to_start_p50_ms",
     "herd_10k_wake_s",
     "replay_1000_ratio",
     "parked_100k_rss_delta_mb",
@@ -64,6 +66,8 @@ PER_COMMIT_MS = {
     "event_latency_worker_p95_ms",
     "replay_run_ms",
     "replay_load_rows_ms",
+    "schedule_tick_to_start_p50_ms",
+    "schedule_tick_to_start_p95_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
 PER_SECOND = {
@@ -101,6 +105,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("event", lambda: m.event_latency(size["event"])),
         ("event_worker", lambda: m.event_latency_worker(size["event"])),
         ("timers", lambda: m.timer_lateness(size["timers"])),
+        ("schedule", lambda: m.schedule_latency(size["schedule"])),
         ("herd", lambda: m.herd(size["herd"], size["herd_lead_s"])),
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 "event",
                 "event_worker",
                 "timers",
+                "schedule",
                 "herd",
                 "replay",
                 "recovery",

@@ -311,3 +311,18 @@ def test_worker_processes_on_postgresql_start_one_instance_per_tick(workers):
     )
     assert len(ticks) == len(set(ticks))
     assert Schedule.objects.get(name="fleet-ticks").last_tick_at == max(ticks)
+
+
+def test_a_re_created_schedule_never_starts_a_tick_twice(registered):
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("again", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        schedules.get("again").delete()
+        clock.set(START)  # a clock set back: the same tick comes due again for the new schedule
+        schedules.create("again", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        assert [i.instance_id for i in started("report")] == ["again@20260601T030000Z"]
+        assert schedules.get("again").next_run_at == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)

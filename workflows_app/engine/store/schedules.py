@@ -22,7 +22,13 @@ from django.db.models import Min
 from ...models import Instance, Schedule
 from .. import clock
 from ..cron import latest_fire_time, next_fire_time
-from ..errors import InvalidInput, ScheduleExists, ScheduleNotFound, WorkflowError
+from ..errors import (
+    InstanceAlreadyExists,
+    InvalidInput,
+    ScheduleExists,
+    ScheduleNotFound,
+    WorkflowError,
+)
 from ..limits import Limits
 from .control import _create_instances
 from .dialect import retry_while_locked
@@ -181,8 +187,6 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
         with transaction.atomic():
             if not move_on(instance_id):
                 return None  # fired (or paused, or changed) by another process meanwhile
-            if Instance.objects.filter(workflow=row.workflow, instance_id=instance_id).exists():
-                return None  # a schedule of this name fired this tick before it was re-created
             [(instance, _)] = _create_instances(
                 target.workflow,
                 target.version,
@@ -190,6 +194,11 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
                 [NewInstance(instance_id, row.params_json, schedule=row.name, scheduled_at=tick)],
                 f"{DECLARED_ACTOR}:{row.name}",
             )
+    except InstanceAlreadyExists:
+        # A schedule of this name fired this tick before it was deleted and created again.
+        with transaction.atomic():
+            move_on(instance_id)
+        return None
     except WorkflowError:
         # The instance cannot be created (its params break a limit lowered since): skip
         # the tick rather than retry it at every turn of every worker's loop.
