@@ -24,5 +24,10 @@ class WorkflowsAppConfig(AppConfig):
             from . import tracing
 
             tracing.configure()
+        if any(
+            backend.get("BACKEND") == "workflows_app.tasks.WorkflowTaskBackend"
+            for backend in getattr(settings, "TASKS", {}).values()
+        ):
+            from . import tasks  # noqa: F401  (workers register task workflows on demand)
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

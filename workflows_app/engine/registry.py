@@ -148,7 +148,26 @@ def unregister(name: str, version: int | None = None) -> None:
                 del _definitions[name]
 
 
+_resolvers: list[Callable[[str], None]] = []
+
+
+def add_resolver(resolver: Callable[[str], None]) -> None:
+    """resolver(name) may register an unknown workflow on demand (the Django tasks backend
+    registers a task's workflow by importing the task), so a worker runs what it never imported."""
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
+def _resolve(name: str) -> None:
+    with _lock:
+        if name in _definitions:
+            return
+    for resolver in tuple(_resolvers):
+        resolver(name)
+
+
 def get_definition(name: str, version: int | None = None) -> Definition:
+    _resolve(name)
     with _lock:
         versions = _definitions.get(name)
         if not versions:
@@ -163,8 +182,15 @@ def get_definition(name: str, version: int | None = None) -> Definition:
 
 
 def find_definition(name: str, version: int) -> Definition | None:
+    _resolve(name)
     with _lock:
         return _definitions.get(name, {}).get(version)
+
+
+def is_registered(name: str, version: int) -> bool:
+    """Whether this process has that version, without asking the resolvers."""
+    with _lock:
+        return version in _definitions.get(name, {})
 
 
 def all_definitions() -> list[Definition]:
