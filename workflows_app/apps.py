@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 from django.apps import AppConfig
 from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
@@ -28,6 +30,9 @@ class WorkflowsAppConfig(AppConfig):
             backend.get("BACKEND") == "workflows_app.tasks.WorkflowTaskBackend"
             for backend in getattr(settings, "TASKS", {}).values()
         ):
-            from . import tasks  # noqa: F401  (workers register task workflows on demand)
+            # Workers register task workflows on demand. Without a tasks framework (Django
+            # 5.2 without the django-tasks backport) nothing can enqueue a task: skip it.
+            with contextlib.suppress(ImportError):
+                from . import tasks  # noqa: F401
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)
