@@ -26,6 +26,7 @@ FULL = {
     "admission": 1000,
     "event": 100,
     "timers": 50,
+    "schedule": 20,
     "herd": 10_000,
     "replay": 1000,
     "recovery": 500,
@@ -48,6 +49,7 @@ REQUIRED_KEYS = [
     "event_latency_notify_p50_ms",
     "timer_lateness_p50_ms",
     "timer_lateness_p95_ms",
+    "schedule_tick_to_start_p50_ms",
     "herd_10k_wake_s",
     "replay_1000_ratio",
     "parked_100k_rss_delta_mb",
@@ -74,6 +76,8 @@ PER_COMMIT_MS = {
     "admission_on_total_ms",
     "admission_overhead_create_ms",
     "admission_overhead_total_ms",
+    "schedule_tick_to_start_p50_ms",
+    "schedule_tick_to_start_p95_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
 PER_SECOND = {
@@ -113,6 +117,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("event_worker", lambda: m.event_latency_worker(size["event"])),
         ("event_notify", lambda: m.event_latency_worker(size["event"], via="notify")),
         ("timers", lambda: m.timer_lateness(size["timers"])),
+        ("schedule", lambda: m.schedule_latency(size["schedule"])),
         ("herd", lambda: m.herd(size["herd"], size["herd_lead_s"])),
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 "event",
                 "event_worker",
                 "timers",
+                "schedule",
                 "herd",
                 "replay",
                 "recovery",

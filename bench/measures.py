@@ -365,6 +365,34 @@ def timer_lateness(n: int, sleep_ms: int = 100) -> Figures:
     }
 
 
+def schedule_latency(ticks: int) -> Figures:
+    """A schedule firing every second, serving in-process worker: from each tick (the
+    instance's scheduled_at) to the start of its instance's first step, `ticks` ticks."""
+    from workflows_app.client import schedules
+
+    name = _prefix("tick")
+    with ServingWorker():
+        schedules.create(name, workflow="bench-sched", cron="* * * * * *")
+        deadline = time.monotonic() + ticks * 2 + 30
+        while True:
+            started = list(
+                Instance.objects.filter(schedule=name).values_list("instance_id", "scheduled_at")
+            )
+            marked = [(iid, at) for iid, at in started if iid + "@wall" in wf.MARKS]
+            if len(marked) >= ticks:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(marked)}/{ticks} scheduled instances started")
+            time.sleep(0.1)
+        schedules.get(name).pause()
+    latencies = [(wf.MARKS[iid + "@wall"] - at.timestamp()) * 1000 for iid, at in marked]
+    return {
+        "schedule_tick_to_start_p50_ms": _pct(latencies, 50),
+        "schedule_tick_to_start_p95_ms": _pct(latencies, 95),
+        "schedule_ticks": len(latencies),
+    }
+
+
 def herd(n: int, lead_seconds: float = 3.0) -> Figures:
     """n instances parked on sleep_until the same instant: seconds from it until all complete."""
     prefix = _prefix("herd")

@@ -108,6 +108,15 @@ class SleepThenMark(WorkflowEntrypoint):
         return "done"
 
 
+@register("bench-sched")
+class ScheduledMark(WorkflowEntrypoint):
+    """Started by a schedule's tick; its first step marks when the instance started."""
+
+    async def run(self, event, step):
+        await step.do("mark", mark_async)
+        return "done"
+
+
 @register("bench-herd")
 class SleepUntilThenStep(WorkflowEntrypoint):
     """Parked by bulk insert (a waiting sleepUntil step "until"); the replay completes it."""

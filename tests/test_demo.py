@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 import workflows_app.demo  # noqa: F401  (registers the demo workflows when WFDASH_DEMO is off)
 from workflows_app import testing
-from workflows_app.client import get_workflow
+from workflows_app.client import get_workflow, schedules
 from workflows_app.demo.workflows import create_demo_instances
+from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,4 +76,15 @@ def test_the_demo_has_one_instance_per_readme_story_with_readable_ids():
 def test_running_the_demo_again_creates_nothing_twice():
     first = create_demo_instances()
     assert create_demo_instances() == []
-    assert len(first) == 6
+    assert len(first) == 7
+
+
+def test_the_demo_schedule_starts_a_digest_every_five_minutes():
+    with testing.fake_clock(datetime(2026, 6, 1, 12, 1, tzinfo=UTC)) as clock:
+        create_demo_instances()
+        [digest] = schedules.list(workflow="daily-digest")
+        assert (digest.name, digest.cron) == ("digest-every-5-minutes", "*/5 * * * *")
+        clock.advance("5 minutes")
+        testing.run_until_idle()
+    [row] = Instance.objects.filter(schedule="digest-every-5-minutes")
+    assert row.output == {"tick": "2026-06-01T12:05:00+00:00", "region": "eu", "orders": 3}

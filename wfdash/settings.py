@@ -238,6 +238,10 @@ LOGGING = {
 
 # wfdash engine settings. LIMITS overrides the Cloudflare defaults for every workflow;
 # register(limits=...) overrides them per workflow.
+# Django's tasks framework (django.tasks; the django-tasks backport on Django 5.2): every
+# @task runs as a durable one-step workflow instance on wfdash's workers.
+TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
+
 WFDASH = {
     "LIMITS": {},
     "LEASE_SECONDS": float(os.environ.get("WFDASH_LEASE_SECONDS", "30")),

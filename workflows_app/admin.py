@@ -26,14 +26,17 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from . import tokens
-from .client import InstanceHandle
+from .client import InstanceHandle, ScheduleHandle, schedules
 from .engine import errors, lifecycle
+from .engine.cron import check_cron, check_schedule_name, zone
+from .engine.registry import get_definition
 from .models import (
     ApiToken,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
     Instance,
+    Schedule,
     Span,
     StepRecord,
     WorkflowVersion,
@@ -667,3 +670,174 @@ class ApiTokenAdmin(admin.ModelAdmin):
         )
         add_never_cache_headers(response)
         return response
+
+
+# --- schedules --------------------------------------------------------------------------------
+
+
+def run_schedule_action(
+    modeladmin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Schedule],
+    verb: str,
+    act: Callable[[ScheduleHandle, str], Any],
+) -> None:
+    """Apply one client call to each selected schedule; report successes and each failure."""
+    done = 0
+    for row in queryset.order_by("name"):
+        try:
+            act(schedules.get(row.name), request.user.get_username())
+            done += 1
+        except errors.WorkflowError as exc:
+            modeladmin.message_user(request, f"Could not {verb} {row}: {exc}", messages.ERROR)
+    if done:
+        modeladmin.message_user(
+            request, f"{verb.capitalize()}: {done} schedule(s).", messages.SUCCESS
+        )
+
+
+@admin.action(description="Pause selected schedules", permissions=["change"])
+def pause_schedules(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Schedule]
+) -> None:
+    run_schedule_action(modeladmin, request, queryset, "pause", lambda s, actor: s.pause())
+
+
+@admin.action(description="Resume selected schedules", permissions=["change"])
+def resume_schedules(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Schedule]
+) -> None:
+    run_schedule_action(modeladmin, request, queryset, "resume", lambda s, actor: s.resume())
+
+
+@admin.action(
+    description="Start one instance of each selected schedule now", permissions=["change"]
+)
+def trigger_schedules(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Schedule]
+) -> None:
+    if not request.user.has_perm(CHANGE_INSTANCE):  # starting instances is an instance write
+        raise PermissionDenied
+    run_schedule_action(
+        modeladmin, request, queryset, "trigger", lambda s, actor: s.trigger(actor=actor)
+    )
+
+
+class ScheduleForm(forms.ModelForm):
+    """Adding a runtime schedule: validated and created through the client, like the API."""
+
+    params = forms.CharField(
+        required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="JSON; empty: null"
+    )
+
+    class Meta:
+        model = Schedule
+        fields = ("name", "workflow", "cron", "timezone")
+
+    def clean_params(self) -> Any:
+        text = self.cleaned_data.get("params") or "null"
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise forms.ValidationError(f"params are not valid JSON: {exc}") from None
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        checks = {
+            "name": check_schedule_name,
+            "cron": check_cron,
+            "timezone": zone,
+            "workflow": get_definition,
+        }
+        for field, check in checks.items():
+            if field in cleaned:
+                try:
+                    check(cleaned[field])
+                except errors.WorkflowError as exc:
+                    self.add_error(field, str(exc))
+        return cleaned
+
+
+@admin.register(Schedule)
+class ScheduleAdmin(admin.ModelAdmin):
+    """Schedules are created here (or by code, API, command) and then only paused, resumed,
+    triggered or deleted: their ticks' bookkeeping belongs to the workers."""
+
+    form = ScheduleForm
+    list_display = (
+        "name",
+        "workflow",
+        "cron",
+        "timezone",
+        "paused",
+        "declared",
+        "next_run_at",
+        "last_tick_at",
+        "last_instance",
+    )
+    list_filter = ("paused", "declared", "workflow")
+    search_fields = ("name", "workflow")
+    actions = (pause_schedules, resume_schedules, trigger_schedules)
+    add_fields = ("name", "workflow", "cron", "timezone", "params")
+    all_fields = (
+        "name",
+        "workflow",
+        "cron",
+        "timezone",
+        "params_pretty",
+        "paused",
+        "declared",
+        "next_run_at",
+        "last_tick_at",
+        "last_instance",
+        "created_by",
+        "created_at",
+        "updated_at",
+    )
+    params_pretty = json_field("params", "params")
+
+    def get_fields(self, request: HttpRequest, obj: Schedule | None = None) -> tuple[str, ...]:
+        return self.add_fields if obj is None else self.all_fields
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: Schedule | None = None
+    ) -> tuple[str, ...]:
+        return () if obj is None else self.all_fields
+
+    @admin.display(description="last instance")
+    def last_instance(self, obj: Schedule) -> SafeString | str:
+        if not obj.last_instance_id:
+            return ""
+        row = Instance.objects.filter(
+            workflow=obj.workflow, instance_id=obj.last_instance_id
+        ).first()
+        if row is None:
+            return obj.last_instance_id
+        url = reverse("admin:workflows_app_instance_change", args=[row.pk])
+        return format_html('<a href="{}">{}</a>', url, obj.last_instance_id)
+
+    def save_model(self, request: HttpRequest, obj: Schedule, form: Any, change: bool) -> None:
+        if change:
+            return  # read-only once created: pause, resume, trigger or delete it
+        try:
+            created = schedules.create(
+                obj.name,
+                workflow=obj.workflow,
+                cron=obj.cron,
+                params=form.cleaned_data.get("params"),
+                timezone=obj.timezone,
+                actor=request.user,
+            )
+        except errors.WorkflowError as exc:  # a race with another create of the same name
+            raise PermissionDenied(str(exc)) from exc
+        obj.pk = Schedule.objects.get(name=created.name).pk
+
+    def has_delete_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
+        return (obj is None or not obj.declared) and super().has_delete_permission(request, obj)
+
+    def delete_model(self, request: HttpRequest, obj: Schedule) -> None:
+        schedules.get(obj.name).delete()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
+        for row in queryset:
+            schedules.get(row.name).delete()  # refuses a declared one

@@ -22,7 +22,7 @@ from django.utils.cache import add_never_cache_headers
 from django.views.decorators.csrf import csrf_exempt
 
 from . import dashboard, openapi, surfaces, throttle, tokens
-from .client import InstanceHandle
+from .client import InstanceHandle, ScheduleHandle, schedules
 from .engine import errors
 from .models import ApiToken
 
@@ -36,6 +36,8 @@ LIMIT_PATTERN = re.compile(
 ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
     (errors.UnknownWorkflow, 404),
     (errors.InstanceNotFound, 404),
+    (errors.ScheduleNotFound, 404),
+    (errors.ScheduleExists, 409),
     (errors.InstanceAlreadyExists, 409),
     (errors.InvalidTransition, 409),
     (errors.VersionConflict, 409),
@@ -382,6 +384,71 @@ def skip_sleep(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok({**state(handle), "skipped": skipped})
 
 
+def schedule_of(name: str, schedule: str) -> ScheduleHandle:
+    """The schedule, only under the workflow it starts (token limits are per workflow)."""
+    surfaces.binding(name)  # UnknownWorkflow first, as for instances
+    found = schedules.get(schedule)
+    if found.workflow != name:
+        raise errors.ScheduleNotFound(f"workflow {name!r} has no schedule {schedule!r}")
+    return found
+
+
+NEXT_RUNS_SHOWN = 5
+
+
+def list_schedules(call: Call, name: str) -> JsonResponse:
+    if call.request.GET:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed",
+        )
+    surfaces.binding(name)
+    return ok([surfaces.schedule_json(s) for s in schedules.list(workflow=name)])
+
+
+def create_schedule(call: Call, name: str) -> JsonResponse:
+    body = call.object_body({"name", "cron", "timezone", "params"})
+    missing = sorted({"name", "cron"} - set(body))
+    if missing:
+        raise ApiError(400, "InvalidInput", f"missing field(s) {missing}")
+    created = schedules.create(
+        body["name"],
+        workflow=name,
+        cron=body["cron"],
+        params=body.get("params"),
+        timezone=body.get("timezone", "UTC"),
+        actor=call.actor,
+    )
+    return ok(surfaces.schedule_json(created, NEXT_RUNS_SHOWN), status=201)
+
+
+def get_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    return ok(surfaces.schedule_json(schedule_of(name, schedule), NEXT_RUNS_SHOWN))
+
+
+def change_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    paused = call.object_body({"paused"}).get("paused")
+    if not isinstance(paused, bool):
+        raise ApiError(
+            400, "InvalidInput", f"paused must be true or false, got {json_type(paused)}"
+        )
+    found = schedule_of(name, schedule)
+    changed = found.pause() if paused else found.resume()
+    return ok(surfaces.schedule_json(changed, NEXT_RUNS_SHOWN))
+
+
+def delete_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    schedule_of(name, schedule).delete()
+    return ok({"name": schedule, "workflow": name, "deleted": True})
+
+
+def trigger_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    call.object_body(set())  # no options: an empty body or {}
+    handle = schedule_of(name, schedule).trigger(actor=call.actor)
+    return ok(surfaces.created_json(handle), status=201)
+
+
 def state(handle: InstanceHandle) -> dict[str, Any]:
     return {"id": handle.id, "workflow": handle.workflow, "status": handle.status().status}
 
@@ -413,3 +480,6 @@ status = endpoint(PATCH=change_status)
 events = endpoint(POST=send_event)
 cancel_view = endpoint(POST=cancel)
 skip_sleep_view = endpoint(POST=skip_sleep)
+schedules_view = endpoint(GET=list_schedules, POST=create_schedule)
+schedule_view = endpoint(GET=get_schedule, PATCH=change_schedule, DELETE=delete_schedule)
+trigger_view = endpoint(POST=trigger_schedule)

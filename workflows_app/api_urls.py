@@ -9,6 +9,7 @@ from . import api
 app_name = "api"
 
 INSTANCE = "workflows/<str:name>/instances/<str:instance_id>"
+SCHEDULE = "workflows/<str:name>/schedules/<str:schedule>"
 
 urlpatterns = [
     path("openapi.json", api.openapi_document, name="openapi"),
@@ -21,4 +22,7 @@ urlpatterns = [
     path(f"{INSTANCE}/events/<str:event_type>", api.events, name="event"),
     path(f"{INSTANCE}/cancel", api.cancel_view, name="cancel"),
     path(f"{INSTANCE}/skip-sleep", api.skip_sleep_view, name="skip-sleep"),
+    path("workflows/<str:name>/schedules", api.schedules_view, name="schedules"),
+    path(SCHEDULE, api.schedule_view, name="schedule"),
+    path(f"{SCHEDULE}/trigger", api.trigger_view, name="schedule-trigger"),
 ]

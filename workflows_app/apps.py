@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 from django.apps import AppConfig
 from django.conf import settings
 from django.db.backends.signals import connection_created
@@ -24,9 +26,18 @@ class WorkflowsAppConfig(AppConfig):
 
         store.control.on_promoted = live.instances_promoted
         store.control.on_child_terminated = live.instance_terminated
+        store.schedules.on_fired = live.instances_scheduled
         if getattr(settings, "WFDASH", {}).get("TRACING", True):
             from . import tracing
 
             tracing.configure()
+        if any(
+            backend.get("BACKEND") == "workflows_app.tasks.WorkflowTaskBackend"
+            for backend in getattr(settings, "TASKS", {}).values()
+        ):
+            # Workers register task workflows on demand. Without a tasks framework (Django
+            # 5.2 without the django-tasks backport) nothing can enqueue a task: skip it.
+            with contextlib.suppress(ImportError):
+                from . import tasks  # noqa: F401
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

@@ -40,6 +40,7 @@ from .models import (
     StepStatus,
     decode_json,
 )
+from .scheduling import ScheduleHandle, schedules
 from .tracing import flush_spans
 
 log = logging.getLogger("workflows_app.client")
@@ -548,4 +549,12 @@ for _name in (
 ):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
-__all__ = ["InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]
+__all__ = [
+    "InstanceHandle",
+    "InstanceStatus",
+    "Page",
+    "ScheduleHandle",
+    "WorkflowBinding",
+    "get_workflow",
+    "schedules",
+]

@@ -24,6 +24,7 @@ from .models import (
     HistoryRecord,
     InboxEvent,
     Instance,
+    Schedule,
     Span,
     Status,
     StepKind,
@@ -302,6 +303,7 @@ class WorkflowPage:
     catalog: list[WorkflowVersion]
     registered_versions: set[int]
     recent: list[Instance]
+    schedules: list[ScheduleRow] = field(default_factory=list)
 
 
 def workflow_page(name: str) -> WorkflowPage | None:
@@ -316,7 +318,58 @@ def workflow_page(name: str) -> WorkflowPage | None:
         .filter(workflow=name)
         .order_by("-id")[:RECENT_ON_WORKFLOW_PAGE]
     )
-    return WorkflowPage(summary, catalog, registered, recent)
+    return WorkflowPage(summary, catalog, registered, recent, schedule_rows(workflow=name))
+
+
+# --- schedules ----------------------------------------------------------------------------
+
+RECENT_ON_SCHEDULE_PAGE = 20
+
+
+@dataclass
+class ScheduleRow:
+    schedule: Schedule
+    last_instance: Instance | None  # None when it started none yet, or it was deleted
+
+
+def schedule_rows(workflow: str | None = None) -> list[ScheduleRow]:
+    """Schedules by name, each with the instance it started last: two queries."""
+    rows = list(
+        Schedule.objects.all() if workflow is None else Schedule.objects.filter(workflow=workflow)
+    )
+    wanted = Q(pk__in=[])
+    for row in rows:
+        if row.last_instance_id:
+            wanted |= Q(workflow=row.workflow, instance_id=row.last_instance_id)
+    last = {
+        (i.workflow, i.instance_id): i
+        for i in (Instance.objects.only(*ROW_FIELDS).filter(wanted) if rows else [])
+    }
+    return [ScheduleRow(r, last.get((r.workflow, r.last_instance_id))) for r in rows]
+
+
+@dataclass
+class SchedulePage:
+    row: ScheduleRow
+    next_runs: list[datetime]
+    recent: list[Instance]
+
+
+def schedule_page(name: str) -> SchedulePage | None:
+    """A schedule, its next fire times and the instances it started, newest first."""
+    from .client import ScheduleHandle
+
+    schedule = Schedule.objects.filter(name=name).first()
+    if schedule is None:
+        return None
+    recent = list(
+        Instance.objects.only(*ROW_FIELDS)
+        .filter(schedule=name)
+        .order_by("-id")[:RECENT_ON_SCHEDULE_PAGE]
+    )
+    last = next((i for i in recent if i.instance_id == schedule.last_instance_id), None)
+    handle = ScheduleHandle.from_row(schedule)
+    return SchedulePage(ScheduleRow(schedule, last), handle.next_runs(5), recent)
 
 
 def pretty_json(text: str | None) -> str:

@@ -144,6 +144,12 @@ def instance_terminated(pk: int) -> None:
     instance_changed("terminate", pk)
 
 
+def instances_scheduled(pks: list[int]) -> None:
+    """Schedules started instances (a worker fired their ticks): tell dashboards."""
+    for pk in pks:
+        instance_changed("created", pk)
+
+
 class PendingHints:
     """Hints to workers waiting to be sent, folded as they arrive: every wake hint is one
     (any worker may act on it), the others one per (kind, instance), newest last. While

@@ -99,6 +99,9 @@ class Instance(models.Model):
     )
     parent_step = models.CharField(max_length=300, blank=True)
     parent_span = models.CharField(max_length=49, blank=True)
+    # The schedule that started the instance and the tick it fired for ("" / NULL otherwise).
+    schedule = models.CharField(max_length=80, blank=True, default="")
+    scheduled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -183,6 +186,10 @@ class Instance(models.Model):
                 name="instance_finished",
                 condition=Q(finished_at__isnull=False),
             ),
+            # schedule page: WHERE schedule = ? ORDER BY id DESC (the instances it started)
+            models.Index(
+                fields=["schedule", "id"], name="instance_schedule", condition=~Q(schedule="")
+            ),
         ]
 
     def __str__(self) -> str:
@@ -201,6 +208,47 @@ class Instance(models.Model):
         if not self.error_name and not self.error_message:
             return None
         return {"name": self.error_name, "message": self.error_message}
+
+
+class Schedule(models.Model):
+    """A cron schedule: each tick starts one instance of `workflow` with `params`.
+
+    `declared` schedules come from register(schedules=[...]) and are kept in step with the
+    code by the workers; the others are created at run time (client, API, command, admin).
+    """
+
+    name = models.CharField(max_length=80, unique=True)
+    workflow = models.CharField(max_length=200)
+    cron = models.CharField(max_length=200)
+    timezone = models.CharField(max_length=64, default="UTC")
+    params_json = models.TextField(default="null")
+    paused = models.BooleanField(default=False)
+    declared = models.BooleanField(default=False)
+    # The next tick to fire; NULL while paused (resume computes it afresh from now).
+    next_run_at = models.DateTimeField(null=True, blank=True)
+    last_tick_at = models.DateTimeField(null=True, blank=True)
+    last_instance_id = models.CharField(max_length=200, blank=True)
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # the worker's check: WHERE next_run_at <= now (and its earliest next tick)
+            models.Index(
+                fields=["next_run_at"],
+                name="schedule_due",
+                condition=Q(next_run_at__isnull=False),
+            ),
+        ]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def params(self) -> Any:
+        return decode_json(self.params_json)
 
 
 class StepKind(models.TextChoices):

@@ -75,6 +75,7 @@ def path_param(name: str, description: str) -> dict[str, Any]:
 
 WORKFLOW = path_param("name", "registered workflow name")
 INSTANCE = path_param("instance_id", "instance id (scoped by workflow)")
+SCHEDULE = path_param("schedule", "schedule name (of a schedule that starts this workflow)")
 READ = (
     "Needs a token limited to no workflows or to this one; a token with a user needs its "
     "`workflows_app.view_instance` permission."
@@ -266,6 +267,56 @@ SCHEMAS: dict[str, Any] = {
     "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
     "EventSent": obj(
         {"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}
+    ),
+    "Schedule": obj(
+        {
+            "name": {"type": "string"},
+            "workflow": {"type": "string"},
+            "cron": {
+                "type": "string",
+                "description": "5-field cron (optionally a leading seconds field)",
+            },
+            "timezone": {"type": "string", "description": "IANA time zone the cron is read in"},
+            "params": ANY,
+            "paused": {"type": "boolean"},
+            "declared": {
+                "type": "boolean",
+                "description": "declared in code by register(schedules=[...]): cannot be deleted here",
+            },
+            "next_run_at": TIME_OR_NULL,
+            "last_tick_at": TIME_OR_NULL,
+            "last_instance_id": {"type": ["string", "null"]},
+            "created_at": TIME,
+            "created_by": {"type": "string"},
+            "next_runs": {"type": "array", "items": TIME, "description": "the next fire times"},
+        },
+        required=[
+            "name",
+            "workflow",
+            "cron",
+            "timezone",
+            "params",
+            "paused",
+            "declared",
+            "next_run_at",
+            "last_tick_at",
+            "last_instance_id",
+            "created_at",
+            "created_by",
+        ],
+    ),
+    "CreateSchedule": obj(
+        {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,79}$"},
+            "cron": {"type": "string", "examples": ["*/15 * * * *"]},
+            "timezone": {"type": "string", "default": "UTC"},
+            "params": ANY,
+        },
+        required=["name", "cron"],
+    ),
+    "ScheduleChange": obj({"paused": {"type": "boolean"}}),
+    "ScheduleDeleted": obj(
+        {"name": {"type": "string"}, "workflow": {"type": "string"}, "deleted": {"const": True}}
     ),
     "SleepSkipped": obj(
         {
@@ -519,6 +570,92 @@ def document() -> dict[str, Any]:
                 "InstanceState",
                 "compensating or terminated",
             ),
+            "/api/workflows/{name}/schedules": {
+                "parameters": [WORKFLOW],
+                "get": {
+                    "summary": "List the workflow's cron schedules (declared and runtime)",
+                    "operationId": "listSchedules",
+                    "description": READ,
+                    "responses": responses(
+                        json_body(success({"type": "array", "items": ref("Schedule")}), "by name"),
+                        "400",
+                        "403",
+                        "404",
+                    ),
+                },
+                "post": {
+                    "summary": "Create a cron schedule that starts an instance at every tick",
+                    "operationId": "createSchedule",
+                    "description": WRITE,
+                    "requestBody": json_body(ref("CreateSchedule"), "the schedule"),
+                    "responses": responses(
+                        json_body(success(ref("Schedule")), "created, with its next runs"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                        status="201",
+                    ),
+                },
+            },
+            "/api/workflows/{name}/schedules/{schedule}": {
+                "parameters": [WORKFLOW, SCHEDULE],
+                "get": {
+                    "summary": "A schedule, with its next runs",
+                    "operationId": "getSchedule",
+                    "description": READ,
+                    "responses": responses(
+                        json_body(success(ref("Schedule")), "the schedule"), "403", "404"
+                    ),
+                },
+                "patch": {
+                    "summary": "Pause or resume a schedule (ticks missed while paused never fire)",
+                    "operationId": "changeSchedule",
+                    "description": WRITE,
+                    "requestBody": json_body(ref("ScheduleChange"), "the new state"),
+                    "responses": responses(
+                        json_body(success(ref("Schedule")), "the schedule"),
+                        "400",
+                        "403",
+                        "404",
+                        "413",
+                    ),
+                },
+                "delete": {
+                    "summary": "Delete a runtime schedule (its instances stay)",
+                    "operationId": "deleteSchedule",
+                    "description": WRITE,
+                    "responses": responses(
+                        json_body(success(ref("ScheduleDeleted")), "deleted"),
+                        "400",
+                        "403",
+                        "404",
+                    ),
+                },
+            },
+            "/api/workflows/{name}/schedules/{schedule}/trigger": {
+                "parameters": [WORKFLOW, SCHEDULE],
+                "post": {
+                    "summary": "Start one instance of the schedule now",
+                    "operationId": "triggerSchedule",
+                    "description": WRITE,
+                    "requestBody": {
+                        "required": False,
+                        "description": "no options: empty or {}",
+                        "content": {"application/json": {"schema": obj({}, required=[])}},
+                    },
+                    "responses": responses(
+                        json_body(success(ref("InstanceCreated")), "started"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
+                        status="201",
+                    ),
+                },
+            },
             instance_path + "/skip-sleep": instance_action(
                 "End the instance's current sleeps now (the steps after them run)",
                 "skipSleep",
@@ -538,12 +675,13 @@ def document() -> dict[str, Any]:
                     "the token's scope or workflows do not cover the request, or its user "
                     "lacks the permission it needs"
                 ),
-                "NotFound": failure("unknown workflow or instance"),
+                "NotFound": failure("unknown workflow, instance or schedule"),
                 "MethodNotAllowed": failure(
                     "the path does not take this method (see the Allow header)"
                 ),
                 "Conflict": failure(
-                    "the action does not apply to the instance's status, or the id is taken"
+                    "the action does not apply to the instance's status, or the id or "
+                    "schedule name is taken"
                 ),
                 "PayloadTooLarge": failure("the body is larger than the API's request size limit"),
                 "TooManyRequests": failure(

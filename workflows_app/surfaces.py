@@ -14,6 +14,7 @@ from .client import (
     InstanceHandle,
     InstanceInfo,
     PendingEvent,
+    ScheduleHandle,
     WorkflowBinding,
     get_workflow,
 )
@@ -137,3 +138,24 @@ def created_json(handle: InstanceHandle) -> dict[str, Any]:
         "status": row.status,
         "created": handle.created,
     }
+
+
+def schedule_json(schedule: ScheduleHandle, next_runs: int = 0) -> dict[str, Any]:
+    """A schedule for the command's --json and the API; with next_runs, its next fire times."""
+    data: dict[str, Any] = {
+        "name": schedule.name,
+        "workflow": schedule.workflow,
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "params": schedule.params,
+        "paused": schedule.paused,
+        "declared": schedule.declared,
+        "next_run_at": iso(schedule.next_run_at),
+        "last_tick_at": iso(schedule.last_tick_at),
+        "last_instance_id": schedule.last_instance_id or None,
+        "created_at": iso(schedule.created_at),
+        "created_by": schedule.created_by,
+    }
+    if next_runs:
+        data["next_runs"] = [iso(t) for t in schedule.next_runs(next_runs)]
+    return data

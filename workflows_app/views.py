@@ -13,6 +13,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import permission_required
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import pluralize
@@ -21,7 +22,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, forms
-from .client import InstanceHandle, get_workflow
+from .client import InstanceHandle, get_workflow, schedules
 from .converters import parse_pk
 from .engine import errors
 from .engine.errors import WorkflowError
@@ -107,6 +108,51 @@ def workflow_detail(request: HttpRequest, name: str) -> HttpResponse:
     return render(
         request, "workflows/workflow_detail.html", {"page": "overview", "live": False, "w": page}
     )
+
+
+@dashboard_page
+def schedule_list(request: HttpRequest) -> HttpResponse:
+    return render(
+        request,
+        "workflows/schedules.html",
+        {"page": "schedules", "live": False, "rows": dashboard.schedule_rows()},
+    )
+
+
+@dashboard_page
+def schedule_detail(request: HttpRequest, name: str) -> HttpResponse:
+    page = dashboard.schedule_page(name)
+    if page is None:
+        raise Http404(f"no schedule {name!r}")
+    return render(
+        request,
+        "workflows/schedule_detail.html",
+        {"page": "schedules", "live": False, "s": page},
+    )
+
+
+SCHEDULE_ACTIONS = ("pause", "resume", "trigger")
+
+
+@dashboard_action
+def schedule_action(request: HttpRequest, name: str, action: str) -> HttpResponse:
+    """Pause, resume or trigger: needs change_schedule besides the dashboard's change_instance."""
+    if action not in SCHEDULE_ACTIONS:
+        raise Http404(f"no schedule action {action!r}")
+    if not request.user.has_perm("workflows_app.change_schedule"):
+        raise PermissionDenied
+    back = reverse("workflows:schedule", args=[name])
+    try:
+        schedule = schedules.get(name)
+        if action == "trigger":
+            handle = schedule.trigger(actor=request.user.get_username())
+            messages.success(request, f"Started {handle.id} from schedule {name}.")
+        else:
+            getattr(schedule, action)()
+            messages.success(request, f"Schedule {name} {action}d.")
+    except WorkflowError as exc:
+        messages.error(request, f"Could not {action} schedule {name}: {exc}")
+    return _back(request, back)
 
 
 @dashboard_page

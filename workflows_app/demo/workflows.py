@@ -1,7 +1,8 @@
-"""Four realistic workflows, registered when settings.WFDASH["DEMO"] is on."""
+"""Realistic workflows, registered when settings.WFDASH["DEMO"] is on."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -112,6 +113,27 @@ class NightlyImport(WorkflowEntrypoint):
         return {"rows": eu["rows"] + us["rows"], "reminder": reminder}
 
 
+@register("daily-digest", version=1)
+class DailyDigest(WorkflowEntrypoint):
+    """Started by the demo's cron schedule: gathers what happened since the tick before."""
+
+    async def run(self, event: Any, step: Any) -> dict[str, Any]:
+        tick = event.scheduled_at  # the tick this instance fired for (None if started by hand)
+        region = (event.payload or {}).get("region", "eu")
+        counted = await step.do("count orders", lambda: {"region": region, "orders": 3})
+        return {"tick": tick.isoformat() if tick else None, **counted}
+
+
+# The demo's schedule (created at run time, as an operator would, by `wf demo`).
+DEMO_SCHEDULE = {
+    "name": "digest-every-5-minutes",
+    "workflow": "daily-digest",
+    "cron": "*/5 * * * *",
+    "params": {"region": "eu"},
+    "timezone": "Europe/Paris",
+}
+
+
 def _reject(reason: str) -> None:
     raise NonRetryableError(reason, "ValidationError")
 
@@ -166,8 +188,8 @@ DEMO_STORIES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
 
 def create_demo_instances(actor: str = "demo") -> list[str]:
     """The README's stories, one instance each; running it again creates nothing twice."""
-    from ..client import get_workflow
-    from ..engine.errors import InstanceAlreadyExists
+    from ..client import get_workflow, schedules
+    from ..engine.errors import InstanceAlreadyExists, ScheduleExists
 
     created = []
     for workflow, instance_id, params, _story in DEMO_STORIES:
@@ -176,4 +198,6 @@ def create_demo_instances(actor: str = "demo") -> list[str]:
         except InstanceAlreadyExists:
             continue
         created.append(instance_id)
+    with contextlib.suppress(ScheduleExists):
+        schedules.create(**DEMO_SCHEDULE, actor=actor)
     return created

@@ -54,6 +54,14 @@ class InstanceAlreadyExists(WorkflowError):
     """An instance with that id already exists for that workflow."""
 
 
+class ScheduleExists(WorkflowError):
+    """A schedule of that name already exists."""
+
+
+class ScheduleNotFound(WorkflowError, LookupError):
+    """No schedule of that name exists."""
+
+
 class InvalidTransition(WorkflowError):
     """The action does not apply to the instance's current status."""
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .cron import check_cron
 from .errors import InvalidInput, UnknownWorkflow, VersionConflict
 from .limits import Limits
 
@@ -43,6 +44,8 @@ class Definition:
     cls: type[WorkflowEntrypoint]
     limits_overrides: dict[str, Any] = field(default_factory=dict)
     source_hash: str = ""
+    # Cron expressions of register(schedules=[...]): each becomes a declared Schedule.
+    schedules: tuple[str, ...] = ()
 
     @property
     def class_path(self) -> str:
@@ -72,9 +75,15 @@ def source_hash(cls: type) -> str:
 
 
 def register(
-    name: str, version: int = 1, limits: dict[str, Any] | None = None
+    name: str,
+    version: int = 1,
+    limits: dict[str, Any] | None = None,
+    schedules: Sequence[str] | None = None,
 ) -> Callable[[type[WorkflowEntrypoint]], type[WorkflowEntrypoint]]:
-    """Class decorator: make a WorkflowEntrypoint subclass available as `name` at `version`."""
+    """Class decorator: make a WorkflowEntrypoint subclass available as `name` at `version`.
+
+    `schedules`: cron expressions (UTC) that each start an instance at every tick.
+    """
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidInput(
             f"workflow name must be a non-empty string of at most 200 characters, got {name!r}"
@@ -82,6 +91,9 @@ def register(
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise InvalidInput(f"workflow version must be a positive integer, got {version!r}")
     Limits.build(limits)  # validate now, at import time, not at the first run
+    if isinstance(schedules, str) or not isinstance(schedules, (list, tuple, type(None))):
+        raise InvalidInput(f"schedules must be a list of cron expressions, got {schedules!r}")
+    crons = tuple(check_cron(expression) for expression in schedules or ())
 
     def decorate(cls: type[WorkflowEntrypoint]) -> type[WorkflowEntrypoint]:
         if not (isinstance(cls, type) and issubclass(cls, WorkflowEntrypoint)):
@@ -92,7 +104,7 @@ def register(
             raise InvalidInput(f"{cls.__qualname__}.run must be `async def run(self, event, step)`")
         cls.workflow_name = name
         cls.workflow_version = version
-        definition = Definition(name, version, cls, dict(limits or {}), source_hash(cls))
+        definition = Definition(name, version, cls, dict(limits or {}), source_hash(cls), crons)
         with _lock:
             current = _definitions.get(name, {}).get(version)
             if current is not None and current.source_hash != definition.source_hash:
@@ -136,7 +148,26 @@ def unregister(name: str, version: int | None = None) -> None:
                 del _definitions[name]
 
 
+_resolvers: list[Callable[[str], None]] = []
+
+
+def add_resolver(resolver: Callable[[str], None]) -> None:
+    """resolver(name) may register an unknown workflow on demand (the Django tasks backend
+    registers a task's workflow by importing the task), so a worker runs what it never imported."""
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
+def _resolve(name: str) -> None:
+    with _lock:
+        if name in _definitions:
+            return
+    for resolver in tuple(_resolvers):
+        resolver(name)
+
+
 def get_definition(name: str, version: int | None = None) -> Definition:
+    _resolve(name)
     with _lock:
         versions = _definitions.get(name)
         if not versions:
@@ -151,8 +182,15 @@ def get_definition(name: str, version: int | None = None) -> Definition:
 
 
 def find_definition(name: str, version: int) -> Definition | None:
+    _resolve(name)
     with _lock:
         return _definitions.get(name, {}).get(version)
+
+
+def is_registered(name: str, version: int) -> bool:
+    """Whether this process has that version, without asking the resolvers."""
+    with _lock:
+        return version in _definitions.get(name, {})
 
 
 def all_definitions() -> list[Definition]:

@@ -212,7 +212,10 @@ class Run:
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
         event = WorkflowEvent(
-            payload=inst.params, instance_id=inst.instance_id, timestamp=inst.created_at
+            payload=inst.params,
+            instance_id=inst.instance_id,
+            timestamp=inst.created_at,
+            scheduled_at=inst.scheduled_at,
         )
         self.span = spans.start_workflow_span(
             inst.trace_id,

@@ -58,11 +58,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WorkflowEvent:
-    """What run() receives: the params, the instance id and when the instance was created."""
+    """What run() receives: the params, the instance id, when the instance was created and,
+    for an instance a schedule started, the tick it fired for (None otherwise)."""
 
     payload: Any
     instance_id: str
     timestamp: datetime
+    scheduled_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 
 from ..models import Status
-from . import clock, registry, store
+from . import clock, registry, spans, store
 from .runner import Run
 from .store import History
 
@@ -297,6 +298,10 @@ class Worker:
         self.db: ConnectionThreads | None = None
         self.step_threads: StepThreads | None = None
         self.group_commit: GroupCommit | None = None
+        # The earliest tick of the schedules this worker fires; looked up again when it is
+        # due, when told a schedule changed, and at least every poll interval.
+        self.next_tick: datetime | None = None
+        self._ticks_looked_up = -float("inf")
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -337,6 +342,9 @@ class Worker:
         definitions = registry.all_definitions()
         await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
         await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
+        await self.db(
+            store.schedules.sync_declared, [(d.name, d.schedules) for d in newest_definitions()]
+        )
 
     async def stop(self, grace_seconds: float = 10.0) -> None:
         """Stop claiming; running steps may finish for a grace period but no new step
@@ -380,6 +388,8 @@ class Worker:
 
     def _on_hint(self, kind: str, pk: int | None) -> None:
         self._admission_stale = True
+        if kind in ("clock", "schedule"):
+            self._ticks_looked_up = -float("inf")
         run = self.runs.get(pk) if pk is not None else None
         if run is not None:
             if kind in ("terminate", "restart", "cancel"):
@@ -390,6 +400,28 @@ class Worker:
             self._wake.set()
 
     # --- one iteration at a time -----------------------------------------------------
+
+    async def fire_due_schedules(self) -> int:
+        """Start the instances of due schedule ticks (once per tick across the fleet)."""
+        if self._stopping:
+            return 0
+        due = self.next_tick is not None and self.next_tick <= clock.now()
+        if not due and time.monotonic() - self._ticks_looked_up < self.poll_seconds:
+            return 0
+        assert self.db is not None
+        targets = [
+            store.schedules.Target(d.name, d.version, d.limits()) for d in newest_definitions()
+        ]
+        self._ticks_looked_up = time.monotonic()
+        fired, self.next_tick = await self.db(store.schedules.fire_due, targets)
+        for started in fired:
+            spans.creation_span(
+                started.trace_id,
+                started.workflow,
+                started.instance_id,
+                actor=f"{store.schedules.DECLARED_ACTOR}:{started.schedule}",
+            )
+        return len(fired)
 
     async def claim_and_start(self) -> int:
         """Claim as many runnable instances as there are free slots and start running them."""
@@ -591,6 +623,7 @@ class Worker:
                 timeout, due, started = self.poll_seconds, None, 0
                 try:
                     await self.release_pending()
+                    await self.fire_due_schedules()
                     started = await self.claim_and_start()
                     full = len(self.tasks) >= self.concurrency
                     if started and not full:
@@ -600,6 +633,8 @@ class Worker:
                         admission = self.next_admission_at  # a debounce ends, a rate window opens
                         if admission is not None and (due is None or admission < due):
                             due = admission
+                    if self.next_tick is not None:  # an idle worker wakes for a schedule's tick
+                        due = self.next_tick if due is None else min(due, self.next_tick)
                 except Exception:
                     log.exception(
                         "worker %s: database error; retrying after the poll interval",
@@ -640,6 +675,7 @@ class Worker:
             nonlocal runs
             while True:
                 await self.release_pending()
+                await self.fire_due_schedules()
                 runs += await self.claim_and_start()
                 if not self.tasks:
                     await self.flush_hooks(force=True)
@@ -648,6 +684,15 @@ class Worker:
 
         await asyncio.wait_for(drain(), timeout)
         return runs
+
+
+def newest_definitions() -> list[registry.Definition]:
+    """The newest registered version of each workflow: the one schedules start."""
+    newest: dict[str, registry.Definition] = {}
+    for definition in registry.all_definitions():
+        if definition.version > getattr(newest.get(definition.name), "version", 0):
+            newest[definition.name] = definition
+    return list(newest.values())
 
 
 def sync_catalog() -> None:

@@ -12,7 +12,7 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import control, dialect
+from . import control, dialect, schedules
 from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
 from .control import (
     admit_due,
@@ -93,6 +93,7 @@ __all__ = [
     "resume",
     "retry_while_locked",
     "rewrite_step",
+    "schedules",
     "send_event",
     "skip_sleep",
     "start_child",

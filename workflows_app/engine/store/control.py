@@ -456,6 +456,8 @@ def _create_instances(
                 started_at=None if controlled else now,
                 wake_at=None if controlled else now,
                 retention_ms=item.retention_ms,
+                schedule=item.schedule,
+                scheduled_at=item.scheduled_at,
                 history_seq=1,
                 trace_id=uuid.uuid4().hex,
                 priority=item.priority,

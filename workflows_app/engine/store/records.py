@@ -69,6 +69,8 @@ class NewInstance:
     parent_pk: int | None = None
     parent_step: str = ""
     parent_span: str = ""
+    schedule: str = ""  # the schedule that starts it, and the tick it fires for
+    scheduled_at: datetime | None = None
 
 
 @dataclass

@@ -7,6 +7,8 @@
     wf token create NAME [--user U] [--scope read|write] [--workflow W]... [--expires 30d]
              | rotate NAME | revoke NAME | list
     wf watch ID [--run-engine]
+    wf schedules list [--workflow W] | create NAME W CRON [--params JSON] [--timezone TZ]
+             | pause NAME | resume NAME | delete NAME | trigger NAME
     wf demo [--superuser user:password]                  wf bench [-- ARGS...]
 
 Instance ids are scoped by workflow; without --workflow an id is looked up in every
@@ -32,7 +34,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from tqdm import tqdm
 
 from workflows_app import surfaces, testing, tokens
-from workflows_app.client import InstanceHandle
+from workflows_app.client import InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.models import ApiToken, Instance
 
@@ -205,6 +207,17 @@ class Command(BaseCommand):
             metavar="DURATION",
             help='expire after this long, e.g. "30d" (default: never)',
         )
+
+        sub = verb("schedules", self.do_schedules, "list and manage cron schedules")
+        sub.add_argument(
+            "schedule_verb", choices=["list", "create", "pause", "resume", "delete", "trigger"]
+        )
+        sub.add_argument("name", nargs="?", help="schedule name")
+        sub.add_argument("target", nargs="?", metavar="WORKFLOW", help="create: the workflow")
+        sub.add_argument("cron", nargs="?", help='create: a cron expression, e.g. "0 3 * * *"')
+        sub.add_argument("--workflow", "-w", help="list: only this workflow's schedules")
+        sub.add_argument("--params", "-p", help="create: params as JSON, or @file.json")
+        sub.add_argument("--timezone", default="UTC", help="create: an IANA time zone")
 
         sub = by_id(verb("watch", self.do_watch, "follow an instance until it finishes"))
         sub.add_argument(
@@ -531,6 +544,80 @@ class Command(BaseCommand):
                 opts,
                 {"name": token.name, "revoked_at": surfaces.iso(token.revoked_at)},
                 f"revoked token {token.name!r}",
+            )
+
+    # --- schedules ------------------------------------------------------------------
+
+    def do_schedules(self, opts: argparse.Namespace) -> None:
+        verb = opts.schedule_verb
+        if verb == "list":
+            rows = [surfaces.schedule_json(s) for s in schedules.list(workflow=opts.workflow)]
+            human = table(
+                ["name", "workflow", "cron", "timezone", "state", "next run", "last tick", "last"],
+                [
+                    [
+                        r["name"],
+                        r["workflow"],
+                        r["cron"],
+                        r["timezone"],
+                        "paused" if r["paused"] else "active",
+                        short_time(r["next_run_at"]),
+                        short_time(r["last_tick_at"]),
+                        r["last_instance_id"] or "",
+                    ]
+                    for r in rows
+                ],
+            )
+            self.emit(opts, rows, human if rows else "no schedules")
+            return
+        if not opts.name:
+            raise CommandError(f"wf schedules {verb} needs a schedule name")
+        if verb == "create":
+            if not opts.target or not opts.cron:
+                raise CommandError("wf schedules create needs NAME WORKFLOW CRON")
+            schedule = schedules.create(
+                opts.name,
+                workflow=opts.target,
+                cron=opts.cron,
+                params=parse_json_arg(opts.params, "--params"),
+                timezone=opts.timezone,
+                actor="wf",
+            )
+            data = surfaces.schedule_json(schedule, next_runs=3)
+            self.emit(
+                opts,
+                data,
+                f"created schedule {schedule.name!r} of {schedule.workflow!r} "
+                f"({schedule.cron}, {schedule.timezone}); next runs: "
+                + ", ".join(short_time(t) for t in data["next_runs"]),
+            )
+            return
+        schedule = schedules.get(opts.name)
+        if verb == "trigger":
+            handle = schedule.trigger(actor="wf")
+            self.emit(
+                opts,
+                surfaces.created_json(handle),
+                f"started {handle.workflow}/{handle.id} from schedule {schedule.name!r}",
+            )
+        elif verb == "delete":
+            schedule.delete()
+            self.emit(
+                opts,
+                {"name": schedule.name, "deleted": True},
+                f"deleted schedule {schedule.name!r}",
+            )
+        else:
+            schedule = schedule.pause() if verb == "pause" else schedule.resume()
+            self.emit(
+                opts,
+                surfaces.schedule_json(schedule),
+                f"schedule {schedule.name!r} is {'paused' if schedule.paused else 'active'}"
+                + (
+                    f"; next run {short_time(surfaces.iso(schedule.next_run_at))}"
+                    if schedule.next_run_at
+                    else ""
+                ),
             )
 
     # --- follow ---------------------------------------------------------------------

@@ -1,0 +1,280 @@
+"""Schedules on every surface: `wf schedules`, the JSON API, the admin and the dashboard."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+from django.urls import reverse
+
+from tests.dashboard.helpers import make_user
+from tests.surface_flows import SIMPLE, register_flows
+from tests.test_api import Api, error_of, user_api
+from workflows_app import testing, tokens
+from workflows_app.client import schedules
+from workflows_app.models import Instance, Schedule
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+XSS = "<script>alert(1)</script>"
+START = datetime(2026, 6, 1, 2, 50, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def flows(registered: list[str]) -> None:
+    register_flows()
+
+
+def wf(*args: str) -> str:
+    out = StringIO()
+    call_command("wf", *args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def wf_json(*args: str) -> Any:
+    return json.loads(wf(*args, "--json"))
+
+
+# --- wf schedules ---------------------------------------------------------------------------
+
+
+def test_wf_schedules_create_list_pause_resume_trigger_delete():
+    with testing.fake_clock(START):
+        created = wf_json(
+            "schedules", "create", "nightly", SIMPLE, "0 3 * * *", "--params", '{"n": 1}'
+        )
+        assert created["next_runs"][:2] == [
+            "2026-06-01T03:00:00+00:00",
+            "2026-06-02T03:00:00+00:00",
+        ]
+        assert created["params"] == {"n": 1}
+        listed = wf("schedules", "list")
+        assert "nightly" in listed and "0 3 * * *" in listed and "active" in listed
+        assert wf_json("schedules", "pause", "nightly")["paused"] is True
+        assert "paused" in wf("schedules", "list")
+        assert (
+            wf_json("schedules", "resume", "nightly")["next_run_at"] == "2026-06-01T03:00:00+00:00"
+        )
+        started = wf_json("schedules", "trigger", "nightly")
+        row = Instance.objects.get(instance_id=started["id"])
+        assert (row.workflow, row.schedule, row.params) == (SIMPLE, "nightly", {"n": 1})
+        assert "deleted schedule 'nightly'" in wf("schedules", "delete", "nightly")
+        assert wf_json("schedules", "list") == []
+
+
+def test_wf_schedules_refuses_bad_input_with_one_line():
+    with pytest.raises(CommandError, match=r"'0 25 \* \* \*' does not parse"):
+        wf("schedules", "create", "bad", SIMPLE, "0 25 * * *")
+    with pytest.raises(CommandError, match="needs NAME WORKFLOW CRON"):
+        wf("schedules", "create", "bad", SIMPLE)
+    with pytest.raises(CommandError, match="no schedule named 'missing'"):
+        wf("schedules", "pause", "missing")
+    with pytest.raises(CommandError, match="needs a schedule name"):
+        wf("schedules", "trigger")
+    wf("schedules", "create", "taken", SIMPLE, "* * * * *")
+    with pytest.raises(CommandError, match="already exists"):
+        wf("schedules", "create", "taken", SIMPLE, "0 * * * *")
+    assert list(Schedule.objects.values_list("name", flat=True)) == ["taken"]
+
+
+# --- API ------------------------------------------------------------------------------------
+
+
+def schedules_url(workflow: str = SIMPLE, name: str | None = None) -> str:
+    path = f"/api/workflows/{workflow}/schedules"
+    return path if name is None else f"{path}/{name}"
+
+
+@pytest.fixture
+def service() -> Api:
+    _, secret = tokens.issue("service")
+    return Api(Client(enforce_csrf_checks=True), secret)
+
+
+def test_api_creates_lists_gets_pauses_triggers_and_deletes_schedules(service):
+    with testing.fake_clock(START):
+        response = service.post(
+            schedules_url(),
+            {"name": "eu", "cron": "0 9 * * *", "timezone": "Europe/Paris", "params": {"r": "eu"}},
+        )
+        assert response.status_code == 201
+        result = response.json()["result"]
+        assert result["next_runs"][0] == "2026-06-01T07:00:00+00:00"
+        assert [s["name"] for s in service.get(schedules_url()).json()["result"]] == ["eu"]
+        assert service.get(schedules_url(name="eu")).json()["result"]["timezone"] == "Europe/Paris"
+        paused = service.patch(schedules_url(name="eu"), {"paused": True}).json()["result"]
+        assert paused["paused"] is True and paused["next_run_at"] is None
+        triggered = service.post(schedules_url(name="eu") + "/trigger")
+        assert triggered.status_code == 201
+        assert Instance.objects.get(instance_id=triggered.json()["result"]["id"]).schedule == "eu"
+        deleted = service.call("DELETE", schedules_url(name="eu"))
+        assert deleted.json()["result"] == {"name": "eu", "workflow": SIMPLE, "deleted": True}
+        assert not Schedule.objects.exists()
+
+
+def test_api_answers_bad_schedule_input_with_4xx_json(service):
+    schedules.create("taken", workflow=SIMPLE, cron="* * * * *")
+    cases = [
+        (service.post(schedules_url(), {"name": "x", "cron": "nope"}), 400, "InvalidInput"),
+        (service.post(schedules_url(), {"name": "x"}), 400, "InvalidInput"),
+        (
+            service.post(schedules_url(), {"name": "x", "cron": "* * * * *", "tz": "UTC"}),
+            400,
+            "InvalidInput",
+        ),
+        (
+            service.post(
+                schedules_url(), {"name": "x", "cron": "* * * * *", "timezone": "Nowhere/City"}
+            ),
+            400,
+            "InvalidInput",
+        ),
+        (
+            service.post(schedules_url(), {"name": "taken", "cron": "* * * * *"}),
+            409,
+            "ScheduleExists",
+        ),
+        (service.get(schedules_url(name="missing")), 404, "ScheduleNotFound"),
+        (service.get(schedules_url("surface-other", "taken")), 404, "ScheduleNotFound"),
+        (service.get(schedules_url("no-such-workflow")), 404, "UnknownWorkflow"),
+        (service.patch(schedules_url(name="taken"), {"paused": "yes"}), 400, "InvalidInput"),
+    ]
+    for response, status, code in cases:
+        assert error_of(response)[:2] == (status, code)
+    assert list(Schedule.objects.values_list("name", "paused")) == [("taken", False)]
+
+
+def test_api_schedule_writes_need_a_write_token_for_the_workflow():
+    schedules.create("guarded", workflow=SIMPLE, cron="* * * * *")
+    reader = user_api("reader", can_change=False)
+    assert reader.get(schedules_url()).status_code == 200
+    assert error_of(reader.patch(schedules_url(name="guarded"), {"paused": True}))[0] == 403
+    assert error_of(reader.post(schedules_url(name="guarded") + "/trigger"))[0] == 403
+    assert error_of(reader.call("DELETE", schedules_url(name="guarded")))[0] == 403
+    other = user_api("other", can_change=True, workflows=["surface-other"])
+    assert error_of(other.get(schedules_url()))[0] == 403
+    assert not Schedule.objects.get(name="guarded").paused
+    assert not Instance.objects.exists()
+
+
+# --- admin ----------------------------------------------------------------------------------
+
+
+def staff_client(name: str, *codenames: str) -> Client:
+    user = User.objects.create_user(name, is_staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(codename__in=codenames, content_type__app_label="workflows_app")
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_admin_adds_a_schedule_and_pauses_resumes_and_triggers_it():
+    admin = Client()
+    admin.force_login(User.objects.create_superuser("boss", password="pw"))
+    add = reverse("admin:workflows_app_schedule_add")
+    refused = admin.post(
+        add, {"name": "a", "workflow": SIMPLE, "cron": "99 * * * *", "timezone": "UTC"}
+    )
+    assert refused.status_code == 200 and b"does not parse" in refused.content
+    response = admin.post(
+        add,
+        {
+            "name": "a",
+            "workflow": SIMPLE,
+            "cron": "*/5 * * * *",
+            "timezone": "UTC",
+            "params": '{"k": 1}',
+        },
+    )
+    assert response.status_code == 302
+    row = Schedule.objects.get(name="a")
+    assert (row.params, row.next_run_at is not None) == ({"k": 1}, True)
+    changelist = reverse("admin:workflows_app_schedule_changelist")
+    admin.post(changelist, {"action": "pause_schedules", "_selected_action": [row.pk]})
+    assert Schedule.objects.get(name="a").paused
+    admin.post(changelist, {"action": "resume_schedules", "_selected_action": [row.pk]})
+    assert not Schedule.objects.get(name="a").paused
+    admin.post(changelist, {"action": "trigger_schedules", "_selected_action": [row.pk]})
+    assert Instance.objects.filter(schedule="a").count() == 1
+    page = admin.get(changelist)
+    assert Schedule.objects.get(name="a").last_instance_id.encode() in page.content
+
+
+def test_admin_schedule_actions_need_the_change_permissions():
+    schedules.create("s", workflow=SIMPLE, cron="* * * * *")
+    pk = Schedule.objects.get(name="s").pk
+    changelist = reverse("admin:workflows_app_schedule_changelist")
+    viewer = staff_client("viewer", "view_schedule")
+    response = viewer.post(changelist, {"action": "pause_schedules", "_selected_action": [pk]})
+    assert not Schedule.objects.get(name="s").paused and response.status_code in (200, 302, 403)
+    no_instances = staff_client("scheduler", "view_schedule", "change_schedule")
+    response = no_instances.post(
+        changelist, {"action": "trigger_schedules", "_selected_action": [pk]}
+    )
+    assert response.status_code == 403
+    assert not Instance.objects.exists()
+
+
+# --- dashboard ------------------------------------------------------------------------------
+
+
+def test_the_dashboard_lists_schedules_with_next_and_last_runs_and_links_their_instances():
+    schedules.create("hourly", workflow=SIMPLE, cron="0 * * * *", params={"x": XSS})
+    with testing.fake_clock(START) as clock:
+        schedules.create("every-5", workflow=SIMPLE, cron="*/5 * * * *")
+        clock.advance("12 minutes")
+        testing.run_until_idle()
+    started = Instance.objects.get(schedule="every-5")
+    client = Client()
+    client.force_login(make_user("viewer", "view_instance"))
+    listing = client.get(reverse("workflows:schedules")).content.decode()
+    assert 'data-schedule="every-5"' in listing and 'data-schedule="hourly"' in listing
+    assert reverse("workflows:instance", args=[SIMPLE, started.instance_id]) in listing
+    detail = client.get(reverse("workflows:schedule", args=["every-5"])).content.decode()
+    assert started.instance_id in detail and "*/5 * * * *" in detail
+    hourly = client.get(reverse("workflows:schedule", args=["hourly"])).content.decode()
+    assert XSS not in hourly and "&lt;script&gt;" in hourly
+    workflow_page = client.get(reverse("workflows:workflow", args=[SIMPLE])).content.decode()
+    assert 'data-schedule="every-5"' in workflow_page
+    instance_page = client.get(
+        reverse("workflows:instance", args=[SIMPLE, started.instance_id])
+    ).content.decode()
+    assert reverse("workflows:schedule", args=["every-5"]) in instance_page
+    assert client.get(reverse("workflows:schedule", args=["missing"])).status_code == 404
+
+
+def test_dashboard_schedule_actions_check_permissions_and_act():
+    schedules.create("s", workflow=SIMPLE, cron="* * * * *")
+    viewer = Client()
+    viewer.force_login(make_user("viewer", "view_instance"))
+    assert viewer.post(reverse("workflows:schedule-action", args=["s", "pause"])).status_code == 403
+    operator = Client()
+    operator.force_login(make_user("operator", "view_instance", "change_instance"))
+    assert (
+        operator.post(reverse("workflows:schedule-action", args=["s", "pause"])).status_code == 403
+    )
+    scheduler = Client()
+    scheduler.force_login(
+        make_user("scheduler", "view_instance", "change_instance", "change_schedule")
+    )
+    assert not Schedule.objects.get(name="s").paused
+    response = scheduler.post(reverse("workflows:schedule-action", args=["s", "pause"]))
+    assert response.status_code == 302 and Schedule.objects.get(name="s").paused
+    scheduler.post(reverse("workflows:schedule-action", args=["s", "trigger"]))
+    assert Instance.objects.filter(schedule="s").count() == 1
+    assert (
+        scheduler.get(reverse("workflows:schedule-action", args=["s", "resume"])).status_code == 405
+    )
+    assert (
+        scheduler.post(reverse("workflows:schedule-action", args=["s", "explode"])).status_code
+        == 404
+    )

@@ -1,0 +1,328 @@
+"""Cron schedules: declared and runtime, fired by the engine clock once per tick."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db import connection, connections
+
+from tests import fleet_workflows  # noqa: F401  (registers fleet-sleeper)
+from tests.polling import wait_until
+from tests.test_worker_operations import LoopThread
+from workflows_app import testing
+from workflows_app.client import get_workflow, schedules
+from workflows_app.engine import WorkflowEntrypoint, register, store
+from workflows_app.engine.errors import (
+    InvalidInput,
+    ScheduleExists,
+    ScheduleNotFound,
+    UnknownWorkflow,
+)
+from workflows_app.engine.worker import Worker
+from workflows_app.live import EngineHooks
+from workflows_app.models import Instance, Schedule
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+START = datetime(2026, 6, 1, 2, 50, tzinfo=UTC)
+
+
+def register_report(name: str = "report", schedules_: list[str] | None = None) -> None:
+    @register(name, schedules=schedules_)
+    class Report(WorkflowEntrypoint):
+        async def run(self, event, step):
+            tick = event.scheduled_at
+            return {
+                "scheduled_at": tick.isoformat() if tick else None,
+                "aware": tick is not None and tick.tzinfo is not None,
+                "params": event.payload,
+            }
+
+
+def started(workflow: str) -> list[Instance]:
+    return list(Instance.objects.filter(workflow=workflow).order_by("scheduled_at", "id"))
+
+
+def test_a_declared_schedule_starts_one_instance_per_tick_with_scheduled_at(registered):
+    register_report("nightly", ["0 3 * * *"])
+    with testing.fake_clock(START) as clock:
+        testing.run_until_idle()  # a worker start declares the schedule; nothing is due yet
+        assert started("nightly") == []
+        [declared] = schedules.list(workflow="nightly")
+        assert (declared.name, declared.cron, declared.declared) == ("nightly:0", "0 3 * * *", True)
+        assert declared.next_run_at == datetime(2026, 6, 1, 3, 0, tzinfo=UTC)
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        testing.run_until_idle()  # a second look at the same moment fires nothing more
+        [instance] = started("nightly")
+        assert instance.instance_id == "nightly:0@20260601T030000Z"
+        assert instance.status == "complete"
+        assert instance.output == {
+            "scheduled_at": "2026-06-01T03:00:00+00:00",
+            "aware": True,
+            "params": None,
+        }
+        assert schedules.get("nightly:0").last_instance_id == instance.instance_id
+        clock.advance("1 day")
+        testing.run_until_idle()
+        assert [i.scheduled_at for i in started("nightly")] == [
+            datetime(2026, 6, 1, 3, 0, tzinfo=UTC),
+            datetime(2026, 6, 2, 3, 0, tzinfo=UTC),
+        ]
+
+
+def test_an_instance_not_started_by_a_schedule_sees_scheduled_at_none(registered):
+    register_report()
+    inst = get_workflow("report").create()
+    testing.run_until_idle()
+    assert inst.status().output["scheduled_at"] is None
+
+
+def test_after_downtime_only_the_latest_missed_tick_fires(registered):
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("every-5", workflow="report", cron="*/5 * * * *")
+        clock.advance("3 hours")  # 36 ticks passed while no worker ran
+        testing.run_until_idle()
+        [instance] = started("report")
+        assert instance.scheduled_at == datetime(2026, 6, 1, 5, 50, tzinfo=UTC)
+        assert schedules.get("every-5").next_run_at == datetime(2026, 6, 1, 5, 55, tzinfo=UTC)
+
+
+def test_runtime_schedules_use_their_time_zone_and_params(registered):
+    register_report("digest")
+    with testing.fake_clock(datetime(2026, 1, 10, 12, 0, tzinfo=UTC)) as clock:
+        s = schedules.create(
+            "eu-digest",
+            workflow="digest",
+            cron="0 9 * * *",
+            params={"region": "eu"},
+            timezone="Europe/Paris",
+        )
+        assert s.next_runs(2) == [
+            datetime(2026, 1, 11, 8, 0, tzinfo=UTC),  # 09:00 in Paris is 08:00 UTC in winter
+            datetime(2026, 1, 12, 8, 0, tzinfo=UTC),
+        ]
+        clock.set(datetime(2026, 7, 1, 7, 30, tzinfo=UTC))
+        assert s.next_runs(1) == [datetime(2026, 7, 1, 7, 0, tzinfo=UTC) + timedelta(days=1)]
+        testing.run_until_idle()  # the latest missed tick: 09:00 in Paris is 07:00 UTC in summer
+        [instance] = started("digest")
+        assert instance.scheduled_at == datetime(2026, 7, 1, 7, 0, tzinfo=UTC)
+        assert instance.output["params"] == {"region": "eu"}
+        assert instance.schedule == "eu-digest"
+
+
+def test_pause_stops_ticks_and_resume_skips_the_ones_missed(registered):
+    register_report()
+    with testing.fake_clock(START) as clock:
+        s = schedules.create("hourly", workflow="report", cron="0 * * * *")
+        paused = s.pause()
+        assert paused.paused and paused.next_run_at is None
+        clock.advance("2 hours")
+        testing.run_until_idle()
+        assert started("report") == []
+        resumed = schedules.get("hourly").resume()
+        assert not resumed.paused
+        assert resumed.next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
+        testing.run_until_idle()
+        assert started("report") == []
+        clock.advance("10 minutes")
+        testing.run_until_idle()
+        assert [i.scheduled_at for i in started("report")] == [
+            datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
+        ]
+
+
+def test_trigger_starts_one_instance_now_and_delete_removes_the_schedule(registered):
+    register_report()
+    with testing.fake_clock(START):
+        s = schedules.create("manual", workflow="report", cron="0 0 1 1 *", params={"n": 1})
+        inst = s.trigger(actor="ops")
+        assert inst.created and inst.workflow == "report"
+        testing.run_until_idle()
+        assert inst.status().output == {
+            "scheduled_at": START.isoformat(),
+            "aware": True,
+            "params": {"n": 1},
+        }
+        assert [i.instance_id for i in s.instances()] == [inst.id]
+        assert schedules.get("manual").last_instance_id == inst.id
+        s.delete()
+        with pytest.raises(ScheduleNotFound, match="manual"):
+            schedules.get("manual")
+        assert inst.status().status == "complete"  # its instances stay
+
+
+def test_create_refuses_a_taken_name_bad_cron_bad_zone_and_unknown_workflow(registered):
+    register_report()
+    schedules.create("taken", workflow="report", cron="* * * * *")
+    with pytest.raises(ScheduleExists, match="taken"):
+        schedules.create("taken", workflow="report", cron="0 * * * *")
+    with pytest.raises(InvalidInput, match=r"'61 \* \* \* \*' does not parse"):
+        schedules.create("bad-cron", workflow="report", cron="61 * * * *")
+    with pytest.raises(InvalidInput, match="'every day' does not parse"):
+        schedules.create("bad-cron", workflow="report", cron="every day")
+    with pytest.raises(InvalidInput, match="Mars/Olympus"):
+        schedules.create("bad-zone", workflow="report", cron="* * * * *", timezone="Mars/Olympus")
+    with pytest.raises(UnknownWorkflow):
+        schedules.create("nobody", workflow="no-such-workflow", cron="* * * * *")
+    with pytest.raises(InvalidInput, match="schedule name"):
+        schedules.create("has space", workflow="report", cron="* * * * *")
+    with pytest.raises(InvalidInput, match="JSON"):
+        schedules.create("bad-params", workflow="report", cron="* * * * *", params={1, 2})
+    with pytest.raises(InvalidInput, match="count"):
+        schedules.get("taken").next_runs(0)
+    assert [s.name for s in schedules.list()] == ["taken"]
+
+
+def test_register_refuses_an_unparseable_declared_cron(registered):
+    with pytest.raises(InvalidInput, match="'0 3 \\* \\*' does not parse"):
+        register_report("broken", ["0 3 * *"])
+
+
+def test_a_declared_schedule_cannot_be_deleted_but_can_be_paused(registered):
+    register_report("declared", ["*/10 * * * *"])
+    testing.run_until_idle()
+    s = schedules.get("declared:0")
+    with pytest.raises(InvalidInput, match="declared in code"):
+        s.delete()
+    assert s.pause().paused
+    testing.run_until_idle()  # the next worker start keeps it paused
+    assert schedules.get("declared:0").paused
+
+
+def test_declared_schedules_follow_the_code(registered):
+    register_report("evolving", ["0 3 * * *", "0 4 * * *"])
+    testing.run_until_idle()
+    assert [s.cron for s in schedules.list(workflow="evolving")] == ["0 3 * * *", "0 4 * * *"]
+    from workflows_app.engine import registry
+
+    registry.unregister("evolving")
+    register_report("evolving", ["30 5 * * *"])
+    testing.run_until_idle()
+    assert [(s.name, s.cron) for s in schedules.list(workflow="evolving")] == [
+        ("evolving:0", "30 5 * * *")
+    ]
+
+
+def race_to_fire(targets, racers: int) -> tuple[list[int], list[BaseException]]:
+    """Call fire_due from several threads at once (each its own connection)."""
+    barrier = threading.Barrier(racers)
+    fired: list[int] = []
+    failures: list[BaseException] = []
+
+    def fire() -> None:
+        try:
+            barrier.wait(10)
+            fired.extend(f.instance_pk for f in store.schedules.fire_due(targets)[0])
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=fire) for _ in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return fired, failures
+
+
+def test_racing_tick_firings_start_exactly_one_instance_per_tick(registered):
+    """Several processes' workers looking at the same due tick at once: one instance.
+    On PostgreSQL the calls really overlap (a connection per thread)."""
+    register_report()
+    targets = [store.schedules.Target("report", 1, get_workflow("report").definition().limits())]
+    with testing.fake_clock(START) as clock:
+        schedules.create("raced", workflow="report", cron="* * * * *")
+        for _ in range(5):
+            clock.advance("1 minute")
+            fired, failures = race_to_fire(targets, racers=4)
+            assert failures == []
+            assert len(fired) == 1
+    ticks = [i.scheduled_at for i in started("report")]
+    assert len(ticks) == len(set(ticks)) == 5
+
+
+def test_two_workers_serving_at_once_fire_each_tick_once(registered):
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("two-workers", workflow="report", cron="* * * * *")
+        loops = [LoopThread(), LoopThread()]
+        workers = [Worker(worker_id=f"w{n}", hooks=EngineHooks()) for n in range(2)]
+        stop = [asyncio.Event(), asyncio.Event()]
+        serving = [lt.spawn(w.serve(s)) for lt, w, s in zip(loops, workers, stop)]
+        try:
+            for minute in range(1, 4):
+                clock.advance("1 minute")  # both workers hear the clock move
+                wait_until(
+                    lambda m=minute: (
+                        Instance.objects.filter(workflow="report", status="complete").count() == m
+                    ),
+                    20,
+                    f"{minute} scheduled instance(s) complete",
+                )
+        finally:
+            for lt, s in zip(loops, stop):
+                lt.loop.call_soon_threadsafe(s.set)
+            for future in serving:
+                future.result(30)
+            for lt in loops:
+                lt.close()
+    ticks = [i.scheduled_at for i in started("report")]
+    assert ticks == [START + timedelta(minutes=m) for m in (1, 2, 3)]
+
+
+def test_an_idle_worker_wakes_for_the_next_tick_not_its_poll_interval(registered):
+    register_report()
+    loop_thread = LoopThread()
+    worker = Worker(worker_id="idle", hooks=EngineHooks(), poll_seconds=120)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        schedules.create("every-second", workflow="report", cron="* * * * * *")
+        wait_until(
+            lambda: Instance.objects.filter(workflow="report", status="complete").exists(),
+            10,
+            "a tick of an every-second schedule to start and finish an instance",
+        )
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+        loop_thread.close()
+    assert worker.next_tick is not None
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="fleet race needs PostgreSQL")
+def test_worker_processes_on_postgresql_start_one_instance_per_tick(workers):
+    schedules.create("fleet-ticks", workflow="fleet-sleeper", cron="* * * * * *", params={})
+    workers(3)
+    wait_until(
+        lambda: Instance.objects.filter(schedule="fleet-ticks").count() >= 4,
+        30,
+        "four ticks of an every-second schedule",
+    )
+    schedules.get("fleet-ticks").pause()
+    ticks = list(
+        Instance.objects.filter(schedule="fleet-ticks").values_list("scheduled_at", flat=True)
+    )
+    assert len(ticks) == len(set(ticks))
+    assert Schedule.objects.get(name="fleet-ticks").last_tick_at == max(ticks)
+
+
+def test_a_re_created_schedule_never_starts_a_tick_twice(registered):
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("again", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        schedules.get("again").delete()
+        clock.set(START)  # a clock set back: the same tick comes due again for the new schedule
+        schedules.create("again", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        assert [i.instance_id for i in started("report")] == ["again@20260601T030000Z"]
+        assert schedules.get("again").next_run_at == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)

@@ -1,0 +1,203 @@
+"""The Django tasks backend: every @task a durable one-step instance of its own workflow.
+
+Runs on Django 5.2 with the django-tasks backport and on Django 6 with django.tasks;
+workflows_app.tasks exports the names of whichever is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from tests.polling import wait_until
+from tests.test_worker_operations import LoopThread
+from workflows_app import surfaces, testing
+from workflows_app.engine import registry
+from workflows_app.engine.worker import Worker
+from workflows_app.live import EngineHooks
+from workflows_app.models import Instance
+from workflows_app.tasks import (
+    InvalidTask,
+    TaskResultDoesNotExist,
+    TaskResultMismatch,
+    TaskResultStatus,
+    task,
+    task_status,
+    wfdash_priority,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+START = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def tasks(registered):
+    """The test tasks; their workflows are unregistered after the test like any other."""
+    from tests import task_functions
+
+    task_functions.GATE.clear()
+    return task_functions
+
+
+def test_enqueue_creates_an_instance_of_the_task_s_own_workflow_and_get_result_reads_it(tasks):
+    result = tasks.add.enqueue(2, 3)
+    assert result.status == TaskResultStatus.READY
+    assert (result.args, result.kwargs) == ([2, 3], {})
+    row = Instance.objects.get(instance_id=result.id)
+    assert row.workflow == "task:tests.task_functions.add"
+    assert row.workflow in surfaces.workflow_names()  # the dashboard lists it like any workflow
+    assert tasks.add.get_result(result.id).status == TaskResultStatus.READY
+    testing.run_until_idle()
+    done = tasks.add.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL
+    assert done.return_value == 5
+    assert done.is_finished and done.finished_at is not None and done.started_at is not None
+    assert done.attempts == 1 and done.worker_ids == ["testing"]
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL and result.return_value == 5
+
+
+def test_a_task_that_raises_fails_once_with_django_s_error_record(tasks):
+    result = tasks.explode.enqueue("boom <b>")
+    testing.run_until_idle()
+    failed = tasks.explode.get_result(result.id)
+    assert failed.status == TaskResultStatus.FAILED
+    [error] = failed.errors
+    assert error.exception_class_path == "builtins.ValueError"
+    assert error.exception_class is ValueError
+    assert "boom <b>" in error.traceback
+    with pytest.raises(ValueError, match="failed"):
+        failed.return_value  # noqa: B018  (raises for a failed task, as Django's property does)
+    [step] = Instance.objects.get(instance_id=result.id).steps.all()
+    assert step.attempts == 1  # Django tasks run once: no engine retries by default
+
+
+def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):
+    with testing.fake_clock(START) as clock:
+        result = tasks.add.using(run_after=START + timedelta(hours=1)).enqueue(1, 1)
+        testing.run_until_idle()
+        assert tasks.add.get_result(result.id).status == TaskResultStatus.READY
+        assert Instance.objects.get(instance_id=result.id).status == "waiting"
+        clock.advance("1 hour")
+        testing.run_until_idle()
+        done = tasks.add.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL and done.return_value == 2
+    assert done.started_at >= START + timedelta(hours=1)
+    assert done.task.run_after == START + timedelta(hours=1)
+
+
+def test_priority_maps_to_the_instance_priority_scale():
+    assert [wfdash_priority(p) for p in (100, 50, 0, -50, -100)] == [0, 2, 5, 8, 9]
+
+
+def test_priority_is_kept_with_the_task_and_passed_to_create_when_instances_have_one(tasks):
+    result = tasks.urgent.enqueue("now")
+    assert result.task.priority == 50
+    row = Instance.objects.get(instance_id=result.id)
+    assert row.params["priority"] == 50
+    if hasattr(row, "priority"):  # instances gain a priority with flow control (issue 15)
+        assert row.priority == wfdash_priority(50)
+    assert tasks.urgent.get_result(result.id).task.priority == 50
+
+
+def test_invalid_tasks_are_refused_as_django_defines_them(tasks):
+    with pytest.raises(InvalidTask, match="priority"):
+        tasks.add.using(priority=1000)
+    with pytest.raises(InvalidTask, match="module level"):
+
+        @task
+        def local_function() -> None:  # pragma: no cover - refused before it could run
+            pass
+
+    with pytest.raises(InvalidTask, match="aware"):
+        tasks.add.using(run_after=datetime(2030, 1, 1))
+    with pytest.raises(InvalidTask, match="Queue 'elsewhere'"):
+        tasks.add.using(queue_name="elsewhere")
+    with pytest.raises(InvalidTask, match="JSON-serialisable"):
+        tasks.add.enqueue(object(), 1)
+    assert not Instance.objects.exists()
+
+
+def test_unknown_and_mismatched_result_ids_are_refused(tasks):
+    with pytest.raises(TaskResultDoesNotExist):
+        tasks.add.get_result("no-such-result")
+    result = tasks.add.enqueue(1, 2)
+    with pytest.raises(TaskResultMismatch):
+        tasks.urgent.get_result(result.id)
+
+
+def test_async_tasks_and_the_async_api(tasks):
+    async def scenario():
+        result = await tasks.async_double.aenqueue(21)
+        await testing.arun_until_idle()
+        return await tasks.async_double.aget_result(result.id)
+
+    done = asyncio.run(scenario())
+    assert done.status == TaskResultStatus.SUCCESSFUL and done.return_value == 42
+
+
+def test_a_task_taking_context_gets_its_running_result(tasks):
+    result = tasks.with_context.enqueue(x=7)
+    testing.run_until_idle()
+    done = tasks.with_context.get_result(result.id)
+    assert done.return_value == {"id": result.id, "status": "RUNNING", "x": 7}
+    assert done.kwargs == {"x": 7}
+
+
+def test_tasks_use_the_database_in_their_step(tasks):
+    from django.contrib.auth.models import Group
+
+    result = tasks.create_group.enqueue("editors")
+    testing.run_until_idle()
+    assert (
+        tasks.create_group.get_result(result.id).return_value
+        == Group.objects.get(name="editors").pk
+    )
+
+
+def test_a_worker_that_never_imported_the_task_runs_it(tasks):
+    result = tasks.add.enqueue(20, 22)
+    registry.unregister("task:tests.task_functions.add")  # as in a worker process of its own
+    testing.run_until_idle()
+    assert tasks.add.get_result(result.id).return_value == 42
+
+
+def test_the_status_is_running_while_the_task_runs(tasks):
+    result = tasks.block_until_released.enqueue()
+    loop_thread = LoopThread()
+    worker = Worker(worker_id="tasks", hooks=EngineHooks())
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        wait_until(
+            lambda: (
+                tasks.block_until_released.get_result(result.id).status == TaskResultStatus.RUNNING
+            ),
+            20,
+            "the task to be running",
+        )
+        tasks.GATE.set()
+        wait_until(
+            lambda: tasks.block_until_released.get_result(result.id).is_finished,
+            20,
+            "the task to finish",
+        )
+    finally:
+        tasks.GATE.set()
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+        loop_thread.close()
+    assert tasks.block_until_released.get_result(result.id).return_value == "released"
+
+
+def test_a_terminated_task_is_failed(tasks):
+    from workflows_app.client import get_workflow
+
+    result = tasks.add.enqueue(1, 2)
+    get_workflow("task:tests.task_functions.add").get(result.id).terminate()
+    row = Instance.objects.get(instance_id=result.id)
+    assert task_status(row, None) == TaskResultStatus.FAILED
+    assert tasks.add.get_result(result.id).status == TaskResultStatus.FAILED

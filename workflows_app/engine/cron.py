@@ -1,0 +1,87 @@
+"""Cron expressions and time zones of schedules: validation and fire times.
+
+Parsing and iteration are cronsim's (the evaluator healthchecks uses, Debian cron's
+rules, daylight-saving changes handled as Debian cron does); this module only checks
+input, names what is wrong, and converts between the schedule's zone and UTC.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+
+from .errors import InvalidInput
+
+MAX_CRON_LENGTH = 200
+SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,79}$")
+
+
+def check_schedule_name(name: object) -> str:
+    """Schedule names go into URLs and instance ids: a short, plain slug."""
+    if not isinstance(name, str) or not SCHEDULE_NAME.match(name):
+        raise InvalidInput(
+            f"schedule name must match {SCHEDULE_NAME.pattern} (1-80 letters, digits, _ . : -), "
+            f"got {name!r}"
+        )
+    return name
+
+
+def zone(timezone: object) -> ZoneInfo:
+    """An IANA time zone by name ("UTC", "Europe/Paris"); InvalidInput naming it otherwise."""
+    if not isinstance(timezone, str) or not timezone or len(timezone) > 64:
+        raise InvalidInput(f"timezone must be an IANA time zone name, got {timezone!r}")
+    try:
+        return ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidInput(
+            f"unknown time zone {timezone!r} (use an IANA name such as 'Europe/Paris')"
+        ) from None
+
+
+def check_cron(cron: object) -> str:
+    """A 5-field cron expression (minute hour day month weekday), or 6 fields with a
+    leading seconds field; InvalidInput naming the expression when it does not parse."""
+    if not isinstance(cron, str) or not cron.strip() or len(cron) > MAX_CRON_LENGTH:
+        raise InvalidInput(
+            f"cron must be a non-empty string of at most {MAX_CRON_LENGTH} characters, got {cron!r}"
+        )
+    if len(cron.split()) not in (5, 6):
+        raise InvalidInput(
+            f"cron expression {cron!r} does not parse: it needs 5 fields "
+            "(minute hour day-of-month month day-of-week)"
+        )
+    try:
+        CronSim(cron, datetime(2000, 1, 1, tzinfo=UTC))
+    except (CronSimError, ValueError) as exc:
+        raise InvalidInput(f"cron expression {cron!r} does not parse: {exc}") from None
+    return " ".join(cron.split())
+
+
+def fire_times(cron: str, timezone: str, after: datetime) -> Iterator[datetime]:
+    """The fire times strictly after `after`, in UTC."""
+    tz = zone(timezone)
+    for tick in CronSim(cron, after.astimezone(tz)):
+        yield tick.astimezone(UTC)
+
+
+def next_fire_time(cron: str, timezone: str, after: datetime) -> datetime | None:
+    """The first fire time strictly after `after` (None for an expression that never fires)."""
+    try:
+        return next(fire_times(cron, timezone, after))
+    except StopIteration:
+        return None
+
+
+def latest_fire_time(cron: str, timezone: str, at_or_before: datetime) -> datetime | None:
+    """The most recent fire time at or before the instant: after downtime, the one that fires."""
+    tz = zone(timezone)
+    # Iterating backwards yields times strictly before the start, to the whole second.
+    start = at_or_before.replace(microsecond=0) + timedelta(seconds=1)
+    try:
+        return next(iter(CronSim(cron, start.astimezone(tz), reverse=True))).astimezone(UTC)
+    except StopIteration:
+        return None

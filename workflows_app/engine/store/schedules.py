@@ -1,0 +1,271 @@
+"""Cron schedules: their rows, and firing due ticks exactly once across a fleet.
+
+A tick fires in one transaction that moves the schedule's next_run_at on (a guarded
+update: of several workers only the one whose update matched the old value goes on) and
+creates the instance under an id derived from the schedule and the tick, so the unique
+(workflow, instance_id) constraint is the fleet-wide key of the tick as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import IntegrityError, transaction
+from django.db.models import Min
+
+from ...models import Instance, Schedule
+from .. import clock
+from ..cron import latest_fire_time, next_fire_time
+from ..errors import (
+    InstanceAlreadyExists,
+    InvalidInput,
+    ScheduleExists,
+    ScheduleNotFound,
+    WorkflowError,
+)
+from ..limits import Limits
+from .control import _create_instances
+from .dialect import retry_while_locked
+from .records import NewInstance
+
+log = logging.getLogger("workflows_app.engine")
+
+# Told (after commit) which instances schedules started; set by the app's live layer.
+on_fired: Callable[[list[int]], None] | None = None
+
+DECLARED_ACTOR = "schedule"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A registered workflow a schedule may start: its newest version and limits."""
+
+    workflow: str
+    version: int
+    limits: Limits
+
+
+@dataclass(frozen=True)
+class Fired:
+    schedule: str
+    workflow: str
+    instance_pk: int
+    instance_id: str
+    trace_id: str
+    scheduled_at: datetime
+
+
+def tick_instance_id(schedule: str, tick: datetime, max_length: int) -> str:
+    """The id of the instance of one tick: readable, and the same in every worker."""
+    stamp = tick.strftime("%Y%m%dT%H%M%SZ")
+    instance_id = f"{schedule}@{stamp}"
+    if len(instance_id) > max_length:  # a low max_instance_id_length: a digest keeps it unique
+        instance_id = f"{hashlib.sha256(schedule.encode()).hexdigest()[:12]}@{stamp}"
+    return instance_id
+
+
+def get_schedule(name: str) -> Schedule:
+    try:
+        return Schedule.objects.get(name=name)
+    except Schedule.DoesNotExist:
+        raise ScheduleNotFound(f"no schedule named {name!r}") from None
+
+
+@retry_while_locked
+def create_schedule(
+    name: str,
+    workflow: str,
+    cron: str,
+    timezone: str,
+    params_json: str,
+    actor: str = "",
+    declared: bool = False,
+) -> Schedule:
+    """Insert a schedule; ScheduleExists when the name is taken (the unique constraint
+    decides, so two processes creating the same name cannot both succeed)."""
+    now = clock.now()
+    try:
+        with transaction.atomic():
+            return Schedule.objects.create(
+                name=name,
+                workflow=workflow,
+                cron=cron,
+                timezone=timezone,
+                params_json=params_json,
+                declared=declared,
+                next_run_at=next_fire_time(cron, timezone, now),
+                created_by=actor,
+                created_at=now,
+                updated_at=now,
+            )
+    except IntegrityError:
+        raise ScheduleExists(f"a schedule named {name!r} already exists") from None
+
+
+@retry_while_locked
+def set_paused(name: str, paused: bool) -> Schedule:
+    """Pause (no tick fires) or resume (the next tick after now; ticks missed while paused
+    do not fire)."""
+    now = clock.now()
+    with transaction.atomic():
+        row = get_schedule(name)
+        if row.paused != paused:
+            row.paused = paused
+            row.next_run_at = None if paused else next_fire_time(row.cron, row.timezone, now)
+            row.updated_at = now
+            row.save(update_fields=["paused", "next_run_at", "updated_at"])
+    return row
+
+
+@retry_while_locked
+def delete_schedule(name: str) -> None:
+    row = get_schedule(name)
+    if row.declared:
+        raise InvalidInput(
+            f"schedule {name!r} is declared in code by register({row.workflow!r}, schedules=[...]); "
+            "remove it there, or pause it"
+        )
+    Schedule.objects.filter(pk=row.pk).delete()
+
+
+def due_schedules(workflows: Sequence[str], now: datetime) -> list[Schedule]:
+    return list(
+        Schedule.objects.filter(
+            next_run_at__lte=now, paused=False, workflow__in=list(workflows)
+        ).order_by("next_run_at")
+    )
+
+
+def next_tick_at(workflows: Sequence[str]) -> datetime | None:
+    """The earliest next tick of the schedules this worker can fire: its idle wait ends there."""
+    return Schedule.objects.filter(paused=False, workflow__in=list(workflows)).aggregate(
+        m=Min("next_run_at")
+    )["m"]
+
+
+def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
+    """Fire every due tick of the schedules of these workflows; returns what fired and the
+    earliest next tick. After downtime only the most recent missed tick of each fires."""
+    now = clock.now()
+    by_name = {t.workflow: t for t in targets}
+    fired = []
+    for row in due_schedules(list(by_name), now):
+        started = fire_tick(row, by_name[row.workflow], now)
+        if started is not None:
+            fired.append(started)
+    if fired and on_fired is not None:
+        on_fired([f.instance_pk for f in fired])
+    return fired, next_tick_at(list(by_name))
+
+
+@retry_while_locked
+def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
+    """Fire the latest due tick of one schedule, unless another worker fired it first."""
+    tick = latest_fire_time(row.cron, row.timezone, now)
+    if tick is None or row.next_run_at is None or tick < row.next_run_at:
+        return None
+    instance_id = tick_instance_id(row.name, tick, target.limits.max_instance_id_length)
+
+    def move_on(last_instance_id: str) -> bool:
+        """The guarded update: True for the one process that moves this tick on."""
+        return bool(
+            Schedule.objects.filter(pk=row.pk, paused=False, next_run_at=row.next_run_at).update(
+                next_run_at=next_fire_time(row.cron, row.timezone, now),
+                last_tick_at=tick,
+                last_instance_id=last_instance_id,
+                updated_at=now,
+            )
+        )
+
+    try:
+        with transaction.atomic():
+            if not move_on(instance_id):
+                return None  # fired (or paused, or changed) by another process meanwhile
+            [(instance, _)] = _create_instances(
+                target.workflow,
+                target.version,
+                target.limits,
+                [NewInstance(instance_id, row.params_json, schedule=row.name, scheduled_at=tick)],
+                f"{DECLARED_ACTOR}:{row.name}",
+            )
+    except InstanceAlreadyExists:
+        # A schedule of this name fired this tick before it was deleted and created again.
+        with transaction.atomic():
+            move_on(instance_id)
+        return None
+    except WorkflowError:
+        # The instance cannot be created (its params break a limit lowered since): skip
+        # the tick rather than retry it at every turn of every worker's loop.
+        log.exception("schedule %r could not start its tick %s; skipped", row.name, tick)
+        with transaction.atomic():
+            move_on("")
+        return None
+    return Fired(row.name, row.workflow, instance.pk, instance_id, instance.trace_id, tick)
+
+
+@retry_while_locked
+def trigger(name: str, target: Target, actor: str = "") -> Instance:
+    """Start one instance of the schedule now, outside its ticks."""
+    row = get_schedule(name)
+    now = clock.now()
+    with transaction.atomic():
+        [(instance, _)] = _create_instances(
+            target.workflow,
+            target.version,
+            target.limits,
+            [NewInstance(str(uuid.uuid4()), row.params_json, schedule=row.name, scheduled_at=now)],
+            actor or f"{DECLARED_ACTOR}:{row.name}",
+        )
+        Schedule.objects.filter(pk=row.pk).update(
+            last_instance_id=instance.instance_id, updated_at=now
+        )
+    return instance
+
+
+def declared_name(workflow: str, position: int) -> str:
+    """`<workflow>:<n>` for the n-th cron of register(schedules=[...]), as a schedule name."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "-", workflow)[:70] or "workflow"
+    return f"{slug}:{position}"
+
+
+@retry_while_locked
+def sync_declared(declared: Sequence[tuple[str, Sequence[str]]]) -> None:
+    """Keep the declared schedules of these workflows in step with their code: create new
+    ones, update a changed cron (keeping paused), delete those no longer declared."""
+    now = clock.now()
+    for workflow, crons in declared:
+        with transaction.atomic():
+            wanted = {declared_name(workflow, i): cron for i, cron in enumerate(crons)}
+            existing = {
+                s.name: s
+                for s in Schedule.objects.select_for_update().filter(
+                    name__in=list(wanted), declared=True
+                )
+            }
+            Schedule.objects.filter(workflow=workflow, declared=True).exclude(
+                name__in=list(wanted)
+            ).delete()
+            for name, cron in wanted.items():
+                row = existing.get(name)
+                if row is None:
+                    try:
+                        create_schedule(
+                            name, workflow, cron, "UTC", "null", DECLARED_ACTOR, declared=True
+                        )
+                    except ScheduleExists:
+                        log.warning(
+                            "schedule %r of workflow %r is not declared: a schedule of that name "
+                            "exists already",
+                            name,
+                            workflow,
+                        )
+                elif row.cron != cron or row.workflow != workflow:
+                    row.cron, row.workflow, row.updated_at = cron, workflow, now
+                    row.next_run_at = None if row.paused else next_fire_time(cron, "UTC", now)
+                    row.save(update_fields=["cron", "workflow", "next_run_at", "updated_at"])

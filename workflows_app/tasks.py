@@ -1,0 +1,264 @@
+"""A durable backend for Django's tasks framework (`django.tasks`, or the `django-tasks`
+backport on Django 5.2):
+
+    TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
+
+Every `@task` becomes a workflow of its own, `task:<module path>`, whose one step calls the
+function; `enqueue()` creates an instance of it (its id is the result id), `run_after`
+makes the instance sleep durably until then, and `get_result()` reads the instance back
+with Django's statuses. So tasks run on wfdash's workers, survive restarts and show in the
+dashboard like any workflow.
+
+OPTIONS: "retries" (step retries, default {"limit": 0}: Django tasks run once) and
+"timeout" (a duration, default the engine's step timeout).
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import json
+from datetime import datetime
+from typing import Any
+
+from django.utils.module_loading import import_string
+
+from .engine import NonRetryableError, WorkflowEntrypoint, clock, register, registry
+from .models import HistoryRecord, Instance, Status, StepRecord
+
+try:  # Django >= 6.0
+    from django.tasks import task
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
+    from django.tasks.signals import task_enqueued
+    from django.utils.json import normalize_json
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import task
+    from django_tasks.backends.base import BaseTaskBackend
+    from django_tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask
+    from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
+    from django_tasks.signals import task_enqueued
+    from django_tasks.utils import normalize_json
+
+__all__ = [
+    "InvalidTask",
+    "Task",
+    "TaskResult",
+    "TaskResultDoesNotExist",
+    "TaskResultMismatch",
+    "TaskResultStatus",
+    "WorkflowTaskBackend",
+    "task",
+]
+
+PREFIX = "task:"
+STEP = "run"  # the name of the step that calls the task function
+WAIT = "run_after"  # the sleep before it, when the task was enqueued with run_after
+
+# Django's priorities run from -100 to 100 (higher first, default 0); wfdash's from 0 to 9
+# (lower first, default 5): 0 maps to 5, 100 to 0, -100 to 9.
+DJANGO_TO_WFDASH_PRIORITY_STEP = 20
+
+
+def workflow_name(task: Task) -> str:
+    return f"{PREFIX}{task.module_path}"
+
+
+def wfdash_priority(priority: int) -> int:
+    steps = int(abs(priority) / DJANGO_TO_WFDASH_PRIORITY_STEP + 0.5)  # half away from zero
+    return min(9, max(0, 5 - steps if priority >= 0 else 5 + steps))
+
+
+def exception_path(error_name: str) -> str:
+    """A TaskError's exception_class_path from an instance's error name."""
+    if "." in error_name:
+        return error_name
+    if isinstance(getattr(builtins, error_name, None), type):
+        return f"builtins.{error_name}"
+    return error_name
+
+
+class TaskWorkflow(WorkflowEntrypoint):
+    """The workflow of one task: sleep until run_after (if any), then one step calls it."""
+
+    task_path = ""
+
+    async def run(self, event: Any, step: Any) -> Any:
+        params = event.payload
+        if params.get("run_after") is not None:
+            await step.sleep_until(WAIT, datetime.fromisoformat(params["run_after"]))
+        task: Task = import_string(self.task_path)
+        backend = task.get_backend()
+        options = getattr(backend, "options", {}) or {}
+        retries = options.get("retries", {"limit": 0})
+        instance_id = event.instance_id
+
+        def call() -> Any:
+            args = list(params["args"])
+            if task.takes_context:
+                args.insert(0, TaskContext(task_result=backend.get_result(instance_id)))
+            try:
+                return normalize_json(task.call(*args, **params["kwargs"]))
+            except Exception as exc:
+                if retries.get("limit", 0):
+                    raise
+                # Django tasks run once: fail at once, named by the exception's full path
+                # (what a TaskError carries), with the original chained for the stack.
+                raise NonRetryableError(
+                    str(exc), f"{exc.__class__.__module__}.{exc.__class__.__qualname__}"
+                ) from exc
+
+        kwargs: dict[str, Any] = {"retries": retries}
+        if options.get("timeout") is not None:
+            kwargs["timeout"] = options["timeout"]
+        return await step.do(STEP, call, **kwargs)
+
+
+def register_task_workflow(task: Task) -> str:
+    """Register the task's workflow in this process (once; again after an unregister)."""
+    name = workflow_name(task)
+    if not registry.is_registered(name, 1):
+        cls = type(
+            f"Task_{task.func.__qualname__}",
+            (TaskWorkflow,),
+            {"task_path": task.module_path, "__module__": __name__},
+        )
+        register(name, version=1)(cls)
+    return name
+
+
+def resolve_task_workflow(name: str) -> None:
+    """Registry resolver: a worker meeting `task:<path>` imports the task and registers it."""
+    if not name.startswith(PREFIX):
+        return
+    try:
+        task = import_string(name[len(PREFIX) :])
+    except ImportError:
+        return  # not importable here: the instance waits for a worker that has it
+    if isinstance(task, Task):
+        register_task_workflow(task)
+
+
+registry.add_resolver(resolve_task_workflow)
+
+
+class WorkflowTaskBackend(BaseTaskBackend):
+    """Tasks as durable one-step workflow instances, run by wfdash's workers."""
+
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True
+
+    def validate_task(self, task: Task) -> None:
+        super().validate_task(task)
+        register_task_workflow(task)
+
+    def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
+        from .client import get_workflow
+
+        self.validate_task(task)
+        try:
+            payload = {
+                "args": normalize_json(list(args)),
+                "kwargs": normalize_json(dict(kwargs)),
+            }
+            json.dumps(payload)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTask(f"Task arguments must be JSON-serialisable: {exc}") from None
+        payload.update(
+            run_after=task.run_after.isoformat() if task.run_after else None,
+            priority=task.priority,
+            queue_name=task.queue_name,
+            backend=self.alias,
+        )
+        binding = get_workflow(workflow_name(task))
+        create_kwargs: dict[str, Any] = {"params": payload, "actor": "django.tasks"}
+        if "priority" in inspect.signature(binding.create).parameters:
+            create_kwargs["priority"] = wfdash_priority(task.priority)
+        handle = binding.create(**create_kwargs)
+        result = self._result(task, handle.row(refresh=False), None, [])
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult:
+        row = (
+            Instance.objects.filter(instance_id=result_id, workflow__startswith=PREFIX)
+            .order_by("id")
+            .first()
+        )
+        if row is None:
+            raise TaskResultDoesNotExist(result_id)
+        try:
+            task = import_string(row.workflow[len(PREFIX) :])
+        except ImportError as exc:
+            raise TaskResultDoesNotExist(
+                f"{result_id}: its task cannot be imported: {exc}"
+            ) from None
+        params = row.params
+        task = task.using(
+            priority=params.get("priority"),
+            queue_name=params.get("queue_name"),
+            run_after=datetime.fromisoformat(params["run_after"])
+            if params.get("run_after")
+            else None,
+            backend=params.get("backend") or self.alias,
+        )
+        step = StepRecord.objects.filter(instance_id=row.pk, name=STEP, kind="do").first()
+        workers = list(
+            HistoryRecord.objects.filter(instance_id=row.pk, type="run.started")
+            .order_by("sequence")
+            .values_list("data", flat=True)
+        )
+        return self._result(task, row, step, [w.get("worker", "") for w in workers if step])
+
+    def _result(
+        self, task: Task, row: Instance, step: StepRecord | None, worker_ids: list[str]
+    ) -> TaskResult:
+        status = task_status(row, step)
+        result = TaskResult(
+            task=task,
+            id=row.instance_id,
+            status=status,
+            enqueued_at=row.created_at,
+            started_at=step.started_at if step else None,
+            finished_at=row.finished_at,
+            last_attempted_at=step.started_at if step else None,
+            args=row.params["args"],
+            kwargs=row.params["kwargs"],
+            backend=self.alias,
+            errors=[
+                TaskError(
+                    exception_class_path=exception_path(row.error_name), traceback=row.error_stack
+                )
+            ]
+            if status == TaskResultStatus.FAILED and row.error_name
+            else [],
+            worker_ids=worker_ids,
+        )
+        if status == TaskResultStatus.SUCCESSFUL:
+            object.__setattr__(result, "_return_value", row.output)
+        return result
+
+
+RUNNING_STATUSES = {Status.RUNNING, Status.WAITING, Status.WAITING_FOR_PAUSE, Status.COMPENSATING}
+
+
+def task_status(row: Instance, step: StepRecord | None) -> TaskResultStatus:
+    """Django's status of a task instance: READY until a worker runs its step (queued,
+    paused, or sleeping until run_after), RUNNING while one does or a retry is due, then
+    SUCCESSFUL, or FAILED (errored or terminated)."""
+    if row.status == Status.COMPLETE:
+        return TaskResultStatus.SUCCESSFUL
+    if row.status in (Status.ERRORED, Status.TERMINATED, Status.UNKNOWN):
+        return TaskResultStatus.FAILED
+    if row.status in RUNNING_STATUSES:
+        if step is not None:  # an attempt finished, or failed and waits for its retry
+            return TaskResultStatus.RUNNING
+        run_after = row.params.get("run_after")
+        due = run_after is None or datetime.fromisoformat(run_after) <= clock.now()
+        if row.lease_token is not None and row.status == Status.RUNNING and due:
+            return TaskResultStatus.RUNNING  # the first attempt is in a worker now
+    return TaskResultStatus.READY
