@@ -30,6 +30,7 @@ FULL = {
     "recovery": 500,
     "fleet": 300,
     "parked_memory": 100_000,
+    "attributes": 100_000,
 }
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
@@ -64,6 +65,11 @@ PER_COMMIT_MS = {
     "event_latency_worker_p95_ms",
     "replay_run_ms",
     "replay_load_rows_ms",
+    "attr_list_baseline_ms",
+    "attr_list_rare_ms",
+    "attr_list_common_ms",
+    "attr_list_rare_status_ms",
+    "attr_list_none_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
 PER_SECOND = {
@@ -92,6 +98,7 @@ def scaled(quick: bool) -> dict[str, Any]:
 
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     from . import measures as m
+    from . import operating as ops
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -105,6 +112,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
         ("fleet", lambda: m.fleet(size["fleet"])),
+        ("attributes", lambda: ops.attribute_filter(size["attributes"])),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 "replay",
                 "recovery",
                 "fleet",
+                "attributes",
                 "parked_memory",
             ]
         ),

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,12 +23,14 @@ import jsonschema
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import QuerySet
 
 from . import live
 from .engine import errors, spans, store
-from .engine.durations import parse_duration
+from .engine.attributes import check_attributes
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, find_definition, get_definition
+from .engine.retention import parse_retention
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
 from .models import (
@@ -63,6 +65,7 @@ class InstanceInfo:
     updated_at: datetime
     finished_at: datetime | None
     error: dict[str, str] | None
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class PendingEvent:
     type: str
     timeout_at: datetime | None
     schema: dict[str, Any] | None
+
+
+BATCH_ITEM_FIELDS = {"id", "instance_id", "params", "idempotency_key", "retention", "attributes"}
 
 
 def get_workflow(name: str) -> WorkflowBinding:
@@ -127,6 +133,7 @@ class WorkflowBinding:
         actor: Any = None,
         version: int | None = None,
         retention: Any = None,
+        attributes: dict[str, Any] | None = None,
     ) -> InstanceHandle:
         """Start an instance (`queued` beyond max_concurrent_instances)."""
         return self._create(
@@ -136,6 +143,7 @@ class WorkflowBinding:
                     "params": params,
                     "idempotency_key": idempotency_key,
                     "retention": retention,
+                    "attributes": attributes,
                 }
             ],
             actor,
@@ -174,7 +182,7 @@ class WorkflowBinding:
                 raise errors.InvalidInput(
                     f"batch item {position} must be an object with id and params"
                 )
-            unknown = set(item) - {"id", "instance_id", "params", "idempotency_key", "retention"}
+            unknown = set(item) - BATCH_ITEM_FIELDS
             if unknown:
                 raise errors.InvalidInput(
                     f"batch item {position}: unknown field(s) {sorted(unknown)}"
@@ -195,9 +203,19 @@ class WorkflowBinding:
                 raise errors.InvalidInput(
                     f"idempotency_key must be a string of 1-200 characters, got {key!r}"
                 )
-            retention = item.get("retention")
-            retention_ms = None if retention is None else parse_duration(retention)
-            new.append(NewInstance(instance_id, params_json, key, retention_ms))
+            success_ms, error_ms = parse_retention(item.get("retention"))
+            new.append(
+                NewInstance(
+                    instance_id,
+                    params_json,
+                    key,
+                    success_ms,
+                    error_ms,
+                    check_attributes(
+                        item.get("attributes"), f"attributes of instance {instance_id!r}"
+                    ),
+                )
+            )
         created = store.create_instances(
             definition.name, definition.version, limits, new, _actor(actor)
         )
@@ -240,19 +258,17 @@ class WorkflowBinding:
         version: int | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
     ) -> Page:
-        """Newest first, keyset-paginated: stable while instances are being created."""
-        if status is not None and status not in Status.values:
-            raise errors.InvalidInput(
-                f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
-            )
+        """Newest first, keyset-paginated: stable while instances are being created.
+
+        attributes: exact matches, every key must hold that value.
+        """
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
-        query = Instance.objects.filter(workflow=self.name)
-        if status is not None:
-            query = query.filter(status=status)
-        if version is not None:
-            query = query.filter(version=version)
+        query = self.matching(status, version, attributes, created_before, created_after)
         if cursor:
             query = query.filter(id__lt=decode_cursor(cursor))
         rows = list(query.order_by("-id")[: limit + 1])
@@ -262,8 +278,68 @@ class WorkflowBinding:
             [instance_info(r) for r in rows], encode_cursor(rows[-1].pk) if more and rows else None
         )
 
+    def matching(
+        self,
+        status: str | None = None,
+        version: int | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
+    ) -> QuerySet[Instance]:
+        """The instances of this workflow a filter selects (list() and bulk() share it)."""
+        if status is not None and status not in Status.values:
+            raise errors.InvalidInput(
+                f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
+            )
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or version < 1
+        ):
+            raise errors.InvalidInput(f"version must be a positive integer, got {version!r}")
+        query = Instance.objects.filter(workflow=self.name)
+        if status is not None:
+            query = query.filter(status=status)
+        if version is not None:
+            query = query.filter(version=version)
+        for name, bound, lookup in (
+            ("created_before", created_before, "created_at__lt"),
+            ("created_after", created_after, "created_at__gte"),
+        ):
+            if bound is not None:
+                if not isinstance(bound, datetime) or bound.tzinfo is None:
+                    raise errors.InvalidInput(f"{name} must be an aware datetime, got {bound!r}")
+                query = query.filter(**{lookup: bound})
+        return store.filter_attributes(query, check_attributes(attributes, "attribute filter"))
+
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
         return await sync_to_async(self.list)(*args, **kwargs)
+
+    # --- delete -----------------------------------------------------------------------
+
+    def delete_batch(self, ids: Sequence[str], actor: Any = None) -> int:
+        """Delete finished instances with every row of theirs, all or none (at most
+        max_batch_size); a live one is refused with InvalidTransition: terminate it first."""
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+            raise errors.InvalidInput(f"delete_batch expects a list of instance ids, got {ids!r}")
+        maximum = self._batch_limit()
+        if len(ids) > maximum:
+            raise errors.LimitExceeded("max_batch_size", len(ids), maximum, "delete_batch")
+        if not ids:
+            return 0
+        pks = store.delete_instances(self.name, ids)
+        for pk in pks:
+            _after_commit("deleted", pk, self.name)
+        if pks:
+            log.info("%s deleted %d instance(s) of %s", _actor(actor) or "-", len(pks), self.name)
+        return len(pks)
+
+    async def adelete_batch(self, *args: Any, **kwargs: Any) -> int:
+        return await sync_to_async(self.delete_batch)(*args, **kwargs)
+
+    def _batch_limit(self) -> int:
+        try:
+            return self.definition().limits().max_batch_size
+        except errors.UnknownWorkflow:  # its code is gone; its instances can still go
+            return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS")).max_batch_size
 
 
 def encode_cursor(pk: int) -> str:
@@ -290,6 +366,7 @@ def instance_info(row: Instance) -> InstanceInfo:
         updated_at=row.updated_at,
         finished_at=row.finished_at,
         error=row.error,
+        attributes=row.attributes,
     )
 
 
@@ -439,6 +516,11 @@ class InstanceHandle:
         )
         return status
 
+    def delete(self, actor: Any = None) -> None:
+        """Delete this finished instance with its steps, events, history, spans and errors;
+        InvalidTransition while it is live (terminate it first)."""
+        WorkflowBinding(self.workflow).delete_batch([self.id], actor=actor)
+
 
 def _async_twin(name: str) -> Any:
     method = getattr(InstanceHandle, name)
@@ -464,6 +546,7 @@ for _name in (
     "skip_sleep",
     "send_event",
     "cancel",
+    "delete",
 ):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 

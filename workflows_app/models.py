@@ -82,8 +82,14 @@ class Instance(models.Model):
     step_seq = models.PositiveIntegerField(default=0)
     compensate_on_cancel = models.BooleanField(default=False)
     trace_id = models.CharField(max_length=32, blank=True)
+    # create(retention=…): kept this long after finishing; retention_ms for a success (or
+    # every outcome), retention_error_ms for errored and terminated; NULL: the settings'.
     retention_ms = models.BigIntegerField(null=True, blank=True)
+    retention_error_ms = models.BigIntegerField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    # Search attributes (str/int/float/bool values): exact-match filters of the list. An
+    # object, never NULL, so PostgreSQL's containment (`@>`) can use its GIN index.
+    attributes = models.JSONField(default=dict, blank=True)
 
     class Meta:
         constraints = [
@@ -326,6 +332,57 @@ class ErrorRecord(models.Model):
             models.Index(fields=["workflow", "id"], name="error_workflow"),
         ]
         ordering = ["-id"]
+
+
+class BulkAction(models.TextChoices):
+    PAUSE = "pause"
+    RESUME = "resume"
+    TERMINATE = "terminate"
+    CANCEL = "cancel"
+    RESTART = "restart"
+    DELETE = "delete"
+    SEND_EVENT = "send_event"
+
+
+class BulkJob(models.Model):
+    """An action applied in the background to every instance a filter matched at its start.
+
+    The matching instances are snapshotted (their primary keys) when the job is created, so
+    instances created or changed later are not touched; workers apply the action in
+    batches, each batch one transaction with its progress, so a crash repeats nothing.
+    """
+
+    workflow = models.CharField(max_length=200, blank=True)  # "" when the filter spans workflows
+    action = models.CharField(max_length=20, choices=BulkAction.choices)
+    filter = models.JSONField(default=dict, blank=True)  # as given, for display
+    options = models.JSONField(default=dict, blank=True)  # event type/payload, from_step, …
+    instance_pks_json = models.TextField(default="[]")
+    matched = models.PositiveIntegerField(default=0)
+    processed = models.PositiveIntegerField(default=0)  # position in the snapshot
+    applied = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)  # already in the target state, or gone
+    failed = models.PositiveIntegerField(default=0)
+    errors = models.JSONField(default=list, blank=True)  # the first messages of failures
+    actor = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # workers: WHERE finished_at IS NULL ORDER BY id
+            models.Index(
+                fields=["id"], name="bulkjob_pending", condition=Q(finished_at__isnull=True)
+            ),
+        ]
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"bulk {self.action} #{self.pk}"
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
 
 
 class ApiToken(models.Model):

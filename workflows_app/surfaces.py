@@ -53,6 +53,7 @@ def info_json(info: InstanceInfo) -> dict[str, Any]:
         "created_at": iso(info.created_at),
         "updated_at": iso(info.updated_at),
         "finished_at": iso(info.finished_at),
+        "attributes": info.attributes,
     }
 
 
@@ -102,6 +103,7 @@ def instance_json(handle: InstanceHandle) -> dict[str, Any]:
         "version": row.version,
         "status": row.status,
         "params": row.params,
+        "attributes": row.attributes,
         "output": row.output,
         "error": row.error,
         "waiting_reason": row.waiting_reason,

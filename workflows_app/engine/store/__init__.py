@@ -13,7 +13,15 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 from __future__ import annotations
 
 from . import control
-from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
+from .catalog import (
+    VERSION_MISSING,
+    delete_instances,
+    delete_rows,
+    prunable,
+    prune,
+    sync_catalog,
+    wake_registered_versions,
+)
 from .control import (
     cancel,
     create_instances,
@@ -28,7 +36,7 @@ from .control import (
     skip_sleep,
     terminate,
 )
-from .dialect import retry_while_locked, transient
+from .dialect import filter_attributes, retry_while_locked, transient
 from .leases import (
     claim_and_load,
     claim_runnable,
@@ -44,6 +52,7 @@ from .runs import (
     StepWrite,
     begin_compensation,
     finish,
+    merge_attributes,
     park,
     park_unrunnable,
     rewrite_step,
@@ -65,12 +74,16 @@ __all__ = [
     "claim_runnable",
     "control",
     "create_instances",
+    "delete_instances",
+    "delete_rows",
+    "filter_attributes",
     "finish",
     "get_instance",
     "heartbeat",
     "holding_places",
     "load_run",
     "load_runs",
+    "merge_attributes",
     "next_wake_at",
     "park",
     "park_unrunnable",

@@ -25,8 +25,7 @@ from ...models import (
     StepStatus,
     WorkflowVersion,
 )
-from .. import clock, lifecycle
-from ..durations import add_duration
+from .. import clock, lifecycle, retention
 from ..errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -143,6 +142,8 @@ def _create_instances(
                 started_at=now if admitted else None,
                 wake_at=now if admitted else None,
                 retention_ms=item.retention_ms,
+                retention_error_ms=item.retention_error_ms,
+                attributes=item.attributes,
                 history_seq=1,
                 trace_id=uuid.uuid4().hex,
             )
@@ -273,7 +274,6 @@ def terminate(
 def _terminate_locked(
     inst: Instance, limits: Limits, actor: str, reason: str, now: datetime
 ) -> None:
-    retention = inst.retention_ms if inst.retention_ms is not None else limits.max_retention
     Instance.objects.filter(id=inst.pk).update(
         status=Status.TERMINATED,
         wake_at=None,
@@ -281,7 +281,9 @@ def _terminate_locked(
         updated_at=now,
         waiting_reason="",
         compensate_on_cancel=False,
-        expires_at=add_duration(now, retention) if retention else None,
+        expires_at=retention.expires_at(
+            Status.TERMINATED, inst.retention_ms, inst.retention_error_ms, limits, now
+        ),
         **clear_lease(),
     )
     close_open_steps(inst.pk, now)

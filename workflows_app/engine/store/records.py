@@ -51,6 +51,8 @@ class NewInstance:
     params_json: str
     idempotency_key: str | None = None
     retention_ms: int | None = None
+    retention_error_ms: int | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

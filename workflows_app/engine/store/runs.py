@@ -7,6 +7,7 @@ the old run's writes match no row and are refused (LeaseLost).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,12 +24,11 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, faults
-from ..durations import add_duration
+from .. import clock, faults, retention
 from ..limits import Limits
 from .catalog import VERSION_MISSING
 from .control import promote_queued
-from .dialect import close_if_dropped, db_time, retry_while_locked
+from .dialect import close_if_dropped, db_time, merge_json_sql, retry_while_locked
 from .records import (
     INSTANCE_TABLE,
     STEP_TABLE,
@@ -273,7 +273,8 @@ def finish(
                 "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
                 "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
                 "lease_owner = '', lease_expires_at = NULL "
-                "WHERE id = %s AND lease_token = %s RETURNING history_seq, retention_ms, workflow",
+                "WHERE id = %s AND lease_token = %s "
+                "RETURNING history_seq, retention_ms, retention_error_ms, workflow",
                 [
                     len(history),
                     db_time(now),
@@ -291,11 +292,11 @@ def finish(
             row = cursor.fetchone()
         if row is None:
             return False
-        last_seq, retention_ms, workflow = row
+        last_seq, success_ms, error_ms, workflow = row
         close_open_steps(pk, now)
-        retention = retention_ms if retention_ms is not None else limits.max_retention
-        if retention:
-            Instance.objects.filter(id=pk).update(expires_at=add_duration(now, retention))
+        expiry = retention.expires_at(status, success_ms, error_ms, limits, now)
+        if expiry is not None:
+            Instance.objects.filter(id=pk).update(expires_at=expiry)
         insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
@@ -390,3 +391,18 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
             lease_owner="",
             lease_expires_at=None,
         )
+
+
+@retry_while_locked
+def merge_attributes(pk: int, token: str, attributes: dict[str, Any]) -> None:
+    """step.set_attributes: upsert keys into the instance's search attributes, fenced by the
+    run's lease (a run that lost its instance changes nothing). Idempotent, so a repeat
+    after a crash before the step's checkpoint writes the same values again."""
+    with transaction.atomic():
+        fence(pk, token, clock.now(), 0, None)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {INSTANCE_TABLE} SET attributes = {merge_json_sql('attributes')} "
+                "WHERE id = %s",
+                [json.dumps(attributes, separators=(",", ":")), pk],
+            )
