@@ -422,3 +422,26 @@ def test_bench_runs_python_dash_m_bench_with_its_arguments(monkeypatch):
     monkeypatch.setattr("subprocess.call", lambda argv, cwd=None: calls.append(argv) or 0)
     wf("bench", "--", "--quick", "10")
     assert calls[0][1:] == ["-m", "bench", "--quick", "10"]
+
+
+def test_start_and_list_by_search_attributes():
+    wf("start", SIMPLE, "--id", "a", "--attr", "customer=c-9", "--attr", "seats=5")
+    wf("start", SIMPLE, "--id", "b", "--attr", "customer=c-9", "--attr", 'seats="5"')
+    wf("start", SIMPLE, "--id", "c", "--attr", "customer=c-1")
+    found = wf_json("list", "--workflow", SIMPLE, "--attr", "customer=c-9")["instances"]
+    assert [i["id"] for i in found] == ["b", "a"]
+    assert found[1]["attributes"] == {"customer": "c-9", "seats": 5}
+    typed = wf_json("list", "--attr", "customer=c-9", "--attr", "seats=5")["instances"]
+    assert [i["id"] for i in typed] == ["a"]
+    assert "c-9" not in wf("list", "--attr", "customer=c-1")
+    assert "expected KEY=VALUE" in refused("list", "--attr", "customer")
+    assert "invalid attribute key 'a b'" in refused("list", "--attr", "a b=1")
+
+
+def test_delete_removes_a_finished_instance_and_refuses_a_live_one():
+    get_workflow(SIMPLE).create(id="done")
+    testing.run_until_idle()
+    waiting_approval("live")
+    assert wf("delete", "done").strip() == f"deleted {SIMPLE}/done"
+    assert "only finished" in refused("delete", "live")
+    assert list(Instance.objects.values_list("instance_id", flat=True)) == ["live"]

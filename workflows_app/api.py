@@ -24,6 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 from . import dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle
 from .engine import errors
+from .engine.attributes import parse_filter as parse_attribute_filter
 from .models import ApiToken
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -172,7 +173,12 @@ def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
             "Unauthorized",
             "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)",
         )
-    refusal = tokens.refusal(token, write=request.method in WRITE_METHODS, workflow=workflow)
+    refusal = tokens.refusal(
+        token,
+        write=request.method in WRITE_METHODS,
+        workflow=workflow,
+        permission=tokens.DELETE_PERMISSION if request.method == "DELETE" else None,
+    )
     if refusal:
         raise ApiError(403, "Forbidden", refusal)
     return token
@@ -238,27 +244,59 @@ def instance(name: str, instance_id: str) -> InstanceHandle:
 # --- handlers ---------------------------------------------------------------------------
 
 
+LIST_PARAMETERS = ("cursor", "limit", "status", "version", "attr.<key>")
+
+
 def list_instances(call: Call, name: str) -> JsonResponse:
     query = call.request.GET
-    unknown = sorted(set(query) - {"status", "limit", "cursor"})
+    unknown = sorted(
+        k for k in query if k not in LIST_PARAMETERS[:-1] and not k.startswith(ATTR_PREFIX)
+    )
     if unknown:
         raise ApiError(
             400,
             "InvalidInput",
-            f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status",
+            f"unknown query parameter(s) {unknown}; allowed: {', '.join(LIST_PARAMETERS)}",
         )
     limit_text = query.get("limit", "50")
     if not LIMIT_PATTERN.fullmatch(limit_text):  # the range is the client's to check
         raise ApiError(
             400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}"
         )
+    version_text = query.get("version")
+    if version_text is not None and not LIMIT_PATTERN.fullmatch(version_text):
+        raise ApiError(
+            400, "InvalidInput", f"version must be a positive integer, got {version_text[:20]!r}"
+        )
     page = surfaces.binding(name).list(
-        status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor")
+        status=query.get("status"),
+        version=None if version_text is None else int(version_text),
+        limit=int(limit_text),
+        cursor=query.get("cursor"),
+        attributes=attribute_filter(query),
     )
     return ok(
         [surfaces.info_json(i) for i in page.instances],
         result_info={"cursor": page.cursor, "per_page": int(limit_text)},
     )
+
+
+ATTR_PREFIX = "attr."
+
+
+def attribute_filter(query: Any) -> dict[str, Any]:
+    """`?attr.customer=c-9&attr.seats=5`: exact matches; a number, true or false is typed
+    (quote it, attr.seats="5", to find the string)."""
+    pairs: dict[str, str] = {}
+    for key in query:
+        if key.startswith(ATTR_PREFIX):
+            values = query.getlist(key)
+            if len(values) > 1:
+                raise ApiError(
+                    400, "InvalidInput", f"{key} is given {len(values)} times; give it once"
+                )
+            pairs[key[len(ATTR_PREFIX) :]] = values[0]
+    return parse_attribute_filter(pairs)
 
 
 def list_workflows(call: Call) -> JsonResponse:
@@ -280,7 +318,9 @@ def list_workflows(call: Call) -> JsonResponse:
 
 
 def create_instance(call: Call, name: str) -> JsonResponse:
-    body = call.object_body({"id", "instance_id", "params", "idempotency_key", "retention"})
+    body = call.object_body(
+        {"id", "instance_id", "params", "idempotency_key", "retention", "attributes"}
+    )
     ids = {key: body[key] for key in ("id", "instance_id") if key in body}
     if len(set(map(repr, ids.values()))) > 1:
         raise ApiError(
@@ -297,6 +337,7 @@ def create_instance(call: Call, name: str) -> JsonResponse:
         idempotency_key=body.get("idempotency_key"),
         actor=call.actor,
         retention=body.get("retention"),
+        attributes=body.get("attributes"),
     )
     # 200 when an idempotency key found an instance created earlier: nothing new was made.
     return ok(surfaces.created_json(handle), status=201 if handle.created else 200)
@@ -319,6 +360,13 @@ def create_batch(call: Call, name: str) -> JsonResponse:
 
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok(surfaces.instance_json(instance(name, instance_id)))
+
+
+def delete_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
+    """Only a finished instance: a live one is refused with 409 (terminate it first)."""
+    call.object_body(set())
+    instance(name, instance_id).delete(actor=call.actor)
+    return ok({"id": instance_id, "workflow": name, "deleted": True})
 
 
 def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -401,7 +449,7 @@ def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
 workflows = endpoint(GET=list_workflows)
 instances = endpoint(GET=list_instances, POST=create_instance)
 batch = endpoint(POST=create_batch)
-detail = endpoint(GET=get_instance)
+detail = endpoint(GET=get_instance, DELETE=delete_instance)
 history = endpoint(GET=get_history)
 status = endpoint(PATCH=change_status)
 events = endpoint(POST=send_event)

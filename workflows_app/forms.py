@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -10,8 +11,9 @@ from django import forms
 
 from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
+from .engine.attributes import parse_filter as parse_attribute_filter
 from .engine.durations import INSTANT_RANGE, parse_instant
-from .engine.errors import InvalidDuration
+from .engine.errors import InvalidDuration, InvalidInput
 from .models import Status
 
 
@@ -99,6 +101,13 @@ class ListFilterForm(forms.Form):
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
     q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
+    attrs = forms.CharField(
+        required=False,
+        max_length=1000,
+        label="Attributes",
+        widget=forms.TextInput(attrs={"placeholder": "customer=c-9 plan=pro"}),
+        help_text="exact matches, KEY=VALUE separated by spaces; quote a value with spaces",
+    )
     # The browser's UTC offset in minutes, set by dashboard.js: datetime-local inputs carry
     # the viewer's wall-clock time, and every date on the page is shown in local time.
     tz = forms.IntegerField(required=False, min_value=-840, max_value=840, widget=forms.HiddenInput)
@@ -122,7 +131,22 @@ class ListFilterForm(forms.Form):
             created_from=self._instant("created_from", offset),
             created_to=self._instant("created_to", offset),
             q=(data.get("q") or "").strip(),
+            attributes=tuple(self._attributes().items()),
         )
+
+    def _attributes(self) -> dict[str, Any]:
+        """`customer=c-9 plan="pro plus"`: typed like `wf list --attr`; a bad one is an
+        error on the field (and ignored)."""
+        text = self.cleaned_data.get("attrs") or ""
+        try:
+            words = shlex.split(text)
+            pairs = dict(word.split("=", 1) for word in words if "=" in word)
+            if len(pairs) != len(words):
+                raise InvalidInput(f"expected KEY=VALUE pairs, got {text!r}")
+            return parse_attribute_filter(pairs)
+        except (ValueError, InvalidInput) as exc:
+            self.add_error("attrs", str(exc))
+            return {}
 
     def _instant(self, name: str, offset: timedelta) -> datetime | None:
         """A date filter read in the viewer's time zone, as UTC; one outside the dates the

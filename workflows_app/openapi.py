@@ -13,6 +13,13 @@ from .models import Status
 ANY: dict[str, Any] = {"description": "any JSON value"}
 TIME = {"type": "string", "format": "date-time"}
 TIME_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
+ATTRIBUTES = {
+    "type": "object",
+    "additionalProperties": {"type": ["string", "number", "boolean"]},
+    "description": "search attributes: keys of letters, digits, '_', '.', '-'; "
+    "string, number or boolean values",
+}
+DURATION = {"type": ["string", "integer"]}
 
 
 def ref(name: str) -> dict[str, str]:
@@ -121,6 +128,7 @@ SCHEMAS: dict[str, Any] = {
             "created_at": TIME,
             "updated_at": TIME,
             "finished_at": TIME_OR_NULL,
+            "attributes": ATTRIBUTES,
         }
     ),
     "InstanceCreated": obj(
@@ -182,6 +190,7 @@ SCHEMAS: dict[str, Any] = {
             "version": {"type": "integer"},
             "status": ref("Status"),
             "params": ANY,
+            "attributes": ATTRIBUTES,
             "output": ANY,
             "error": ref("ErrorInfo"),
             "waiting_reason": {"type": "string"},
@@ -216,11 +225,20 @@ SCHEMAS: dict[str, Any] = {
                 "description": "same key, same workflow and version: same instance",
             },
             "retention": {
-                "type": ["string", "integer"],
-                "description": "keep the finished instance this long (duration string or ms; 0 = forever)",
+                "oneOf": [
+                    DURATION,
+                    obj({"success": DURATION, "error": DURATION}, required=[]),
+                ],
+                "description": "keep the finished instance this long (duration string or ms; "
+                '0 = forever), or by outcome: {"success": "7 days", "error": "30 days"} '
+                "(error also covers terminated)",
             },
+            "attributes": ATTRIBUTES,
         },
         required=[],
+    ),
+    "InstanceDeleted": obj(
+        {"id": {"type": "string"}, "workflow": {"type": "string"}, "deleted": {"const": True}}
     ),
     "StatusChange": obj(
         {
@@ -346,6 +364,15 @@ def document() -> dict[str, Any]:
                             "schema": {"type": "string"},
                             "description": "result_info.cursor of the previous page",
                         },
+                        {"name": "version", "in": "query", "schema": {"type": "integer"}},
+                        {
+                            "name": "attr.<key>",
+                            "in": "query",
+                            "schema": {"type": "string"},
+                            "description": "exact match on a search attribute, e.g. "
+                            "attr.customer=c-9 (any number of them); a number, true or false "
+                            'is typed: quote it (attr.seats="5") to match a string',
+                        },
                     ],
                     "responses": responses(
                         json_body(
@@ -419,6 +446,21 @@ def document() -> dict[str, Any]:
                     "description": READ,
                     "responses": responses(
                         json_body(success(ref("Instance")), "the instance"), "403", "404"
+                    ),
+                },
+                "delete": {
+                    "summary": "Delete a finished instance with its steps, events, history and spans",
+                    "operationId": "deleteInstance",
+                    "description": "Needs a token with the write scope; a token with a user needs "
+                    "its `workflows_app.delete_instance` permission. A live instance is refused "
+                    "with 409: terminate it first.",
+                    "responses": responses(
+                        json_body(success(ref("InstanceDeleted")), "deleted"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
                     ),
                 },
             },

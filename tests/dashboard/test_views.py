@@ -771,3 +771,26 @@ def test_the_favicon_is_served_for_every_page_and_linked_from_the_dashboard(clie
     assert finders.find("workflows/favicon.svg")
     client.force_login(operator)
     assert 'rel="icon" href="/static/workflows/favicon.svg"' in client.get("/").content.decode()
+
+
+def test_the_list_filters_by_search_attributes_and_marks_a_bad_filter(
+    operator_client, approval_workflow
+):
+    workflow = get_workflow(approval_workflow)
+    workflow.create(id="pro-9", attributes={"customer": "c-9", "plan": "pro"})
+    workflow.create(id="free-9", attributes={"customer": "c-9", "plan": "free plan"})
+    workflow.create(id="pro-1", attributes={"customer": "c-1", "plan": "pro"})
+    url = reverse("workflows:instances")
+
+    def shown(attrs):
+        page = operator_client.get(url, {"attrs": attrs}).content.decode()
+        return re.findall(r'data-instance-id="([\w-]+)"', page)
+
+    assert shown("customer=c-9") == ["free-9", "pro-9"]
+    assert shown("customer=c-9 plan=pro") == ["pro-9"]
+    assert shown('plan="free plan"') == ["free-9"]
+    response = operator_client.get(url, {"attrs": "customer"})
+    assert response.status_code == 400
+    assert "expected KEY=VALUE pairs" in response.content.decode()
+    response = operator_client.get(url, {"attrs": "<b>=1"})
+    assert response.status_code == 400 and "&lt;b&gt;" in response.content.decode()

@@ -1,8 +1,8 @@
 """Operate workflows from a shell: `python manage.py wf <verb>`.
 
-    wf list [--workflow W] [--status S] [--limit N]      wf start W [--params JSON|@file] [--id ID | --count N]
+    wf list [--workflow W] [--status S] [--attr K=V]...  wf start W [--params JSON|@file] [--id ID | --count N]
     wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
-    wf pause|resume|terminate|skip-sleep ID              wf restart ID [--from-step NAME]
+    wf pause|resume|terminate|skip-sleep|delete ID       wf restart ID [--from-step NAME]
     wf cancel ID [--no-compensate]                       wf prune
     wf token create NAME [--user U] [--scope read|write] [--workflow W]... [--expires 30d]
              | rotate NAME | revoke NAME | list
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from workflows_app import surfaces, testing, tokens
 from workflows_app.client import InstanceHandle
 from workflows_app.engine import clock, errors, lifecycle, store
+from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.models import ApiToken, Instance
 
 POLL_SECONDS = 0.5
@@ -60,6 +61,17 @@ def parse_json_arg(value: str | None, flag: str) -> Any:
         raise CommandError(f"{flag} is not valid JSON: {exc}") from None
     except RecursionError:
         raise CommandError(f"{flag} is nested too deeply to parse as JSON") from None
+
+
+def parse_attr_options(options: Sequence[str]) -> dict[str, Any]:
+    """--attr k=v options into typed attributes."""
+    pairs: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise CommandError(f"--attr {option!r}: expected KEY=VALUE")
+        pairs[key] = value
+    return parse_attribute_filter(pairs)
 
 
 def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
@@ -122,9 +134,19 @@ class Command(BaseCommand):
             )
             return sub
 
+        def attr_option(sub: argparse.ArgumentParser, help: str) -> None:
+            sub.add_argument(
+                "--attr",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help=help + ' (repeatable; a number, true or false is typed: quote "5" for text)',
+            )
+
         sub = verb("list", self.do_list, "list instances, newest first")
         sub.add_argument("--workflow", "-w")
         sub.add_argument("--status", "-s")
+        attr_option(sub, "only instances with this search attribute")
         sub.add_argument("--limit", "-n", type=int, default=20)
         sub.add_argument(
             "--cursor", help="next page (with --workflow): the cursor a previous list printed"
@@ -137,6 +159,7 @@ class Command(BaseCommand):
         sub.add_argument("--idempotency-key")
         sub.add_argument("--version", type=int)
         sub.add_argument("--count", type=int, default=1, help="start N instances with these params")
+        attr_option(sub, "give the instance this search attribute")
 
         by_id(
             verb(
@@ -156,6 +179,7 @@ class Command(BaseCommand):
             ("resume", "resume a paused instance"),
             ("terminate", "stop an instance for good"),
             ("skip-sleep", "wake an instance's current sleep now"),
+            ("delete", "delete a finished instance with its steps, events, history and spans"),
         ):
             by_id(verb(name, self.do_action, help)).set_defaults(action=name.replace("-", "_"))
 
@@ -238,7 +262,10 @@ class Command(BaseCommand):
         infos, cursor = [], None
         for name in names:
             page = surfaces.binding(name).list(
-                status=opts.status, limit=opts.limit, cursor=opts.cursor
+                status=opts.status,
+                limit=opts.limit,
+                cursor=opts.cursor,
+                attributes=parse_attr_options(opts.attr),
             )
             infos += page.instances
             cursor = page.cursor
@@ -335,6 +362,7 @@ class Command(BaseCommand):
             idempotency_key=opts.idempotency_key,
             actor="cli",
             version=opts.version,
+            attributes=parse_attr_options(opts.attr),
         )
         data = surfaces.created_json(handle)
         verb = "started" if data["created"] else "found (its idempotency key was used before)"
@@ -397,6 +425,13 @@ class Command(BaseCommand):
             raise CommandError(
                 f"instance {handle.id!r} had already finished ({handle.status().status})"
             )
+        if opts.action == "delete":
+            self.emit(
+                opts,
+                {"id": handle.id, "workflow": handle.workflow, "deleted": True},
+                f"deleted {handle.workflow}/{handle.id}",
+            )
+            return
         self.report(opts, handle, opts.action.replace("_", "-"))
 
     def do_restart(self, opts: argparse.Namespace) -> None:
