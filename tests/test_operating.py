@@ -265,3 +265,155 @@ def test_bad_retention_is_refused(tagged, retention, error, message):
     with pytest.raises(error, match=message):
         tagged.create(id="r", retention=retention)
     assert not Instance.objects.filter(instance_id="r").exists()
+
+
+# --- bulk operations -------------------------------------------------------------------------
+
+
+def waiting_instances(wf, n, **attributes):
+    handles = [wf.create(id=f"w{i}", attributes=attributes) for i in range(n)]
+    testing.run_until_idle()
+    assert {h.status().status for h in handles} == {"waiting"}
+    return handles
+
+
+def test_bulk_terminate_by_filter_acts_on_what_matched_at_the_start_in_batches(tagged):
+    waiting_instances(tagged, 5, customer="c-9")
+    tagged.create(id="free", attributes={"customer": "c-1"})
+    testing.run_until_idle()
+    job = tagged.bulk("terminate", status="waiting", attributes={"customer": "c-9"}, actor="ops")
+    assert (job.matched, job.applied, job.done) == (5, 0, False)
+    tagged.create(id="later", attributes={"customer": "c-9"})  # after the start: not in the job
+    testing.run_until_idle()  # not started: run_until_idle also processes bulk jobs
+    assert tagged.get("later").status().status == "waiting"
+    # Batches of 2: the job's progress grows batch by batch.
+    from workflows_app import bulk
+
+    job2 = tagged.bulk("pause", attributes={"customer": "c-1"})
+    assert bulk.process_batch(job2.id, size=2) is not None
+    assert job2.refresh().done and job2.applied == 1
+
+    job.refresh()
+    assert (job.done, job.matched, job.applied, job.skipped, job.failed) == (True, 5, 5, 0, 0)
+    assert [tagged.get(f"w{i}").status().status for i in range(5)] == ["terminated"] * 5
+    assert tagged.get("free").status().status == "paused"
+    history = tagged.get("w0").history()
+    assert history[-1].type == "instance.terminated" and history[-1].actor == "ops"
+
+
+def test_bulk_progress_is_recorded_per_batch_and_a_repeat_skips_what_is_done(tagged):
+    from workflows_app import bulk
+
+    waiting_instances(tagged, 5)
+    job = tagged.bulk("terminate", status="waiting")
+    assert bulk.process_batch(job.id, size=2).processed == 2
+    job.refresh()
+    assert (job.processed, job.applied, job.done) == (2, 2, False)
+    assert bulk.process_batch(job.id, size=2).processed == 4
+    assert bulk.process_batch(job.id, size=2).done
+    assert bulk.process_batch(job.id, size=2) is None  # finished: nothing more to take
+    again = tagged.bulk("terminate")  # every status: all five already terminated
+    testing.run_until_idle()
+    again.refresh()
+    assert (again.matched, again.applied, again.skipped, again.failed) == (5, 0, 5, 0)
+
+
+def test_a_crash_mid_batch_rolls_the_batch_back_and_it_is_taken_again(tagged, monkeypatch):
+    from workflows_app import bulk
+
+    waiting_instances(tagged, 4)
+    job = tagged.bulk("send_event", event_type="go", payload="ok")
+    calls = []
+    real = bulk.ACTIONS["send_event"]
+
+    def crash_on_third(h, options, actor):
+        calls.append(h.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the worker died")  # not an error the batch handles
+        return real(h, options, actor)
+
+    monkeypatch.setitem(bulk.ACTIONS, "send_event", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        bulk.process_batch(job.id)
+    assert InboxEvent.objects.count() == 0  # the two sent before the crash were rolled back
+    assert job.refresh().processed == 0
+    monkeypatch.setitem(bulk.ACTIONS, "send_event", real)
+    testing.run_until_idle()
+    assert job.refresh().done and job.applied == 4
+    assert InboxEvent.objects.count() == 4  # each instance got its event exactly once
+    assert {tagged.get(f"w{i}").status().output for i in range(4)} == {"done"}
+
+
+def test_bulk_actions_with_options_and_failures_reported_on_the_job(registered):
+    @register("gated")
+    class Gated(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "go", type="go", schema={"type": "object", "required": ["n"]}
+            )
+            return got.payload["n"]
+
+    wf = get_workflow("gated")
+    for i in range(3):
+        wf.create(id=f"g{i}")
+    testing.run_until_idle()
+    job = wf.bulk("send_event", event_type="go", payload={"wrong": 1})
+    testing.run_until_idle()
+    job.refresh()
+    assert (job.applied, job.failed) == (0, 3)
+    assert "does not match the schema" in job.errors[0] and "gated/g0" in job.errors[0]
+    wf.bulk("send_event", event_type="go", payload={"n": 7})
+    testing.run_until_idle()
+    assert [wf.get(f"g{i}").status().output for i in range(3)] == [7, 7, 7]
+    restarted = wf.bulk("restart", status="complete", from_step="go")
+    testing.run_until_idle()
+    assert restarted.refresh().applied == 3
+    assert {wf.get(f"g{i}").status().status for i in range(3)} == {"waiting"}
+    cancelled = wf.bulk("cancel", compensate=False, created_after=START)
+    deleted = wf.bulk("delete", status="terminated")  # snapshot now: none terminated yet
+    testing.run_until_idle()
+    assert cancelled.refresh().applied == 3 and deleted.refresh().matched == 0
+    assert deleted.done  # nothing matched: done at once
+    final = wf.bulk("delete", status="terminated")
+    testing.run_until_idle()
+    assert final.wait(timeout=5).applied == 3
+    assert not Instance.objects.filter(workflow="gated").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"action": "explode"}, InvalidInput, "unknown bulk action 'explode'"),
+        ({"action": "terminate", "event_type": "go"}, InvalidInput, "takes no event_type"),
+        ({"action": "send_event"}, InvalidInput, "needs event_type"),
+        ({"action": "send_event", "event_type": "bad type"}, InvalidInput, "invalid event type"),
+        ({"action": "pause", "status": "sleepy"}, InvalidInput, "unknown status"),
+        ({"action": "pause", "attributes": {"a": [1]}}, InvalidInput, "attribute 'a'"),
+        ({"action": "pause", "created_before": "yesterday"}, InvalidInput, "aware datetime"),
+        ({"action": "restart", "from_step": ""}, InvalidInput, "from_step"),
+    ],
+)
+def test_a_bad_bulk_request_is_refused_before_any_job_exists(tagged, kwargs, error, message):
+    from workflows_app.models import BulkJob
+
+    action = kwargs.pop("action")
+    with pytest.raises(error, match=message):
+        tagged.bulk(action, **kwargs)
+    assert not BulkJob.objects.exists()
+
+
+def test_a_bulk_job_is_found_by_id_within_its_workflow(tagged, registered):
+    from workflows_app.engine.errors import BulkJobNotFound
+
+    job = tagged.bulk("pause")
+    assert tagged.bulk_job(job.id).action == "pause"
+    with pytest.raises(BulkJobNotFound):
+        tagged.bulk_job(job.id + 1)
+
+    @register("elsewhere")
+    class Elsewhere(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    with pytest.raises(BulkJobNotFound):
+        get_workflow("elsewhere").bulk_job(job.id)

@@ -37,6 +37,7 @@ LIMIT_PATTERN = re.compile(
 ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
     (errors.UnknownWorkflow, 404),
     (errors.InstanceNotFound, 404),
+    (errors.BulkJobNotFound, 404),
     (errors.InstanceAlreadyExists, 409),
     (errors.InvalidTransition, 409),
     (errors.VersionConflict, 409),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import time
@@ -34,6 +35,8 @@ from .engine.retention import parse_retention
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
 from .models import (
+    BulkAction,
+    BulkJob,
     HistoryRecord,
     Instance,
     Status,
@@ -313,6 +316,105 @@ class WorkflowBinding:
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
         return await sync_to_async(self.list)(*args, **kwargs)
 
+    # --- bulk -------------------------------------------------------------------------
+
+    def bulk(
+        self,
+        action: str,
+        *,
+        status: str | None = None,
+        version: int | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
+        event_type: str | None = None,
+        payload: Any = None,
+        from_step: str | None = None,
+        compensate: bool = True,
+        actor: Any = None,
+    ) -> BulkJobHandle:
+        """Apply an action to every instance the filter matches now, in the background.
+
+        The matching instances are fixed when the job starts; workers (or `wf bulk`) apply
+        the action in batches. send_event takes event_type and payload; restart from_step;
+        cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
+        """
+        instances = self.matching(status, version, attributes, created_before, created_after)
+        options = self._bulk_options(action, event_type, payload, from_step, compensate)
+        shown: dict[str, Any] = {
+            "status": status,
+            "version": version,
+            "attributes": attributes or None,
+            "created_before": created_before.isoformat() if created_before else None,
+            "created_after": created_after.isoformat() if created_after else None,
+        }
+        return start_bulk_job(
+            self.name,
+            action,
+            instances,
+            {k: v for k, v in shown.items() if v is not None},
+            options,
+            actor,
+        )
+
+    async def abulk(self, *args: Any, **kwargs: Any) -> BulkJobHandle:
+        return await sync_to_async(self.bulk)(*args, **kwargs)
+
+    def bulk_job(self, id: int) -> BulkJobHandle:
+        """A bulk job of this workflow by id; BulkJobNotFound if there is none."""
+        return BulkJobHandle.find(id, self.name)
+
+    def _bulk_options(
+        self,
+        action: str,
+        event_type: str | None,
+        payload: Any,
+        from_step: str | None,
+        compensate: bool,
+    ) -> dict[str, Any]:
+        """Check the action and its options once, before any instance is touched."""
+        if action not in BulkAction.values:
+            raise errors.InvalidInput(
+                f"unknown bulk action {action!r}; actions: {', '.join(BulkAction.values)}"
+            )
+        given = {
+            "event_type": event_type is not None,
+            "payload": payload is not None,
+            "from_step": from_step is not None,
+            "compensate": compensate is not True,
+        }
+        allowed = BULK_OPTIONS.get(action, set())
+        misplaced = sorted(k for k, present in given.items() if present and k not in allowed)
+        if misplaced:
+            raise errors.InvalidInput(
+                f"bulk {action} takes no {', '.join(misplaced)}"
+                + (f" (it takes {', '.join(sorted(allowed))})" if allowed else "")
+            )
+        if action == BulkAction.SEND_EVENT:
+            if event_type is None:
+                raise errors.InvalidInput("bulk send_event needs event_type")
+            check_event_type(event_type)
+            payload_json = encode_json(payload, f"payload of event {event_type!r}")
+            limit = Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+            with contextlib.suppress(errors.UnknownWorkflow):
+                limit = self.definition().limits()
+            check_size(
+                payload_json,
+                "max_event_payload_bytes",
+                limit.max_event_payload_bytes,
+                f"payload of event {event_type!r}",
+            )
+            return {"event_type": event_type, "payload": payload}
+        if action == BulkAction.RESTART:
+            if from_step is not None and (not isinstance(from_step, str) or not from_step):
+                raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")
+            return {"from_step": from_step} if from_step else {}
+        if action == BulkAction.CANCEL:
+            if not isinstance(compensate, bool):
+                raise errors.InvalidInput(f"compensate must be True or False, got {compensate!r}")
+            return {"compensate": compensate}
+        return {}
+
     # --- delete -----------------------------------------------------------------------
 
     def delete_batch(self, ids: Sequence[str], actor: Any = None) -> int:
@@ -522,6 +624,85 @@ class InstanceHandle:
         WorkflowBinding(self.workflow).delete_batch([self.id], actor=actor)
 
 
+BULK_OPTIONS = {
+    BulkAction.SEND_EVENT: {"event_type", "payload"},
+    BulkAction.RESTART: {"from_step"},
+    BulkAction.CANCEL: {"compensate"},
+}
+
+
+def start_bulk_job(
+    workflow: str,
+    action: str,
+    instances: QuerySet[Instance],
+    filter_shown: dict[str, Any],
+    options: dict[str, Any],
+    actor: Any = None,
+) -> BulkJobHandle:
+    """Snapshot what `instances` matches into a new job and wake the workers for it
+    (the dashboard passes its own filter's queryset; bulk() its own)."""
+    job = store.bulk.create_job(workflow, action, instances, filter_shown, options, _actor(actor))
+    if not job.done:
+        transaction.on_commit(lambda: live.instance_changed("bulk", None))
+    return BulkJobHandle(job)
+
+
+class BulkJobHandle:
+    """A bulk job; its figures are as of creation or the last refresh()."""
+
+    def __init__(self, job: BulkJob) -> None:
+        self._job = job
+
+    def __repr__(self) -> str:
+        return f"<BulkJobHandle #{self.id} {self.action} {self.processed}/{self.matched}>"
+
+    @classmethod
+    def find(cls, id: Any, workflow: str | None = None) -> BulkJobHandle:
+        if not isinstance(id, int) or isinstance(id, bool):
+            raise errors.InvalidInput(f"bulk job id must be an integer, got {id!r}")
+        job = store.bulk.get_job(id, workflow)
+        if job is None:
+            raise errors.BulkJobNotFound(
+                f"no bulk job #{id}" + (f" of {workflow!r}" if workflow else "")
+            )
+        return cls(job)
+
+    def refresh(self) -> BulkJobHandle:
+        job = store.bulk.get_job(self._job.pk)
+        if job is not None:
+            self._job = job
+        return self
+
+    async def arefresh(self) -> BulkJobHandle:
+        return await sync_to_async(self.refresh)()
+
+    def wait(self, timeout: float | None = None, poll: float = 0.2) -> BulkJobHandle:
+        """Block until a worker has finished the job (ResultTimeout after timeout seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.refresh().done:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.ResultTimeout(
+                    f"bulk job #{self.id} is at {self.processed}/{self.matched} after {timeout} s"
+                )
+            time.sleep(poll)
+        return self
+
+    id = property(lambda self: self._job.pk)
+    workflow = property(lambda self: self._job.workflow)
+    action = property(lambda self: self._job.action)
+    filter = property(lambda self: self._job.filter)
+    options = property(lambda self: self._job.options)
+    matched = property(lambda self: self._job.matched)
+    processed = property(lambda self: self._job.processed)
+    applied = property(lambda self: self._job.applied)
+    skipped = property(lambda self: self._job.skipped)
+    failed = property(lambda self: self._job.failed)
+    errors = property(lambda self: list(self._job.errors))
+    created_at = property(lambda self: self._job.created_at)
+    finished_at = property(lambda self: self._job.finished_at)
+    done = property(lambda self: self._job.done)
+
+
 def _async_twin(name: str) -> Any:
     method = getattr(InstanceHandle, name)
 
@@ -550,4 +731,11 @@ for _name in (
 ):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
-__all__ = ["InstanceHandle", "InstanceStatus", "Page", "WorkflowBinding", "get_workflow"]
+__all__ = [
+    "BulkJobHandle",
+    "InstanceHandle",
+    "InstanceStatus",
+    "Page",
+    "WorkflowBinding",
+    "get_workflow",
+]

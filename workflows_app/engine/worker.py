@@ -286,6 +286,7 @@ class Worker:
         self.unreleased: dict[int, str] = {}  # leases of runs cut short, not yet given back
         self.runs_started = 0
         self._last_flush = 0.0
+        self._next_maintain = 0.0  # time.monotonic() of the next look for background work
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -374,6 +375,8 @@ class Worker:
             loop.call_soon_threadsafe(self._on_hint, kind, pk)
 
     def _on_hint(self, kind: str, pk: int | None) -> None:
+        if kind == "bulk":
+            self._next_maintain = 0.0
         run = self.runs.get(pk) if pk is not None else None
         if run is not None:
             if kind in ("terminate", "restart", "cancel"):
@@ -413,6 +416,21 @@ class Worker:
                 log.exception("hook run_finished failed for instance #%s", pk)
         if self._wake is not None:
             self._wake.set()
+
+    async def maintain_once(self, force: bool = False) -> bool:
+        """One step of the app's background work (a batch of a bulk job), in a database
+        thread; True if it did some (more may be waiting)."""
+        maintain = getattr(self.hooks, "maintain", None)
+        if maintain is None or self._stopping:
+            return False
+        now = time.monotonic()
+        if not force and now < self._next_maintain:
+            return False
+        assert self.db is not None
+        did = bool(await self.db(maintain))
+        # Nothing to do: look again after a "bulk" hint or a poll interval, not every loop.
+        self._next_maintain = now if did else now + self.poll_seconds
+        return did
 
     async def heartbeat_once(self) -> set[str]:
         """Extend our leases; abort the runs whose lease another worker took."""
@@ -562,7 +580,7 @@ class Worker:
                     await self.release_pending()
                     started = await self.claim_and_start()
                     full = len(self.tasks) >= self.concurrency
-                    if started and not full:
+                    if (started and not full) or await self.maintain_once():
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         due = await self.db(store.next_wake_at)
@@ -605,6 +623,8 @@ class Worker:
             while True:
                 await self.release_pending()
                 runs += await self.claim_and_start()
+                if await self.maintain_once(force=True):
+                    continue  # a bulk batch may have made instances runnable
                 if not self.tasks:
                     await self.flush_hooks(force=True)
                     return  # nothing claimable now and nothing running: idle

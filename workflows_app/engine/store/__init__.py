@@ -3,7 +3,8 @@
 - leases: claims, leases and heartbeats; loading what a run needs;
 - runs: a run's fenced writes (checkpoints, park, finish);
 - control: admission (the queue under max_concurrent_instances) and operator actions;
-- catalog: the version catalog and pruning;
+- catalog: the version catalog, pruning and deleting;
+- bulk: bulk jobs' snapshots, batches and progress;
 - dialect: every SQLite/PostgreSQL difference; records: what they share.
 
 The functions are synchronous and each is one transaction; the engine calls them from its
@@ -12,7 +13,7 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import control
+from . import bulk, control
 from .catalog import (
     VERSION_MISSING,
     delete_instances,
@@ -69,6 +70,7 @@ __all__ = [
     "StepWrite",
     "append_history",
     "begin_compensation",
+    "bulk",
     "cancel",
     "claim_and_load",
     "claim_runnable",
