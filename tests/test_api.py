@@ -758,3 +758,61 @@ def test_delete_needs_the_delete_permission_and_the_write_scope(service):
     assert refused(lambda: reader.delete(base(SIMPLE, "done")))[0] == 403
     deleter = user_api("deleter", can_change=True, can_delete=True)
     assert deleter.delete(base(SIMPLE, "done")).status_code == 200
+
+
+def test_a_bulk_job_starts_with_202_and_its_progress_is_read_back(service):
+    for n in range(3):
+        waiting_approval(f"o-{n}")
+    get_workflow(APPROVAL).create(id="other", attributes={"team": "b"})
+    response = service.post(
+        f"/api/workflows/{APPROVAL}/bulk",
+        {"action": "terminate", "status": "waiting", "created_after": "2000-01-01T00:00:00Z"},
+    )
+    assert response.status_code == 202
+    job = response.json()["result"]
+    assert (job["matched"], job["applied"], job["done"]) == (3, 0, False)
+    assert job["filter"]["status"] == "waiting"
+    testing.run_until_idle()
+    read = service.get(f"/api/workflows/{APPROVAL}/bulk/{job['id']}").json()["result"]
+    assert (read["done"], read["applied"], read["skipped"], read["failed"]) == (True, 3, 0, 0)
+    assert get_workflow(APPROVAL).get("o-0").status().status == "terminated"
+    assert error_of(service.get(f"/api/workflows/{SIMPLE}/bulk/{job['id']}"))[:2] == (
+        404,
+        "BulkJobNotFound",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({}, "action must be one of"),
+        ({"action": "explode"}, "unknown bulk action"),
+        ({"action": "pause", "status": "sleepy"}, "unknown status"),
+        ({"action": "pause", "created_before": "yesterday"}, "created_before must be an ISO"),
+        ({"action": "pause", "created_before": "2026-01-01T00:00:00"}, "with an offset"),
+        ({"action": "pause", "attributes": {"a": None}}, "attribute 'a'"),
+        ({"action": "pause", "compensate": "no"}, "compensate must be true or false"),
+        ({"action": "send_event"}, "needs event_type"),
+        ({"action": "pause", "limit": 5}, "unknown field(s) ['limit']"),
+    ],
+)
+def test_a_bad_bulk_request_is_refused_with_400_and_starts_nothing(service, body, message):
+    from workflows_app.models import BulkJob
+
+    status, _, text = error_of(service.post(f"/api/workflows/{APPROVAL}/bulk", body))
+    assert status == 400 and message in text
+    assert not BulkJob.objects.exists()
+
+
+def test_bulk_needs_the_write_scope_and_delete_needs_the_delete_permission(service):
+    from workflows_app.models import BulkJob
+
+    reader = user_api("bulk-reader", can_change=False)
+    assert error_of(reader.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "pause"}))[0] == 403
+    changer = user_api("bulk-changer", can_change=True)
+    status, _, message = error_of(
+        changer.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "delete"})
+    )
+    assert status == 403 and "workflows_app.delete_instance" in message
+    assert not BulkJob.objects.exists()
+    assert changer.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "pause"}).status_code == 202

@@ -445,3 +445,44 @@ def test_delete_removes_a_finished_instance_and_refuses_a_live_one():
     assert wf("delete", "done").strip() == f"deleted {SIMPLE}/done"
     assert "only finished" in refused("delete", "live")
     assert list(Instance.objects.values_list("instance_id", flat=True)) == ["live"]
+
+
+def test_bulk_applies_an_action_to_what_a_filter_matches_and_reports_it():
+    for n in range(3):
+        waiting_approval(f"o-{n}")
+    get_workflow(APPROVAL).create(id="vip", attributes={"tier": "gold"})
+    testing.run_until_idle()
+    result = wf_json("bulk", "terminate", "-w", APPROVAL, "--attr", "tier=gold")
+    assert (result["matched"], result["applied"], result["done"]) == (1, 1, True)
+    text = wf(
+        "bulk",
+        "send_event",
+        "-w",
+        APPROVAL,
+        "--status",
+        "waiting",
+        "--type",
+        "approval",
+        "--payload",
+        '{"ok": true}',
+    )
+    assert "matched 3, applied 3, skipped 0, failed 0" in text
+    testing.run_until_idle()
+    for n in range(3):  # each consumed its approval (and now sleeps its cool-off)
+        steps = get_workflow(APPROVAL).get(f"o-{n}").steps()
+        assert [s.status for s in steps if s.name == "approval"] == ["complete"]
+    started = wf_json("bulk", "delete", "-w", APPROVAL, "--background")
+    assert (started["matched"], started["done"]) == (4, False)
+    testing.run_until_idle()  # workers apply it: the live ones are skipped
+    assert sorted(Instance.objects.values_list("instance_id", flat=True)) == ["o-0", "o-1", "o-2"]
+
+
+def test_bulk_refuses_bad_input_before_starting_anything():
+    from workflows_app.models import BulkJob
+
+    assert "--created-before must be an ISO" in refused(
+        "bulk", "pause", "-w", APPROVAL, "--created-before", "yesterday"
+    )
+    assert "needs event_type" in refused("bulk", "send_event", "-w", APPROVAL)
+    assert "unknown status" in refused("bulk", "pause", "-w", APPROVAL, "--status", "sleepy")
+    assert not BulkJob.objects.exists()

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -25,7 +26,7 @@ from . import dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle
 from .engine import errors
 from .engine.attributes import parse_filter as parse_attribute_filter
-from .models import ApiToken
+from .models import ApiToken, BulkAction
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
@@ -370,6 +371,77 @@ def delete_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok({"id": instance_id, "workflow": name, "deleted": True})
 
 
+BULK_FIELDS = {
+    "action",
+    "status",
+    "version",
+    "attributes",
+    "created_before",
+    "created_after",
+    "event_type",
+    "payload",
+    "from_step",
+    "compensate",
+}
+
+
+def start_bulk_job(call: Call, name: str) -> JsonResponse:
+    """202: the job runs in the background; GET its address for progress."""
+    body = call.object_body(BULK_FIELDS)
+    action = body.get("action")
+    if action == BulkAction.DELETE:  # deleting needs more than changing
+        refusal = tokens.refusal(call.token, True, name, tokens.DELETE_PERMISSION)
+        if refusal:
+            raise ApiError(403, "Forbidden", refusal)
+    if not isinstance(action, str):
+        raise ApiError(400, "InvalidInput", f"action must be one of {', '.join(BulkAction.values)}")
+    version = body.get("version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise ApiError(400, "InvalidInput", f"version must be an integer, got {json_type(version)}")
+    compensate = body.get("compensate", True)
+    if not isinstance(compensate, bool):
+        raise ApiError(
+            400, "InvalidInput", f"compensate must be true or false, got {json_type(compensate)}"
+        )
+    job = surfaces.binding(name).bulk(
+        action,
+        status=body.get("status"),
+        version=version,
+        attributes=body.get("attributes"),
+        created_before=instant(body, "created_before"),
+        created_after=instant(body, "created_after"),
+        event_type=body.get("event_type"),
+        payload=body.get("payload"),
+        from_step=body.get("from_step"),
+        compensate=compensate,
+        actor=call.actor,
+    )
+    return ok(surfaces.bulk_job_json(job), status=202)
+
+
+def instant(body: dict[str, Any], key: str) -> datetime | None:
+    """An ISO 8601 date-time with a UTC offset from the body, or None."""
+    value = body.get(key)
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"{key} must be an ISO 8601 date-time with an offset (2026-01-01T00:00:00Z), "
+            f"got {str(value)[:40]!r}",
+        )
+    return parsed
+
+
+def get_bulk_job(call: Call, name: str, job_id: int) -> JsonResponse:
+    return ok(surfaces.bulk_job_json(surfaces.binding(name).bulk_job(job_id)))
+
+
 def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok([surfaces.history_json(h) for h in instance(name, instance_id).history()])
 
@@ -450,6 +522,8 @@ def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
 workflows = endpoint(GET=list_workflows)
 instances = endpoint(GET=list_instances, POST=create_instance)
 batch = endpoint(POST=create_batch)
+bulk_jobs = endpoint(POST=start_bulk_job)
+bulk_job = endpoint(GET=get_bulk_job)
 detail = endpoint(GET=get_instance, DELETE=delete_instance)
 history = endpoint(GET=get_history)
 status = endpoint(PATCH=change_status)

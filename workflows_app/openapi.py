@@ -237,6 +237,57 @@ SCHEMAS: dict[str, Any] = {
         },
         required=[],
     ),
+    "BulkJobStart": obj(
+        {
+            "action": {
+                "type": "string",
+                "enum": [
+                    "pause",
+                    "resume",
+                    "terminate",
+                    "cancel",
+                    "restart",
+                    "delete",
+                    "send_event",
+                ],
+            },
+            "status": ref("Status"),
+            "version": {"type": "integer"},
+            "attributes": ATTRIBUTES,
+            "created_before": TIME,
+            "created_after": TIME,
+            "event_type": {"type": "string", "description": "send_event: the event's type"},
+            "payload": ANY,
+            "from_step": {"type": "string", "description": "restart: from this step"},
+            "compensate": {"type": "boolean", "default": True, "description": "cancel"},
+        },
+        required=["action"],
+    ),
+    "BulkJob": obj(
+        {
+            "id": {"type": "integer"},
+            "workflow": {"type": "string"},
+            "action": {"type": "string"},
+            "filter": {"type": "object"},
+            "options": {"type": "object"},
+            "matched": {
+                "type": "integer",
+                "description": "instances the filter matched when the job started",
+            },
+            "processed": {"type": "integer"},
+            "applied": {"type": "integer"},
+            "skipped": {
+                "type": "integer",
+                "description": "the action did not apply (already in that state, finished, "
+                "live for delete) or the instance was gone",
+            },
+            "failed": {"type": "integer"},
+            "errors": {"type": "array", "items": {"type": "string"}},
+            "done": {"type": "boolean"},
+            "created_at": TIME,
+            "finished_at": TIME_OR_NULL,
+        }
+    ),
     "InstanceDeleted": obj(
         {"id": {"type": "string"}, "workflow": {"type": "string"}, "deleted": {"const": True}}
     ),
@@ -435,6 +486,43 @@ def document() -> dict[str, Any]:
                                 "every one existed: found by idempotency keys",
                             )
                         },
+                    ),
+                },
+            },
+            "/api/workflows/{name}/bulk": {
+                "parameters": [WORKFLOW],
+                "post": {
+                    "summary": "Start a bulk job: an action on every instance a filter matches now",
+                    "operationId": "startBulkJob",
+                    "description": WRITE
+                    + " The delete action needs `workflows_app.delete_instance`.",
+                    "requestBody": json_body(ref("BulkJobStart"), "the action and the filter"),
+                    "responses": responses(
+                        json_body(success(ref("BulkJob")), "started; GET its address for progress"),
+                        "400",
+                        "403",
+                        "404",
+                        "413",
+                        status="202",
+                    ),
+                },
+            },
+            "/api/workflows/{name}/bulk/{job_id}": {
+                "parameters": [
+                    WORKFLOW,
+                    {
+                        "name": "job_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "integer"},
+                    },
+                ],
+                "get": {
+                    "summary": "A bulk job's progress",
+                    "operationId": "getBulkJob",
+                    "description": READ,
+                    "responses": responses(
+                        json_body(success(ref("BulkJob")), "the job"), "403", "404"
                     ),
                 },
             },

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from .client import (
+    BulkJobHandle,
     HistoryEntry,
     InstanceHandle,
     InstanceInfo,
@@ -127,4 +128,24 @@ def created_json(handle: InstanceHandle) -> dict[str, Any]:
         "version": row.version,
         "status": row.status,
         "created": handle.created,
+    }
+
+
+def bulk_job_json(job: BulkJobHandle) -> dict[str, Any]:
+    """A bulk job's progress: what it matched at its start and what became of each."""
+    return {
+        "id": job.id,
+        "workflow": job.workflow,
+        "action": job.action,
+        "filter": job.filter,
+        "options": job.options,
+        "matched": job.matched,
+        "processed": job.processed,
+        "applied": job.applied,
+        "skipped": job.skipped,
+        "failed": job.failed,
+        "errors": job.errors,
+        "done": job.done,
+        "created_at": iso(job.created_at),
+        "finished_at": iso(job.finished_at),
     }
