@@ -340,7 +340,7 @@ class WorkflowBinding:
         cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
         """
         instances = self.matching(status, version, attributes, created_before, created_after)
-        options = self._bulk_options(action, event_type, payload, from_step, compensate)
+        options = self.bulk_options(action, event_type, payload, from_step, compensate)
         shown: dict[str, Any] = {
             "status": status,
             "version": version,
@@ -364,7 +364,7 @@ class WorkflowBinding:
         """A bulk job of this workflow by id; BulkJobNotFound if there is none."""
         return BulkJobHandle.find(id, self.name)
 
-    def _bulk_options(
+    def bulk_options(
         self,
         action: str,
         event_type: str | None,

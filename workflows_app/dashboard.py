@@ -280,6 +280,11 @@ def instance_page(
     )
 
 
+def count_matching(filters: ListFilters) -> int:
+    """How many instances the filters match: "apply to all N matching" on the list."""
+    return filters.apply(Instance.objects.all()).count()
+
+
 def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:
     """Instances created after the newest row a live page shows, for prepending."""
     return list(

@@ -160,3 +160,19 @@ class ListFilterForm(forms.Form):
             shown = value.replace(tzinfo=None).isoformat(timespec="minutes")
             self.add_error(name, f"{shown} is outside the dates wfdash stores, {INSTANT_RANGE}")
             return None
+
+
+BULK_JOB_ACTIONS = ("pause", "resume", "terminate", "cancel", "restart", "delete", "send_event")
+
+
+class BulkJobForm(forms.Form):
+    """ "Apply to all matching": the action, its options, and the list's filters as the
+    query string the page was shown with."""
+
+    action = forms.ChoiceField(
+        choices=[(a, a.replace("_", " ").capitalize()) for a in BULK_JOB_ACTIONS]
+    )
+    filters = forms.CharField(required=False, max_length=4000, widget=forms.HiddenInput)
+    event_type = forms.CharField(required=False, max_length=100, label="Event type")
+    payload = JSONField(label="Payload (JSON)")
+    from_step = forms.CharField(required=False, max_length=300, label="From step")

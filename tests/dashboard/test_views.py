@@ -794,3 +794,70 @@ def test_the_list_filters_by_search_attributes_and_marks_a_bad_filter(
     assert "expected KEY=VALUE pairs" in response.content.decode()
     response = operator_client.get(url, {"attrs": "<b>=1"})
     assert response.status_code == 400 and "&lt;b&gt;" in response.content.decode()
+
+
+def test_apply_to_all_matching_starts_a_bulk_job_and_the_page_follows_it(
+    operator_client, approval_workflow
+):
+    gold = [waiting_instance(approval_workflow, attributes={"tier": "gold"}) for _ in range(3)]
+    other = waiting_instance(approval_workflow, attributes={"tier": "tin"})
+    url = reverse("workflows:instances")
+    page = operator_client.get(url, {"attrs": "tier=gold"}).content.decode()
+    assert "Apply to all 3 matching" in page
+    filters = re.search(r'name="filters" value="([^"]*)"', page).group(1)
+    response = operator_client.post(
+        reverse("workflows:bulk-job-start"),
+        {"action": "terminate", "filters": filters.replace("&amp;", "&")},
+    )
+    assert response.status_code == 302 and "job=" in response["Location"]
+    followed = operator_client.get(response["Location"]).content.decode()
+    assert "Bulk terminate" in followed and "0 of 3 processed" in followed
+    job_id = int(re.search(r"job=(\d+)", response["Location"]).group(1))
+    testing.run_until_idle()
+    progress = operator_client.get(reverse("workflows:bulk-job", args=[job_id])).json()
+    assert (progress["done"], progress["applied"], progress["matched"]) == (True, 3, 3)
+    assert progress["filter"] == {"attributes": {"tier": "gold"}} and progress["workflow"] == ""
+    assert {g.status().status for g in gold} == {"terminated"}
+    assert other.status().status == "waiting"
+
+
+def test_apply_to_all_checks_permissions_per_action(operator_client, approval_workflow, viewer):
+    from workflows_app.models import BulkJob
+
+    inst = waiting_instance(approval_workflow)
+    inst.terminate()
+    start = reverse("workflows:bulk-job-start")
+    response = operator_client.post(start, {"action": "delete", "filters": ""}, follow=True)
+    assert "needs the workflows_app.delete_instance permission" in response.content.decode()
+    viewing = Client()
+    viewing.force_login(viewer)
+    assert viewing.post(start, {"action": "pause", "filters": ""}).status_code == 403
+    assert "Apply to all" not in viewing.get(reverse("workflows:instances")).content.decode()
+    assert not BulkJob.objects.exists()
+    deleter = make_user("deleter", "view_instance", "change_instance", "delete_instance")
+    operator_client.force_login(deleter)
+    operator_client.post(start, {"action": "delete", "filters": "status=terminated"})
+    testing.run_until_idle()
+    assert not Instance.objects.exists()
+
+
+def test_apply_to_all_refuses_bad_filters_and_options_and_starts_nothing(
+    operator_client, approval_workflow
+):
+    from workflows_app.models import BulkJob
+
+    waiting_instance(approval_workflow)
+    start = reverse("workflows:bulk-job-start")
+    for data, message in (
+        ({"action": "pause", "filters": "version=x"}, "Fix the filters first"),
+        ({"action": "send_event", "filters": ""}, "needs event_type"),
+        ({"action": "explode", "filters": ""}, "Select a valid choice"),
+        (
+            {"action": "send_event", "event_type": "go", "payload": "{", "filters": ""},
+            "Not valid JSON",
+        ),
+    ):
+        page = operator_client.post(start, data, follow=True).content.decode()
+        assert message in page, message
+    assert not BulkJob.objects.exists()
+    assert operator_client.get(reverse("workflows:bulk-job", args=[999])).status_code == 404
