@@ -44,6 +44,31 @@ class JSONField(forms.CharField):
             ) from None
 
 
+def parse_attribute_text(text: str) -> dict[str, Any]:
+    """`customer=c-9 plan="pro plus"`: typed like `wf list --attr` (5 is a number, "5" text)."""
+    try:
+        words = shlex.split(text)
+        pairs = dict(word.split("=", 1) for word in words if "=" in word)
+        if len(pairs) != len(words):
+            raise InvalidInput(f"expected KEY=VALUE pairs, got {text!r}")
+        return parse_attribute_filter(pairs)
+    except (ValueError, InvalidInput) as exc:
+        raise forms.ValidationError(str(exc)) from None
+
+
+class AttributesField(forms.CharField):
+    """Search attributes typed as KEY=VALUE pairs separated by spaces."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("max_length", 2000)
+        kwargs.setdefault("widget", forms.TextInput(attrs={"placeholder": "customer=c-9 plan=pro"}))
+        super().__init__(**kwargs)
+
+    def to_python(self, value: Any) -> dict[str, Any]:
+        return parse_attribute_text(super().to_python(value) or "")
+
+
 class CreateInstanceForm(forms.Form):
     workflow = forms.ChoiceField()
     id = forms.CharField(
@@ -51,6 +76,7 @@ class CreateInstanceForm(forms.Form):
     )
     idempotency_key = forms.CharField(required=False, max_length=200)
     params = JSONField(label="Params (JSON)")
+    attributes = AttributesField(help_text="optional; KEY=VALUE separated by spaces")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -101,11 +127,8 @@ class ListFilterForm(forms.Form):
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
     q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
-    attrs = forms.CharField(
-        required=False,
-        max_length=1000,
+    attrs = AttributesField(
         label="Attributes",
-        widget=forms.TextInput(attrs={"placeholder": "customer=c-9 plan=pro"}),
         help_text="exact matches, KEY=VALUE separated by spaces; quote a value with spaces",
     )
     # The browser's UTC offset in minutes, set by dashboard.js: datetime-local inputs carry
@@ -131,22 +154,8 @@ class ListFilterForm(forms.Form):
             created_from=self._instant("created_from", offset),
             created_to=self._instant("created_to", offset),
             q=(data.get("q") or "").strip(),
-            attributes=tuple(self._attributes().items()),
+            attributes=tuple((data.get("attrs") or {}).items()),
         )
-
-    def _attributes(self) -> dict[str, Any]:
-        """`customer=c-9 plan="pro plus"`: typed like `wf list --attr`; a bad one is an
-        error on the field (and ignored)."""
-        text = self.cleaned_data.get("attrs") or ""
-        try:
-            words = shlex.split(text)
-            pairs = dict(word.split("=", 1) for word in words if "=" in word)
-            if len(pairs) != len(words):
-                raise InvalidInput(f"expected KEY=VALUE pairs, got {text!r}")
-            return parse_attribute_filter(pairs)
-        except (ValueError, InvalidInput) as exc:
-            self.add_error("attrs", str(exc))
-            return {}
 
     def _instant(self, name: str, offset: timedelta) -> datetime | None:
         """A date filter read in the viewer's time zone, as UTC; one outside the dates the

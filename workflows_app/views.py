@@ -214,6 +214,7 @@ def create_instance(request: HttpRequest) -> HttpResponse:
                 id=data["id"] or None,
                 idempotency_key=data["idempotency_key"] or None,
                 actor=request.user.get_username(),
+                attributes=data["attributes"],
             )
         except WorkflowError as exc:
             form.add_error(None, str(exc))
