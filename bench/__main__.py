@@ -31,6 +31,7 @@ FULL = {
     "fleet": 300,
     "parked_memory": 100_000,
     "attributes": 100_000,
+    "bulk": 10_000,
 }
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
@@ -79,6 +80,7 @@ PER_SECOND = {
     "fleet_3_workers_per_s",
     "herd_wake_per_s",
     "create_sequential_per_s",
+    "bulk_terminate_per_s",
 }
 
 
@@ -113,6 +115,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("recovery", lambda: m.recovery(size["recovery"])),
         ("fleet", lambda: m.fleet(size["fleet"])),
         ("attributes", lambda: ops.attribute_filter(size["attributes"])),
+        ("bulk", lambda: ops.bulk_terminate(size["bulk"])),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -159,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 "recovery",
                 "fleet",
                 "attributes",
+                "bulk",
                 "parked_memory",
             ]
         ),

@@ -81,3 +81,34 @@ def attribute_filter(n: int) -> Figures:
     finally:
         Instance.objects.filter(workflow=workflow)._raw_delete(connection.alias)
     return figures
+
+
+def bulk_terminate(n: int) -> Figures:
+    """wf.bulk("terminate", status="waiting") over n parked instances (each waiting for an
+    event, as a run leaves them), applied batch by batch in this process as a worker does:
+    instances / second from the job's start to its last batch; the snapshot (creating the
+    job) is timed on its own."""
+    from workflows_app import bulk
+
+    from .measures import bulk_park
+
+    workflow = f"bench-bulk-{uuid.uuid4().hex[:6]}"
+    bulk_park(workflow, workflow, n, "waitForEvent", "wait", None, None, event_type="go")
+    wf = WorkflowBinding(workflow)
+    t0 = time.perf_counter()
+    job = wf.bulk("terminate", status="waiting")
+    t1 = time.perf_counter()
+    while bulk.process_batch(job.id) is not None:
+        pass
+    t2 = time.perf_counter()
+    job.refresh()
+    assert (job.done, job.applied) == (True, n), job
+    try:
+        return {
+            "bulk_instances": n,
+            "bulk_snapshot_ms": (t1 - t0) * 1000,
+            "bulk_terminate_s": t2 - t0,
+            "bulk_terminate_per_s": n / (t2 - t0),
+        }
+    finally:
+        Instance.objects.filter(workflow=workflow).delete()

@@ -417,3 +417,40 @@ def test_a_bulk_job_is_found_by_id_within_its_workflow(tagged, registered):
 
     with pytest.raises(BulkJobNotFound):
         get_workflow("elsewhere").bulk_job(job.id)
+
+
+def test_two_workers_share_a_job_without_applying_any_batch_twice(tagged):
+    import threading
+
+    from django.db import connections
+
+    from workflows_app import bulk
+    from workflows_app.models import BulkJob
+
+    waiting_instances(tagged, 12)
+    job = tagged.bulk("terminate")
+    start = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def worker():
+        try:
+            start.wait(10)
+            while not BulkJob.objects.get(pk=job.id).done:
+                bulk.process_batch(job.id, size=3)  # None while the other holds the job
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert failures == []
+    job.refresh()
+    assert (job.processed, job.applied, job.skipped, job.failed) == (12, 12, 0, 0)
+    terminated = HistoryRecord.objects.filter(
+        instance__workflow="tagged", type="instance.terminated"
+    ).count()
+    assert terminated == 12

@@ -30,7 +30,7 @@ from . import live
 from .engine import errors, spans, store
 from .engine.attributes import check_attributes
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
-from .engine.registry import Definition, find_definition, get_definition
+from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
@@ -489,14 +489,7 @@ class InstanceHandle:
 
     def _limits(self) -> Limits:
         """The limits of the instance's version; the settings' limits if its code is gone."""
-        row = self.row()
-        definition = find_definition(self.workflow, row.version)
-        if definition is None:
-            try:
-                definition = get_definition(self.workflow)
-            except errors.UnknownWorkflow:
-                return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
-        return definition.limits()
+        return limits_for(self.workflow, self.row().version)
 
     def row(self, refresh: bool = True) -> Instance:
         if refresh or self._row is None:

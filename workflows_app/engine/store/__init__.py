@@ -36,6 +36,7 @@ from .control import (
     send_event,
     skip_sleep,
     terminate,
+    terminate_batch,
 )
 from .dialect import filter_attributes, retry_while_locked, transient
 from .leases import (
@@ -103,6 +104,7 @@ __all__ = [
     "skip_sleep",
     "sync_catalog",
     "terminate",
+    "terminate_batch",
     "transient",
     "unconsumed_events",
     "wake_registered_versions",

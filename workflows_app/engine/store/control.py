@@ -33,10 +33,12 @@ from ..errors import (
     InvalidTransition,
 )
 from ..limits import Limits
-from .dialect import retry_while_locked
+from ..registry import limits_for
+from .dialect import lock_rows, retry_while_locked
 from .records import (
     History,
     NewInstance,
+    append_histories,
     append_history,
     clear_lease,
     close_open_steps,
@@ -267,32 +269,64 @@ def terminate(
         inst = locked_instance(name, instance_id)
         if not lifecycle.can(lifecycle.TERMINATE, inst.status):
             return False
-        _terminate_locked(inst, limits, actor, reason, clock.now())
+        _terminate_locked([inst], lambda _: limits, actor, reason, clock.now())
     return True
 
 
-def _terminate_locked(
-    inst: Instance, limits: Limits, actor: str, reason: str, now: datetime
-) -> None:
-    Instance.objects.filter(id=inst.pk).update(
-        status=Status.TERMINATED,
-        wake_at=None,
-        finished_at=now,
-        updated_at=now,
-        waiting_reason="",
-        compensate_on_cancel=False,
-        expires_at=retention.expires_at(
-            Status.TERMINATED, inst.retention_ms, inst.retention_error_ms, limits, now
-        ),
-        **clear_lease(),
+def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> list[Instance]:
+    """Terminate the live instances among pks as terminate() does each, with a few
+    statements for the lot (inside the caller's transaction: a bulk job's batch); returns
+    the instances terminated. Rows are locked in id order, as every multi-row lock is."""
+    rows = list(
+        lock_rows(Instance.objects.filter(id__in=list(pks)).order_by("id")).only(
+            "id", "workflow", "version", "status", "retention_ms", "retention_error_ms"
+        )
     )
-    close_open_steps(inst.pk, now)
-    append_history(
-        inst.pk,
-        [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)],
+    live = [row for row in rows if lifecycle.can(lifecycle.TERMINATE, row.status)]
+    if live:
+        _terminate_locked(
+            live, lambda inst: limits_for(inst.workflow, inst.version), actor, reason, clock.now()
+        )
+    return live
+
+
+def _terminate_locked(
+    insts: Sequence[Instance],
+    limits_of: Callable[[Instance], Limits],
+    actor: str,
+    reason: str,
+    now: datetime,
+) -> None:
+    """End live, locked instances: one UPDATE per distinct expiry, their open steps closed,
+    a history record each, and queued instances of their workflows started in their place."""
+    by_expiry: dict[datetime | None, list[int]] = {}
+    for inst in insts:
+        expiry = retention.expires_at(
+            Status.TERMINATED, inst.retention_ms, inst.retention_error_ms, limits_of(inst), now
+        )
+        by_expiry.setdefault(expiry, []).append(inst.pk)
+    for expiry, pks in by_expiry.items():
+        Instance.objects.filter(id__in=pks).update(
+            status=Status.TERMINATED,
+            wake_at=None,
+            finished_at=now,
+            updated_at=now,
+            waiting_reason="",
+            compensate_on_cancel=False,
+            expires_at=expiry,
+            **clear_lease(),
+        )
+    pks = [inst.pk for inst in insts]
+    close_open_steps(pks[0] if len(pks) == 1 else pks, now)
+    append_histories(
+        {
+            inst.pk: History("instance.terminated", {"from": inst.status, "reason": reason}, actor)
+            for inst in insts
+        },
         now,
     )
-    promote_queued(inst.workflow, limits, now)
+    for workflow, inst in {inst.workflow: inst for inst in insts}.items():
+        promote_queued(workflow, limits_of(inst), now)
 
 
 @retry_while_locked
@@ -443,7 +477,7 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
             append_history(
                 inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now
             )
-            _terminate_locked(inst, limits, actor, "cancelled", now)
+            _terminate_locked([inst], lambda _: limits, actor, "cancelled", now)
             return Status.TERMINATED
         # The next run replays to collect the compensations, then runs them newest first.
         Instance.objects.filter(id=inst.pk).update(
