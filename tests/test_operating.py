@@ -454,3 +454,42 @@ def test_two_workers_share_a_job_without_applying_any_batch_twice(tagged):
         instance__workflow="tagged", type="instance.terminated"
     ).count()
     assert terminated == 12
+
+
+async def test_a_serving_worker_prunes_expired_instances_on_the_engine_clock(tagged):
+    from asgiref.sync import sync_to_async
+
+    from workflows_app.engine.worker import Worker
+
+    def left():
+        return sorted(Instance.objects.values_list("instance_id", flat=True))
+
+    with testing.fake_clock(START) as clock:
+        first = await tagged.acreate(id="first", retention={"success": "1 hour"})
+        second = await tagged.acreate(id="second", retention={"success": "3 hours"})
+        await testing.arun_until_idle()
+        await first.asend_event("go")
+        await second.asend_event("go")
+        await testing.arun_until_idle()
+        worker = Worker()
+        worker.prune_seconds = 600
+        await worker.start()
+        try:
+            assert await worker.prune_once() == 0  # nothing expired; next look in 10 minutes
+            clock.advance("2 hours")
+            assert await worker.prune_once() == 1
+            assert await sync_to_async(left)() == ["second"]
+            clock.advance("1 hour")
+            assert await worker.prune_once() == 1  # due again: 10 minutes passed
+            third = await tagged.acreate(id="third", retention={"success": "1 minute"})
+            await testing.arun_until_idle()
+            await third.asend_event("go")
+            await testing.arun_until_idle()
+            clock.advance("2 minutes")
+            assert await worker.prune_once() == 0  # expired, but the next look is in 8 minutes
+            assert await sync_to_async(left)() == ["third"]
+            clock.advance("8 minutes")
+            assert await worker.prune_once() == 1
+        finally:
+            await worker.stop()
+        assert await sync_to_async(left)() == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -81,16 +82,20 @@ def prunable(now: datetime | None = None) -> int:
 
 
 def prune(
-    now: datetime | None = None, batch: int = 500, on_batch: Callable[[int], None] | None = None
+    now: datetime | None = None,
+    batch: int = 500,
+    on_batch: Callable[[int], None] | None = None,
+    max_batches: int | None = None,
 ) -> int:
     """Delete finished instances past their retention, with every row that belongs to them.
 
     One transaction per batch, so a large backlog never holds the database for long;
-    on_batch hears how many each batch deleted (a progress bar).
+    on_batch hears how many each batch deleted (a progress bar). Workers prune one batch
+    at a time (max_batches=1) between runs; `wf prune` clears the whole backlog.
     """
     now = now or clock.now()
     total = 0
-    while True:
+    for _ in itertools.count() if max_batches is None else range(max_batches):
         with transaction.atomic():
             pks = list(
                 Instance.objects.filter(expires_at__lte=now).values_list("id", flat=True)[:batch]
@@ -101,6 +106,7 @@ def prune(
         total += len(pks)
         if on_batch is not None:
             on_batch(len(pks))
+    return total
 
 
 def delete_rows(pks: Sequence[int]) -> None:
