@@ -92,7 +92,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                     functools.partial(live.instance_changed, "terminate", row.pk, row.workflow)
                 )
             return store.bulk.record_batch(
-                job, len(pks), len(terminated), len(pks) - len(terminated), []
+                job, pks, len(terminated), len(pks) - len(terminated), []
             )
         rows = store.bulk.batch_rows(pks)
         apply = ACTIONS[job.action]
@@ -113,7 +113,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                 skipped += 1
             except errors.WorkflowError as exc:
                 failures.append(f"{row.workflow}/{row.instance_id}: {exc}")
-        return store.bulk.record_batch(job, len(pks), applied, skipped, failures)
+        return store.bulk.record_batch(job, pks, applied, skipped, failures)
 
 
 def process_pending() -> bool:

@@ -347,18 +347,19 @@ class BulkAction(models.TextChoices):
 class BulkJob(models.Model):
     """An action applied in the background to every instance a filter matched at its start.
 
-    The matching instances are snapshotted (their primary keys) when the job is created, so
+    The matching instances are snapshotted (BulkJobItem rows) when the job is created, so
     instances created or changed later are not touched; workers apply the action in
-    batches, each batch one transaction with its progress, so a crash repeats nothing.
+    batches in instance order, each batch one transaction with its progress (`last_pk`),
+    so a crash repeats nothing.
     """
 
     workflow = models.CharField(max_length=200, blank=True)  # "" when the filter spans workflows
     action = models.CharField(max_length=20, choices=BulkAction.choices)
     filter = models.JSONField(default=dict, blank=True)  # as given, for display
     options = models.JSONField(default=dict, blank=True)  # event type/payload, from_step, …
-    instance_pks_json = models.TextField(default="[]")
     matched = models.PositiveIntegerField(default=0)
-    processed = models.PositiveIntegerField(default=0)  # position in the snapshot
+    processed = models.PositiveIntegerField(default=0)
+    last_pk = models.BigIntegerField(default=0)  # the snapshot is done up to this instance pk
     applied = models.PositiveIntegerField(default=0)
     skipped = models.PositiveIntegerField(default=0)  # already in the target state, or gone
     failed = models.PositiveIntegerField(default=0)
@@ -383,6 +384,19 @@ class BulkJob(models.Model):
     @property
     def done(self) -> bool:
         return self.finished_at is not None
+
+
+class BulkJobItem(models.Model):
+    """One instance a bulk job matched at its start (its pk: the instance may be deleted)."""
+
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="items")
+    instance_pk = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            # next batch: WHERE job = ? AND instance_pk > last_pk ORDER BY instance_pk LIMIT n
+            models.UniqueConstraint(fields=["job", "instance_pk"], name="bulkjob_item")
+        ]
 
 
 class ApiToken(models.Model):

@@ -1,6 +1,6 @@
 """Bulk jobs: the snapshot of what a filter matched, and claiming and recording batches.
 
-A job's instances are fixed when it is created (their primary keys, in id order). Workers
+A job's instances are fixed when it is created (their primary keys, as item rows). Workers
 take the next batch under the job's row lock (PostgreSQL: skipping a job another worker
 holds) and record its progress in the transaction that applied it, so a crash repeats no
 part of a batch and loses none.
@@ -8,16 +8,16 @@ part of a batch and loses none.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
-from ...models import BulkJob, Instance
+from ...models import BulkJob, BulkJobItem, Instance
 from .. import clock
 from .dialect import retry_while_locked, skip_rows_being_claimed
 
+ITEM_TABLE = BulkJobItem._meta.db_table
 MAX_ERRORS_KEPT = 20  # messages of failed instances kept on the job (the count is exact)
 
 
@@ -30,34 +30,46 @@ def create_job(
     options: dict[str, Any],
     actor: str = "",
 ) -> BulkJob:
-    """Snapshot the instances a queryset matches now into a new job."""
+    """Snapshot the instances a queryset matches now into a new job: one INSERT … SELECT,
+    so the ids never travel through Python however many match."""
     now = clock.now()
     with transaction.atomic():
-        pks = list(instances.order_by("id").values_list("id", flat=True))
-        return BulkJob.objects.create(
+        job = BulkJob.objects.create(
             workflow=workflow,
             action=action,
             filter=filter_shown,
             options=options,
-            instance_pks_json=json.dumps(pks, separators=(",", ":")),
-            matched=len(pks),
             actor=actor,
             created_at=now,
             updated_at=now,
-            finished_at=now if not pks else None,
         )
+        sql, params = instances.order_by().values_list("id").query.sql_with_params()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {ITEM_TABLE} (job_id, instance_pk) SELECT %s, matched.id "
+                f"FROM ({sql}) matched",
+                [job.pk, *params],
+            )
+            job.matched = cursor.rowcount
+        job.finished_at = now if not job.matched else None
+        job.save(update_fields=["matched", "finished_at"])
+        return job
 
 
 def lock_next_batch(size: int, job_pk: int | None = None) -> tuple[BulkJob, list[int]] | None:
     """Inside the caller's transaction: the oldest unfinished job (or that one) that no
-    other worker holds, locked, with the primary keys of its next batch; None if none."""
+    other worker holds, locked, with the instance pks of its next batch; None if none."""
     jobs = BulkJob.objects.filter(finished_at__isnull=True)
     if job_pk is not None:
         jobs = jobs.filter(pk=job_pk)
     job = skip_rows_being_claimed(jobs.order_by("id")).first()
     if job is None:
         return None
-    pks: list[int] = json.loads(job.instance_pks_json)[job.processed : job.processed + size]
+    pks = list(
+        BulkJobItem.objects.filter(job=job, instance_pk__gt=job.last_pk)
+        .order_by("instance_pk")
+        .values_list("instance_pk", flat=True)[:size]
+    )
     return job, pks
 
 
@@ -70,21 +82,24 @@ def batch_rows(pks: Sequence[int]) -> dict[int, Instance]:
 
 
 def record_batch(
-    job: BulkJob, processed: int, applied: int, skipped: int, errors: Sequence[str]
+    job: BulkJob, pks: Sequence[int], applied: int, skipped: int, errors: Sequence[str]
 ) -> BulkJob:
     """Inside the batch's transaction: add its outcome; finish the job after its last one."""
     now = clock.now()
-    job.processed += processed
+    if pks:
+        job.last_pk = pks[-1]
+    job.processed += len(pks)
     job.applied += applied
     job.skipped += skipped
     job.failed += len(errors)
     job.errors = [*job.errors, *errors][:MAX_ERRORS_KEPT]
     job.updated_at = now
-    if job.processed >= job.matched:
+    if not pks or job.processed >= job.matched:
         job.finished_at = now
     job.save(
         update_fields=[
             "processed",
+            "last_pk",
             "applied",
             "skipped",
             "failed",
@@ -97,7 +112,7 @@ def record_batch(
 
 
 def get_job(pk: int, workflow: str | None = None) -> BulkJob | None:
-    jobs = BulkJob.objects.defer("instance_pks_json")
+    jobs = BulkJob.objects.all()
     if workflow is not None:
         jobs = jobs.filter(workflow=workflow)
     return jobs.filter(pk=pk).first()
