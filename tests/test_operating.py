@@ -135,6 +135,21 @@ def test_an_attribute_key_with_double_underscores_or_dots_is_one_key(tagged):
     assert ids(tagged.list(attributes={"x.y": "z"})) == ["odd"]
 
 
+def test_sqlite_tests_attributes_from_an_index_without_reading_each_row(tagged):
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's index of (workflow, id, attributes)")
+    sql, params = (
+        tagged.matching(attributes={"customer": "c-3"})
+        .order_by("-id")
+        .values_list("id")
+        .query.sql_with_params()
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+    assert "instance_wf_attributes" in plan, plan
+
+
 def test_postgresql_answers_an_attribute_filter_from_its_gin_index(tagged):
     if connection.vendor != "postgresql":
         pytest.skip("the GIN index exists on PostgreSQL only")
