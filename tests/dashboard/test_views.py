@@ -794,6 +794,10 @@ def test_the_list_filters_by_search_attributes_and_marks_a_bad_filter(
     assert "expected KEY=VALUE pairs" in response.content.decode()
     response = operator_client.get(url, {"attrs": "<b>=1"})
     assert response.status_code == 400 and "&lt;b&gt;" in response.content.decode()
+    workflow.create(id="shown", attributes={"note": XSS, "seats": 5})
+    detail = operator_client.get(page_url(workflow.get("shown").row())).content.decode()
+    assert "<dt>note</dt>" in detail and "<dt>seats</dt>" in detail
+    assert XSS not in detail and "&lt;script&gt;" in detail
 
 
 def test_apply_to_all_matching_starts_a_bulk_job_and_the_page_follows_it(
