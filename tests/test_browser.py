@@ -502,7 +502,8 @@ def test_attribute_filter_and_bulk_terminate_with_a_live_progress_bar(page: Page
     expect(rows).to_have_count(3)
     expect(page.locator('tr[data-instance-id="e2e-bulk-tin"]')).to_have_count(0)
 
-    page.get_by_text("Apply to all 3 matching…").click()
+    page.get_by_text("Apply to all matching…").click()
+    expect(page.locator("[data-matching]")).to_have_text("3")  # counted when opened
     page.select_option("#id_action", "terminate")
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name="Apply to all 3 matching").click()

@@ -35,7 +35,33 @@
     if (panel.dataset.done !== "1") tick();
   }
 
+  // "Apply to all N matching": counted when opened, so the list itself never pays for it.
+  function countWhenOpened(details) {
+    const form = details.querySelector("form");
+    const button = details.querySelector("[data-bulk-all]");
+    const shown = details.querySelector("[data-matching]");
+    details.addEventListener("toggle", async () => {
+      if (!details.open) return;
+      button.disabled = true;
+      shown.textContent = "…";
+      try {
+        const response = await fetch(details.dataset.countUrl, {
+          headers: { Accept: "application/json" }, credentials: "same-origin",
+        });
+        if (!response.ok) throw new Error(`HTTP ${response.status}`);
+        const { matching } = await response.json();
+        shown.textContent = String(matching);
+        form.dataset.confirm = `Apply this action to all ${matching} matching instance` +
+          `${matching === 1 ? "" : "s"}? It runs in the background.`;
+        button.disabled = matching === 0;
+      } catch (e) {
+        shown.textContent = "?";
+      }
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", () => {
     for (const panel of document.querySelectorAll("[data-bulk-job-url]")) follow(panel);
+    for (const details of document.querySelectorAll("[data-count-url]")) countWhenOpened(details);
   });
 })();

@@ -807,7 +807,9 @@ def test_apply_to_all_matching_starts_a_bulk_job_and_the_page_follows_it(
     other = waiting_instance(approval_workflow, attributes={"tier": "tin"})
     url = reverse("workflows:instances")
     page = operator_client.get(url, {"attrs": "tier=gold"}).content.decode()
-    assert "Apply to all 3 matching" in page
+    assert "Apply to all matching" in page
+    count = operator_client.get(reverse("workflows:bulk-job-count"), {"attrs": "tier=gold"})
+    assert count.json() == {"matching": 3}
     filters = re.search(r'name="filters" value="([^"]*)"', page).group(1)
     response = operator_client.post(
         reverse("workflows:bulk-job-start"),
@@ -837,6 +839,7 @@ def test_apply_to_all_checks_permissions_per_action(operator_client, approval_wo
     viewing.force_login(viewer)
     assert viewing.post(start, {"action": "pause", "filters": ""}).status_code == 403
     assert "Apply to all" not in viewing.get(reverse("workflows:instances")).content.decode()
+    assert viewing.get(reverse("workflows:bulk-job-count")).status_code == 403
     assert not BulkJob.objects.exists()
     deleter = make_user("deleter", "view_instance", "change_instance", "delete_instance")
     operator_client.force_login(deleter)
@@ -865,3 +868,5 @@ def test_apply_to_all_refuses_bad_filters_and_options_and_starts_nothing(
         assert message in page, message
     assert not BulkJob.objects.exists()
     assert operator_client.get(reverse("workflows:bulk-job", args=[999])).status_code == 404
+    bad_count = operator_client.get(reverse("workflows:bulk-job-count"), {"version": "x"})
+    assert bad_count.status_code == 400
