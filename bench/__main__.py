@@ -32,6 +32,8 @@ FULL = {
     "recovery": 500,
     "fleet": 300,
     "parked_memory": 100_000,
+    "attributes": 100_000,
+    "bulk": 10_000,
 }
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
@@ -78,6 +80,11 @@ PER_COMMIT_MS = {
     "admission_overhead_total_ms",
     "schedule_tick_to_start_p50_ms",
     "schedule_tick_to_start_p95_ms",
+    "attr_list_baseline_ms",
+    "attr_list_rare_ms",
+    "attr_list_common_ms",
+    "attr_list_rare_status_ms",
+    "attr_list_none_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
 PER_SECOND = {
@@ -87,6 +94,7 @@ PER_SECOND = {
     "fleet_3_workers_per_s",
     "herd_wake_per_s",
     "create_sequential_per_s",
+    "bulk_terminate_per_s",
 }
 
 
@@ -106,6 +114,7 @@ def scaled(quick: bool) -> dict[str, Any]:
 
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     from . import measures as m
+    from . import operating as ops
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -122,6 +131,8 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
         ("fleet", lambda: m.fleet(size["fleet"])),
+        ("attributes", lambda: ops.attribute_filter(size["attributes"])),
+        ("bulk", lambda: ops.bulk_terminate(size["bulk"])),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -169,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 "replay",
                 "recovery",
                 "fleet",
+                "attributes",
+                "bulk",
                 "parked_memory",
             ]
         ),

@@ -26,6 +26,7 @@ from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.models import (
     ApiToken,
+    BulkJob,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
@@ -46,6 +47,7 @@ MODELS = [
     ErrorRecord,
     WorkflowVersion,
     ApiToken,
+    BulkJob,
 ]
 XSS = "<script>alert('x')</script>"
 
@@ -118,6 +120,7 @@ def some_of_everything() -> Instance:
         created_at=now,
     )
     ApiToken.objects.create(name="svc", token_hash="0" * 64, prefix="wf_abcde", created_at=now)
+    get_workflow(APPROVAL).bulk("send_event", event_type="note", payload={"html": XSS}, actor=XSS)
     return row
 
 

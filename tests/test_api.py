@@ -94,6 +94,9 @@ class Api:
     def patch(self, path: str, body: Any = UNSET, **kw: Any) -> Any:
         return self.call("PATCH", path, body, **kw)
 
+    def delete(self, path: str, **kw: Any) -> Any:
+        return self.call("DELETE", path, **kw)
+
 
 def base(workflow: str = APPROVAL, instance_id: str | None = None) -> str:
     path = f"/api/workflows/{workflow}/instances"
@@ -123,6 +126,7 @@ def user_api(
 ) -> Api:
     user = User.objects.create_user(name, is_active=active)
     codenames = ["view_instance"] * can_view + ["change_instance"] * can_change
+    codenames += ["delete_instance"] * token.pop("can_delete", False)
     user.user_permissions.add(
         *Permission.objects.filter(codename__in=codenames, content_type__app_label="workflows_app")
     )
@@ -688,3 +692,127 @@ def test_list_workflows_shows_each_workflow_with_its_versions_and_counts(service
 def test_list_refuses_a_limit_that_is_not_plain_ascii_digits_with_400(service, limit):
     status, code, message = error_of(service.get(base(SIMPLE) + "?" + urlencode({"limit": limit})))
     assert (status, code) == (400, "InvalidInput") and "limit must be an integer" in message
+
+
+# --- search attributes, delete, retention (SPEC §9) ---------------------------------------
+
+
+def test_create_with_attributes_and_list_by_them(service):
+    service.post(base(SIMPLE), {"id": "a", "attributes": {"customer": "c-9", "seats": 5}})
+    service.post(base(SIMPLE), {"id": "b", "attributes": {"customer": "c-9", "seats": "5"}})
+    service.post(base(SIMPLE), {"id": "c", "attributes": {"customer": "c-1"}})
+    found = service.get(base(SIMPLE) + "?attr.customer=c-9").json()["result"]
+    assert [i["id"] for i in found] == ["b", "a"]
+    assert found[1]["attributes"] == {"customer": "c-9", "seats": 5}
+    typed = service.get(base(SIMPLE) + "?attr.customer=c-9&attr.seats=5").json()["result"]
+    assert [i["id"] for i in typed] == ["a"]
+    quoted = service.get(base(SIMPLE) + "?attr.seats=%225%22").json()["result"]
+    assert [i["id"] for i in quoted] == ["b"]
+    assert service.get(base(SIMPLE, "a")).json()["result"]["attributes"]["seats"] == 5
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("attr.a%20b=x", "invalid attribute key 'a b'"),
+        ("attr.=x", "invalid attribute key ''"),
+        ("attr.k=1&attr.k=2", "attr.k is given 2 times"),
+        ("version=x", "version must be a positive integer"),
+        ("attributes=x", "unknown query parameter(s) ['attributes']"),
+    ],
+)
+def test_list_refuses_bad_attribute_filters_with_400(service, query, message):
+    status, _, text = error_of(service.get(base(SIMPLE) + "?" + query))
+    assert status == 400 and message in text
+
+
+def test_create_refuses_bad_attributes_and_retention_and_stores_nothing(service):
+    for body, message in (
+        ({"attributes": {"plan": [1]}}, "attribute 'plan'"),
+        ({"attributes": "plan"}, "must be an object"),
+        ({"retention": {"sucess": "1 day"}}, "unknown outcome"),
+    ):
+        status, _, text = refused(lambda body=body: service.post(base(SIMPLE), body))
+        assert status == 400 and message in text
+
+
+def test_delete_removes_a_finished_instance_and_refuses_a_live_one_with_409(service):
+    waiting_approval("live")
+    service.post(base(SIMPLE), {"id": "done", "retention": {"success": "1 day"}})
+    testing.run_until_idle()
+    status, code, message = refused(lambda: service.delete(base(APPROVAL, "live")))
+    assert (status, code) == (409, "InvalidTransition") and "terminate it first" in message
+    response = service.delete(base(SIMPLE, "done"))
+    assert response.json()["result"] == {"id": "done", "workflow": SIMPLE, "deleted": True}
+    assert error_of(service.get(base(SIMPLE, "done")))[0] == 404
+    assert error_of(service.delete(base(SIMPLE, "done")))[0] == 404
+
+
+def test_delete_needs_the_delete_permission_and_the_write_scope(service):
+    service.post(base(SIMPLE), {"id": "done"})
+    testing.run_until_idle()
+    changer = user_api("changer", can_change=True)
+    status, _, message = refused(lambda: changer.delete(base(SIMPLE, "done")))
+    assert status == 403 and "workflows_app.delete_instance" in message
+    reader = user_api("deleter-read", can_change=True, can_delete=True, scope="read")
+    assert refused(lambda: reader.delete(base(SIMPLE, "done")))[0] == 403
+    deleter = user_api("deleter", can_change=True, can_delete=True)
+    assert deleter.delete(base(SIMPLE, "done")).status_code == 200
+
+
+def test_a_bulk_job_starts_with_202_and_its_progress_is_read_back(service):
+    for n in range(3):
+        waiting_approval(f"o-{n}")
+    get_workflow(APPROVAL).create(id="other", attributes={"team": "b"})
+    response = service.post(
+        f"/api/workflows/{APPROVAL}/bulk",
+        {"action": "terminate", "status": "waiting", "created_after": "2000-01-01T00:00:00Z"},
+    )
+    assert response.status_code == 202
+    job = response.json()["result"]
+    assert (job["matched"], job["applied"], job["done"]) == (3, 0, False)
+    assert job["filter"]["status"] == "waiting"
+    testing.run_until_idle()
+    read = service.get(f"/api/workflows/{APPROVAL}/bulk/{job['id']}").json()["result"]
+    assert (read["done"], read["applied"], read["skipped"], read["failed"]) == (True, 3, 0, 0)
+    assert get_workflow(APPROVAL).get("o-0").status().status == "terminated"
+    assert error_of(service.get(f"/api/workflows/{SIMPLE}/bulk/{job['id']}"))[:2] == (
+        404,
+        "BulkJobNotFound",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({}, "action must be one of"),
+        ({"action": "explode"}, "unknown bulk action"),
+        ({"action": "pause", "status": "sleepy"}, "unknown status"),
+        ({"action": "pause", "created_before": "yesterday"}, "created_before must be an ISO"),
+        ({"action": "pause", "created_before": "2026-01-01T00:00:00"}, "with an offset"),
+        ({"action": "pause", "attributes": {"a": None}}, "attribute 'a'"),
+        ({"action": "pause", "compensate": "no"}, "compensate must be true or false"),
+        ({"action": "send_event"}, "needs event_type"),
+        ({"action": "pause", "limit": 5}, "unknown field(s) ['limit']"),
+    ],
+)
+def test_a_bad_bulk_request_is_refused_with_400_and_starts_nothing(service, body, message):
+    from workflows_app.models import BulkJob
+
+    status, _, text = error_of(service.post(f"/api/workflows/{APPROVAL}/bulk", body))
+    assert status == 400 and message in text
+    assert not BulkJob.objects.exists()
+
+
+def test_bulk_needs_the_write_scope_and_delete_needs_the_delete_permission(service):
+    from workflows_app.models import BulkJob
+
+    reader = user_api("bulk-reader", can_change=False)
+    assert error_of(reader.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "pause"}))[0] == 403
+    changer = user_api("bulk-changer", can_change=True)
+    status, _, message = error_of(
+        changer.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "delete"})
+    )
+    assert status == 403 and "workflows_app.delete_instance" in message
+    assert not BulkJob.objects.exists()
+    assert changer.post(f"/api/workflows/{APPROVAL}/bulk", {"action": "pause"}).status_code == 202

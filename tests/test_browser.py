@@ -481,3 +481,49 @@ def test_a_390px_wide_page_does_not_scroll_sideways(page: Page) -> None:
     page.goto("/instances/")
     page.get_by_text("New instance").click()
     assert page.evaluate("document.documentElement.scrollWidth") <= NARROW["width"]
+
+
+def test_attribute_filter_and_bulk_terminate_with_a_live_progress_bar(page: Page) -> None:
+    """Issue 16: create with attributes, filter the list by them, apply to all matching."""
+    for name, tier in (("gold-0", "gold"), ("gold-1", "gold"), ("gold-2", "gold"), ("tin", "tin")):
+        page.goto("/instances/")
+        page.get_by_text("New instance").click()
+        page.select_option("#id_workflow", "trial-reminder")
+        page.fill("#id_id", f"e2e-bulk-{name}")
+        page.fill("#id_params", '{"trial": "14 days"}')
+        page.fill("#id_attributes", f"batch=e2e-bulk tier={tier}")
+        page.get_by_role("button", name="Create").click()
+        expect(badge(page)).to_have_attribute("data-status", "waiting")
+
+    page.goto("/instances/")
+    page.fill("#id_attrs", "batch=e2e-bulk tier=gold")
+    page.get_by_role("button", name="Filter", exact=True).click()
+    rows = page.locator("tr[data-instance-id]")
+    expect(rows).to_have_count(3)
+    expect(page.locator('tr[data-instance-id="e2e-bulk-tin"]')).to_have_count(0)
+
+    page.get_by_text("Apply to all matching…").click()
+    expect(page.locator("[data-matching]")).to_have_text("3")  # counted when opened
+    page.select_option("#id_action", "terminate")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Apply to all 3 matching").click()
+    panel = page.locator("[data-bulk-job-url]")
+    expect(panel).to_contain_text("Bulk terminate")
+    rendered_done = panel.get_attribute("data-done") == "1"
+    mark_page(page)
+    expect(page.locator("[data-bulk-summary]")).to_contain_text(
+        "3 of 3 processed: 3 applied, 0 skipped, 0 failed — done"
+    )
+    expect(page.locator("[data-bulk-progress]")).to_have_attribute("value", "3")
+    if not rendered_done:  # the bar moved without a reload
+        assert_not_reloaded(page)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=ARTIFACTS / "bulk-progress.png", full_page=True)
+    for n in range(3):
+        expect(page.locator(f'tr[data-instance-id="e2e-bulk-gold-{n}"] .badge')).to_have_attribute(
+            "data-status", "terminated"
+        )
+    page.goto("/instances/?attrs=batch%3De2e-bulk+tier%3Dtin")
+    expect(page.locator('tr[data-instance-id="e2e-bulk-tin"] .badge')).to_have_attribute(
+        "data-status", "waiting"
+    )

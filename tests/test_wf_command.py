@@ -422,3 +422,67 @@ def test_bench_runs_python_dash_m_bench_with_its_arguments(monkeypatch):
     monkeypatch.setattr("subprocess.call", lambda argv, cwd=None: calls.append(argv) or 0)
     wf("bench", "--", "--quick", "10")
     assert calls[0][1:] == ["-m", "bench", "--quick", "10"]
+
+
+def test_start_and_list_by_search_attributes():
+    wf("start", SIMPLE, "--id", "a", "--attr", "customer=c-9", "--attr", "seats=5")
+    wf("start", SIMPLE, "--id", "b", "--attr", "customer=c-9", "--attr", 'seats="5"')
+    wf("start", SIMPLE, "--id", "c", "--attr", "customer=c-1")
+    found = wf_json("list", "--workflow", SIMPLE, "--attr", "customer=c-9")["instances"]
+    assert [i["id"] for i in found] == ["b", "a"]
+    assert found[1]["attributes"] == {"customer": "c-9", "seats": 5}
+    typed = wf_json("list", "--attr", "customer=c-9", "--attr", "seats=5")["instances"]
+    assert [i["id"] for i in typed] == ["a"]
+    assert "c-9" not in wf("list", "--attr", "customer=c-1")
+    assert "expected KEY=VALUE" in refused("list", "--attr", "customer")
+    assert "invalid attribute key 'a b'" in refused("list", "--attr", "a b=1")
+
+
+def test_delete_removes_a_finished_instance_and_refuses_a_live_one():
+    get_workflow(SIMPLE).create(id="done")
+    testing.run_until_idle()
+    waiting_approval("live")
+    assert wf("delete", "done").strip() == f"deleted {SIMPLE}/done"
+    assert "only finished" in refused("delete", "live")
+    assert list(Instance.objects.values_list("instance_id", flat=True)) == ["live"]
+
+
+def test_bulk_applies_an_action_to_what_a_filter_matches_and_reports_it():
+    for n in range(3):
+        waiting_approval(f"o-{n}")
+    get_workflow(APPROVAL).create(id="vip", attributes={"tier": "gold"})
+    testing.run_until_idle()
+    result = wf_json("bulk", "terminate", "-w", APPROVAL, "--attr", "tier=gold")
+    assert (result["matched"], result["applied"], result["done"]) == (1, 1, True)
+    text = wf(
+        "bulk",
+        "send_event",
+        "-w",
+        APPROVAL,
+        "--status",
+        "waiting",
+        "--type",
+        "approval",
+        "--payload",
+        '{"ok": true}',
+    )
+    assert "matched 3, applied 3, skipped 0, failed 0" in text
+    testing.run_until_idle()
+    for n in range(3):  # each consumed its approval (and now sleeps its cool-off)
+        steps = get_workflow(APPROVAL).get(f"o-{n}").steps()
+        assert [s.status for s in steps if s.name == "approval"] == ["complete"]
+    started = wf_json("bulk", "delete", "-w", APPROVAL, "--background")
+    assert (started["matched"], started["done"]) == (4, False)
+    testing.run_until_idle()  # workers apply it: the live ones are skipped
+    assert sorted(Instance.objects.values_list("instance_id", flat=True)) == ["o-0", "o-1", "o-2"]
+
+
+def test_bulk_refuses_bad_input_before_starting_anything():
+    from workflows_app.models import BulkJob
+
+    assert "--created-before must be an ISO" in refused(
+        "bulk", "pause", "-w", APPROVAL, "--created-before", "yesterday"
+    )
+    assert "needs event_type" in refused("bulk", "send_event", "-w", APPROVAL)
+    assert "unknown status" in refused("bulk", "pause", "-w", APPROVAL, "--status", "sleepy")
+    assert not BulkJob.objects.exists()

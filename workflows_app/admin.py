@@ -32,6 +32,7 @@ from .engine.cron import check_cron, check_schedule_name, zone
 from .engine.registry import get_definition
 from .models import (
     ApiToken,
+    BulkJob,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
@@ -499,6 +500,41 @@ class ErrorRecordAdmin(ReadOnlyAdmin):
     @admin.display(description="message")
     def short_message(self, obj: ErrorRecord) -> str:
         return obj.message if len(obj.message) <= 80 else obj.message[:79] + "…"
+
+
+@admin.register(BulkJob)
+class BulkJobAdmin(ReadOnlyAdmin):
+    """Bulk jobs start from the client, `wf bulk`, the API or the dashboard's list."""
+
+    list_display = (
+        "id",
+        "action",
+        "workflow",
+        "matched",
+        "applied",
+        "skipped",
+        "failed",
+        "actor",
+        "created_at",
+        "finished_at",
+    )
+    list_filter = ("action", "workflow")
+    readonly_fields = fields = (
+        "action",
+        "workflow",
+        "filter",
+        "options",
+        "matched",
+        "processed",
+        "applied",
+        "skipped",
+        "failed",
+        "errors",
+        "actor",
+        "created_at",
+        "updated_at",
+        "finished_at",
+    )
 
 
 @admin.register(WorkflowVersion)

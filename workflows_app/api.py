@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -24,7 +25,8 @@ from django.views.decorators.csrf import csrf_exempt
 from . import dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle, ScheduleHandle, schedules
 from .engine import errors
-from .models import ApiToken
+from .engine.attributes import parse_filter as parse_attribute_filter
+from .models import ApiToken, BulkAction
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
@@ -38,6 +40,7 @@ ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
     (errors.InstanceNotFound, 404),
     (errors.ScheduleNotFound, 404),
     (errors.ScheduleExists, 409),
+    (errors.BulkJobNotFound, 404),
     (errors.InstanceAlreadyExists, 409),
     (errors.InvalidTransition, 409),
     (errors.VersionConflict, 409),
@@ -174,7 +177,12 @@ def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
             "Unauthorized",
             "missing, unknown, expired or revoked API token (Authorization: Bearer <token>)",
         )
-    refusal = tokens.refusal(token, write=request.method in WRITE_METHODS, workflow=workflow)
+    refusal = tokens.refusal(
+        token,
+        write=request.method in WRITE_METHODS,
+        workflow=workflow,
+        permission=tokens.DELETE_PERMISSION if request.method == "DELETE" else None,
+    )
     if refusal:
         raise ApiError(403, "Forbidden", refusal)
     return token
@@ -240,27 +248,59 @@ def instance(name: str, instance_id: str) -> InstanceHandle:
 # --- handlers ---------------------------------------------------------------------------
 
 
+LIST_PARAMETERS = ("cursor", "limit", "status", "version", "attr.<key>")
+
+
 def list_instances(call: Call, name: str) -> JsonResponse:
     query = call.request.GET
-    unknown = sorted(set(query) - {"status", "limit", "cursor"})
+    unknown = sorted(
+        k for k in query if k not in LIST_PARAMETERS[:-1] and not k.startswith(ATTR_PREFIX)
+    )
     if unknown:
         raise ApiError(
             400,
             "InvalidInput",
-            f"unknown query parameter(s) {unknown}; allowed: cursor, limit, status",
+            f"unknown query parameter(s) {unknown}; allowed: {', '.join(LIST_PARAMETERS)}",
         )
     limit_text = query.get("limit", "50")
     if not LIMIT_PATTERN.fullmatch(limit_text):  # the range is the client's to check
         raise ApiError(
             400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}"
         )
+    version_text = query.get("version")
+    if version_text is not None and not LIMIT_PATTERN.fullmatch(version_text):
+        raise ApiError(
+            400, "InvalidInput", f"version must be a positive integer, got {version_text[:20]!r}"
+        )
     page = surfaces.binding(name).list(
-        status=query.get("status"), limit=int(limit_text), cursor=query.get("cursor")
+        status=query.get("status"),
+        version=None if version_text is None else int(version_text),
+        limit=int(limit_text),
+        cursor=query.get("cursor"),
+        attributes=attribute_filter(query),
     )
     return ok(
         [surfaces.info_json(i) for i in page.instances],
         result_info={"cursor": page.cursor, "per_page": int(limit_text)},
     )
+
+
+ATTR_PREFIX = "attr."
+
+
+def attribute_filter(query: Any) -> dict[str, Any]:
+    """`?attr.customer=c-9&attr.seats=5`: exact matches; a number, true or false is typed
+    (quote it, attr.seats="5", to find the string)."""
+    pairs: dict[str, str] = {}
+    for key in query:
+        if key.startswith(ATTR_PREFIX):
+            values = query.getlist(key)
+            if len(values) > 1:
+                raise ApiError(
+                    400, "InvalidInput", f"{key} is given {len(values)} times; give it once"
+                )
+            pairs[key[len(ATTR_PREFIX) :]] = values[0]
+    return parse_attribute_filter(pairs)
 
 
 def list_workflows(call: Call) -> JsonResponse:
@@ -286,7 +326,15 @@ FLOW_CONTROL_FIELDS = ("priority", "concurrency_key", "debounce_key", "debounce"
 
 def create_instance(call: Call, name: str) -> JsonResponse:
     body = call.object_body(
-        {"id", "instance_id", "params", "idempotency_key", "retention", *FLOW_CONTROL_FIELDS}
+        {
+            "id",
+            "instance_id",
+            "params",
+            "idempotency_key",
+            "retention",
+            "attributes",
+            *FLOW_CONTROL_FIELDS,
+        }
     )
     ids = {key: body[key] for key in ("id", "instance_id") if key in body}
     if len(set(map(repr, ids.values()))) > 1:
@@ -305,6 +353,7 @@ def create_instance(call: Call, name: str) -> JsonResponse:
         actor=call.actor,
         retention=body.get("retention"),
         **{field: body[field] for field in FLOW_CONTROL_FIELDS if field in body},
+        attributes=body.get("attributes"),
     )
     # 200 when an idempotency key found an instance created earlier: nothing new was made.
     return ok(surfaces.created_json(handle), status=201 if handle.created else 200)
@@ -327,6 +376,84 @@ def create_batch(call: Call, name: str) -> JsonResponse:
 
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok(surfaces.instance_json(instance(name, instance_id)))
+
+
+def delete_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
+    """Only a finished instance: a live one is refused with 409 (terminate it first)."""
+    call.object_body(set())
+    instance(name, instance_id).delete(actor=call.actor)
+    return ok({"id": instance_id, "workflow": name, "deleted": True})
+
+
+BULK_FIELDS = {
+    "action",
+    "status",
+    "version",
+    "attributes",
+    "created_before",
+    "created_after",
+    "event_type",
+    "payload",
+    "from_step",
+    "compensate",
+}
+
+
+def start_bulk_job(call: Call, name: str) -> JsonResponse:
+    """202: the job runs in the background; GET its address for progress."""
+    body = call.object_body(BULK_FIELDS)
+    action = body.get("action")
+    if action == BulkAction.DELETE:  # deleting needs more than changing
+        refusal = tokens.refusal(call.token, True, name, tokens.DELETE_PERMISSION)
+        if refusal:
+            raise ApiError(403, "Forbidden", refusal)
+    if not isinstance(action, str):
+        raise ApiError(400, "InvalidInput", f"action must be one of {', '.join(BulkAction.values)}")
+    version = body.get("version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise ApiError(400, "InvalidInput", f"version must be an integer, got {json_type(version)}")
+    compensate = body.get("compensate", True)
+    if not isinstance(compensate, bool):
+        raise ApiError(
+            400, "InvalidInput", f"compensate must be true or false, got {json_type(compensate)}"
+        )
+    job = surfaces.binding(name).bulk(
+        action,
+        status=body.get("status"),
+        version=version,
+        attributes=body.get("attributes"),
+        created_before=instant(body, "created_before"),
+        created_after=instant(body, "created_after"),
+        event_type=body.get("event_type"),
+        payload=body.get("payload"),
+        from_step=body.get("from_step"),
+        compensate=compensate,
+        actor=call.actor,
+    )
+    return ok(surfaces.bulk_job_json(job), status=202)
+
+
+def instant(body: dict[str, Any], key: str) -> datetime | None:
+    """An ISO 8601 date-time with a UTC offset from the body, or None."""
+    value = body.get(key)
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"{key} must be an ISO 8601 date-time with an offset (2026-01-01T00:00:00Z), "
+            f"got {str(value)[:40]!r}",
+        )
+    return parsed
+
+
+def get_bulk_job(call: Call, name: str, job_id: int) -> JsonResponse:
+    return ok(surfaces.bulk_job_json(surfaces.binding(name).bulk_job(job_id)))
 
 
 def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -474,7 +601,9 @@ def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
 workflows = endpoint(GET=list_workflows)
 instances = endpoint(GET=list_instances, POST=create_instance)
 batch = endpoint(POST=create_batch)
-detail = endpoint(GET=get_instance)
+bulk_jobs = endpoint(POST=start_bulk_job)
+bulk_job = endpoint(GET=get_bulk_job)
+detail = endpoint(GET=get_instance, DELETE=delete_instance)
 history = endpoint(GET=get_history)
 status = endpoint(PATCH=change_status)
 events = endpoint(POST=send_event)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,15 +24,20 @@ import jsonschema
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import QuerySet
 
 from . import live
 from .engine import errors, spans, store
+from .engine.attributes import check_attributes
 from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
-from .engine.registry import Definition, find_definition, get_definition
+from .engine.registry import Definition, get_definition, limits_for
+from .engine.retention import parse_retention
 from .engine.store import NewInstance
 from .engine.worker import running_in_this_process
 from .models import (
+    BulkAction,
+    BulkJob,
     HistoryRecord,
     Instance,
     Status,
@@ -66,6 +72,7 @@ class InstanceInfo:
     updated_at: datetime
     finished_at: datetime | None
     error: dict[str, str] | None
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,17 +148,19 @@ class WorkflowBinding:
         concurrency_key: str | None = None,
         debounce_key: str | None = None,
         debounce: Any = None,
+        attributes: dict[str, Any] | None = None,
     ) -> InstanceHandle:
         """Start an instance (`queued` while flow control holds it back).
 
         priority 0-9 (lower starts first while queued); concurrency_key with
         limits={"max_concurrent_per_key": N}; debounce_key + debounce: an instance of that
         key not started yet takes these params and starts `debounce` from now (returned
-        with created=False), else a new one starts after `debounce`.
+        with created=False), else a new one starts after `debounce`. attributes: search
+        attributes (str/int/float/bool values) the list filters by.
         """
         item = {"id": id, "params": params, "idempotency_key": idempotency_key}
         item.update(retention=retention, priority=priority, concurrency_key=concurrency_key)
-        item.update(debounce_key=debounce_key, debounce=debounce)
+        item.update(debounce_key=debounce_key, debounce=debounce, attributes=attributes)
         return self._create([item], actor, version)[0]
 
     def create_batch(
@@ -207,11 +216,18 @@ class WorkflowBinding:
                 raise errors.InvalidInput(
                     f"idempotency_key must be a string of 1-200 characters, got {key!r}"
                 )
-            retention = item.get("retention")
-            retention_ms = None if retention is None else parse_duration(retention)
+            success_ms, error_ms = parse_retention(item.get("retention"))
             new.append(
                 NewInstance(
-                    instance_id, params_json, key, retention_ms, **flow_control(item, limits)
+                    instance_id,
+                    params_json,
+                    key,
+                    success_ms,
+                    retention_error_ms=error_ms,
+                    attributes=check_attributes(
+                        item.get("attributes"), f"attributes of instance {instance_id!r}"
+                    ),
+                    **flow_control(item, limits),
                 )
             )
         created = store.create_instances(
@@ -256,19 +272,17 @@ class WorkflowBinding:
         version: int | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
     ) -> Page:
-        """Newest first, keyset-paginated: stable while instances are being created."""
-        if status is not None and status not in Status.values:
-            raise errors.InvalidInput(
-                f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
-            )
+        """Newest first, keyset-paginated: stable while instances are being created.
+
+        attributes: exact matches, every key must hold that value.
+        """
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
-        query = Instance.objects.filter(workflow=self.name)
-        if status is not None:
-            query = query.filter(status=status)
-        if version is not None:
-            query = query.filter(version=version)
+        query = self.matching(status, version, attributes, created_before, created_after)
         if cursor:
             query = query.filter(id__lt=decode_cursor(cursor))
         rows = list(query.order_by("-id")[: limit + 1])
@@ -278,8 +292,167 @@ class WorkflowBinding:
             [instance_info(r) for r in rows], encode_cursor(rows[-1].pk) if more and rows else None
         )
 
+    def matching(
+        self,
+        status: str | None = None,
+        version: int | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
+    ) -> QuerySet[Instance]:
+        """The instances of this workflow a filter selects (list() and bulk() share it)."""
+        if status is not None and status not in Status.values:
+            raise errors.InvalidInput(
+                f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
+            )
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or version < 1
+        ):
+            raise errors.InvalidInput(f"version must be a positive integer, got {version!r}")
+        query = Instance.objects.filter(workflow=self.name)
+        if status is not None:
+            query = query.filter(status=status)
+        if version is not None:
+            query = query.filter(version=version)
+        for name, bound, lookup in (
+            ("created_before", created_before, "created_at__lt"),
+            ("created_after", created_after, "created_at__gte"),
+        ):
+            if bound is not None:
+                if not isinstance(bound, datetime) or bound.tzinfo is None:
+                    raise errors.InvalidInput(f"{name} must be an aware datetime, got {bound!r}")
+                query = query.filter(**{lookup: bound})
+        return store.filter_attributes(query, check_attributes(attributes, "attribute filter"))
+
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
         return await sync_to_async(self.list)(*args, **kwargs)
+
+    # --- bulk -------------------------------------------------------------------------
+
+    def bulk(
+        self,
+        action: str,
+        *,
+        status: str | None = None,
+        version: int | None = None,
+        attributes: dict[str, Any] | None = None,
+        created_before: datetime | None = None,
+        created_after: datetime | None = None,
+        event_type: str | None = None,
+        payload: Any = None,
+        from_step: str | None = None,
+        compensate: bool = True,
+        actor: Any = None,
+    ) -> BulkJobHandle:
+        """Apply an action to every instance the filter matches now, in the background.
+
+        The matching instances are fixed when the job starts; workers (or `wf bulk`) apply
+        the action in batches. send_event takes event_type and payload; restart from_step;
+        cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
+        """
+        instances = self.matching(status, version, attributes, created_before, created_after)
+        options = self.bulk_options(action, event_type, payload, from_step, compensate)
+        shown: dict[str, Any] = {
+            "status": status,
+            "version": version,
+            "attributes": attributes or None,
+            "created_before": created_before.isoformat() if created_before else None,
+            "created_after": created_after.isoformat() if created_after else None,
+        }
+        return start_bulk_job(
+            self.name,
+            action,
+            instances,
+            {k: v for k, v in shown.items() if v is not None},
+            options,
+            actor,
+        )
+
+    async def abulk(self, *args: Any, **kwargs: Any) -> BulkJobHandle:
+        return await sync_to_async(self.bulk)(*args, **kwargs)
+
+    def bulk_job(self, id: int) -> BulkJobHandle:
+        """A bulk job of this workflow by id; BulkJobNotFound if there is none."""
+        return BulkJobHandle.find(id, self.name)
+
+    def bulk_options(
+        self,
+        action: str,
+        event_type: str | None,
+        payload: Any,
+        from_step: str | None,
+        compensate: bool,
+    ) -> dict[str, Any]:
+        """Check the action and its options once, before any instance is touched."""
+        if action not in BulkAction.values:
+            raise errors.InvalidInput(
+                f"unknown bulk action {action!r}; actions: {', '.join(BulkAction.values)}"
+            )
+        given = {
+            "event_type": event_type is not None,
+            "payload": payload is not None,
+            "from_step": from_step is not None,
+            "compensate": compensate is not True,
+        }
+        allowed = BULK_OPTIONS.get(action, set())
+        misplaced = sorted(k for k, present in given.items() if present and k not in allowed)
+        if misplaced:
+            raise errors.InvalidInput(
+                f"bulk {action} takes no {', '.join(misplaced)}"
+                + (f" (it takes {', '.join(sorted(allowed))})" if allowed else "")
+            )
+        if action == BulkAction.SEND_EVENT:
+            if event_type is None:
+                raise errors.InvalidInput("bulk send_event needs event_type")
+            check_event_type(event_type)
+            payload_json = encode_json(payload, f"payload of event {event_type!r}")
+            limit = Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+            with contextlib.suppress(errors.UnknownWorkflow):
+                limit = self.definition().limits()
+            check_size(
+                payload_json,
+                "max_event_payload_bytes",
+                limit.max_event_payload_bytes,
+                f"payload of event {event_type!r}",
+            )
+            return {"event_type": event_type, "payload": payload}
+        if action == BulkAction.RESTART:
+            if from_step is not None and (not isinstance(from_step, str) or not from_step):
+                raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")
+            return {"from_step": from_step} if from_step else {}
+        if action == BulkAction.CANCEL:
+            if not isinstance(compensate, bool):
+                raise errors.InvalidInput(f"compensate must be True or False, got {compensate!r}")
+            return {"compensate": compensate}
+        return {}
+
+    # --- delete -----------------------------------------------------------------------
+
+    def delete_batch(self, ids: Sequence[str], actor: Any = None) -> int:
+        """Delete finished instances with every row of theirs, all or none (at most
+        max_batch_size); a live one is refused with InvalidTransition: terminate it first."""
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+            raise errors.InvalidInput(f"delete_batch expects a list of instance ids, got {ids!r}")
+        maximum = self._batch_limit()
+        if len(ids) > maximum:
+            raise errors.LimitExceeded("max_batch_size", len(ids), maximum, "delete_batch")
+        if not ids:
+            return 0
+        pks = store.delete_instances(self.name, ids)
+        for pk in pks:
+            _after_commit("deleted", pk, self.name)
+        if pks:
+            log.info("%s deleted %d instance(s) of %s", _actor(actor) or "-", len(pks), self.name)
+        return len(pks)
+
+    async def adelete_batch(self, *args: Any, **kwargs: Any) -> int:
+        return await sync_to_async(self.delete_batch)(*args, **kwargs)
+
+    def _batch_limit(self) -> int:
+        try:
+            return self.definition().limits().max_batch_size
+        except errors.UnknownWorkflow:  # its code is gone; its instances can still go
+            return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS")).max_batch_size
 
 
 ITEM_FIELDS = frozenset(
@@ -289,6 +462,7 @@ ITEM_FIELDS = frozenset(
         "params",
         "idempotency_key",
         "retention",
+        "attributes",
         "priority",
         "concurrency_key",
         "debounce_key",
@@ -352,6 +526,7 @@ def instance_info(row: Instance) -> InstanceInfo:
         updated_at=row.updated_at,
         finished_at=row.finished_at,
         error=row.error,
+        attributes=row.attributes,
     )
 
 
@@ -373,14 +548,7 @@ class InstanceHandle:
     def _limits(self) -> Limits:
         """The limits of the instance's version; the settings' limits if its code is gone.
         (An instance's version never changes: the row read once will do.)"""
-        row = self.row(refresh=False)
-        definition = find_definition(self.workflow, row.version)
-        if definition is None:
-            try:
-                definition = get_definition(self.workflow)
-            except errors.UnknownWorkflow:
-                return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
-        return definition.limits()
+        return limits_for(self.workflow, self.row(refresh=False).version)
 
     def row(self, refresh: bool = True) -> Instance:
         if refresh or self._row is None:
@@ -519,6 +687,90 @@ class InstanceHandle:
         )
         return status
 
+    def delete(self, actor: Any = None) -> None:
+        """Delete this finished instance with its steps, events, history, spans and errors;
+        InvalidTransition while it is live (terminate it first)."""
+        WorkflowBinding(self.workflow).delete_batch([self.id], actor=actor)
+
+
+BULK_OPTIONS = {
+    BulkAction.SEND_EVENT: {"event_type", "payload"},
+    BulkAction.RESTART: {"from_step"},
+    BulkAction.CANCEL: {"compensate"},
+}
+
+
+def start_bulk_job(
+    workflow: str,
+    action: str,
+    instances: QuerySet[Instance],
+    filter_shown: dict[str, Any],
+    options: dict[str, Any],
+    actor: Any = None,
+) -> BulkJobHandle:
+    """Snapshot what `instances` matches into a new job and wake the workers for it
+    (the dashboard passes its own filter's queryset; bulk() its own)."""
+    job = store.bulk.create_job(workflow, action, instances, filter_shown, options, _actor(actor))
+    if not job.done:
+        transaction.on_commit(lambda: live.instance_changed("bulk", None))
+    return BulkJobHandle(job)
+
+
+class BulkJobHandle:
+    """A bulk job; its figures are as of creation or the last refresh()."""
+
+    def __init__(self, job: BulkJob) -> None:
+        self._job = job
+
+    def __repr__(self) -> str:
+        return f"<BulkJobHandle #{self.id} {self.action} {self.processed}/{self.matched}>"
+
+    @classmethod
+    def find(cls, id: Any, workflow: str | None = None) -> BulkJobHandle:
+        if not isinstance(id, int) or isinstance(id, bool):
+            raise errors.InvalidInput(f"bulk job id must be an integer, got {id!r}")
+        job = store.bulk.get_job(id, workflow)
+        if job is None:
+            raise errors.BulkJobNotFound(
+                f"no bulk job #{id}" + (f" of {workflow!r}" if workflow else "")
+            )
+        return cls(job)
+
+    def refresh(self) -> BulkJobHandle:
+        job = store.bulk.get_job(self._job.pk)
+        if job is not None:
+            self._job = job
+        return self
+
+    async def arefresh(self) -> BulkJobHandle:
+        return await sync_to_async(self.refresh)()
+
+    def wait(self, timeout: float | None = None, poll: float = 0.2) -> BulkJobHandle:
+        """Block until a worker has finished the job (ResultTimeout after timeout seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.refresh().done:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.ResultTimeout(
+                    f"bulk job #{self.id} is at {self.processed}/{self.matched} after {timeout} s"
+                )
+            time.sleep(poll)
+        return self
+
+    id = property(lambda self: self._job.pk)
+    workflow = property(lambda self: self._job.workflow)
+    action = property(lambda self: self._job.action)
+    filter = property(lambda self: self._job.filter)
+    options = property(lambda self: self._job.options)
+    matched = property(lambda self: self._job.matched)
+    processed = property(lambda self: self._job.processed)
+    applied = property(lambda self: self._job.applied)
+    skipped = property(lambda self: self._job.skipped)
+    failed = property(lambda self: self._job.failed)
+    errors = property(lambda self: list(self._job.errors))
+    created_at = property(lambda self: self._job.created_at)
+    finished_at = property(lambda self: self._job.finished_at)
+    done = property(lambda self: self._job.done)
+
 
 def _async_twin(name: str) -> Any:
     method = getattr(InstanceHandle, name)
@@ -546,10 +798,12 @@ for _name in (
     "skip_sleep",
     "send_event",
     "cancel",
+    "delete",
 ):
     setattr(InstanceHandle, f"a{_name}", _async_twin(_name))
 
 __all__ = [
+    "BulkJobHandle",
     "InstanceHandle",
     "InstanceStatus",
     "Page",

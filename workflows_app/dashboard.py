@@ -17,7 +17,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
-from .engine import lifecycle
+from .engine import lifecycle, store
 from .engine.registry import all_definitions
 from .models import (
     ErrorRecord,
@@ -190,6 +190,7 @@ class ListFilters:
     created_from: datetime | None = None
     created_to: datetime | None = None
     q: str = ""
+    attributes: tuple[tuple[str, Any], ...] = ()  # exact matches
 
     def apply(self, query: QuerySet[Instance]) -> QuerySet[Instance]:
         if self.workflow:
@@ -208,7 +209,20 @@ class ListFilters:
                 | Q(idempotency_key=self.q)
                 | Q(instance_id__startswith=self.q)
             )
-        return query
+        return store.filter_attributes(query, dict(self.attributes))
+
+    def as_json(self) -> dict[str, Any]:
+        """What a bulk job records of the filter it was started from."""
+        shown: dict[str, Any] = {
+            "workflow": self.workflow,
+            "status": self.status,
+            "version": self.version,
+            "created_from": self.created_from.isoformat() if self.created_from else None,
+            "created_to": self.created_to.isoformat() if self.created_to else None,
+            "q": self.q,
+            "attributes": dict(self.attributes),
+        }
+        return {k: v for k, v in shown.items() if v not in ("", None, {})}
 
 
 # The columns a list row shows; loading only these keeps a page cheap at any table size.
@@ -265,6 +279,11 @@ def instance_page(
         encode_cursor(rows[-1].pk) if rows and more_older else None,
         encode_cursor(rows[0].pk) if rows and after else None,
     )
+
+
+def count_matching(filters: ListFilters) -> int:
+    """How many instances the filters match: "apply to all N matching" on the list."""
+    return filters.apply(Instance.objects.all()).count()
 
 
 def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -10,8 +11,9 @@ from django import forms
 
 from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
+from .engine.attributes import parse_filter as parse_attribute_filter
 from .engine.durations import INSTANT_RANGE, parse_instant
-from .engine.errors import InvalidDuration
+from .engine.errors import InvalidDuration, InvalidInput
 from .models import Status
 
 
@@ -42,6 +44,31 @@ class JSONField(forms.CharField):
             ) from None
 
 
+def parse_attribute_text(text: str) -> dict[str, Any]:
+    """`customer=c-9 plan="pro plus"`: typed like `wf list --attr` (5 is a number, "5" text)."""
+    try:
+        words = shlex.split(text)
+        pairs = dict(word.split("=", 1) for word in words if "=" in word)
+        if len(pairs) != len(words):
+            raise InvalidInput(f"expected KEY=VALUE pairs, got {text!r}")
+        return parse_attribute_filter(pairs)
+    except (ValueError, InvalidInput) as exc:
+        raise forms.ValidationError(str(exc)) from None
+
+
+class AttributesField(forms.CharField):
+    """Search attributes typed as KEY=VALUE pairs separated by spaces."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("max_length", 2000)
+        kwargs.setdefault("widget", forms.TextInput(attrs={"placeholder": "customer=c-9 plan=pro"}))
+        super().__init__(**kwargs)
+
+    def to_python(self, value: Any) -> dict[str, Any]:
+        return parse_attribute_text(super().to_python(value) or "")
+
+
 class CreateInstanceForm(forms.Form):
     workflow = forms.ChoiceField()
     id = forms.CharField(
@@ -49,6 +76,7 @@ class CreateInstanceForm(forms.Form):
     )
     idempotency_key = forms.CharField(required=False, max_length=200)
     params = JSONField(label="Params (JSON)")
+    attributes = AttributesField(help_text="optional; KEY=VALUE separated by spaces")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,6 +127,10 @@ class ListFilterForm(forms.Form):
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
     q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
+    attrs = AttributesField(
+        label="Attributes",
+        help_text="exact matches, KEY=VALUE separated by spaces; quote a value with spaces",
+    )
     # The browser's UTC offset in minutes, set by dashboard.js: datetime-local inputs carry
     # the viewer's wall-clock time, and every date on the page is shown in local time.
     tz = forms.IntegerField(required=False, min_value=-840, max_value=840, widget=forms.HiddenInput)
@@ -122,6 +154,7 @@ class ListFilterForm(forms.Form):
             created_from=self._instant("created_from", offset),
             created_to=self._instant("created_to", offset),
             q=(data.get("q") or "").strip(),
+            attributes=tuple((data.get("attrs") or {}).items()),
         )
 
     def _instant(self, name: str, offset: timedelta) -> datetime | None:
@@ -136,3 +169,19 @@ class ListFilterForm(forms.Form):
             shown = value.replace(tzinfo=None).isoformat(timespec="minutes")
             self.add_error(name, f"{shown} is outside the dates wfdash stores, {INSTANT_RANGE}")
             return None
+
+
+BULK_JOB_ACTIONS = ("pause", "resume", "terminate", "cancel", "restart", "delete", "send_event")
+
+
+class BulkJobForm(forms.Form):
+    """ "Apply to all matching": the action, its options, and the list's filters as the
+    query string the page was shown with."""
+
+    action = forms.ChoiceField(
+        choices=[(a, a.replace("_", " ").capitalize()) for a in BULK_JOB_ACTIONS]
+    )
+    filters = forms.CharField(required=False, max_length=4000, widget=forms.HiddenInput)
+    event_type = forms.CharField(required=False, max_length=100, label="Event type")
+    payload = JSONField(label="Payload (JSON)")
+    from_step = forms.CharField(required=False, max_length=300, label="From step")

@@ -314,6 +314,12 @@ class EngineHooks:
         for span in flush_spans():
             self.span_stored(span)
 
+    def maintain(self) -> bool:
+        """In the engine's database thread: one batch of a bulk job, if any is waiting."""
+        from .bulk import process_pending
+
+        return process_pending()
+
     def run_finished(self, pk: int, outcome: str) -> None:
         result_waiters.wake(pk)
         message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}

@@ -82,7 +82,10 @@ class Instance(models.Model):
     step_seq = models.PositiveIntegerField(default=0)
     compensate_on_cancel = models.BooleanField(default=False)
     trace_id = models.CharField(max_length=32, blank=True)
+    # create(retention=…): kept this long after finishing; retention_ms for a success (or
+    # every outcome), retention_error_ms for errored and terminated; NULL: the settings'.
     retention_ms = models.BigIntegerField(null=True, blank=True)
+    retention_error_ms = models.BigIntegerField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     # Flow control (admission of queued instances): lower priority starts first; at most
     # max_concurrent_per_key active instances share a concurrency_key; a queued instance is
@@ -102,6 +105,9 @@ class Instance(models.Model):
     # The schedule that started the instance and the tick it fired for ("" / NULL otherwise).
     schedule = models.CharField(max_length=80, blank=True, default="")
     scheduled_at = models.DateTimeField(null=True, blank=True)
+    # Search attributes (str/int/float/bool values): exact-match filters of the list. An
+    # object, never NULL, so PostgreSQL's containment (`@>`) can use its GIN index.
+    attributes = models.JSONField(default=dict, blank=True)
 
     class Meta:
         constraints = [
@@ -429,6 +435,71 @@ class ErrorRecord(models.Model):
             models.Index(fields=["workflow", "id"], name="error_workflow"),
         ]
         ordering = ["-id"]
+
+
+class BulkAction(models.TextChoices):
+    PAUSE = "pause"
+    RESUME = "resume"
+    TERMINATE = "terminate"
+    CANCEL = "cancel"
+    RESTART = "restart"
+    DELETE = "delete"
+    SEND_EVENT = "send_event"
+
+
+class BulkJob(models.Model):
+    """An action applied in the background to every instance a filter matched at its start.
+
+    The matching instances are snapshotted (BulkJobItem rows) when the job is created, so
+    instances created or changed later are not touched; workers apply the action in
+    batches in instance order, each batch one transaction with its progress (`last_pk`),
+    so a crash repeats nothing.
+    """
+
+    workflow = models.CharField(max_length=200, blank=True)  # "" when the filter spans workflows
+    action = models.CharField(max_length=20, choices=BulkAction.choices)
+    filter = models.JSONField(default=dict, blank=True)  # as given, for display
+    options = models.JSONField(default=dict, blank=True)  # event type/payload, from_step, …
+    matched = models.PositiveIntegerField(default=0)
+    processed = models.PositiveIntegerField(default=0)
+    last_pk = models.BigIntegerField(default=0)  # the snapshot is done up to this instance pk
+    applied = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)  # already in the target state, or gone
+    failed = models.PositiveIntegerField(default=0)
+    errors = models.JSONField(default=list, blank=True)  # the first messages of failures
+    actor = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # workers: WHERE finished_at IS NULL ORDER BY id
+            models.Index(
+                fields=["id"], name="bulkjob_pending", condition=Q(finished_at__isnull=True)
+            ),
+        ]
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"bulk {self.action} #{self.pk}"
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+
+class BulkJobItem(models.Model):
+    """One instance a bulk job matched at its start (its pk: the instance may be deleted)."""
+
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="items")
+    instance_pk = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            # next batch: WHERE job = ? AND instance_pk > last_pk ORDER BY instance_pk LIMIT n
+            models.UniqueConstraint(fields=["job", "instance_pk"], name="bulkjob_item")
+        ]
 
 
 class ApiToken(models.Model):

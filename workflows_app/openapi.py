@@ -13,6 +13,13 @@ from .models import Status
 ANY: dict[str, Any] = {"description": "any JSON value"}
 TIME = {"type": "string", "format": "date-time"}
 TIME_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
+ATTRIBUTES = {
+    "type": "object",
+    "additionalProperties": {"type": ["string", "number", "boolean"]},
+    "description": "search attributes: keys of letters, digits, '_', '.', '-'; "
+    "string, number or boolean values",
+}
+DURATION = {"type": ["string", "integer"]}
 
 
 def ref(name: str) -> dict[str, str]:
@@ -122,6 +129,7 @@ SCHEMAS: dict[str, Any] = {
             "created_at": TIME,
             "updated_at": TIME,
             "finished_at": TIME_OR_NULL,
+            "attributes": ATTRIBUTES,
         }
     ),
     "InstanceCreated": obj(
@@ -183,6 +191,7 @@ SCHEMAS: dict[str, Any] = {
             "version": {"type": "integer"},
             "status": ref("Status"),
             "params": ANY,
+            "attributes": ATTRIBUTES,
             "output": ANY,
             "error": ref("ErrorInfo"),
             "waiting_reason": {"type": "string"},
@@ -229,8 +238,13 @@ SCHEMAS: dict[str, Any] = {
                 "description": "same key, same workflow and version: same instance",
             },
             "retention": {
-                "type": ["string", "integer"],
-                "description": "keep the finished instance this long (duration string or ms; 0 = forever)",
+                "oneOf": [
+                    DURATION,
+                    obj({"success": DURATION, "error": DURATION}, required=[]),
+                ],
+                "description": "keep the finished instance this long (duration string or ms; "
+                '0 = forever), or by outcome: {"success": "7 days", "error": "30 days"} '
+                "(error also covers terminated)",
             },
             "priority": {
                 "type": "integer",
@@ -251,8 +265,63 @@ SCHEMAS: dict[str, Any] = {
                 "type": ["string", "integer"],
                 "description": "start this long after the last create with the debounce_key",
             },
+            "attributes": ATTRIBUTES,
         },
         required=[],
+    ),
+    "BulkJobStart": obj(
+        {
+            "action": {
+                "type": "string",
+                "enum": [
+                    "pause",
+                    "resume",
+                    "terminate",
+                    "cancel",
+                    "restart",
+                    "delete",
+                    "send_event",
+                ],
+            },
+            "status": ref("Status"),
+            "version": {"type": "integer"},
+            "attributes": ATTRIBUTES,
+            "created_before": TIME,
+            "created_after": TIME,
+            "event_type": {"type": "string", "description": "send_event: the event's type"},
+            "payload": ANY,
+            "from_step": {"type": "string", "description": "restart: from this step"},
+            "compensate": {"type": "boolean", "default": True, "description": "cancel"},
+        },
+        required=["action"],
+    ),
+    "BulkJob": obj(
+        {
+            "id": {"type": "integer"},
+            "workflow": {"type": "string"},
+            "action": {"type": "string"},
+            "filter": {"type": "object"},
+            "options": {"type": "object"},
+            "matched": {
+                "type": "integer",
+                "description": "instances the filter matched when the job started",
+            },
+            "processed": {"type": "integer"},
+            "applied": {"type": "integer"},
+            "skipped": {
+                "type": "integer",
+                "description": "the action did not apply (already in that state, finished, "
+                "live for delete) or the instance was gone",
+            },
+            "failed": {"type": "integer"},
+            "errors": {"type": "array", "items": {"type": "string"}},
+            "done": {"type": "boolean"},
+            "created_at": TIME,
+            "finished_at": TIME_OR_NULL,
+        }
+    ),
+    "InstanceDeleted": obj(
+        {"id": {"type": "string"}, "workflow": {"type": "string"}, "deleted": {"const": True}}
     ),
     "StatusChange": obj(
         {
@@ -428,6 +497,15 @@ def document() -> dict[str, Any]:
                             "schema": {"type": "string"},
                             "description": "result_info.cursor of the previous page",
                         },
+                        {"name": "version", "in": "query", "schema": {"type": "integer"}},
+                        {
+                            "name": "attr.<key>",
+                            "in": "query",
+                            "schema": {"type": "string"},
+                            "description": "exact match on a search attribute, e.g. "
+                            "attr.customer=c-9 (any number of them); a number, true or false "
+                            'is typed: quote it (attr.seats="5") to match a string',
+                        },
                     ],
                     "responses": responses(
                         json_body(
@@ -493,6 +571,43 @@ def document() -> dict[str, Any]:
                     ),
                 },
             },
+            "/api/workflows/{name}/bulk": {
+                "parameters": [WORKFLOW],
+                "post": {
+                    "summary": "Start a bulk job: an action on every instance a filter matches now",
+                    "operationId": "startBulkJob",
+                    "description": WRITE
+                    + " The delete action needs `workflows_app.delete_instance`.",
+                    "requestBody": json_body(ref("BulkJobStart"), "the action and the filter"),
+                    "responses": responses(
+                        json_body(success(ref("BulkJob")), "started; GET its address for progress"),
+                        "400",
+                        "403",
+                        "404",
+                        "413",
+                        status="202",
+                    ),
+                },
+            },
+            "/api/workflows/{name}/bulk/{job_id}": {
+                "parameters": [
+                    WORKFLOW,
+                    {
+                        "name": "job_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "integer"},
+                    },
+                ],
+                "get": {
+                    "summary": "A bulk job's progress",
+                    "operationId": "getBulkJob",
+                    "description": READ,
+                    "responses": responses(
+                        json_body(success(ref("BulkJob")), "the job"), "403", "404"
+                    ),
+                },
+            },
             instance_path: {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {
@@ -501,6 +616,21 @@ def document() -> dict[str, Any]:
                     "description": READ,
                     "responses": responses(
                         json_body(success(ref("Instance")), "the instance"), "403", "404"
+                    ),
+                },
+                "delete": {
+                    "summary": "Delete a finished instance with its steps, events, history and spans",
+                    "operationId": "deleteInstance",
+                    "description": "Needs a token with the write scope; a token with a user needs "
+                    "its `workflows_app.delete_instance` permission. A live instance is refused "
+                    "with 409: terminate it first.",
+                    "responses": responses(
+                        json_body(success(ref("InstanceDeleted")), "deleted"),
+                        "400",
+                        "403",
+                        "404",
+                        "409",
+                        "413",
                     ),
                 },
             },

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from .client import (
+    BulkJobHandle,
     HistoryEntry,
     InstanceHandle,
     InstanceInfo,
@@ -54,6 +55,7 @@ def info_json(info: InstanceInfo) -> dict[str, Any]:
         "created_at": iso(info.created_at),
         "updated_at": iso(info.updated_at),
         "finished_at": iso(info.finished_at),
+        "attributes": info.attributes,
     }
 
 
@@ -110,6 +112,7 @@ def instance_json(handle: InstanceHandle) -> dict[str, Any]:
         "version": row.version,
         "status": row.status,
         "params": row.params,
+        "attributes": row.attributes,
         "output": row.output,
         "error": row.error,
         "waiting_reason": row.waiting_reason,
@@ -159,3 +162,23 @@ def schedule_json(schedule: ScheduleHandle, next_runs: int = 0) -> dict[str, Any
     if next_runs:
         data["next_runs"] = [iso(t) for t in schedule.next_runs(next_runs)]
     return data
+
+
+def bulk_job_json(job: BulkJobHandle) -> dict[str, Any]:
+    """A bulk job's progress: what it matched at its start and what became of each."""
+    return {
+        "id": job.id,
+        "workflow": job.workflow,
+        "action": job.action,
+        "filter": job.filter,
+        "options": job.options,
+        "matched": job.matched,
+        "processed": job.processed,
+        "applied": job.applied,
+        "skipped": job.skipped,
+        "failed": job.failed,
+        "errors": job.errors,
+        "done": job.done,
+        "created_at": iso(job.created_at),
+        "finished_at": iso(job.finished_at),
+    }

@@ -25,6 +25,7 @@ from .models import ApiToken
 TOKEN_PREFIX = "wf_"
 VIEW_PERMISSION = "workflows_app.view_instance"
 CHANGE_PERMISSION = "workflows_app.change_instance"
+DELETE_PERMISSION = "workflows_app.delete_instance"
 MAX_LIFETIME = timedelta(days=3650)  # an expiry further out is a typo, not a plan
 
 
@@ -158,15 +159,19 @@ def authenticate(raw: str) -> ApiToken | None:
     return token
 
 
-def refusal(token: ApiToken, write: bool, workflow: str | None = None) -> str | None:
-    """Why `token` may not read (or, with write, change) `workflow`; None when it may."""
+def refusal(
+    token: ApiToken, write: bool, workflow: str | None = None, permission: str | None = None
+) -> str | None:
+    """Why `token` may not read (or, with write, change) `workflow`; None when it may.
+
+    permission: what the user of the token needs instead of view/change (delete_instance)."""
     if workflow is not None and token.workflows and workflow not in token.workflow_names:
         return f"token {token.name!r} is limited to the workflows {token.workflow_names}"
     if write and token.scope != ApiToken.WRITE:
         return (
             f"token {token.name!r} has the read scope; writing needs a token with the write scope"
         )
-    needed = CHANGE_PERMISSION if write else VIEW_PERMISSION
+    needed = permission or (CHANGE_PERMISSION if write else VIEW_PERMISSION)
     if token.user is not None and not token.user.has_perm(needed):
         return f"token {token.name!r} (user {token.user.get_username()!r}) lacks the {needed} permission"
     return None

@@ -14,6 +14,9 @@ urlpatterns = [
     path("instances/rows/", views.instance_rows, name="instance-rows"),
     path("instances/create/", views.create_instance, name="create"),
     path("instances/bulk/", views.bulk_action, name="bulk"),
+    path("instances/bulk-jobs/", views.start_bulk_job, name="bulk-job-start"),
+    path("instances/bulk-jobs/count/", views.bulk_job_count, name="bulk-job-count"),
+    path("instances/bulk-jobs/<int:job_id>/", views.bulk_job_progress, name="bulk-job"),
     # Pages are addressed by workflow and instance id, so an id from a log opens its page;
     # the numeric address redirects there. Live fragments and actions keep the primary key.
     path("workflows/<str:name>/", views.workflow_detail, name="workflow"),

@@ -14,21 +14,30 @@ from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    JsonResponse,
+    QueryDict,
+)
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
-from . import dashboard, forms
-from .client import InstanceHandle, get_workflow, schedules
+from . import dashboard, forms, surfaces
+from .client import BulkJobHandle, InstanceHandle, WorkflowBinding, get_workflow, schedules
+from .client import start_bulk_job as start_bulk_job_for
 from .converters import parse_pk
 from .engine import errors
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 
 View = Callable[..., HttpResponse]
+DELETE_PERMISSION = "workflows_app.delete_instance"
 
 
 def dashboard_page(view: View) -> View:
@@ -69,7 +78,7 @@ def instance_list(request: HttpRequest) -> HttpResponse:
         messages.error(request, str(exc))
         return redirect("workflows:instances")
     query = request.GET.copy()
-    for key in ("after", "before"):
+    for key in ("after", "before", "job"):
         query.pop(key, None)
     return render(
         request,
@@ -85,9 +94,45 @@ def instance_list(request: HttpRequest) -> HttpResponse:
             "first_page": not request.GET.get("after") and not request.GET.get("before"),
             "create_form": forms.CreateInstanceForm(),
             "bulk_actions": forms.BULK_ACTIONS,
+            "bulk_job_form": forms.BulkJobForm(initial={"filters": query.urlencode()}),
+            "bulk_job": _shown_job(request.GET.get("job")),
         },
         status=400 if form.errors else 200,  # the page still renders, its bad filters marked
     )
+
+
+def _shown_job(job_id: str | None) -> BulkJobHandle | None:
+    """The bulk job a list page follows (?job=ID), if there is one."""
+    pk = parse_pk(job_id or "")
+    if pk is None:
+        return None
+    try:
+        return BulkJobHandle.find(pk)
+    except WorkflowError:
+        return None
+
+
+@dashboard_page
+def bulk_job_count(request: HttpRequest) -> HttpResponse:
+    """How many instances the list's filters match: "Apply to all N matching" asks for it
+    when opened, so the list page itself never pays for a COUNT over what matched."""
+    if not request.user.has_perm("workflows_app.change_instance"):
+        raise PermissionDenied("bulk actions need workflows_app.change_instance")
+    form = forms.ListFilterForm(request.GET)
+    filters = form.filters()
+    if form.errors:
+        return JsonResponse({"error": "invalid filters", "fields": form.errors}, status=400)
+    return JsonResponse({"matching": dashboard.count_matching(filters)})
+
+
+@dashboard_page
+def bulk_job_progress(request: HttpRequest, job_id: int) -> HttpResponse:
+    """A bulk job's progress as JSON: the list page's progress bar reads it until done."""
+    try:
+        job = BulkJobHandle.find(job_id)
+    except WorkflowError as exc:
+        raise Http404(str(exc)) from None
+    return JsonResponse(surfaces.bulk_job_json(job))
 
 
 @dashboard_page
@@ -227,6 +272,7 @@ def create_instance(request: HttpRequest) -> HttpResponse:
                 id=data["id"] or None,
                 idempotency_key=data["idempotency_key"] or None,
                 actor=request.user.get_username(),
+                attributes=data["attributes"],
             )
         except WorkflowError as exc:
             form.add_error(None, str(exc))
@@ -370,6 +416,56 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
     if len(failed) > 10:
         messages.error(request, f"… and {len(failed) - 10} more failures.")
     return _back(request, reverse("workflows:instances"))
+
+
+@dashboard_action
+def start_bulk_job(request: HttpRequest) -> HttpResponse:
+    """ "Apply to all N matching": a background job over what the list's filters match now;
+    the list page then follows its progress."""
+    form = forms.BulkJobForm(request.POST)
+    back = reverse("workflows:instances")
+    if not form.is_valid():
+        messages.error(request, "; ".join(" ".join(e) for e in form.errors.values()))
+        return _back(request, back)
+    data = form.cleaned_data
+    query = QueryDict(data["filters"])
+    back = f"{back}?{query.urlencode()}"
+    if data["action"] == "delete" and not request.user.has_perm(DELETE_PERMISSION):
+        messages.error(request, f"Deleting instances needs the {DELETE_PERMISSION} permission.")
+        return HttpResponseRedirect(back)
+    filter_form = forms.ListFilterForm(query)
+    filters = filter_form.filters()
+    if filter_form.errors:
+        messages.error(request, "Fix the filters first: the job would match other instances.")
+        return HttpResponseRedirect(back)
+    try:
+        binding = WorkflowBinding(filters.workflow)
+        options = binding.bulk_options(
+            data["action"],
+            data["event_type"] or None,
+            data["payload"],
+            data["from_step"] or None,
+            True,
+        )
+        job = start_bulk_job_for(
+            filters.workflow,
+            data["action"],
+            filters.apply(Instance.objects.all()),
+            filters.as_json(),
+            options,
+            request.user.get_username(),
+        )
+    except WorkflowError as exc:
+        messages.error(request, f"Could not start the bulk job: {exc}")
+        return HttpResponseRedirect(back)
+    messages.success(
+        request,
+        f"Started bulk {job.action.replace('_', ' ')} of {job.matched} "
+        f"instance{pluralize(job.matched)}.",
+    )
+    followed = query.copy()
+    followed["job"] = str(job.id)
+    return HttpResponseRedirect(f"{reverse('workflows:instances')}?{followed.urlencode()}")
 
 
 def _back(request: HttpRequest, default: str) -> HttpResponseRedirect:

@@ -771,3 +771,102 @@ def test_the_favicon_is_served_for_every_page_and_linked_from_the_dashboard(clie
     assert finders.find("workflows/favicon.svg")
     client.force_login(operator)
     assert 'rel="icon" href="/static/workflows/favicon.svg"' in client.get("/").content.decode()
+
+
+def test_the_list_filters_by_search_attributes_and_marks_a_bad_filter(
+    operator_client, approval_workflow
+):
+    workflow = get_workflow(approval_workflow)
+    workflow.create(id="pro-9", attributes={"customer": "c-9", "plan": "pro"})
+    workflow.create(id="free-9", attributes={"customer": "c-9", "plan": "free plan"})
+    workflow.create(id="pro-1", attributes={"customer": "c-1", "plan": "pro"})
+    url = reverse("workflows:instances")
+
+    def shown(attrs):
+        page = operator_client.get(url, {"attrs": attrs}).content.decode()
+        return re.findall(r'data-instance-id="([\w-]+)"', page)
+
+    assert shown("customer=c-9") == ["free-9", "pro-9"]
+    assert shown("customer=c-9 plan=pro") == ["pro-9"]
+    assert shown('plan="free plan"') == ["free-9"]
+    response = operator_client.get(url, {"attrs": "customer"})
+    assert response.status_code == 400
+    assert "expected KEY=VALUE pairs" in response.content.decode()
+    response = operator_client.get(url, {"attrs": "<b>=1"})
+    assert response.status_code == 400 and "&lt;b&gt;" in response.content.decode()
+    workflow.create(id="shown", attributes={"note": XSS, "seats": 5})
+    detail = operator_client.get(page_url(workflow.get("shown").row())).content.decode()
+    assert "<dt>note</dt>" in detail and "<dt>seats</dt>" in detail
+    assert XSS not in detail and "&lt;script&gt;" in detail
+
+
+def test_apply_to_all_matching_starts_a_bulk_job_and_the_page_follows_it(
+    operator_client, approval_workflow
+):
+    gold = [waiting_instance(approval_workflow, attributes={"tier": "gold"}) for _ in range(3)]
+    other = waiting_instance(approval_workflow, attributes={"tier": "tin"})
+    url = reverse("workflows:instances")
+    page = operator_client.get(url, {"attrs": "tier=gold"}).content.decode()
+    assert "Apply to all matching" in page
+    count = operator_client.get(reverse("workflows:bulk-job-count"), {"attrs": "tier=gold"})
+    assert count.json() == {"matching": 3}
+    filters = re.search(r'name="filters" value="([^"]*)"', page).group(1)
+    response = operator_client.post(
+        reverse("workflows:bulk-job-start"),
+        {"action": "terminate", "filters": filters.replace("&amp;", "&")},
+    )
+    assert response.status_code == 302 and "job=" in response["Location"]
+    followed = operator_client.get(response["Location"]).content.decode()
+    assert "Bulk terminate" in followed and "0 of 3 processed" in followed
+    job_id = int(re.search(r"job=(\d+)", response["Location"]).group(1))
+    testing.run_until_idle()
+    progress = operator_client.get(reverse("workflows:bulk-job", args=[job_id])).json()
+    assert (progress["done"], progress["applied"], progress["matched"]) == (True, 3, 3)
+    assert progress["filter"] == {"attributes": {"tier": "gold"}} and progress["workflow"] == ""
+    assert {g.status().status for g in gold} == {"terminated"}
+    assert other.status().status == "waiting"
+
+
+def test_apply_to_all_checks_permissions_per_action(operator_client, approval_workflow, viewer):
+    from workflows_app.models import BulkJob
+
+    inst = waiting_instance(approval_workflow)
+    inst.terminate()
+    start = reverse("workflows:bulk-job-start")
+    response = operator_client.post(start, {"action": "delete", "filters": ""}, follow=True)
+    assert "needs the workflows_app.delete_instance permission" in response.content.decode()
+    viewing = Client()
+    viewing.force_login(viewer)
+    assert viewing.post(start, {"action": "pause", "filters": ""}).status_code == 403
+    assert "Apply to all" not in viewing.get(reverse("workflows:instances")).content.decode()
+    assert viewing.get(reverse("workflows:bulk-job-count")).status_code == 403
+    assert not BulkJob.objects.exists()
+    deleter = make_user("deleter", "view_instance", "change_instance", "delete_instance")
+    operator_client.force_login(deleter)
+    operator_client.post(start, {"action": "delete", "filters": "status=terminated"})
+    testing.run_until_idle()
+    assert not Instance.objects.exists()
+
+
+def test_apply_to_all_refuses_bad_filters_and_options_and_starts_nothing(
+    operator_client, approval_workflow
+):
+    from workflows_app.models import BulkJob
+
+    waiting_instance(approval_workflow)
+    start = reverse("workflows:bulk-job-start")
+    for data, message in (
+        ({"action": "pause", "filters": "version=x"}, "Fix the filters first"),
+        ({"action": "send_event", "filters": ""}, "needs event_type"),
+        ({"action": "explode", "filters": ""}, "Select a valid choice"),
+        (
+            {"action": "send_event", "event_type": "go", "payload": "{", "filters": ""},
+            "Not valid JSON",
+        ),
+    ):
+        page = operator_client.post(start, data, follow=True).content.decode()
+        assert message in page, message
+    assert not BulkJob.objects.exists()
+    assert operator_client.get(reverse("workflows:bulk-job", args=[999])).status_code == 404
+    bad_count = operator_client.get(reverse("workflows:bulk-job-count"), {"version": "x"})
+    assert bad_count.status_code == 400

@@ -50,6 +50,10 @@ class InstanceNotFound(WorkflowError, LookupError):
     """No instance with that id exists for that workflow."""
 
 
+class BulkJobNotFound(WorkflowError, LookupError):
+    """No bulk job with that id (of that workflow)."""
+
+
 class InstanceAlreadyExists(WorkflowError):
     """An instance with that id already exists for that workflow."""
 

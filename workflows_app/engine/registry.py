@@ -193,6 +193,20 @@ def is_registered(name: str, version: int) -> bool:
         return version in _definitions.get(name, {})
 
 
+def limits_for(name: str, version: int) -> Limits:
+    """The limits of an instance's version; its workflow's newest, then the settings', when
+    its code is gone (operators can still stop and delete what it left behind)."""
+    definition = find_definition(name, version)
+    if definition is None:
+        try:
+            definition = get_definition(name)
+        except UnknownWorkflow:
+            from django.conf import settings
+
+            return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+    return definition.limits()
+
+
 def all_definitions() -> list[Definition]:
     with _lock:
         return [d for versions in _definitions.values() for d in versions.values()]

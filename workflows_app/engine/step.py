@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from ..models import Instance, Status, StepKind, StepRecord, StepStatus
 from . import clock, faults, spans, store
+from .attributes import check_attributes
 from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
     ChildWorkflowFailed,
@@ -342,6 +343,23 @@ class Step:
                 f'step "{name}" timeout',
             )
         return RetryPolicy(limit, delay_ms, backoff), timeout_ms
+
+    # --- search attributes --------------------------------------------------------------
+
+    async def set_attributes(self, name: str, attributes: dict[str, Any]) -> dict[str, Any]:
+        """A durable step that upserts the instance's search attributes; returns them.
+
+        Replay returns the checkpoint without writing again; a crash between the write and
+        the checkpoint writes the same values again (an upsert is idempotent).
+        """
+        checked = check_attributes(attributes, f'attributes of step "{name}"')
+        run = self._run
+
+        async def upsert() -> dict[str, Any]:
+            await run.db(store.merge_attributes, run.pk, run.token, checked)
+            return checked
+
+        return await self._do(name, upsert, {"limit": 3, "delay": 1000}, None, None)
 
     # --- sleeps -----------------------------------------------------------------------
 

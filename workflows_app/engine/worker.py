@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -36,6 +36,7 @@ log = logging.getLogger("workflows_app.engine")
 MAX_UNPRODUCTIVE_CLAIMS = 3
 FLUSH_SECONDS = 0.1
 CONTENDED_WAIT_SECONDS = 0.02  # a due instance that could not be claimed is looked at again after this  # spans are stored in batches at most this often while busy
+PRUNE_BATCH = 500  # instances a worker deletes per transaction when pruning
 ABORT_WAIT_SECONDS = 5.0  # at shutdown, how long aborted runs may take to unwind
 STARTUP_ATTEMPTS = 30  # a database restarting at start-up is waited out for about this many seconds
 
@@ -291,6 +292,11 @@ class Worker:
         self._admission_stale = True  # a hint came since admit_due last looked
         self._admission_checked_at = float("-inf")  # time.monotonic() of that look
         self._last_flush = 0.0
+        self._next_maintain = 0.0  # time.monotonic() of the next look for background work
+        # Finished instances past their retention are deleted this often (engine clock; 0: only
+        # by `wf prune`), a batch at a time between runs.
+        self.prune_seconds = float(conf.get("PRUNE_SECONDS", 300))
+        self._next_prune: datetime | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -390,6 +396,8 @@ class Worker:
         self._admission_stale = True
         if kind in ("clock", "schedule"):
             self._ticks_looked_up = -float("inf")
+        if kind == "bulk":
+            self._next_maintain = 0.0
         run = self.runs.get(pk) if pk is not None else None
         if run is not None:
             if kind in ("terminate", "restart", "cancel"):
@@ -465,6 +473,36 @@ class Worker:
                 log.exception("hook run_finished failed for instance #%s", pk)
         if self._wake is not None:
             self._wake.set()
+
+    async def maintain_once(self, force: bool = False) -> bool:
+        """One step of the app's background work (a batch of a bulk job), in a database
+        thread; True if it did some (more may be waiting)."""
+        maintain = getattr(self.hooks, "maintain", None)
+        if maintain is None or self._stopping:
+            return False
+        now = time.monotonic()
+        if not force and now < self._next_maintain:
+            return False
+        assert self.db is not None
+        did = bool(await self.db(maintain))
+        # Nothing to do: look again after a "bulk" hint or a poll interval, not every loop.
+        self._next_maintain = now if did else now + self.poll_seconds
+        return did
+
+    async def prune_once(self) -> int:
+        """When due, delete one batch of finished instances past their retention (the same
+        store.prune as `wf prune`); returns how many. A full batch makes it due again at once."""
+        if not self.prune_seconds or self._stopping:
+            return 0
+        now = clock.now()
+        if self._next_prune is not None and now < self._next_prune:
+            return 0
+        assert self.db is not None
+        pruned = int(await self.db(store.prune, now, PRUNE_BATCH, None, 1))
+        self._next_prune = (
+            now if pruned == PRUNE_BATCH else now + timedelta(seconds=self.prune_seconds)
+        )
+        return pruned
 
     async def heartbeat_once(self) -> set[str]:
         """Extend our leases; abort the runs whose lease another worker took."""
@@ -626,9 +664,10 @@ class Worker:
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
                     full = len(self.tasks) >= self.concurrency
-                    if started and not full:
+                    if (started and not full) or await self.maintain_once():
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
+                        await self.prune_once()
                         due = await self.db(store.next_wake_at)
                         admission = self.next_admission_at  # a debounce ends, a rate window opens
                         if admission is not None and (due is None or admission < due):
@@ -677,6 +716,8 @@ class Worker:
                 await self.release_pending()
                 await self.fire_due_schedules()
                 runs += await self.claim_and_start()
+                if await self.maintain_once(force=True):
+                    continue  # a bulk batch may have made instances runnable
                 if not self.tasks:
                     await self.flush_hooks(force=True)
                     return  # nothing claimable now and nothing running: idle

@@ -3,7 +3,8 @@
 - leases: claims, leases and heartbeats; loading what a run needs;
 - runs: a run's fenced writes (checkpoints, park, finish);
 - control: admission (the queue under max_concurrent_instances) and operator actions;
-- catalog: the version catalog and pruning;
+- catalog: the version catalog, pruning and deleting;
+- bulk: bulk jobs' snapshots, batches and progress;
 - dialect: every SQLite/PostgreSQL difference; records: what they share.
 
 The functions are synchronous and each is one transaction; the engine calls them from its
@@ -12,8 +13,16 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import control, dialect, schedules
-from .catalog import VERSION_MISSING, prunable, prune, sync_catalog, wake_registered_versions
+from . import bulk, control, dialect, schedules
+from .catalog import (
+    VERSION_MISSING,
+    delete_instances,
+    delete_rows,
+    prunable,
+    prune,
+    sync_catalog,
+    wake_registered_versions,
+)
 from .control import (
     admit_due,
     cancel,
@@ -30,8 +39,9 @@ from .control import (
     skip_sleep,
     start_child,
     terminate,
+    terminate_batch,
 )
-from .dialect import measure_clock_offset, retry_while_locked, transient
+from .dialect import filter_attributes, measure_clock_offset, retry_while_locked, transient
 from .leases import (
     claim_and_load,
     claim_runnable,
@@ -47,6 +57,7 @@ from .runs import (
     StepWrite,
     begin_compensation,
     finish,
+    merge_attributes,
     park,
     park_unrunnable,
     rewrite_step,
@@ -65,13 +76,17 @@ __all__ = [
     "admit_due",
     "append_history",
     "begin_compensation",
+    "bulk",
     "cancel",
     "child_of",
     "claim_and_load",
     "claim_runnable",
     "control",
     "create_instances",
+    "delete_instances",
+    "delete_rows",
     "dialect",
+    "filter_attributes",
     "finish",
     "get_instance",
     "heartbeat",
@@ -80,6 +95,7 @@ __all__ = [
     "load_run",
     "load_runs",
     "measure_clock_offset",
+    "merge_attributes",
     "next_wake_at",
     "park",
     "park_unrunnable",
@@ -99,6 +115,7 @@ __all__ = [
     "start_child",
     "sync_catalog",
     "terminate",
+    "terminate_batch",
     "transient",
     "unconsumed_events",
     "wake_registered_versions",

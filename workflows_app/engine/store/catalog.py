@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -9,14 +10,17 @@ from django.db import IntegrityError, transaction
 
 from ...models import (
     Instance,
+    Span,
     Status,
     WorkflowVersion,
 )
-from .. import clock
+from .. import clock, lifecycle
 from ..errors import (
+    InstanceNotFound,
+    InvalidTransition,
     VersionConflict,
 )
-from .dialect import retry_while_locked
+from .dialect import lock_rows, retry_while_locked
 
 
 @retry_while_locked
@@ -78,25 +82,74 @@ def prunable(now: datetime | None = None) -> int:
 
 
 def prune(
-    now: datetime | None = None, batch: int = 500, on_batch: Callable[[int], None] | None = None
+    now: datetime | None = None,
+    batch: int = 500,
+    on_batch: Callable[[int], None] | None = None,
+    max_batches: int | None = None,
 ) -> int:
     """Delete finished instances past their retention, with every row that belongs to them.
 
     One transaction per batch, so a large backlog never holds the database for long;
-    on_batch hears how many each batch deleted (a progress bar).
+    on_batch hears how many each batch deleted (a progress bar). Workers prune one batch
+    at a time (max_batches=1) between runs; `wf prune` clears the whole backlog.
     """
     now = now or clock.now()
     total = 0
-    while True:
+    for _ in itertools.count() if max_batches is None else range(max_batches):
         with transaction.atomic():
             pks = list(
                 Instance.objects.filter(expires_at__lte=now).values_list("id", flat=True)[:batch]
             )
             if not pks:
                 return total
-            Instance.objects.filter(
-                id__in=pks
-            ).delete()  # cascades to steps, events, history, spans
+            delete_rows(pks)
         total += len(pks)
         if on_batch is not None:
             on_batch(len(pks))
+    return total
+
+
+def delete_rows(pks: Sequence[int]) -> None:
+    """Delete instances with their steps, events, history, spans and errors (inside the
+    caller's transaction). Spans stored before their instance was known are found by the
+    instance's trace id."""
+    traces = list(
+        Instance.objects.filter(id__in=pks).exclude(trace_id="").values_list("trace_id", flat=True)
+    )
+    if traces:
+        Span.objects.filter(instance__isnull=True, trace_id__in=traces).delete()
+    Instance.objects.filter(id__in=pks).delete()  # cascades to steps, events, history, spans
+
+
+@retry_while_locked
+def delete_instances(name: str, instance_ids: Sequence[str]) -> list[int]:
+    """Delete finished instances of a workflow, all or none; returns their primary keys.
+
+    A live instance is refused (InvalidTransition: terminate it first, as Cloudflare
+    Workflows deletes only finished ones): its worker would be writing to rows that vanish.
+    Rows are locked first, so a restart cannot revive one while it is being deleted.
+    """
+    wanted = list(dict.fromkeys(instance_ids))
+    with transaction.atomic():
+        rows = list(
+            lock_rows(Instance.objects.filter(workflow=name, instance_id__in=wanted)).values_list(
+                "id", "instance_id", "status"
+            )
+        )
+        missing = sorted(set(wanted) - {instance_id for _, instance_id, _ in rows})
+        if missing:
+            raise InstanceNotFound(f"workflow {name!r} has no instance {missing[0]!r}")
+        live = sorted(
+            (instance_id, status)
+            for _, instance_id, status in rows
+            if status not in lifecycle.FINISHED
+        )
+        if live:
+            instance_id, status = live[0]
+            raise InvalidTransition(
+                f"cannot delete instance {instance_id!r}: it is {status}; only finished "
+                "(complete, errored, terminated) instances can be deleted: terminate it first"
+            )
+        pks = [pk for pk, _, _ in rows]
+        delete_rows(pks)
+    return pks

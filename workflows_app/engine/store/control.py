@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, Min, Q
 
@@ -27,16 +26,15 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, lifecycle, registry
-from ..durations import add_duration
+from .. import clock, lifecycle, retention
 from ..errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
     InvalidInput,
     InvalidTransition,
-    UnknownWorkflow,
 )
 from ..limits import Limits
+from ..registry import limits_for
 from .dialect import (
     db_time,
     lock_admission,
@@ -51,6 +49,7 @@ from .records import (
     STEP_TABLE,
     History,
     NewInstance,
+    append_histories,
     append_history,
     clear_lease,
     close_open_steps,
@@ -458,6 +457,8 @@ def _create_instances(
                 retention_ms=item.retention_ms,
                 schedule=item.schedule,
                 scheduled_at=item.scheduled_at,
+                retention_error_ms=item.retention_error_ms,
+                attributes=item.attributes,
                 history_seq=1,
                 trace_id=uuid.uuid4().hex,
                 priority=item.priority,
@@ -609,17 +610,6 @@ def resume(name: str, instance_id: str, limits: Limits, actor: str = "") -> str:
     return new_status
 
 
-def limits_of(workflow: str, version: int) -> Limits:
-    """The limits of an instance's version; the settings' limits if its code is not here."""
-    definition = registry.find_definition(workflow, version)
-    if definition is None:
-        try:
-            definition = registry.get_definition(workflow)
-        except UnknownWorkflow:
-            return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
-    return definition.limits()
-
-
 def locked_with_parent(name: str, instance_id: str) -> Instance:
     """The instance, row-locked after its parent's row (if it has one).
 
@@ -646,36 +636,79 @@ def terminate(
         inst = locked_with_parent(name, instance_id)
         if not lifecycle.can(lifecycle.TERMINATE, inst.status):
             return False
-        _terminate_locked(inst, limits, actor, reason, clock.now())
+        _terminate_locked([inst], lambda _: limits, actor, reason, clock.now())
     return True
 
 
-def _terminate_locked(
-    inst: Instance, limits: Limits, actor: str, reason: str, now: datetime
-) -> None:
-    retention = inst.retention_ms if inst.retention_ms is not None else limits.max_retention
-    Instance.objects.filter(id=inst.pk).update(
-        status=Status.TERMINATED,
-        wake_at=None,
-        finished_at=now,
-        updated_at=now,
-        waiting_reason="",
-        compensate_on_cancel=False,
-        admit_at=None,
-        expires_at=add_duration(now, retention) if retention else None,
-        **clear_lease(),
+def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> list[Instance]:
+    """Terminate the live instances among pks as terminate() does each, with a few
+    statements for the lot (inside the caller's transaction: a bulk job's batch); returns
+    the instances terminated. Rows are locked in id order, as every multi-row lock is."""
+    rows = list(
+        lock_rows(Instance.objects.filter(id__in=list(pks)).order_by("id")).only(
+            "id",
+            "workflow",
+            "instance_id",
+            "version",
+            "status",
+            "retention_ms",
+            "retention_error_ms",
+            "parent_id",
+            "parent_step",
+        )
     )
-    close_open_steps(inst.pk, now)
-    append_history(
-        inst.pk,
-        [History("instance.terminated", {"from": inst.status, "reason": reason}, actor)],
+    live = [row for row in rows if lifecycle.can(lifecycle.TERMINATE, row.status)]
+    if live:
+        _terminate_locked(
+            live, lambda inst: limits_for(inst.workflow, inst.version), actor, reason, clock.now()
+        )
+    return live
+
+
+def _terminate_locked(
+    insts: Sequence[Instance],
+    limits_of: Callable[[Instance], Limits],
+    actor: str,
+    reason: str,
+    now: datetime,
+) -> None:
+    """End live, locked instances: one UPDATE per distinct expiry, their open steps closed,
+    a history record each, and queued instances of their workflows started in their place."""
+    by_expiry: dict[datetime | None, list[int]] = {}
+    for inst in insts:
+        expiry = retention.expires_at(
+            Status.TERMINATED, inst.retention_ms, inst.retention_error_ms, limits_of(inst), now
+        )
+        by_expiry.setdefault(expiry, []).append(inst.pk)
+    for expiry, pks in by_expiry.items():
+        Instance.objects.filter(id__in=pks).update(
+            status=Status.TERMINATED,
+            wake_at=None,
+            finished_at=now,
+            updated_at=now,
+            waiting_reason="",
+            compensate_on_cancel=False,
+            admit_at=None,
+            expires_at=expiry,
+            **clear_lease(),
+        )
+    pks = [inst.pk for inst in insts]
+    close_open_steps(pks[0] if len(pks) == 1 else pks, now)
+    append_histories(
+        {
+            inst.pk: History("instance.terminated", {"from": inst.status, "reason": reason}, actor)
+            for inst in insts
+        },
         now,
     )
-    if inst.parent_id is not None:
-        wake_parent(inst.parent_id, inst.parent_step, now)
-    _terminate_children(inst, actor, now)
-    if limits.flow_controlled:
-        promote_queued(inst.workflow, limits, now)
+    for inst in insts:
+        if inst.parent_id is not None:
+            wake_parent(inst.parent_id, inst.parent_step, now)
+        _terminate_children(inst, actor, now)
+    for workflow, inst in {inst.workflow: inst for inst in insts}.items():
+        limits = limits_of(inst)
+        if limits.flow_controlled:
+            promote_queued(workflow, limits, now)
 
 
 def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
@@ -690,8 +723,8 @@ def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
             now,
         )
         _terminate_locked(
-            child,
-            limits_of(child.workflow, child.version),
+            [child],
+            lambda inst: limits_for(inst.workflow, inst.version),
             actor,
             f"parent {parent.workflow}/{parent.instance_id} ended",
             now,
@@ -934,7 +967,7 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
             append_history(
                 inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now
             )
-            _terminate_locked(inst, limits, actor, "cancelled", now)
+            _terminate_locked([inst], lambda _: limits, actor, "cancelled", now)
             return Status.TERMINATED
         # The next run replays to collect the compensations, then runs them newest first;
         # its children end now, as with a terminate.

@@ -71,6 +71,8 @@ class NewInstance:
     parent_span: str = ""
     schedule: str = ""  # the schedule that starts it, and the tick it fires for
     scheduled_at: datetime | None = None
+    retention_error_ms: int | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,10 +133,38 @@ OPEN_STEP_STATUSES = (StepStatus.WAITING, StepStatus.RETRYING, StepStatus.RUNNIN
 FINISHED_BEFORE_STEP = ("InstanceFinished", "the instance finished before this step did")
 
 
-def close_open_steps(pk: int, now: datetime) -> None:
+def append_histories(records: dict[int, History], now: datetime) -> None:
+    """One history record for each of several instances (inside the caller's
+    transaction): one sequence allocation and one INSERT for the lot, rows locked in id order."""
+    if not records:
+        return
+    pks = sorted(records)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + 1 "
+            f"WHERE id IN ({', '.join(['%s'] * len(pks))}) RETURNING id, history_seq",
+            pks,
+        )
+        sequences = dict(cursor.fetchall())
+    HistoryRecord.objects.bulk_create(
+        HistoryRecord(
+            instance_id=pk,
+            sequence=sequences[pk],
+            created_at=now,
+            type=records[pk].type,
+            data=records[pk].data,
+            actor=records[pk].actor,
+        )
+        for pk in pks
+        if pk in sequences
+    )
+
+
+def close_open_steps(pk: int | Sequence[int], now: datetime) -> None:
     """A finished instance has no step still waiting, retrying or running."""
     name, message = FINISHED_BEFORE_STEP
-    StepRecord.objects.filter(instance_id=pk, status__in=OPEN_STEP_STATUSES).update(
+    instances = {"instance_id": pk} if isinstance(pk, int) else {"instance_id__in": list(pk)}
+    StepRecord.objects.filter(**instances, status__in=OPEN_STEP_STATUSES).update(
         status=StepStatus.FAILED,
         wake_at=None,
         completed_at=now,

@@ -25,8 +25,8 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, faults
-from ..durations import LATEST_INSTANT, add_duration
+from .. import clock, faults, retention
+from ..durations import LATEST_INSTANT
 from ..limits import Limits
 from .catalog import VERSION_MISSING
 from .control import promote_queued
@@ -34,6 +34,7 @@ from .dialect import (
     close_if_dropped,
     db_time,
     lock_rows,
+    merge_json_sql,
     retry_while_locked,
     typed_placeholders,
     writes_in_one_statement,
@@ -448,7 +449,8 @@ def finish(
                 "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
                 "lease_owner = '', lease_expires_at = NULL "
                 "WHERE id = %s AND lease_token = %s "
-                "RETURNING history_seq, retention_ms, workflow, parent_id, parent_step",
+                "RETURNING history_seq, retention_ms, retention_error_ms, workflow, "
+                "parent_id, parent_step",
                 [
                     len(history),
                     db_time(now),
@@ -466,13 +468,13 @@ def finish(
             row = cursor.fetchone()
         if row is None:
             return False
-        last_seq, retention_ms, workflow, parent_id, parent_step = row
+        last_seq, success_ms, error_ms, workflow, parent_id, parent_step = row
         close_open_steps(pk, now)
         if parent_id is not None:  # issue 15 (children)
             wake_parent(parent_id, parent_step, now)
-        retention = retention_ms if retention_ms is not None else limits.max_retention
-        if retention:
-            Instance.objects.filter(id=pk).update(expires_at=add_duration(now, retention))
+        expiry = retention.expires_at(status, success_ms, error_ms, limits, now)
+        if expiry is not None:
+            Instance.objects.filter(id=pk).update(expires_at=expiry)
         insert_history(pk, last_seq - len(history) + 1, history, now)
         if error_record is not None:
             ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
@@ -482,17 +484,17 @@ def finish(
 
 
 @functools.cache
-def _finish_sql(history_count: int, with_error: bool) -> str:
+def _finish_sql(history_count: int, with_error: bool, own_retention: str) -> str:
     """The statement of _finish_at_once for one shape (cached per shape)."""
     parts = [
         f"done AS (UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, "
         "status = %s, output_json = %s, error_name = %s, error_message = %s, error_stack = %s, "
         "finished_at = %s, compensate_on_cancel = false, wake_at = NULL, waiting_reason = '', "
         "lease_token = NULL, lease_owner = '', lease_expires_at = NULL, "
-        # add_duration in SQL: the retention (the instance's, else the limit's; 0 keeps
-        # it for ever) from now, at most LATEST_INSTANT.
-        "expires_at = CASE WHEN COALESCE(retention_ms, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
-        "+ make_interval(secs => LEAST(COALESCE(retention_ms, %s), 1e15) / 1000.0), "
+        # retention.expires_at in SQL: the instance's retention for its outcome, else the
+        # default (settings, then the limit); 0 keeps it for ever; at most LATEST_INSTANT.
+        f"expires_at = CASE WHEN COALESCE({own_retention}, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
+        f"+ make_interval(secs => LEAST(COALESCE({own_retention}, %s), 1e15) / 1000.0), "
         "CAST(%s AS timestamptz)) ELSE expires_at END "
         "WHERE id = %s AND lease_token = %s AND parent_id IS NULL RETURNING history_seq)",
         f"closed AS (UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
@@ -530,9 +532,9 @@ def _finish_at_once(
     """finish as one autocommit statement (PostgreSQL), for workflows without a queue;
     False, writing nothing, for a lost lease or a child (whose parent must wake with it)."""
     when = db_time(now)
-    retention = limits.max_retention
+    default = retention.retention_ms(status, None, None, limits)
     params: list[Any] = [len(history), when, status, output_json, *error, when]
-    params += [retention, when, retention, db_time(LATEST_INSTANT), pk, token]
+    params += [default, when, default, db_time(LATEST_INSTANT), pk, token]
     params += [StepStatus.FAILED, when, *FINISHED_BEFORE_STEP, pk, *OPEN_STEP_STATUSES]
     if history:
         params += [pk, when]
@@ -541,7 +543,8 @@ def _finish_at_once(
     if error_record is not None:
         params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
     with connection.cursor() as cursor:
-        cursor.execute(_finish_sql(len(history), error_record is not None), params)
+        own = "retention_ms" if status == Status.COMPLETE else "retention_error_ms"
+        cursor.execute(_finish_sql(len(history), error_record is not None, own), params)
         row = cursor.fetchone()
     return row is not None
 
@@ -632,3 +635,18 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
             lease_owner="",
             lease_expires_at=None,
         )
+
+
+@retry_while_locked
+def merge_attributes(pk: int, token: str, attributes: dict[str, Any]) -> None:
+    """step.set_attributes: upsert keys into the instance's search attributes, fenced by the
+    run's lease (a run that lost its instance changes nothing). Idempotent, so a repeat
+    after a crash before the step's checkpoint writes the same values again."""
+    with transaction.atomic():
+        fence(pk, token, clock.now(), 0, None)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {INSTANCE_TABLE} SET attributes = {merge_json_sql('attributes')} "
+                "WHERE id = %s",
+                [json.dumps(attributes, separators=(",", ":")), pk],
+            )

@@ -1,9 +1,10 @@
 """Operate workflows from a shell: `python manage.py wf <verb>`.
 
-    wf list [--workflow W] [--status S] [--limit N]      wf start W [--params JSON|@file] [--id ID | --count N]
+    wf list [--workflow W] [--status S] [--attr K=V]...  wf start W [--params JSON|@file] [--id ID | --count N]
     wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
-    wf pause|resume|terminate|skip-sleep ID              wf restart ID [--from-step NAME]
+    wf pause|resume|terminate|skip-sleep|delete ID       wf restart ID [--from-step NAME]
     wf cancel ID [--no-compensate]                       wf prune
+    wf bulk ACTION -w W [--status S] [--attr K=V]... [--created-before ISO] [--background]
     wf token create NAME [--user U] [--scope read|write] [--workflow W]... [--expires 30d]
              | rotate NAME | revoke NAME | list
     wf watch ID [--run-engine]
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 from tqdm import tqdm
 
-from workflows_app import surfaces, testing, tokens
+from workflows_app import bulk, surfaces, testing, tokens
 from workflows_app.client import InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
-from workflows_app.models import ApiToken, Instance
+from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
+from workflows_app.models import ApiToken, BulkAction, Instance
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -62,6 +65,29 @@ def parse_json_arg(value: str | None, flag: str) -> Any:
         raise CommandError(f"{flag} is not valid JSON: {exc}") from None
     except RecursionError:
         raise CommandError(f"{flag} is nested too deeply to parse as JSON") from None
+
+
+def parse_instant_option(value: str | None, flag: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        instant = datetime.fromisoformat(value)
+    except ValueError:
+        instant = None
+    if instant is None or instant.tzinfo is None:
+        raise CommandError(f"{flag} must be an ISO 8601 time with an offset, got {value!r}")
+    return instant
+
+
+def parse_attr_options(options: Sequence[str]) -> dict[str, Any]:
+    """--attr k=v options into typed attributes."""
+    pairs: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise CommandError(f"--attr {option!r}: expected KEY=VALUE")
+        pairs[key] = value
+    return parse_attribute_filter(pairs)
 
 
 def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
@@ -124,9 +150,19 @@ class Command(BaseCommand):
             )
             return sub
 
+        def attr_option(sub: argparse.ArgumentParser, help: str) -> None:
+            sub.add_argument(
+                "--attr",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help=help + ' (repeatable; a number, true or false is typed: quote "5" for text)',
+            )
+
         sub = verb("list", self.do_list, "list instances, newest first")
         sub.add_argument("--workflow", "-w")
         sub.add_argument("--status", "-s")
+        attr_option(sub, "only instances with this search attribute")
         sub.add_argument("--limit", "-n", type=int, default=20)
         sub.add_argument(
             "--cursor", help="next page (with --workflow): the cursor a previous list printed"
@@ -147,6 +183,7 @@ class Command(BaseCommand):
         sub.add_argument(
             "--debounce", help='start this long after the last create, e.g. "5 seconds"'
         )
+        attr_option(sub, "give the instance this search attribute")
 
         by_id(
             verb(
@@ -166,6 +203,7 @@ class Command(BaseCommand):
             ("resume", "resume a paused instance"),
             ("terminate", "stop an instance for good"),
             ("skip-sleep", "wake an instance's current sleep now"),
+            ("delete", "delete a finished instance with its steps, events, history and spans"),
         ):
             by_id(verb(name, self.do_action, help)).set_defaults(action=name.replace("-", "_"))
 
@@ -182,6 +220,28 @@ class Command(BaseCommand):
         )
 
         verb("prune", self.do_prune, "delete finished instances past their retention")
+
+        sub = verb(
+            "bulk",
+            self.do_bulk,
+            "apply an action to every instance a filter matches, in batches, with progress",
+        )
+        sub.add_argument("action", choices=BulkAction.values)
+        sub.add_argument("--workflow", "-w", required=True)
+        sub.add_argument("--status", "-s")
+        sub.add_argument("--version", type=int)
+        attr_option(sub, "only instances with this search attribute")
+        sub.add_argument("--created-before", metavar="ISO", help="e.g. 2026-01-01T00:00:00Z")
+        sub.add_argument("--created-after", metavar="ISO")
+        sub.add_argument("--type", dest="event_type", help="send_event: the event type")
+        sub.add_argument("--payload", help="send_event: payload as JSON, or @file.json")
+        sub.add_argument("--from-step", help="restart: from this step")
+        sub.add_argument("--no-compensate", action="store_true", help="cancel: no compensations")
+        sub.add_argument(
+            "--background",
+            action="store_true",
+            help="only start the job (workers apply it); print its id",
+        )
 
         sub = verb("token", self.do_token, "manage API tokens")
         sub.add_argument("token_verb", choices=["create", "rotate", "revoke", "list"])
@@ -259,7 +319,10 @@ class Command(BaseCommand):
         infos, cursor = [], None
         for name in names:
             page = surfaces.binding(name).list(
-                status=opts.status, limit=opts.limit, cursor=opts.cursor
+                status=opts.status,
+                limit=opts.limit,
+                cursor=opts.cursor,
+                attributes=parse_attr_options(opts.attr),
             )
             infos += page.instances
             cursor = page.cursor
@@ -367,6 +430,7 @@ class Command(BaseCommand):
             concurrency_key=opts.concurrency_key,
             debounce_key=opts.debounce_key,
             debounce=opts.debounce,
+            attributes=parse_attr_options(opts.attr),
         )
         data = surfaces.created_json(handle)
         verb = (
@@ -433,6 +497,13 @@ class Command(BaseCommand):
             raise CommandError(
                 f"instance {handle.id!r} had already finished ({handle.status().status})"
             )
+        if opts.action == "delete":
+            self.emit(
+                opts,
+                {"id": handle.id, "workflow": handle.workflow, "deleted": True},
+                f"deleted {handle.workflow}/{handle.id}",
+            )
+            return
         self.report(opts, handle, opts.action.replace("_", "-"))
 
     def do_restart(self, opts: argparse.Namespace) -> None:
@@ -462,6 +533,42 @@ class Command(BaseCommand):
         self.emit(
             opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention"
         )
+
+    def do_bulk(self, opts: argparse.Namespace) -> None:
+        """Start the job, then apply it here batch by batch (workers may take batches
+        too: each is taken once), so it also finishes where no worker runs."""
+        job = surfaces.binding(opts.workflow).bulk(
+            opts.action,
+            status=opts.status,
+            version=opts.version,
+            attributes=parse_attr_options(opts.attr),
+            created_before=parse_instant_option(opts.created_before, "--created-before"),
+            created_after=parse_instant_option(opts.created_after, "--created-after"),
+            event_type=opts.event_type,
+            payload=parse_json_arg(opts.payload, "--payload"),
+            from_step=opts.from_step,
+            compensate=not opts.no_compensate,
+            actor="cli",
+        )
+        if not opts.background:
+            with self.progress(opts, job.matched, f"bulk {opts.action}") as bar:
+                while not job.done:
+                    before = job.processed
+                    if bulk.process_batch(job.id) is None:  # a worker holds its next batch
+                        time.sleep(POLL_SECONDS)
+                    job.refresh()
+                    bar.update(job.processed - before)
+        data = surfaces.bulk_job_json(job)
+        human = (
+            f"bulk {job.action} #{job.id}: matched {job.matched}, "
+            + (
+                f"applied {job.applied}, skipped {job.skipped}, failed {job.failed}"
+                if job.done
+                else "started (workers apply it)"
+            )
+            + "".join(f"\n  {e}" for e in job.errors)
+        )
+        self.emit(opts, data, human)
 
     # --- tokens ---------------------------------------------------------------------
 

@@ -1,0 +1,510 @@
+"""SPEC §9 in the client: search attributes, delete, retention by outcome."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, store
+from workflows_app.engine.errors import (
+    InstanceNotFound,
+    InvalidDuration,
+    InvalidInput,
+    InvalidTransition,
+    LimitExceeded,
+)
+from workflows_app.models import (
+    ErrorRecord,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Span,
+    StepRecord,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+START = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def tagged(registered):
+    @register("tagged")
+    class Tagged(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.set_attributes("tag plan", {"plan": event.payload or "enterprise"})
+            got = await step.wait_for_event("go", type="go")
+            if got.payload == "fail":
+                raise NonRetryableError("asked to fail")
+            return "done"
+
+    return get_workflow("tagged")
+
+
+def ids(page):
+    return [i.id for i in page.instances]
+
+
+# --- search attributes ---------------------------------------------------------------------
+
+
+def test_list_filters_by_attributes_and_status_with_keyset_pages(tagged):
+    for n in range(5):
+        tagged.create(id=f"c9-{n}", attributes={"customer": "c-9", "n": n, "vip": n % 2 == 0})
+    tagged.create(id="c1", attributes={"customer": "c-1"})
+    tagged.create(id="bare")
+
+    first = tagged.list(attributes={"customer": "c-9"}, limit=2)
+    assert ids(first) == ["c9-4", "c9-3"]
+    second = tagged.list(attributes={"customer": "c-9"}, limit=2, cursor=first.cursor)
+    assert ids(second) == ["c9-2", "c9-1"]
+    assert ids(tagged.list(attributes={"customer": "c-9", "n": 3})) == ["c9-3"]
+    assert ids(tagged.list(attributes={"customer": "c-9", "vip": False})) == ["c9-3", "c9-1"]
+    assert ids(tagged.list(attributes={"customer": "c-2"})) == []
+    assert ids(tagged.list(attributes={"customer": "c-1"}, status="running")) == ["c1"]
+    assert ids(tagged.list(attributes={"customer": "c-1"}, status="waiting")) == []
+    assert tagged.get("c1").status().status == "running"
+    assert tagged.list(attributes={"customer": "c-1"}).instances[0].attributes == {
+        "customer": "c-1"
+    }
+
+
+def test_set_attributes_is_a_durable_upsert_that_replay_does_not_repeat(tagged):
+    inst = tagged.create(id="up", attributes={"customer": "c-9", "plan": "pro"})
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    assert inst.row().attributes == {"customer": "c-9", "plan": "enterprise"}
+    assert ids(tagged.list(attributes={"plan": "enterprise"}, status="waiting")) == ["up"]
+    assert ids(tagged.list(attributes={"plan": "pro"})) == []
+    # An operator edit after the step: replay returns the checkpoint and writes nothing.
+    Instance.objects.filter(pk=inst.row().pk).update(attributes={"customer": "c-9", "plan": "x"})
+    inst.send_event("go", "ok")
+    testing.run_until_idle()
+    assert inst.status().output == "done"
+    assert inst.row().attributes == {"customer": "c-9", "plan": "x"}
+    (step,) = [s for s in inst.steps() if s.name == "tag plan"]
+    assert step.output == {"plan": "enterprise"} and step.attempts == 1
+
+
+@pytest.mark.parametrize(
+    ("attributes", "error", "message"),
+    [
+        (["plan"], InvalidInput, "must be an object"),
+        ({"": "x"}, InvalidInput, "invalid attribute key ''"),
+        ({"a b": "x"}, InvalidInput, "invalid attribute key 'a b'"),
+        ({"plan": None}, InvalidInput, "attribute 'plan': values must be"),
+        ({"plan": {"nested": 1}}, InvalidInput, "got dict"),
+        ({"n": float("nan")}, InvalidInput, "not a finite number"),
+        ({"n": 2**70}, InvalidInput, "outside 64 bits"),
+        ({"s": "x" * 257}, LimitExceeded, "max attribute value length"),
+        ({f"k{i}": i for i in range(33)}, LimitExceeded, "max attributes"),
+    ],
+)
+def test_bad_attributes_are_refused_naming_what_is_wrong_and_store_nothing(
+    tagged, attributes, error, message
+):
+    with pytest.raises(error, match=message):
+        tagged.create(id="bad", attributes=attributes)
+    with pytest.raises(error, match=message):
+        tagged.list(attributes=attributes)
+    assert not Instance.objects.filter(instance_id="bad").exists()
+
+
+def test_set_attributes_with_bad_values_fails_the_instance_with_the_reason(registered):
+    @register("badtag")
+    class BadTag(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.set_attributes("tag", {"plan": ["a", "list"]})
+
+    inst = get_workflow("badtag").create()
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored"
+    assert "attribute 'plan'" in status.error["message"]
+
+
+def test_an_attribute_key_with_double_underscores_or_dots_is_one_key(tagged):
+    tagged.create(id="odd", attributes={"a__b": 1, "x.y": "z"})
+    tagged.create(id="other", attributes={"a": "b"})
+    assert ids(tagged.list(attributes={"a__b": 1})) == ["odd"]
+    assert ids(tagged.list(attributes={"x.y": "z"})) == ["odd"]
+
+
+def test_sqlite_tests_attributes_from_an_index_without_reading_each_row(tagged):
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's index of (workflow, id, attributes)")
+    sql, params = (
+        tagged.matching(attributes={"customer": "c-3"})
+        .order_by("-id")
+        .values_list("id")
+        .query.sql_with_params()
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+    assert "instance_wf_attributes" in plan, plan
+
+
+def test_postgresql_answers_an_attribute_filter_from_its_gin_index(tagged):
+    if connection.vendor != "postgresql":
+        pytest.skip("the GIN index exists on PostgreSQL only")
+    for n in range(20):
+        tagged.create(id=f"i{n}", attributes={"customer": f"c-{n}"})
+    # Across workflows (the dashboard's filter without a workflow): only the GIN index can help.
+    query = store.filter_attributes(Instance.objects.all(), {"customer": "c-3"})
+    sql, params = query.values_list("id").query.sql_with_params()
+    assert "@>" in sql
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
+        cursor.execute("EXPLAIN " + sql, params)
+        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+    assert "instance_attributes_gin" in plan, plan
+
+
+# --- delete ------------------------------------------------------------------------------
+
+
+def test_delete_removes_every_row_of_a_finished_instance_and_refuses_a_live_one(tagged):
+    done = tagged.create(id="done")
+    live = tagged.create(id="live")
+    testing.run_until_idle()
+    done.send_event("go", "fail")
+    testing.run_until_idle()
+    assert done.status().status == "errored"
+    pk, trace = done.row().pk, done.row().trace_id
+    assert ErrorRecord.objects.filter(instance_id=pk).exists()
+    assert Span.objects.filter(trace_id=trace).exists()
+
+    with pytest.raises(InvalidTransition, match="it is waiting; only finished"):
+        live.delete()
+    done.delete()
+    assert not Instance.objects.filter(pk=pk).exists()
+    for model in (StepRecord, InboxEvent, HistoryRecord, ErrorRecord):
+        assert not model.objects.filter(instance_id=pk).exists(), model
+    assert not Span.objects.filter(trace_id=trace).exists()
+    with pytest.raises(InstanceNotFound):
+        done.status()
+    with pytest.raises(InstanceNotFound):
+        done.send_event("go")  # an event for a deleted instance is refused
+    assert live.status().status == "waiting"
+
+
+def test_delete_batch_is_all_or_nothing(tagged):
+    for n in range(3):
+        tagged.create(id=f"d{n}")
+    testing.run_until_idle()
+    for n in range(2):
+        tagged.get(f"d{n}").terminate()
+    with pytest.raises(InvalidTransition, match="'d2'"):
+        tagged.delete_batch(["d0", "d1", "d2"])
+    with pytest.raises(InstanceNotFound, match="'nope'"):
+        tagged.delete_batch(["d0", "nope"])
+    assert Instance.objects.filter(workflow="tagged").count() == 3
+    assert tagged.delete_batch(["d0", "d1", "d0"]) == 2
+    assert ids(tagged.list()) == ["d2"]
+    with pytest.raises(InvalidInput):
+        tagged.delete_batch("d2")
+    with pytest.raises(LimitExceeded, match="max_batch_size"):
+        tagged.delete_batch([f"x{n}" for n in range(101)])
+
+
+async def test_the_async_twins_delete(tagged):
+    inst = await tagged.acreate(id="a")
+    await inst.aterminate()
+    await inst.adelete()
+    assert await tagged.adelete_batch([]) == 0
+    with pytest.raises(InstanceNotFound):
+        await inst.astatus()
+
+
+# --- retention -----------------------------------------------------------------------------
+
+
+def test_retention_by_outcome_on_the_engine_clock(tagged):
+    with testing.fake_clock(START) as clock:
+        ok = tagged.create(id="ok", retention={"success": "1 hour", "error": "1 day"})
+        bad = tagged.create(id="bad", retention={"success": "1 hour", "error": "1 day"})
+        stopped = tagged.create(id="stopped", retention={"success": "1 hour", "error": "1 day"})
+        only_ok = tagged.create(id="only-ok", retention={"success": "1 hour"})
+        testing.run_until_idle()
+        ok.send_event("go", "fine")
+        bad.send_event("go", "fail")
+        only_ok.send_event("go", "fail")  # errors: no error retention, kept (no max_retention)
+        stopped.terminate()
+        testing.run_until_idle()
+        assert [i.status().status for i in (ok, bad, stopped, only_ok)] == [
+            "complete",
+            "errored",
+            "terminated",
+            "errored",
+        ]
+        clock.advance("2 hours")
+        assert store.prune() == 1
+        assert ids(tagged.list()) == ["only-ok", "stopped", "bad"]
+        clock.advance("1 day")
+        assert store.prune() == 2
+        assert ids(tagged.list()) == ["only-ok"]
+
+
+@override_settings(WFDASH={"RETENTION": {"success": "1 hour", "error": "3 hours"}})
+def test_settings_retention_applies_by_outcome_unless_the_instance_gives_its_own(tagged):
+    with testing.fake_clock(START) as clock:
+        ok = tagged.create(id="ok")
+        bad = tagged.create(id="bad")
+        kept = tagged.create(id="kept", retention=0)
+        testing.run_until_idle()
+        ok.send_event("go")
+        bad.send_event("go", "fail")
+        kept.send_event("go")
+        testing.run_until_idle()
+        clock.advance("2 hours")
+        assert store.prune() == 1 and ids(tagged.list()) == ["kept", "bad"]
+        clock.advance("2 hours")
+        assert store.prune() == 1 and ids(tagged.list()) == ["kept"]
+
+
+@pytest.mark.parametrize(
+    ("retention", "error", "message"),
+    [
+        ({"sucess": "1 day"}, InvalidInput, "unknown outcome"),
+        ({"error": "forever"}, InvalidDuration, "forever"),
+        ("soon", InvalidDuration, "soon"),
+    ],
+)
+def test_bad_retention_is_refused(tagged, retention, error, message):
+    with pytest.raises(error, match=message):
+        tagged.create(id="r", retention=retention)
+    assert not Instance.objects.filter(instance_id="r").exists()
+
+
+# --- bulk operations -------------------------------------------------------------------------
+
+
+def waiting_instances(wf, n, **attributes):
+    handles = [wf.create(id=f"w{i}", attributes=attributes) for i in range(n)]
+    testing.run_until_idle()
+    assert {h.status().status for h in handles} == {"waiting"}
+    return handles
+
+
+def test_bulk_terminate_by_filter_acts_on_what_matched_at_the_start_in_batches(tagged):
+    waiting_instances(tagged, 5, customer="c-9")
+    tagged.create(id="free", attributes={"customer": "c-1"})
+    testing.run_until_idle()
+    job = tagged.bulk("terminate", status="waiting", attributes={"customer": "c-9"}, actor="ops")
+    assert (job.matched, job.applied, job.done) == (5, 0, False)
+    tagged.create(id="later", attributes={"customer": "c-9"})  # after the start: not in the job
+    testing.run_until_idle()  # not started: run_until_idle also processes bulk jobs
+    assert tagged.get("later").status().status == "waiting"
+    # Batches of 2: the job's progress grows batch by batch.
+    from workflows_app import bulk
+
+    job2 = tagged.bulk("pause", attributes={"customer": "c-1"})
+    assert bulk.process_batch(job2.id, size=2) is not None
+    assert job2.refresh().done and job2.applied == 1
+
+    job.refresh()
+    assert (job.done, job.matched, job.applied, job.skipped, job.failed) == (True, 5, 5, 0, 0)
+    assert [tagged.get(f"w{i}").status().status for i in range(5)] == ["terminated"] * 5
+    assert tagged.get("free").status().status == "paused"
+    history = tagged.get("w0").history()
+    assert history[-1].type == "instance.terminated" and history[-1].actor == "ops"
+
+
+def test_bulk_progress_is_recorded_per_batch_and_a_repeat_skips_what_is_done(tagged):
+    from workflows_app import bulk
+
+    waiting_instances(tagged, 5)
+    job = tagged.bulk("terminate", status="waiting")
+    assert bulk.process_batch(job.id, size=2).processed == 2
+    job.refresh()
+    assert (job.processed, job.applied, job.done) == (2, 2, False)
+    assert bulk.process_batch(job.id, size=2).processed == 4
+    assert bulk.process_batch(job.id, size=2).done
+    assert bulk.process_batch(job.id, size=2) is None  # finished: nothing more to take
+    again = tagged.bulk("terminate")  # every status: all five already terminated
+    testing.run_until_idle()
+    again.refresh()
+    assert (again.matched, again.applied, again.skipped, again.failed) == (5, 0, 5, 0)
+
+
+def test_a_crash_mid_batch_rolls_the_batch_back_and_it_is_taken_again(tagged, monkeypatch):
+    from workflows_app import bulk
+
+    waiting_instances(tagged, 4)
+    job = tagged.bulk("send_event", event_type="go", payload="ok")
+    calls = []
+    real = bulk.ACTIONS["send_event"]
+
+    def crash_on_third(h, options, actor):
+        calls.append(h.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the worker died")  # not an error the batch handles
+        return real(h, options, actor)
+
+    monkeypatch.setitem(bulk.ACTIONS, "send_event", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        bulk.process_batch(job.id)
+    assert InboxEvent.objects.count() == 0  # the two sent before the crash were rolled back
+    assert job.refresh().processed == 0
+    monkeypatch.setitem(bulk.ACTIONS, "send_event", real)
+    testing.run_until_idle()
+    assert job.refresh().done and job.applied == 4
+    assert InboxEvent.objects.count() == 4  # each instance got its event exactly once
+    assert {tagged.get(f"w{i}").status().output for i in range(4)} == {"done"}
+
+
+def test_bulk_actions_with_options_and_failures_reported_on_the_job(registered):
+    @register("gated")
+    class Gated(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "go", type="go", schema={"type": "object", "required": ["n"]}
+            )
+            return got.payload["n"]
+
+    wf = get_workflow("gated")
+    for i in range(3):
+        wf.create(id=f"g{i}")
+    testing.run_until_idle()
+    job = wf.bulk("send_event", event_type="go", payload={"wrong": 1})
+    testing.run_until_idle()
+    job.refresh()
+    assert (job.applied, job.failed) == (0, 3)
+    assert "does not match the schema" in job.errors[0] and "gated/g0" in job.errors[0]
+    wf.bulk("send_event", event_type="go", payload={"n": 7})
+    testing.run_until_idle()
+    assert [wf.get(f"g{i}").status().output for i in range(3)] == [7, 7, 7]
+    restarted = wf.bulk("restart", status="complete", from_step="go")
+    testing.run_until_idle()
+    assert restarted.refresh().applied == 3
+    assert {wf.get(f"g{i}").status().status for i in range(3)} == {"waiting"}
+    cancelled = wf.bulk("cancel", compensate=False, created_after=START)
+    deleted = wf.bulk("delete", status="terminated")  # snapshot now: none terminated yet
+    testing.run_until_idle()
+    assert cancelled.refresh().applied == 3 and deleted.refresh().matched == 0
+    assert deleted.done  # nothing matched: done at once
+    final = wf.bulk("delete", status="terminated")
+    testing.run_until_idle()
+    assert final.wait(timeout=5).applied == 3
+    assert not Instance.objects.filter(workflow="gated").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"action": "explode"}, InvalidInput, "unknown bulk action 'explode'"),
+        ({"action": "terminate", "event_type": "go"}, InvalidInput, "takes no event_type"),
+        ({"action": "send_event"}, InvalidInput, "needs event_type"),
+        ({"action": "send_event", "event_type": "bad type"}, InvalidInput, "invalid event type"),
+        ({"action": "pause", "status": "sleepy"}, InvalidInput, "unknown status"),
+        ({"action": "pause", "attributes": {"a": [1]}}, InvalidInput, "attribute 'a'"),
+        ({"action": "pause", "created_before": "yesterday"}, InvalidInput, "aware datetime"),
+        ({"action": "restart", "from_step": ""}, InvalidInput, "from_step"),
+    ],
+)
+def test_a_bad_bulk_request_is_refused_before_any_job_exists(tagged, kwargs, error, message):
+    from workflows_app.models import BulkJob
+
+    action = kwargs.pop("action")
+    with pytest.raises(error, match=message):
+        tagged.bulk(action, **kwargs)
+    assert not BulkJob.objects.exists()
+
+
+def test_a_bulk_job_is_found_by_id_within_its_workflow(tagged, registered):
+    from workflows_app.engine.errors import BulkJobNotFound
+
+    job = tagged.bulk("pause")
+    assert tagged.bulk_job(job.id).action == "pause"
+    with pytest.raises(BulkJobNotFound):
+        tagged.bulk_job(job.id + 1)
+
+    @register("elsewhere")
+    class Elsewhere(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    with pytest.raises(BulkJobNotFound):
+        get_workflow("elsewhere").bulk_job(job.id)
+
+
+def test_two_workers_share_a_job_without_applying_any_batch_twice(tagged):
+    import threading
+
+    from django.db import connections
+
+    from workflows_app import bulk
+    from workflows_app.models import BulkJob
+
+    waiting_instances(tagged, 12)
+    job = tagged.bulk("terminate")
+    start = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def worker():
+        try:
+            start.wait(10)
+            while not BulkJob.objects.get(pk=job.id).done:
+                bulk.process_batch(job.id, size=3)  # None while the other holds the job
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert failures == []
+    job.refresh()
+    assert (job.processed, job.applied, job.skipped, job.failed) == (12, 12, 0, 0)
+    terminated = HistoryRecord.objects.filter(
+        instance__workflow="tagged", type="instance.terminated"
+    ).count()
+    assert terminated == 12
+
+
+async def test_a_serving_worker_prunes_expired_instances_on_the_engine_clock(tagged):
+    from asgiref.sync import sync_to_async
+
+    from workflows_app.engine.worker import Worker
+
+    def left():
+        return sorted(Instance.objects.values_list("instance_id", flat=True))
+
+    with testing.fake_clock(START) as clock:
+        first = await tagged.acreate(id="first", retention={"success": "1 hour"})
+        second = await tagged.acreate(id="second", retention={"success": "3 hours"})
+        await testing.arun_until_idle()
+        await first.asend_event("go")
+        await second.asend_event("go")
+        await testing.arun_until_idle()
+        worker = Worker()
+        worker.prune_seconds = 600
+        await worker.start()
+        try:
+            assert await worker.prune_once() == 0  # nothing expired; next look in 10 minutes
+            clock.advance("2 hours")
+            assert await worker.prune_once() == 1
+            assert await sync_to_async(left)() == ["second"]
+            clock.advance("1 hour")
+            assert await worker.prune_once() == 1  # due again: 10 minutes passed
+            third = await tagged.acreate(id="third", retention={"success": "1 minute"})
+            await testing.arun_until_idle()
+            await third.asend_event("go")
+            await testing.arun_until_idle()
+            clock.advance("2 minutes")
+            assert await worker.prune_once() == 0  # expired, but the next look is in 8 minutes
+            assert await sync_to_async(left)() == ["third"]
+            clock.advance("8 minutes")
+            assert await worker.prune_once() == 1
+        finally:
+            await worker.stop()
+        assert await sync_to_async(left)() == []

@@ -1,0 +1,85 @@
+"""Search attributes: small typed key/value pairs an instance is found by.
+
+Values are str, int, float or bool, so an exact-match filter means the same on both
+databases (a JSON object of scalars: PostgreSQL containment, SQLite json_extract).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+
+from .errors import InvalidInput, LimitExceeded
+
+KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")
+MAX_ATTRIBUTES = 32  # keys per instance
+MAX_VALUE_CHARS = 256  # a string value
+INT64 = 2**63  # integers beyond it do not round-trip through every JSON column
+Scalar = str | int | float | bool
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not KEY_PATTERN.match(key):
+        raise InvalidInput(
+            f"invalid attribute key {key!r}: 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or '_'"
+        )
+    return key
+
+
+def check_value(key: str, value: object) -> Scalar:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if not -INT64 <= value < INT64:
+            raise InvalidInput(f"attribute {key!r}: integer {value} is outside 64 bits")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput(f"attribute {key!r}: {value} is not a finite number")
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_VALUE_CHARS:
+            raise LimitExceeded(
+                "max attribute value length", len(value), MAX_VALUE_CHARS, f"attribute {key!r}"
+            )
+        return value
+    raise InvalidInput(
+        f"attribute {key!r}: values must be a string, integer, float or boolean, "
+        f"got {type(value).__name__}"
+    )
+
+
+def check_attributes(attributes: object, what: str = "attributes") -> dict[str, Scalar]:
+    """A validated copy of attributes; InvalidInput / LimitExceeded naming what was wrong."""
+    if attributes is None:
+        return {}
+    if not isinstance(attributes, Mapping):
+        raise InvalidInput(
+            f"{what} must be an object of key: value, got {type(attributes).__name__}"
+        )
+    if len(attributes) > MAX_ATTRIBUTES:
+        raise LimitExceeded("max attributes", len(attributes), MAX_ATTRIBUTES, what)
+    return {check_key(k): check_value(k, v) for k, v in attributes.items()}
+
+
+def parse_value(text: str) -> Scalar:
+    """A filter value typed on a command line or in a query string: a JSON number, true
+    or false is that type ("5" finds the integer 5); a JSON string ('"5"') or anything
+    else is a string."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, (bool, int, float, str)) and not (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
+        return value
+    return text
+
+
+def parse_filter(pairs: Mapping[str, str]) -> dict[str, Scalar]:
+    """key -> typed text, as from `?attr.k=v` or `--attr k=v`, into a checked filter."""
+    return check_attributes({k: parse_value(v) for k, v in pairs.items()}, "attribute filter")
