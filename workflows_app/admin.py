@@ -362,7 +362,7 @@ class StepRecordAdmin(ReadOnlyAdmin):
     list_filter = ("kind", "status", "instance__workflow")
     search_fields = ("name", "instance__instance_id", "instance__workflow", "last_error_message")
     list_select_related = ("instance",)
-    output_pretty = json_field("output", "output")
+    output_pretty = json_field("shown_output", "output")
     event_schema = json_field(lambda step: decode_json(step.event_schema_json), "event schema")
     readonly_fields = fields = (
         "instance",
@@ -391,7 +391,7 @@ class HistoryRecordAdmin(ReadOnlyAdmin):
     list_filter = ("type", "instance__workflow")
     search_fields = ("instance__instance_id", "type", "actor")
     list_select_related = ("instance",)
-    data_pretty = json_field("data", "data")
+    data_pretty = json_field("shown_data", "data")
     readonly_fields = fields = (
         "instance",
         "sequence",

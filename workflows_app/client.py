@@ -25,6 +25,7 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 
 from . import live
+from .codec import seal
 from .engine import errors, spans, store
 from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
@@ -197,7 +198,7 @@ class WorkflowBinding:
                 )
             retention = item.get("retention")
             retention_ms = None if retention is None else parse_duration(retention)
-            new.append(NewInstance(instance_id, params_json, key, retention_ms))
+            new.append(NewInstance(instance_id, seal(params_json), key, retention_ms))
         created = store.create_instances(
             definition.name, definition.version, limits, new, _actor(actor)
         )
@@ -332,7 +333,7 @@ class InstanceHandle:
 
     def history(self) -> list[HistoryEntry]:
         return [
-            HistoryEntry(h.sequence, h.created_at, h.type, h.data, h.actor)
+            HistoryEntry(h.sequence, h.created_at, h.type, h.shown_data, h.actor)
             for h in HistoryRecord.objects.filter(instance_id=self.row().pk).order_by("sequence")
         ]
 
@@ -425,7 +426,7 @@ class InstanceHandle:
                 )
 
         event = store.send_event(
-            self.workflow, self.id, type, payload_json, validate, _actor(actor)
+            self.workflow, self.id, type, seal(payload_json), validate, _actor(actor)
         )
         _after_commit("event", event.instance_id, self.workflow)
 

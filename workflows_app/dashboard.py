@@ -17,6 +17,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
+from .codec import shown_text
 from .engine import lifecycle
 from .engine.registry import all_definitions
 from .models import (
@@ -321,6 +322,7 @@ def workflow_page(name: str) -> WorkflowPage | None:
 
 def pretty_json(text: str | None) -> str:
     """Indented JSON for <pre> blocks (the template escapes it)."""
+    text = shown_text(text)  # decoded by the payload codec; REDACTED if sensitive
     if text is None:
         return ""
     try:

@@ -12,6 +12,8 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
+from .codec import REDACTED, is_sensitive, open_value, shown_text, unseal
+
 
 class Status(models.TextChoices):
     QUEUED = "queued"
@@ -28,6 +30,11 @@ class Status(models.TextChoices):
 
 def decode_json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def decode_stored(text: str | None) -> Any:
+    """A stored param, output or payload: through the payload codec when it was sealed."""
+    return decode_json(unseal(text))
 
 
 class WorkflowVersion(models.Model):
@@ -137,11 +144,11 @@ class Instance(models.Model):
 
     @property
     def params(self) -> Any:
-        return decode_json(self.params_json)
+        return decode_stored(self.params_json)
 
     @property
     def output(self) -> Any:
-        return decode_json(self.output_json)
+        return decode_stored(self.output_json)
 
     @property
     def error(self) -> dict[str, str] | None:
@@ -208,7 +215,18 @@ class StepRecord(models.Model):
 
     @property
     def output(self) -> Any:
-        return decode_json(self.output_json)
+        """The value the engine replays (also that of a sensitive step)."""
+        return decode_stored(self.output_json)
+
+    @property
+    def sensitive(self) -> bool:
+        """Its output came from step.do(..., sensitive=True): surfaces show REDACTED."""
+        return is_sensitive(self.output_json)
+
+    @property
+    def shown_output(self) -> Any:
+        """The output as operators may see it."""
+        return REDACTED if self.sensitive else self.output
 
     @property
     def label(self) -> str:
@@ -246,7 +264,11 @@ class InboxEvent(models.Model):
 
     @property
     def payload(self) -> Any:
-        return decode_json(self.payload_json)
+        return decode_stored(self.payload_json)
+
+    @property
+    def shown_payload_json(self) -> str | None:
+        return shown_text(self.payload_json)
 
 
 class HistoryRecord(models.Model):
@@ -269,6 +291,18 @@ class HistoryRecord(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.sequence} {self.type}"
+
+    @property
+    def shown_data(self) -> dict[str, Any]:
+        """The data with an event payload sealed by the payload codec decoded."""
+        return open_history_data(self.data)
+
+
+def open_history_data(data: Any) -> Any:
+    """History data as surfaces show it: a sealed payload (event.received) decoded."""
+    if isinstance(data, dict) and isinstance(data.get("payload"), dict):
+        return {**data, "payload": open_value(data["payload"])}
+    return data
 
 
 class Span(models.Model):

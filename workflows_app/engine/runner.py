@@ -27,6 +27,7 @@ from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from ..codec import seal
 from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
 from . import clock, spans, store
 from .errors import (
@@ -352,7 +353,9 @@ class Run:
             return Status.TERMINATED if ok else "aborted"
         if exc is None:
             try:
-                output_json = encode_step_output(task.result(), "run() return value", self.limits)
+                output_json = seal(
+                    encode_step_output(task.result(), "run() return value", self.limits)
+                )
             except StepOutputError as error:
                 exc = error
             else:
