@@ -8,13 +8,15 @@ are told through live.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -26,11 +28,13 @@ from django.db import DatabaseError, transaction
 
 from . import live
 from .codec import seal
+from .converters import MAX_PK
 from .engine import errors, spans, store
 from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, find_definition, get_definition
 from .engine.store import NewInstance
+from .engine.store.subscriptions import HistoryFollower, history_listener
 from .engine.worker import running_in_this_process
 from .models import (
     HistoryRecord,
@@ -333,9 +337,60 @@ class InstanceHandle:
 
     def history(self) -> list[HistoryEntry]:
         return [
-            HistoryEntry(h.sequence, h.created_at, h.type, h.shown_data, h.actor)
+            history_entry(h)
             for h in HistoryRecord.objects.filter(instance_id=self.row().pk).order_by("sequence")
         ]
+
+    def subscribe(self, cursor: int = 0) -> Iterator[HistoryEntry]:
+        """History records after `cursor` (a history sequence; 0: from the start), then
+        live ones as they are written. Ends after the last record of a finished instance,
+        or when the caller stops iterating (break, close())."""
+        follower = self._follower(cursor)
+        with live.result_waiters.waiting(follower.pk) as woken:
+            follower.open()
+            try:
+                while True:
+                    woken.clear()  # a wake-up after this point is not missed by the read
+                    records, finished = follower.read()
+                    for record in records:
+                        yield history_entry(record)
+                    if finished:
+                        return
+                    if not records:
+                        woken.wait(follower.wait_seconds)
+                        follower.keep_alive()
+            finally:
+                follower.close()
+
+    async def asubscribe(self, cursor: int = 0) -> AsyncIterator[HistoryEntry]:
+        """Async twin of subscribe(): waits without holding a thread (the SSE stream)."""
+        follower = await sync_to_async(self._follower)(cursor)
+        async with live.result_waiters.awaiting(follower.pk) as woken:
+            await sync_to_async(follower.open)()
+            try:
+                while True:
+                    woken.clear()
+                    records, finished = await sync_to_async(follower.read)()
+                    for record in records:
+                        yield history_entry(record)
+                    if finished:
+                        return
+                    if not records:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(woken.wait(), follower.wait_seconds)
+                        await sync_to_async(follower.keep_alive)()
+            finally:
+                await asyncio.shield(sync_to_async(follower.close)())
+
+    def _follower(self, cursor: int) -> HistoryFollower:
+        if not isinstance(cursor, int) or isinstance(cursor, bool) or not 0 <= cursor <= MAX_PK:
+            raise errors.InvalidInput(
+                f"cursor must be a history sequence from 0 to {MAX_PK}, got {cursor!r}"
+            )
+        follower = HistoryFollower(self.row().pk, cursor)
+        if follower.notified:
+            history_listener.ensure_started(live.result_waiters.wake)
+        return follower
 
     def steps(self) -> list[StepRecord]:
         return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
@@ -439,6 +494,12 @@ class InstanceHandle:
             self.workflow,
         )
         return status
+
+
+def history_entry(record: HistoryRecord) -> HistoryEntry:
+    return HistoryEntry(
+        record.sequence, record.created_at, record.type, record.shown_data, record.actor
+    )
 
 
 def _async_twin(name: str) -> Any:

@@ -209,6 +209,14 @@ class StepRecord(models.Model):
             )
         ]
         ordering = ["instance", "seq"]
+        indexes = [
+            # metrics page: steps completed in the last hour / day
+            models.Index(
+                fields=["completed_at"],
+                name="step_completed",
+                condition=Q(completed_at__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} {self.name}"
@@ -303,6 +311,27 @@ def open_history_data(data: Any) -> Any:
     if isinstance(data, dict) and isinstance(data.get("payload"), dict):
         return {**data, "payload": open_value(data["payload"])}
     return data
+
+
+class HistorySubscriber(models.Model):
+    """An open subscription to an instance's history (inst.subscribe, the SSE stream).
+
+    On PostgreSQL a trigger on history inserts NOTIFYs channel wfdash_history only for
+    instances that have an unexpired one: NOTIFY serialises commits, so checkpoints of
+    instances nobody watches must not pay for it. Subscribers refresh expires_at while
+    they stream and delete their row when they stop; a crashed one's row just expires.
+    """
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="+")
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # the trigger: WHERE instance_id = ? AND expires_at > now()
+            models.Index(fields=["instance", "expires_at"], name="history_subscriber"),
+            # clean-up: WHERE expires_at < now
+            models.Index(fields=["expires_at"], name="history_subscriber_expiry"),
+        ]
 
 
 class Span(models.Model):

@@ -81,3 +81,9 @@ def close_if_dropped() -> None:
         and not connection.is_usable()
     ):
         connection.close()
+
+
+def notifies_history() -> bool:
+    """PostgreSQL: history inserts of watched instances NOTIFY (a trigger; migration 0007).
+    SQLite has no cross-process notification: subscribers poll."""
+    return connection.vendor == "postgresql"
