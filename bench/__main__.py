@@ -30,6 +30,8 @@ FULL = {
     "recovery": 500,
     "fleet": 300,
     "parked_memory": 100_000,
+    "sse": 200,
+    "metrics": 10_000,
 }
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
@@ -52,6 +54,9 @@ REQUIRED_KEYS = [
     "recovery_500_s",
     "fleet_1_worker_per_s",
     "fleet_3_workers_per_s",
+    "sse_latency_p50_ms",
+    "sse_latency_p95_ms",
+    "metrics_scrape_p50_ms",
 ]
 
 # Figures in milliseconds per operation: shown against the baseline commit as well.
@@ -92,6 +97,7 @@ def scaled(quick: bool) -> dict[str, Any]:
 
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     from . import measures as m
+    from . import operating
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -105,6 +111,8 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
         ("fleet", lambda: m.fleet(size["fleet"])),
+        ("sse", lambda: operating.sse_latency(size["sse"])),
+        ("metrics", lambda: operating.metrics_scrape(size["metrics"], 50)),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -150,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 "replay",
                 "recovery",
                 "fleet",
+                "sse",
+                "metrics",
                 "parked_memory",
             ]
         ),
