@@ -483,6 +483,34 @@ async def history_events(handle: InstanceHandle, cursor: int) -> AsyncIterator[s
         await records.aclose()
 
 
+def prometheus_metrics(request: HttpRequest) -> HttpResponse:
+    """GET /metrics: every wfdash metric in Prometheus text. A bearer token that may read
+    every workflow (read or write scope), or a staff session that may view the dashboard."""
+    from . import metrics
+
+    try:
+        if bearer_secret(request) or not access.may_view(request.user):
+            token = authorize(request, None)
+            if token.workflows:
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    f"token {token.name!r} is limited to the workflows {token.workflow_names}; "
+                    "metrics cover every workflow",
+                )
+        if request.method not in ("GET", "HEAD"):
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                f"{request.method} is not allowed here; allowed: GET, HEAD",
+                {"Allow": "GET, HEAD"},
+            )
+    except ApiError as exc:
+        return uncached(refusal(exc))
+    body = metrics.scrape() if request.method == "GET" else b""
+    return uncached(HttpResponse(body, content_type=metrics.CONTENT_TYPE_LATEST))
+
+
 @csrf_exempt
 def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     """Any other path under /api/: a JSON 404 (never Django's HTML page), before any auth."""

@@ -23,5 +23,9 @@ class WorkflowsAppConfig(AppConfig):
             from . import tracing
 
             tracing.configure()
+        if getattr(settings, "WFDASH", {}).get("METRICS", True):
+            from . import metrics
+
+            metrics.configure()
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

@@ -29,7 +29,7 @@ from django.db import DatabaseError, transaction
 from . import live
 from .codec import seal
 from .converters import MAX_PK
-from .engine import errors, spans, store
+from .engine import errors, meters, spans, store
 from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, find_definition, get_definition
@@ -441,6 +441,7 @@ class InstanceHandle:
         """Stop the instance for good; False if it had already finished."""
         done = store.terminate(self.workflow, self.id, self._limits(), _actor(actor))
         if done:
+            meters.instance_finished(self.workflow, Status.TERMINATED)
             _after_commit("terminate", self.row(refresh=False).pk, self.workflow)
         return done
 
@@ -488,6 +489,8 @@ class InstanceHandle:
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""
         status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
+        if status == Status.TERMINATED:
+            meters.instance_finished(self.workflow, Status.TERMINATED)
         _after_commit(
             "cancel" if status == Status.TERMINATED else "wake",
             self.row(refresh=False).pk,

@@ -24,7 +24,7 @@ import jsonschema
 
 from ..codec import seal, unseal
 from ..models import StepKind, StepRecord, StepStatus
-from . import clock, faults, spans
+from . import clock, faults, meters, spans
 from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
     EventTimeout,
@@ -285,7 +285,8 @@ class Step:
             ]
             run.notify("step_started", run, record)
             try:
-                result = await run.attempt(record, fn, timeout_ms)
+                with meters.timed_attempt(run.definition.name, name):
+                    result = await run.attempt(record, fn, timeout_ms)
                 output_json = encode_step_output(result, name, run.limits)
                 faults.hit("after_side_effect")
             except (NonRetryableError, StepOutputError) as exc:
@@ -482,6 +483,7 @@ class Step:
                 )
                 raise failure
             event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
+            meters.event_received(run.definition.name, type, delivered.created_at, clock.now())
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()
             record.output_json = seal(
