@@ -46,6 +46,33 @@ LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
 # --- overview -----------------------------------------------------------------------------
 
 
+def bar_chart(
+    completed: list[int], errored: list[int], window_minutes: int, bucket_minutes: int
+) -> list[dict[str, Any]]:
+    """Bars for an inline SVG (viewBox 100 x CHART_HEIGHT): a completed and an errored bar
+    per bucket, oldest first, heights relative to the busiest bucket."""
+    peak = max([*completed, *errored, 1])
+    slot = 100 / len(completed)
+    bars = []
+    for i, (c, e) in enumerate(zip(completed, errored, strict=True)):
+        hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
+        bars.append(
+            {
+                "completed": c,
+                "errored": e,
+                "minutes_ago": window_minutes - i * bucket_minutes,
+                "w": round(slot * 0.4, 2),
+                "x_ok": round(i * slot + slot * 0.1, 2),
+                "x_err": round(i * slot + slot * 0.5, 2),
+                "h_ok": hc,
+                "y_ok": round(CHART_HEIGHT - hc, 2),
+                "h_err": he,
+                "y_err": round(CHART_HEIGHT - he, 2),
+            }
+        )
+    return bars
+
+
 class WorkflowSummaryJSON(TypedDict):
     name: str
     versions: list[int]
@@ -93,27 +120,9 @@ class WorkflowSummary:
         return [(s, self.counts[s]) for s in Status.values if self.counts.get(s)]
 
     def chart(self) -> list[dict[str, Any]]:
-        """Bars for the inline SVG: one per bucket, heights relative to the busiest bucket."""
-        peak = max([*self.completed_series, *self.errored_series, 1])
-        slot = 100 / len(self.completed_series)
-        bars = []
-        for i, (c, e) in enumerate(zip(self.completed_series, self.errored_series, strict=True)):
-            hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
-            bars.append(
-                {
-                    "completed": c,
-                    "errored": e,
-                    "minutes_ago": CHART_MINUTES - i * CHART_BUCKET_MINUTES,
-                    "w": round(slot * 0.4, 2),
-                    "x_ok": round(i * slot + slot * 0.1, 2),
-                    "x_err": round(i * slot + slot * 0.5, 2),
-                    "h_ok": hc,
-                    "y_ok": round(CHART_HEIGHT - hc, 2),
-                    "h_err": he,
-                    "y_err": round(CHART_HEIGHT - he, 2),
-                }
-            )
-        return bars
+        return bar_chart(
+            self.completed_series, self.errored_series, CHART_MINUTES, CHART_BUCKET_MINUTES
+        )
 
     def as_json(self) -> WorkflowSummaryJSON:
         return {

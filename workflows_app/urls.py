@@ -23,6 +23,7 @@ urlpatterns = [
     path("instances/<pk:pk>/<slug:action>/", views.instance_action, name="action"),
     path("errors/", views.error_list, name="errors"),
     path("metrics", api.prometheus_metrics, name="prometheus-metrics"),
+    path("stats/", views.metrics_page, name="metrics"),
     path("api/", include("workflows_app.api_urls")),
     re_path(r"^api/", api.not_found),  # any other /api/ path: a JSON 404, not the HTML page
 ]
