@@ -190,8 +190,11 @@ def test_values_written_before_the_codec_read_back_and_a_wrong_key_is_a_clear_er
     with with_codec("tests.codecs.OtherKeyCodec"), pytest.raises(CodecError, match="InvalidToken"):
         sealed.row().params  # noqa: B018
     with with_codec("tests.codecs.OtherKeyCodec"):
-        page = admin_client().get("/workflows/card-reader/after/")
-    assert page.status_code == 200 and "cannot decode" in page.content.decode()
+        client = admin_client()
+        page = client.get("/workflows/card-reader/after/")
+        admin_page = client.get(f"/admin/workflows_app/instance/{sealed.row().pk}/change/")
+    for response in (page, admin_page):
+        assert response.status_code == 200 and "cannot decode" in response.content.decode()
 
 
 @pytest.mark.parametrize(

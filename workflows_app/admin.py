@@ -55,7 +55,11 @@ def json_field(
     """A read-only admin column showing a (decoded) JSON attribute of the object."""
 
     def show(self: Any, obj: Any) -> SafeString:
-        return pretty_json(attribute(obj) if callable(attribute) else getattr(obj, attribute))
+        try:
+            value = attribute(obj) if callable(attribute) else getattr(obj, attribute)
+        except errors.CodecError as exc:  # stored by a payload codec this process cannot undo
+            value = f"[cannot decode: {exc}]"
+        return pretty_json(value)
 
     show.short_description = description  # type: ignore[attr-defined]
     return show
