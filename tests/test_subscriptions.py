@@ -216,9 +216,13 @@ async def test_sse_resumes_after_last_event_id_and_sends_heartbeats(approval, mo
         # Last-Event-ID wins over ?cursor=: an EventSource reconnecting
         headers={"Authorization": f"Bearer {secret}", "Last-Event-ID": "2"},
     )
-    events = await read_events(response, lambda ev: any(e.get("comment") for e in ev[1:]))
-    history = await inst.ahistory()
-    assert [r["sequence"] for r in records_of(events)] == [h.sequence for h in history[2:]]
+    expected = [h.sequence for h in (await inst.ahistory())[2:]]
+    events = await read_events(
+        response,
+        # caught up, then waiting: a heartbeat after the last record
+        lambda ev: len(records_of(ev)) == len(expected) and ev[-1].get("comment") == "heartbeat",
+    )
+    assert [r["sequence"] for r in records_of(events)] == expected
     assert any(e.get("comment") == "heartbeat" for e in events)
 
 
