@@ -34,6 +34,8 @@ FULL = {
     "parked_memory": 100_000,
     "attributes": 100_000,
     "bulk": 10_000,
+    "sse": 200,
+    "metrics": 10_000,
 }
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
@@ -58,6 +60,9 @@ REQUIRED_KEYS = [
     "recovery_500_s",
     "fleet_1_worker_per_s",
     "fleet_3_workers_per_s",
+    "sse_latency_p50_ms",
+    "sse_latency_p95_ms",
+    "metrics_scrape_p50_ms",
 ]
 
 # Figures in milliseconds per operation: shown against the baseline commit as well.
@@ -115,6 +120,7 @@ def scaled(quick: bool) -> dict[str, Any]:
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     from . import measures as m
     from . import operating as ops
+    from . import streams
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -133,6 +139,8 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("fleet", lambda: m.fleet(size["fleet"])),
         ("attributes", lambda: ops.attribute_filter(size["attributes"])),
         ("bulk", lambda: ops.bulk_terminate(size["bulk"])),
+        ("sse", lambda: streams.sse_latency(size["sse"])),
+        ("metrics", lambda: streams.metrics_scrape(size["metrics"], 50)),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -182,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 "fleet",
                 "attributes",
                 "bulk",
+                "sse",
+                "metrics",
                 "parked_memory",
             ]
         ),

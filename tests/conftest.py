@@ -38,6 +38,10 @@ def _close_every_connection_before_the_test_database_is_dropped(
     from asgiref.sync import SyncToAsync
     from django.db import connections
 
+    from workflows_app.engine.store.subscriptions import history_listener
+
+    history_listener.stop()  # its LISTEN connection is on the test database too
+
     if SyncToAsync.single_thread_executor._threads:
         SyncToAsync.single_thread_executor.submit(connections.close_all).result(10)
     connections.close_all()

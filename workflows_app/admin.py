@@ -59,7 +59,11 @@ def json_field(
     """A read-only admin column showing a (decoded) JSON attribute of the object."""
 
     def show(self: Any, obj: Any) -> SafeString:
-        return pretty_json(attribute(obj) if callable(attribute) else getattr(obj, attribute))
+        try:
+            value = attribute(obj) if callable(attribute) else getattr(obj, attribute)
+        except errors.CodecError as exc:  # stored by a payload codec this process cannot undo
+            value = f"[cannot decode: {exc}]"
+        return pretty_json(value)
 
     show.short_description = description  # type: ignore[attr-defined]
     return show
@@ -380,7 +384,7 @@ class StepRecordAdmin(ReadOnlyAdmin):
     list_filter = ("kind", "status", "instance__workflow")
     search_fields = ("name", "instance__instance_id", "instance__workflow", "last_error_message")
     list_select_related = ("instance",)
-    output_pretty = json_field("output", "output")
+    output_pretty = json_field("shown_output", "output")
     event_schema = json_field(lambda step: decode_json(step.event_schema_json), "event schema")
     readonly_fields = fields = (
         "instance",
@@ -409,7 +413,7 @@ class HistoryRecordAdmin(ReadOnlyAdmin):
     list_filter = ("type", "instance__workflow")
     search_fields = ("instance__instance_id", "type", "actor")
     list_select_related = ("instance",)
-    data_pretty = json_field("data", "data")
+    data_pretty = json_field("shown_data", "data")
     readonly_fields = fields = (
         "instance",
         "sequence",

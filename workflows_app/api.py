@@ -10,20 +10,24 @@ JSON. No response may be cached: they carry instance data and differ per token.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.csrf import csrf_exempt
 
-from . import dashboard, openapi, surfaces, throttle, tokens
+from . import access, dashboard, openapi, surfaces, throttle, tokens
 from .client import InstanceHandle, ScheduleHandle, schedules
+from .converters import MAX_PK
 from .engine import errors
 from .engine.attributes import parse_filter as parse_attribute_filter
 from .models import ApiToken, BulkAction
@@ -228,17 +232,22 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
                     f"request body of {length} bytes exceeds the API limit of {max_body_bytes()} bytes",
                 )
             return handler(Call(request, token), **kwargs)
-        except ApiError as exc:
-            response = fail(exc.status, exc.code, str(exc))
-            for header, value in exc.headers.items():
-                response[header] = value
-            if exc.status == 401:
-                response["WWW-Authenticate"] = 'Bearer realm="wfdash"'
-            return response
-        except errors.WorkflowError as exc:
-            return fail(error_status(exc), type(exc).__name__, str(exc))
+        except (ApiError, errors.WorkflowError) as exc:
+            return refusal(exc)
 
     return view
+
+
+def refusal(exc: ApiError | errors.WorkflowError) -> JsonResponse:
+    """The JSON error answer for a refusal of the API layer or an engine error."""
+    if isinstance(exc, errors.WorkflowError):
+        return fail(error_status(exc), type(exc).__name__, str(exc))
+    response = fail(exc.status, exc.code, str(exc))
+    for header, value in exc.headers.items():
+        response[header] = value
+    if exc.status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="wfdash"'
+    return response
 
 
 def instance(name: str, instance_id: str) -> InstanceHandle:
@@ -590,6 +599,116 @@ def openapi_document(request: HttpRequest) -> HttpResponse:
         response["Allow"] = "GET, HEAD"
         return response
     return JsonResponse(openapi.document())
+
+
+SSE_HEARTBEAT_SECONDS = 15.0  # a comment line this often: proxies keep an idle stream open
+SSE_RETRY_MS = 2000  # how soon an EventSource reconnects (with Last-Event-ID) after a drop
+CURSOR_PATTERN = re.compile(r"[0-9]{1,19}")
+
+
+def open_subscription(request: HttpRequest, name: str, instance_id: str) -> tuple[Any, int]:
+    """Authorise a history stream and find where it starts.
+
+    A bearer token, as for every API read; or, without one, a session of a staff user
+    who may view the dashboard. It starts after the Last-Event-ID header (an EventSource
+    reconnecting) or ?cursor= (a history sequence; default 0: the whole history).
+    """
+    if bearer_secret(request) or not access.may_view(request.user):
+        authorize(request, name)
+    if request.method != "GET":
+        error = ApiError(
+            405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET"
+        )
+        error.headers["Allow"] = "GET"
+        raise error
+    unknown = sorted(set(request.GET) - {"cursor"})
+    if unknown:
+        raise ApiError(
+            400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor"
+        )
+    handle = instance(name, instance_id)
+    text = request.headers.get("Last-Event-ID") or request.GET.get("cursor", "0")
+    if not CURSOR_PATTERN.fullmatch(text) or int(text) > MAX_PK:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"Last-Event-ID / cursor must be a history sequence (0 to {MAX_PK}), got {text[:30]!r}",
+        )
+    return handle, int(text)
+
+
+@csrf_exempt
+async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpResponse:
+    """GET …/subscribe: the instance's history as Server-Sent Events (`id:` = sequence),
+    live until it finishes. Async: a stream waits in the event loop, not in a thread."""
+    try:
+        handle, cursor = await sync_to_async(open_subscription)(request, name, instance_id)
+    except (ApiError, errors.WorkflowError) as exc:
+        return uncached(refusal(exc))
+    response = StreamingHttpResponse(
+        history_events(handle, cursor), content_type="text/event-stream"
+    )
+    response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
+    return uncached(response)
+
+
+async def history_events(handle: InstanceHandle, cursor: int) -> AsyncIterator[str]:
+    """SSE text: one `message` per history record, heartbeat comments while none comes,
+    and an `end` event after the last record of a finished instance."""
+    yield f"retry: {SSE_RETRY_MS}\n: history of {handle.workflow}/{handle.id} after {cursor}\n\n"
+    records = handle.asubscribe(cursor)
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(records))
+            done, _ = await asyncio.wait({pending}, timeout=SSE_HEARTBEAT_SECONDS)
+            if not done:
+                yield ": heartbeat\n\n"
+                continue
+            try:
+                entry = pending.result()
+            except StopAsyncIteration:
+                pending = None
+                break
+            pending = None
+            data = json.dumps(surfaces.history_json(entry), separators=(",", ":"))
+            yield f"id: {entry.sequence}\ndata: {data}\n\n"
+        yield "event: end\ndata: {}\n\n"
+    finally:
+        if pending is not None:  # the client went away while the stream waited
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await records.aclose()
+
+
+def prometheus_metrics(request: HttpRequest) -> HttpResponse:
+    """GET /metrics: every wfdash metric in Prometheus text. A bearer token that may read
+    every workflow (read or write scope), or a staff session that may view the dashboard."""
+    from . import metrics
+
+    try:
+        if bearer_secret(request) or not access.may_view(request.user):
+            token = authorize(request, None)
+            if token.workflows:
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    f"token {token.name!r} is limited to the workflows {token.workflow_names}; "
+                    "metrics cover every workflow",
+                )
+        if request.method not in ("GET", "HEAD"):
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                f"{request.method} is not allowed here; allowed: GET, HEAD",
+                {"Allow": "GET, HEAD"},
+            )
+    except ApiError as exc:
+        return uncached(refusal(exc))
+    body = metrics.scrape() if request.method == "GET" else b""
+    return uncached(HttpResponse(body, content_type=metrics.CONTENT_TYPE_LATEST))
 
 
 @csrf_exempt

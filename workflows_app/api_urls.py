@@ -21,6 +21,7 @@ urlpatterns = [
     path(INSTANCE, api.detail, name="instance"),
     path(f"{INSTANCE}/history", api.history, name="history"),
     path(f"{INSTANCE}/status", api.status, name="status"),
+    path(f"{INSTANCE}/subscribe", api.subscribe, name="subscribe"),
     path(f"{INSTANCE}/events/<str:event_type>", api.events, name="event"),
     path(f"{INSTANCE}/cancel", api.cancel_view, name="cancel"),
     path(f"{INSTANCE}/skip-sleep", api.skip_sleep_view, name="skip-sleep"),

@@ -39,5 +39,9 @@ class WorkflowsAppConfig(AppConfig):
             # 5.2 without the django-tasks backport) nothing can enqueue a task: skip it.
             with contextlib.suppress(ImportError):
                 from . import tasks  # noqa: F401
+        if getattr(settings, "WFDASH", {}).get("METRICS", True):
+            from . import metrics
+
+            metrics.configure()
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

@@ -8,6 +8,7 @@ are told through live.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -27,13 +28,16 @@ from django.db import DatabaseError, transaction
 from django.db.models import QuerySet
 
 from . import live
-from .engine import errors, spans, store
+from .codec import seal
+from .converters import MAX_PK
+from .engine import errors, meters, spans, store
 from .engine.attributes import check_attributes
 from .engine.durations import parse_duration
 from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
 from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
 from .engine.store import NewInstance
+from .engine.store.subscriptions import HistoryFollower, history_listener
 from .engine.worker import running_in_this_process
 from .models import (
     BulkAction,
@@ -220,7 +224,7 @@ class WorkflowBinding:
             new.append(
                 NewInstance(
                     instance_id,
-                    params_json,
+                    seal(params_json),
                     key,
                     success_ms,
                     retention_error_ms=error_ms,
@@ -563,9 +567,60 @@ class InstanceHandle:
 
     def history(self) -> list[HistoryEntry]:
         return [
-            HistoryEntry(h.sequence, h.created_at, h.type, h.data, h.actor)
+            history_entry(h)
             for h in HistoryRecord.objects.filter(instance_id=self.row().pk).order_by("sequence")
         ]
+
+    def subscribe(self, cursor: int = 0) -> Iterator[HistoryEntry]:
+        """History records after `cursor` (a history sequence; 0: from the start), then
+        live ones as they are written. Ends after the last record of a finished instance,
+        or when the caller stops iterating (break, close())."""
+        follower = self._follower(cursor)
+        with live.result_waiters.waiting(follower.pk) as woken:
+            follower.open()
+            try:
+                while True:
+                    woken.clear()  # a wake-up after this point is not missed by the read
+                    records, finished = follower.read()
+                    for record in records:
+                        yield history_entry(record)
+                    if finished:
+                        return
+                    if not records:
+                        woken.wait(follower.wait_seconds)
+                        follower.keep_alive()
+            finally:
+                follower.close()
+
+    async def asubscribe(self, cursor: int = 0) -> AsyncIterator[HistoryEntry]:
+        """Async twin of subscribe(): waits without holding a thread (the SSE stream)."""
+        follower = await sync_to_async(self._follower)(cursor)
+        async with live.result_waiters.awaiting(follower.pk) as woken:
+            await sync_to_async(follower.open)()
+            try:
+                while True:
+                    woken.clear()
+                    records, finished = await sync_to_async(follower.read)()
+                    for record in records:
+                        yield history_entry(record)
+                    if finished:
+                        return
+                    if not records:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(woken.wait(), follower.wait_seconds)
+                        await sync_to_async(follower.keep_alive)()
+            finally:
+                await asyncio.shield(sync_to_async(follower.close)())
+
+    def _follower(self, cursor: int) -> HistoryFollower:
+        if not isinstance(cursor, int) or isinstance(cursor, bool) or not 0 <= cursor <= MAX_PK:
+            raise errors.InvalidInput(
+                f"cursor must be a history sequence from 0 to {MAX_PK}, got {cursor!r}"
+            )
+        follower = HistoryFollower(self.row().pk, cursor)
+        if follower.notified:
+            history_listener.ensure_started(live.result_waiters.wake)
+        return follower
 
     def steps(self) -> list[StepRecord]:
         return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
@@ -633,6 +688,7 @@ class InstanceHandle:
         """Stop the instance for good; False if it had already finished."""
         done = store.terminate(self.workflow, self.id, self._limits(), _actor(actor))
         if done:
+            meters.instance_finished(self.workflow, Status.TERMINATED)
             _after_commit("terminate", self.row(refresh=False).pk, self.workflow)
         return done
 
@@ -673,13 +729,15 @@ class InstanceHandle:
                 )
 
         event = store.send_event(
-            self.workflow, self.id, type, payload_json, validate, _actor(actor)
+            self.workflow, self.id, type, seal(payload_json), validate, _actor(actor)
         )
         _after_commit("event", event.instance_id, self.workflow, hinted=True)
 
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""
         status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
+        if status == Status.TERMINATED:
+            meters.instance_finished(self.workflow, Status.TERMINATED)
         _after_commit(
             "cancel" if status == Status.TERMINATED else "wake",
             self.row(refresh=False).pk,
@@ -770,6 +828,12 @@ class BulkJobHandle:
     created_at = property(lambda self: self._job.created_at)
     finished_at = property(lambda self: self._job.finished_at)
     done = property(lambda self: self._job.done)
+
+
+def history_entry(record: HistoryRecord) -> HistoryEntry:
+    return HistoryEntry(
+        record.sequence, record.created_at, record.type, record.shown_data, record.actor
+    )
 
 
 def _async_twin(name: str) -> Any:

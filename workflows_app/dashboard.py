@@ -17,6 +17,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
+from .codec import shown_text
 from .engine import lifecycle, store
 from .engine.registry import all_definitions
 from .models import (
@@ -44,6 +45,33 @@ LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
 
 
 # --- overview -----------------------------------------------------------------------------
+
+
+def bar_chart(
+    completed: list[int], errored: list[int], window_minutes: int, bucket_minutes: int
+) -> list[dict[str, Any]]:
+    """Bars for an inline SVG (viewBox 100 x CHART_HEIGHT): a completed and an errored bar
+    per bucket, oldest first, heights relative to the busiest bucket."""
+    peak = max([*completed, *errored, 1])
+    slot = 100 / len(completed)
+    bars = []
+    for i, (c, e) in enumerate(zip(completed, errored, strict=True)):
+        hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
+        bars.append(
+            {
+                "completed": c,
+                "errored": e,
+                "minutes_ago": window_minutes - i * bucket_minutes,
+                "w": round(slot * 0.4, 2),
+                "x_ok": round(i * slot + slot * 0.1, 2),
+                "x_err": round(i * slot + slot * 0.5, 2),
+                "h_ok": hc,
+                "y_ok": round(CHART_HEIGHT - hc, 2),
+                "h_err": he,
+                "y_err": round(CHART_HEIGHT - he, 2),
+            }
+        )
+    return bars
 
 
 class WorkflowSummaryJSON(TypedDict):
@@ -93,27 +121,9 @@ class WorkflowSummary:
         return [(s, self.counts[s]) for s in Status.values if self.counts.get(s)]
 
     def chart(self) -> list[dict[str, Any]]:
-        """Bars for the inline SVG: one per bucket, heights relative to the busiest bucket."""
-        peak = max([*self.completed_series, *self.errored_series, 1])
-        slot = 100 / len(self.completed_series)
-        bars = []
-        for i, (c, e) in enumerate(zip(self.completed_series, self.errored_series, strict=True)):
-            hc, he = round(c / peak * CHART_HEIGHT, 2), round(e / peak * CHART_HEIGHT, 2)
-            bars.append(
-                {
-                    "completed": c,
-                    "errored": e,
-                    "minutes_ago": CHART_MINUTES - i * CHART_BUCKET_MINUTES,
-                    "w": round(slot * 0.4, 2),
-                    "x_ok": round(i * slot + slot * 0.1, 2),
-                    "x_err": round(i * slot + slot * 0.5, 2),
-                    "h_ok": hc,
-                    "y_ok": round(CHART_HEIGHT - hc, 2),
-                    "h_err": he,
-                    "y_err": round(CHART_HEIGHT - he, 2),
-                }
-            )
-        return bars
+        return bar_chart(
+            self.completed_series, self.errored_series, CHART_MINUTES, CHART_BUCKET_MINUTES
+        )
 
     def as_json(self) -> WorkflowSummaryJSON:
         return {
@@ -393,6 +403,7 @@ def schedule_page(name: str) -> SchedulePage | None:
 
 def pretty_json(text: str | None) -> str:
     """Indented JSON for <pre> blocks (the template escapes it)."""
+    text = shown_text(text)  # decoded by the payload codec; REDACTED if sensitive
     if text is None:
         return ""
     try:

@@ -13,8 +13,8 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from channels.layers import InMemoryChannelLayer, get_channel_layer
@@ -34,7 +34,8 @@ _in_flight: set[asyncio.Future[None]] = set()
 
 
 class ResultWaiters:
-    """Threads blocked in InstanceHandle.result(), by instance: woken when it changes.
+    """Threads blocked in InstanceHandle.result() and history subscriptions (sync or
+    async), by instance: woken when it changes.
 
     An instance's entry goes when its last waiter does, so the registry holds only the
     waits in progress, however many instances were ever waited on.
@@ -58,6 +59,22 @@ class ResultWaiters:
                 if not waiters:
                     self._by_instance.pop(pk, None)
 
+    @asynccontextmanager
+    async def awaiting(self, pk: int) -> AsyncIterator[asyncio.Event]:
+        """The async twin of waiting(): an asyncio.Event that wake() sets from any thread."""
+        event = asyncio.Event()
+        waker = _LoopWaker(asyncio.get_running_loop(), event)
+        with self._lock:
+            self._by_instance.setdefault(pk, set()).add(waker)  # type: ignore[arg-type]
+        try:
+            yield event
+        finally:
+            with self._lock:
+                waiters = self._by_instance.get(pk, set())
+                waiters.discard(waker)  # type: ignore[arg-type]
+                if not waiters:
+                    self._by_instance.pop(pk, None)
+
     def wake(self, pk: int | None) -> None:
         with self._lock:
             for event in self._by_instance.get(pk, set()) if pk is not None else ():
@@ -66,6 +83,18 @@ class ResultWaiters:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_instance)
+
+
+class _LoopWaker:
+    """Sets an asyncio.Event in its own loop, from whatever thread wakes it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        self.loop = loop
+        self.event = event
+
+    def set(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.event.set)
 
 
 result_waiters = ResultWaiters()
@@ -282,6 +311,8 @@ class EngineHooks:
             instance_group(run.pk),
             {"type": "wf.step", "pk": run.pk, "step": step, "history": len(history or ())},
         )
+        if history:  # history subscriptions (client.subscribe) in this process
+            result_waiters.wake(run.pk)
         if run not in self._announced:
             self._announced.add(run)
             publish(

@@ -12,6 +12,8 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
+from .codec import REDACTED, is_sensitive, open_value, shown_text, unseal
+
 
 class Status(models.TextChoices):
     QUEUED = "queued"
@@ -28,6 +30,11 @@ class Status(models.TextChoices):
 
 def decode_json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def decode_stored(text: str | None) -> Any:
+    """A stored param, output or payload: through the payload codec when it was sealed."""
+    return decode_json(unseal(text))
 
 
 class WorkflowVersion(models.Model):
@@ -203,11 +210,11 @@ class Instance(models.Model):
 
     @property
     def params(self) -> Any:
-        return decode_json(self.params_json)
+        return decode_stored(self.params_json)
 
     @property
     def output(self) -> Any:
-        return decode_json(self.output_json)
+        return decode_stored(self.output_json)
 
     @property
     def error(self) -> dict[str, str] | None:
@@ -311,13 +318,32 @@ class StepRecord(models.Model):
             )
         ]
         ordering = ["instance", "seq"]
+        indexes = [
+            # metrics page: steps completed in the last hour / day
+            models.Index(
+                fields=["completed_at"],
+                name="step_completed",
+                condition=Q(completed_at__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} {self.name}"
 
     @property
     def output(self) -> Any:
-        return decode_json(self.output_json)
+        """The value the engine replays (also that of a sensitive step)."""
+        return decode_stored(self.output_json)
+
+    @property
+    def sensitive(self) -> bool:
+        """Its output came from step.do(..., sensitive=True): surfaces show REDACTED."""
+        return is_sensitive(self.output_json)
+
+    @property
+    def shown_output(self) -> Any:
+        """The output as operators may see it."""
+        return REDACTED if self.sensitive else self.output
 
     @property
     def label(self) -> str:
@@ -355,7 +381,11 @@ class InboxEvent(models.Model):
 
     @property
     def payload(self) -> Any:
-        return decode_json(self.payload_json)
+        return decode_stored(self.payload_json)
+
+    @property
+    def shown_payload_json(self) -> str | None:
+        return shown_text(self.payload_json)
 
 
 class HistoryRecord(models.Model):
@@ -378,6 +408,39 @@ class HistoryRecord(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.sequence} {self.type}"
+
+    @property
+    def shown_data(self) -> dict[str, Any]:
+        """The data with an event payload sealed by the payload codec decoded."""
+        return open_history_data(self.data)
+
+
+def open_history_data(data: Any) -> Any:
+    """History data as surfaces show it: a sealed payload (event.received) decoded."""
+    if isinstance(data, dict) and isinstance(data.get("payload"), dict):
+        return {**data, "payload": open_value(data["payload"])}
+    return data
+
+
+class HistorySubscriber(models.Model):
+    """An open subscription to an instance's history (inst.subscribe, the SSE stream).
+
+    On PostgreSQL a trigger on history inserts NOTIFYs channel wfdash_history only for
+    instances that have an unexpired one: NOTIFY serialises commits, so checkpoints of
+    instances nobody watches must not pay for it. Subscribers refresh expires_at while
+    they stream and delete their row when they stop; a crashed one's row just expires.
+    """
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="+")
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # the trigger: WHERE instance_id = ? AND expires_at > now()
+            models.Index(fields=["instance", "expires_at"], name="history_subscriber"),
+            # clean-up: WHERE expires_at < now
+            models.Index(fields=["expires_at"], name="history_subscriber_expiry"),
+        ]
 
 
 class Span(models.Model):

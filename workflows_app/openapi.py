@@ -650,6 +650,45 @@ def document() -> dict[str, Any]:
                     ),
                 },
             },
+            instance_path + "/subscribe": {
+                "parameters": [WORKFLOW, INSTANCE],
+                "get": {
+                    "summary": "The instance's history as Server-Sent Events, live",
+                    "operationId": "subscribeHistory",
+                    "description": READ
+                    + " Or, without a token, a staff session that may view the dashboard."
+                    " Each history record is one event: `id:` its sequence, `data:` the"
+                    " HistoryEntry as JSON. Comment lines (`: heartbeat`) come while nothing"
+                    " happens; after the last record of a finished instance an `end` event"
+                    " closes the stream. A reconnecting EventSource sends Last-Event-ID and"
+                    " resumes after it.",
+                    "parameters": [
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "required": False,
+                            "description": "start after this history sequence (default 0: all)",
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                        {
+                            "name": "Last-Event-ID",
+                            "in": "header",
+                            "required": False,
+                            "description": "resume after this sequence (wins over cursor)",
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                    ],
+                    "responses": responses(
+                        {
+                            "description": "an event stream",
+                            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        },
+                        "400",
+                        "403",
+                        "404",
+                    ),
+                },
+            },
             instance_path + "/status": {
                 "parameters": [WORKFLOW, INSTANCE],
                 "patch": {

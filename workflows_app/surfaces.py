@@ -68,7 +68,7 @@ def step_json(step: StepRecord) -> dict[str, Any]:
         "kind": step.kind,
         "status": step.status,
         "attempts": step.attempts,
-        "output": step.output,
+        "output": step.shown_output,
         "error": error,
         "started_at": iso(step.started_at),
         "completed_at": iso(step.completed_at),

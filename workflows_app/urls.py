@@ -28,6 +28,8 @@ urlpatterns = [
     path("schedules/", views.schedule_list, name="schedules"),
     path("schedules/<str:name>/", views.schedule_detail, name="schedule"),
     path("schedules/<str:name>/<slug:action>/", views.schedule_action, name="schedule-action"),
+    path("metrics", api.prometheus_metrics, name="prometheus-metrics"),
+    path("stats/", views.metrics_page, name="metrics"),
     path("api/", include("workflows_app.api_urls")),
     re_path(r"^api/", api.not_found),  # any other /api/ path: a JSON 404, not the HTML page
 ]

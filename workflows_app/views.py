@@ -28,7 +28,7 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
-from . import dashboard, forms, surfaces
+from . import dashboard, dashboard_metrics, forms, surfaces
 from .client import BulkJobHandle, InstanceHandle, WorkflowBinding, get_workflow, schedules
 from .client import start_bulk_job as start_bulk_job_for
 from .converters import parse_pk
@@ -65,6 +65,21 @@ def overview(request: HttpRequest) -> HttpResponse:
         request,
         "workflows/overview.html",
         {"summaries": dashboard.workflow_summaries(), "page": "overview", "live": True},
+    )
+
+
+@dashboard_page
+def metrics_page(request: HttpRequest) -> HttpResponse:
+    """Throughput, failure rate and p50/p95 durations per workflow and step (?window=hour|day)."""
+    return render(
+        request,
+        "workflows/metrics.html",
+        {
+            "m": dashboard_metrics.metrics_page(request.GET.get("window", "hour")),
+            "windows": dashboard_metrics.WINDOWS,
+            "max_samples": dashboard_metrics.MAX_SAMPLES,
+            "page": "metrics",
+        },
     )
 
 

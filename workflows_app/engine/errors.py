@@ -30,6 +30,11 @@ class InvalidInput(WorkflowError, ValueError):
     """An argument was malformed (bad id, bad event type, not JSON-serialisable, …)."""
 
 
+class CodecError(WorkflowError, ValueError):
+    """A stored value could not be decoded: WFDASH["PAYLOAD_CODEC"] is not set, or the
+    codec refused the bytes (another key, corrupted data)."""
+
+
 class InvalidEventType(InvalidInput):
     """An event type does not match ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$."""
 

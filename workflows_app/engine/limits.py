@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..codec import payload_codec, seal_value
 from .durations import parse_duration
 from .errors import (
     InvalidEventType,
@@ -273,6 +274,8 @@ def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
     received without the history growing by max_event_payload_bytes per event."""
     encoded = payload_json.encode()
     if len(encoded) <= HISTORY_PAYLOAD_MAX_BYTES:
-        return {"payload": payload}
+        return {"payload": seal_value(payload, payload_json)}
+    if payload_codec() is not None:  # a preview would be the payload in clear
+        return {"payload_bytes": len(encoded)}
     preview = encoded[:HISTORY_PAYLOAD_MAX_BYTES].decode(errors="ignore")
     return {"payload_bytes": len(encoded), "payload_preview": preview + "…"}

@@ -27,8 +27,9 @@ from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from ..codec import seal
 from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
-from . import clock, spans, store
+from . import clock, lifecycle, meters, spans, store
 from .errors import (
     ChildWorkflowFailed,
     DuplicateStepName,
@@ -211,6 +212,8 @@ class Run:
         inst = self.instance
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
+        if inst.run_count == 1:  # its first claim
+            meters.instance_started(self.definition.name, inst.created_at, inst.started_at)
         event = WorkflowEvent(
             payload=inst.params,
             instance_id=inst.instance_id,
@@ -240,6 +243,8 @@ class Run:
             outcome = await self._supervise(self.task)
             return outcome
         finally:
+            if outcome in lifecycle.FINISHED:
+                meters.instance_finished(self.definition.name, outcome)
             self.span.set_attribute("workflow.outcome", outcome)
             if outcome == Status.ERRORED:
                 spans.mark_error(self.span, None, self.error_message)
@@ -362,7 +367,9 @@ class Run:
             return Status.TERMINATED if ok else "aborted"
         if exc is None:
             try:
-                output_json = encode_step_output(task.result(), "run() return value", self.limits)
+                output_json = seal(
+                    encode_step_output(task.result(), "run() return value", self.limits)
+                )
             except StepOutputError as error:
                 exc = error
             else:

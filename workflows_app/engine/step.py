@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 from opentelemetry import trace
 
+from ..codec import seal, unseal
 from ..models import Instance, Status, StepKind, StepRecord, StepStatus
-from . import clock, faults, spans, store
+from . import clock, faults, meters, spans, store
 from .attributes import check_attributes
 from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
@@ -209,18 +210,25 @@ class Step:
         retries: dict[str, Any] | None = None,
         timeout: Any = None,
         compensate: Callable[..., Any] | None = None,
+        sensitive: bool = False,
     ) -> Any:
-        """Run fn as a durable step; or, without fn, decorate a function (Cloudflare's Python form)."""
+        """Run fn as a durable step; or, without fn, decorate a function (Cloudflare's Python form).
+
+        sensitive: the output is checkpointed for replay but every surface (dashboard,
+        admin, API, CLI, history, spans) shows REDACTED instead of it.
+        """
         if fn is None:
 
             def decorate(func: Callable[..., Any]) -> Callable[[], Awaitable[Any]]:
                 async def call() -> Any:
-                    return await self._do(name, func, retries, timeout, compensate)
+                    return await self._do(
+                        name, func, retries, timeout, compensate, sensitive=sensitive
+                    )
 
                 return call
 
             return decorate
-        return self._do(name, fn, retries, timeout, compensate)
+        return self._do(name, fn, retries, timeout, compensate, sensitive=sensitive)
 
     async def _do(
         self,
@@ -230,6 +238,7 @@ class Step:
         timeout: Any,
         compensate: Callable[..., Any] | None,
         kind: str = StepKind.DO,
+        sensitive: bool = False,
     ) -> Any:
         run = self._run
         if not callable(fn):
@@ -254,10 +263,11 @@ class Step:
                 record = run.new_record(name, kind, StepStatus.RUNNING)
             record.max_attempts = policy.limit + 1
             record.has_compensation = compensate is not None
-            with spans.child_span(
-                run.span, f"step {record.label}", run.span_attributes(record.label, kind)
-            ):
-                return await self._attempts(record, fn, policy, timeout_ms, activity)
+            attributes = run.span_attributes(record.label, kind)
+            if sensitive:
+                attributes["workflow.step.sensitive"] = True
+            with spans.child_span(run.span, f"step {record.label}", attributes):
+                return await self._attempts(record, fn, policy, timeout_ms, activity, sensitive)
 
     async def _attempts(
         self,
@@ -266,6 +276,7 @@ class Step:
         policy: RetryPolicy,
         timeout_ms: int,
         activity: Any,
+        sensitive: bool,
     ) -> Any:
         """Attempt the step until it succeeds, fails for good, or must wait for a retry."""
         run, name = self._run, record.label
@@ -285,7 +296,8 @@ class Step:
             ]
             run.notify("step_started", run, record)
             try:
-                result = await run.attempt(record, fn, timeout_ms)
+                with meters.timed_attempt(run.definition.name, name):
+                    result = await run.attempt(record, fn, timeout_ms)
                 output_json = encode_step_output(result, name, run.limits)
                 faults.hit("after_side_effect")
             except (NonRetryableError, StepOutputError) as exc:
@@ -301,7 +313,7 @@ class Step:
                     await activity.block(wake_at=record.wake_at)
                 continue
             record.status = StepStatus.COMPLETE
-            record.output_json = output_json
+            record.output_json = seal(output_json, sensitive)
             record.completed_at = clock.now()
             record.wake_at = None
             await run.write(
@@ -500,18 +512,21 @@ class Step:
                 )
                 raise failure
             event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
+            meters.event_received(run.definition.name, type, delivered.created_at, clock.now())
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()
-            record.output_json = encode_json(
-                {
-                    "type": type,
-                    "payload": delivered.payload,
-                    "timestamp": delivered.created_at.isoformat(),
-                },
-                f'event received by "{name}"',
+            record.output_json = seal(
+                encode_json(
+                    {
+                        "type": type,
+                        "payload": delivered.payload,
+                        "timestamp": delivered.created_at.isoformat(),
+                    },
+                    f'event received by "{name}"',
+                )
             )
             record.wake_at = None
-            shown = payload_for_history(delivered.payload, delivered.payload_json)
+            shown = payload_for_history(delivered.payload, unseal(delivered.payload_json) or "null")
             data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
             history.append(History("event.received", data))
             await run.write(record, history, consume_event=delivered.pk, progress=True)
@@ -708,7 +723,7 @@ def _child_history(kind: str, step_name: str, child: Instance, wait: bool | None
 
 
 def _event_from_json(text: str | None) -> Event:
-    data = json.loads(text or "{}")
+    data = json.loads(unseal(text) or "{}")
     return Event(
         type=data["type"],
         payload=data["payload"],

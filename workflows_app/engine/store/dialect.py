@@ -208,3 +208,9 @@ def merge_json_sql(column: str) -> str:
     if connection.vendor == "postgresql":
         return f"{column} || CAST(%s AS jsonb)"
     return f"json_patch({column}, %s)"
+
+
+def notifies_history() -> bool:
+    """PostgreSQL: history inserts of watched instances NOTIFY (a trigger; migration 0007).
+    SQLite has no cross-process notification: subscribers poll."""
+    return connection.vendor == "postgresql"

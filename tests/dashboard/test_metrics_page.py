@@ -1,0 +1,103 @@
+"""The dashboard's metrics page: throughput, failure rate, p50/p95 per workflow and step."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.dashboard_metrics import metrics_page, percentile
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, current_step, register
+
+from .helpers import make_user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+ODD_STEP = "<b>odd</b> step"
+
+
+@pytest.fixture
+def measured(registered: list[str]) -> Any:
+    """One instance that completes after a step retried for a minute, one that errors."""
+
+    @register("metric-page")
+    class MetricPage(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            def flaky() -> str:
+                if current_step().attempt == 1:
+                    raise ConnectionError("first try fails")
+                return "ok"
+
+            if event.payload.get("fail"):
+
+                def boom() -> None:
+                    raise NonRetryableError("no")
+
+                await step.do(ODD_STEP, boom)
+            await step.do("flaky", flaky, retries={"limit": 1, "delay": "1 minute"})
+            return "done"
+
+    with testing.fake_clock(timezone.now()) as clock:
+        get_workflow("metric-page").create(id="ok", params={})
+        get_workflow("metric-page").create(id="bad", params={"fail": True})
+        testing.run_until_idle()
+        clock.advance("1 minute")
+        testing.run_until_idle()
+        yield clock.now()
+
+
+def test_the_page_counts_throughput_failures_and_percentiles_per_workflow_and_step(measured):
+    (w,) = metrics_page("hour", now=measured).workflows
+    assert (w.name, w.started, w.completed, w.errored, w.finished) == ("metric-page", 2, 1, 1, 2)
+    assert w.failure_rate == 0.5
+    assert w.throughput_per_hour == 2
+    assert sum(w.completed_series) == 1 and sum(w.errored_series) == 1
+    assert len(w.completed_series) == 12  # 5-minute buckets
+    assert (w.durations.p50, w.durations.p95) == (0.0, 60_000.0)
+    flaky, odd = w.steps["flaky"], w.steps[ODD_STEP]
+    assert (flaky.finished, flaky.failed, flaky.durations.p95) == (1, 0, 60_000.0)
+    assert (odd.finished, odd.failed, odd.failure_rate) == (1, 1, 1.0)
+
+    (day,) = metrics_page("day", now=measured + timedelta(hours=2)).workflows
+    assert (day.finished, len(day.completed_series)) == (2, 24)
+    assert metrics_page("hour", now=measured + timedelta(hours=2)).workflows == []
+
+
+def test_the_page_draws_its_charts_and_escapes_names(measured, django_assert_max_num_queries):
+    client = Client()
+    client.force_login(make_user("metrics-viewer", "view_instance"))
+    with django_assert_max_num_queries(8):  # session, user, permissions, four metric queries
+        response = client.get("/stats/?window=hour")
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert 'data-workflow="metric-page"' in html
+    assert html.count("<g data-bucket=") == 12
+    assert 'data-row="flaky"' in html and 'data-row="(whole instance)"' in html
+    assert "&lt;b&gt;odd&lt;/b&gt; step" in html and ODD_STEP not in html
+    assert 'aria-current="page">Metrics</a>' in html
+    day = client.get("/stats/?window=day").content.decode()
+    assert day.count("<g data-bucket=") == 24 and "last day" in day
+
+
+def test_the_page_needs_a_staff_user_who_may_view():
+    assert Client().get("/stats/").status_code == 302  # to the login page
+    client = Client()
+    client.force_login(make_user("no-view"))
+    assert client.get("/stats/").status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 0.5, None),
+        ([5.0], 0.95, 5.0),
+        ([1.0, 2.0, 3.0, 4.0], 0.5, 2.0),
+        ([1.0, 2.0], 0.95, 2.0),
+    ],
+)
+def test_percentile_is_nearest_rank(values, q, expected):
+    assert percentile(values, q) == expected

@@ -1,0 +1,211 @@
+"""Metrics: OpenTelemetry instruments in Prometheus text at /metrics (token or staff),
+fleet-wide gauges from the database, and OTLP export when the endpoint is set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.dashboard.helpers import make_user
+from workflows_app import testing, tokens
+from workflows_app.client import get_workflow
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
+from workflows_app.models import Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def scrape(client: Client | None = None, **headers: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    if client is None:
+        _, secret = tokens.issue(f"scraper-{len(tokens.ApiToken.objects.all())}", scope="read")
+        client, headers = Client(), {"HTTP_AUTHORIZATION": f"Bearer {secret}"}
+    response = client.get("/metrics", **headers)
+    assert response.status_code == 200, response.content[:300]
+    assert response["Content-Type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """A sample's value (0 when absent); labels the test does not name are ignored."""
+    return sum(
+        value
+        for (n, lbls), value in samples.items()
+        if n == name and labels.items() <= dict(lbls).items()
+    )
+
+
+@pytest.fixture
+def shop(registered: list[str]) -> Any:
+    @register("metric-shop")
+    class MetricShop(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.do("reserve", lambda: "ok")
+            if event.payload.get("fail"):
+
+                def refuse() -> None:
+                    raise NonRetryableError("out of stock")
+
+                await step.do("charge", refuse)
+            await step.wait_for_event("shipped", type="shipped")
+            return "done"
+
+    return get_workflow("metric-shop")
+
+
+def test_metrics_count_instances_steps_events_and_read_the_backlog_from_the_database(shop):
+    before = scrape()
+    with testing.fake_clock() as clock:
+        ok = shop.create(id="m-ok", params={})
+        shop.create(id="m-fail", params={"fail": True})
+        waiting = shop.create(id="m-wait", params={})
+        testing.run_until_idle()
+        clock.advance("2 seconds")
+        ok.send_event("shipped", {})
+        testing.run_until_idle()
+        after = scrape()
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    wf = {"workflow": "metric-shop"}
+    assert delta("wfdash_instances_started_total", **wf) == 3
+    assert delta("wfdash_instances_finished_total", **wf, status="complete") == 1
+    assert delta("wfdash_instances_finished_total", **wf, status="errored") == 1
+    assert delta("wfdash_step_duration_seconds_count", **wf, step="reserve", outcome="ok") == 3
+    assert delta("wfdash_step_duration_seconds_count", **wf, step="charge", outcome="error") == 1
+    assert delta("wfdash_queue_wait_seconds_count", **wf) == 3
+    # The event was sent 2 s (engine clock) after the wait began, and received at once.
+    assert delta("wfdash_event_latency_seconds_count", **wf, type="shipped") == 1
+    assert delta("wfdash_event_latency_seconds_bucket", **wf, type="shipped", le="0.001") == 1
+
+    # Fleet-wide gauges: read from the database at the scrape, whatever process ran them.
+    assert sample(after, "wfdash_instances", **wf, status="complete") == 1
+    assert sample(after, "wfdash_instances", **wf, status="errored") == 1
+    assert sample(after, "wfdash_instances", **wf, status="waiting") == 1
+    backlog_waiting = Instance.objects.filter(status="waiting").count()
+    assert sample(after, "wfdash_backlog", status="waiting") == backlog_waiting >= 1
+    assert sample(after, "wfdash_backlog", status="queued") == 0
+
+    waiting.terminate()
+    final = scrape()
+    assert (
+        sample(final, "wfdash_instances_finished_total", **wf, status="terminated")
+        - sample(before, "wfdash_instances_finished_total", **wf, status="terminated")
+        == 1
+    )
+    assert sample(final, "wfdash_backlog", status="waiting") == backlog_waiting - 1
+
+
+def test_metrics_need_a_token_for_every_workflow_or_a_staff_session_that_may_view():
+    client = Client()
+    response = client.get("/metrics")
+    assert response.status_code == 401 and response.json()["errors"][0]["code"] == "Unauthorized"
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wf_wrong").status_code == 401
+    _, narrow = tokens.issue("narrow-metrics", scope="read", workflows=["one"])
+    refused = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {narrow}")
+    assert refused.status_code == 403 and "every workflow" in refused.json()["errors"][0]["message"]
+    user = make_user("metrics-nobody")  # staff, without view_instance
+    _, user_token = tokens.issue("user-metrics", "metrics-nobody", scope="read")
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {user_token}").status_code == 403
+    client.force_login(user)
+    assert client.get("/metrics").status_code == 401
+
+    viewer = Client()
+    viewer.force_login(make_user("metrics-viewer", "view_instance"))
+    assert "wfdash_backlog" in {name for name, _ in scrape(viewer)}
+    _, writer = tokens.issue("metrics-writer")
+    posted = Client().post("/metrics", HTTP_AUTHORIZATION=f"Bearer {writer}")
+    assert posted.status_code == 405 and posted["Allow"] == "GET, HEAD"
+
+
+EXPORT_SCRIPT = """
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from opentelemetry import metrics
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+@register("metered")
+class Metered(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("metered").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+metrics.get_meter_provider().shutdown()  # exports what was recorded
+"""
+
+
+class _OtlpMetricsReceiver(BaseHTTPRequestHandler):
+    received: ClassVar[dict[str, set[str]]] = {}
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/metrics":
+            request = ExportMetricsServiceRequest()
+            request.ParseFromString(body)
+            for resource_metrics in request.resource_metrics:
+                for scope_metrics in resource_metrics.scope_metrics:
+                    for metric in scope_metrics.metrics:
+                        self.received.setdefault(metric.name, set()).add(scope_metrics.scope.name)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_metrics_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Path):
+    server = HTTPServer(("127.0.0.1", 0), _OtlpMetricsReceiver)
+    _OtlpMetricsReceiver.received = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'otlp.sqlite3'}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+            "WFDASH_DEMO": "0",
+        }
+        env.pop("REDIS_URL", None)
+        result = subprocess.run(
+            [sys.executable, "-c", EXPORT_SCRIPT],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+    received = _OtlpMetricsReceiver.received
+    for name in ("wfdash.instances.started", "wfdash.instances.finished", "wfdash.step.duration"):
+        assert received.get(name) == {"wfdash.engine"}, (name, received)
+    # The database gauges are /metrics' alone: the exporter's thread does not query.
+    assert "wfdash.backlog" not in received

@@ -1,0 +1,113 @@
+"""The metrics the engine records, through the OpenTelemetry API only (like spans.py).
+
+workflows_app.metrics installs the SDK's MeterProvider (Prometheus at /metrics, OTLP when
+configured); until then, and in projects without it, these calls cost a no-op. They are
+counted in the process that runs the instance: in a fleet each worker exports its own
+(OTLP), while /metrics adds fleet-wide numbers read from the database at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from opentelemetry import metrics
+
+# Seconds: from sub-millisecond no-op steps to the 30-minute step timeout, and queue
+# waits and event latencies up to a day.
+DURATION_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    1800.0,
+    3600.0,
+    86400.0,
+)
+
+
+@cache
+def _instruments() -> dict[str, Any]:
+    meter = metrics.get_meter("wfdash.engine")
+    return {
+        "started": meter.create_counter(
+            "wfdash.instances.started",
+            unit="{instance}",
+            description="instances that began running",
+        ),
+        "finished": meter.create_counter(
+            "wfdash.instances.finished",
+            unit="{instance}",
+            description="instances that ended, by status (complete, errored, terminated)",
+        ),
+        "step_duration": meter.create_histogram(
+            "wfdash.step.duration",
+            unit="s",
+            description="one attempt of a step's callable, by outcome (ok, error)",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        ),
+        "queue_wait": meter.create_histogram(
+            "wfdash.queue.wait",
+            unit="s",
+            description="from create() to the instance's admission (0 unless it was queued)",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        ),
+        "event_latency": meter.create_histogram(
+            "wfdash.event.latency",
+            unit="s",
+            description="from send_event to the wait_for_event that received it",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        ),
+    }
+
+
+def instance_started(workflow: str, created_at: datetime, started_at: datetime | None) -> None:
+    attributes = {"workflow": workflow}
+    _instruments()["started"].add(1, attributes)
+    if started_at is not None:
+        waited = max(0.0, (started_at - created_at).total_seconds())
+        _instruments()["queue_wait"].record(waited, attributes)
+
+
+def instance_finished(workflow: str, status: str) -> None:
+    _instruments()["finished"].add(1, {"workflow": workflow, "status": status})
+
+
+def step_attempted(workflow: str, step: str, seconds: float, ok: bool) -> None:
+    _instruments()["step_duration"].record(
+        seconds, {"workflow": workflow, "step": step, "outcome": "ok" if ok else "error"}
+    )
+
+
+def event_received(workflow: str, event_type: str, sent_at: datetime, now: datetime) -> None:
+    _instruments()["event_latency"].record(
+        max(0.0, (now - sent_at).total_seconds()), {"workflow": workflow, "type": event_type}
+    )
+
+
+@contextmanager
+def timed_attempt(workflow: str, step: str) -> Iterator[None]:
+    """Record the duration of the attempt inside, ok or error (not when it is cancelled:
+    a terminate or a lost lease is no outcome of the step)."""
+    began = time.perf_counter()
+    try:
+        yield
+    except Exception:
+        step_attempted(workflow, step, time.perf_counter() - began, ok=False)
+        raise
+    step_attempted(workflow, step, time.perf_counter() - began, ok=True)

@@ -1,0 +1,159 @@
+"""OpenTelemetry metrics: the SDK's MeterProvider, served in Prometheus text at /metrics
+and exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._METRICS_ENDPOINT) is set.
+
+The engine records its instruments through the API (engine/meters.py) in the process
+that runs each instance. In a fleet that is a worker, not the web process that serves
+/metrics, so a scrape also reads fleet-wide gauges from the database: instances by
+workflow and status (the backlog is the unfinished ones) and those that finished in the
+last hour. Those callbacks query only during a scrape, in its request thread; the OTLP
+exporter's background thread gets nothing from them (each worker would report the same
+fleet-wide numbers, and its thread would hold a database connection).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import Count
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .engine import clock, lifecycle
+from .models import Instance
+
+__all__ = ["CONTENT_TYPE_LATEST", "configure", "scrape"]
+
+# Counts read once per scrape, shared by the gauges that need them; None outside a scrape.
+_scrape_counts: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "wfdash_scrape_counts", default=None
+)
+_provider: MeterProvider | None = None
+_registry: CollectorRegistry | None = None
+_lock = threading.Lock()
+
+
+def otlp_configured() -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    )
+
+
+def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
+    """Install wfdash's meter provider as the global one (once per process).
+
+    If the project installed an SDK MeterProvider first, the engine's instruments go to
+    that one (its readers decide where they are exported); /metrics then serves the
+    database gauges only.
+    """
+    global _provider, _registry
+    with _lock:
+        if _provider is not None:
+            return _provider
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        _registry = CollectorRegistry(auto_describe=True)
+        readers: list[MetricReader] = [PrometheusMetricReader(registry=_registry)]
+        if otlp_configured():
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        readers.extend(extra_readers)
+        provider = MeterProvider(
+            metric_readers=readers,
+            resource=Resource.create(
+                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
+            ),
+        )
+        if not isinstance(metrics.get_meter_provider(), MeterProvider):
+            metrics.set_meter_provider(provider)
+        meter = provider.get_meter("wfdash.database")
+        meter.create_observable_gauge(
+            "wfdash.instances",
+            callbacks=[_observe_instances],
+            unit="{instance}",
+            description="instances in the database by workflow and status (fleet-wide)",
+        )
+        meter.create_observable_gauge(
+            "wfdash.backlog",
+            callbacks=[_observe_backlog],
+            unit="{instance}",
+            description="unfinished instances by status, all workflows (fleet-wide)",
+        )
+        meter.create_observable_gauge(
+            "wfdash.instances.finished.last_hour",
+            callbacks=[_observe_finished_last_hour],
+            unit="{instance}",
+            description="instances that finished in the last hour, by workflow and status",
+        )
+        _provider = provider
+        return provider
+
+
+def scrape() -> bytes:
+    """The Prometheus text of every wfdash metric, the database gauges read now."""
+    configure()
+    assert _registry is not None
+    token = _scrape_counts.set({})
+    try:
+        return generate_latest(_registry)
+    finally:
+        _scrape_counts.reset(token)
+
+
+def _counts(key: str, query: Any) -> list[dict[str, Any]] | None:
+    cache = _scrape_counts.get()
+    if cache is None:
+        return None
+    if key not in cache:
+        cache[key] = list(query())
+    return cache[key]
+
+
+def _by_workflow_and_status() -> list[dict[str, Any]] | None:
+    # GROUP BY over the (workflow, status, id) index: an index-only scan on PostgreSQL.
+    return _counts(
+        "all",
+        lambda: Instance.objects.order_by().values("workflow", "status").annotate(n=Count("id")),
+    )
+
+
+def _observe_instances(options: CallbackOptions) -> Iterable[Observation]:
+    for row in _by_workflow_and_status() or ():
+        yield Observation(row["n"], {"workflow": row["workflow"], "status": row["status"]})
+
+
+def _observe_backlog(options: CallbackOptions) -> Iterable[Observation]:
+    rows = _by_workflow_and_status()
+    if rows is None:
+        return
+    backlog = dict.fromkeys(sorted(lifecycle.LIVE), 0)
+    for row in rows:
+        if row["status"] in backlog:
+            backlog[row["status"]] += row["n"]
+    for status, n in backlog.items():
+        yield Observation(n, {"status": status})
+
+
+def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observation]:
+    rows = _counts(
+        "last_hour",
+        lambda: (
+            Instance.objects.filter(finished_at__gte=clock.now() - timedelta(hours=1))
+            .order_by()
+            .values("workflow", "status")
+            .annotate(n=Count("id"))
+        ),
+    )
+    for row in rows or ():
+        yield Observation(row["n"], {"workflow": row["workflow"], "status": row["status"]})
