@@ -38,6 +38,9 @@ def _close_every_connection_before_the_test_database_is_dropped(
     from asgiref.sync import SyncToAsync
     from django.db import connections
 
+    from workflows_app import fanout
+
+    fanout.close_reader_connections()  # the dashboard hub's reader keeps its connection
     if SyncToAsync.single_thread_executor._threads:
         SyncToAsync.single_thread_executor.submit(connections.close_all).result(10)
     connections.close_all()

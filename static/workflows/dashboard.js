@@ -120,7 +120,8 @@
     },
     instances: {
       snapshot(msg) { msg.instances.forEach((i) => updateRow(i, true)); },
-      "instance.status"(msg) { updateRow(msg.instance, false); },
+      "instance.batch"(msg) { msg.changes.forEach((c) => updateRow(c.instance, false)); },
+      onResync() { newRows(); },
       onOpen(socket) {
         const pks = [...document.querySelectorAll("tr[data-pk]")].map((tr) => Number(tr.dataset.pk));
         if (pks.length) socket.send(JSON.stringify({ type: "watch", pks }));
@@ -266,6 +267,14 @@
   function connect(page, backoff) {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const socket = new WebSocket(`${scheme}//${location.host}${body.dataset.ws}`);
+    // Messages of the page's stream are numbered; a heartbeat repeats the last number.
+    // A skipped number means a lost message: ask for a snapshot instead of staying stale.
+    let seq = null;
+    const resync = () => {
+      body.dataset.resyncs = String(Number(body.dataset.resyncs || 0) + 1);
+      if (page.onOpen) page.onOpen(socket); else socket.send(JSON.stringify({ type: "resync" }));
+      page.onResync?.();
+    };
     socket.addEventListener("open", () => {
       backoff = MIN_BACKOFF_MS;
       body.dataset.socket = "connected";
@@ -275,6 +284,15 @@
     socket.addEventListener("message", (ev) => {
       let msg;
       try { msg = JSON.parse(ev.data); } catch { return; }
+      if (typeof msg.seq === "number") {
+        if (msg.type === "snapshot") seq = msg.seq;
+        else if (seq !== null) {
+          const expected = msg.type === "heartbeat" ? seq : seq + 1;
+          if (msg.seq < expected) return; // already in the snapshot
+          seq = msg.seq;
+          if (msg.seq > expected) resync();
+        }
+      }
       const handler = page[msg.type];
       if (typeof handler === "function") handler(msg);
       else if (msg.type === "error") console.warn("wfdash socket:", msg.error);

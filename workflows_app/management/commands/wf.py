@@ -31,7 +31,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 from tqdm import tqdm
 
-from workflows_app import surfaces, testing, tokens
+from workflows_app import live, surfaces, testing, tokens
 from workflows_app.client import InstanceHandle
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.models import ApiToken, Instance
@@ -220,6 +220,8 @@ class Command(BaseCommand):
             options["handler"](namespace)
         except (errors.WorkflowError, tokens.TokenError) as exc:
             raise CommandError(" ".join(str(exc).split())) from exc
+        finally:
+            live.flush()  # open pages in other processes hear of this command's changes
 
     # --- output ---------------------------------------------------------------------
 
