@@ -176,7 +176,9 @@ class Hub:
         self.running = True
         layer = get_channel_layer()
         if layer is not None:
-            self.channel = await layer.new_channel("wfdash.fanout.")
+            # The default prefix: channels_redis receives every process-local channel of a
+            # layer through one Redis key, named by it.
+            self.channel = await layer.new_channel()
             await self.join(live.OVERVIEW_GROUP)
         self.after = await self.read(latest_history_id)
         self.tasks = [
