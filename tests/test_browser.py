@@ -334,6 +334,33 @@ def test_the_overview_counts_move_live(page: Page) -> None:
     assert_not_reloaded(page)
 
 
+def test_a_pause_by_a_manage_py_command_in_another_process_reaches_open_pages(
+    page: Page, server: LiveServer
+) -> None:
+    """Nothing carries the command's change to the server (in-memory channel layer): the
+    server's history tail finds it, and both open pages show it within a second."""
+    create_from_form(page, "trial-reminder", "e2e-command", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    mark_page(page)
+    listing = page.context.new_page()
+    listing.goto("/instances/?workflow=trial-reminder")
+    expect(listing.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(listing)
+    row_badge = listing.locator('tr[data-instance-id="e2e-command"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    server.manage("wf", "pause", "e2e-command", "--workflow", "trial-reminder")
+    exited = time.monotonic()
+    expect(badge(page)).to_have_attribute("data-status", "paused", timeout=1000)
+    expect(row_badge).to_have_attribute("data-status", "paused", timeout=1000)
+    print(f"\nmanage.py wf pause → both open pages: {(time.monotonic() - exited) * 1000:.0f} ms")
+    server.manage("wf", "resume", "e2e-command", "--workflow", "trial-reminder")
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    assert_not_reloaded(page)
+    assert_not_reloaded(listing)
+    listing.close()
+
+
 def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveServer) -> None:
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")
