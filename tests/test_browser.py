@@ -361,6 +361,39 @@ def test_a_pause_by_a_manage_py_command_in_another_process_reaches_open_pages(
     listing.close()
 
 
+def test_a_list_page_that_lost_a_live_message_notices_and_resyncs(
+    page: Page, server: LiveServer
+) -> None:
+    server.manage(
+        "wf", "start", "trial-reminder", "--id", "e2e-gap", "--params", '{"trial": "14 days"}'
+    )
+    dropped: list[str] = []
+
+    def lose_the_first_batch(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+
+        def from_server(message: str | bytes) -> None:
+            if not dropped and isinstance(message, str) and '"instance.batch"' in message:
+                dropped.append(message)  # lost on the way, as a flaky proxy would
+            else:
+                ws.send(message)
+
+        upstream.on_message(from_server)
+        ws.on_message(lambda message: upstream.send(message))
+
+    page.route_web_socket(re.compile(r"/ws/instances/$"), lose_the_first_batch)
+    page.goto("/instances/?workflow=trial-reminder")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    row_badge = page.locator('tr[data-instance-id="e2e-gap"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    server.manage("wf", "pause", "e2e-gap", "--workflow", "trial-reminder")
+    expect(row_badge).to_have_attribute("data-status", "paused")  # by the resync's snapshot
+    assert dropped, "no update was sent to drop"
+    assert page.locator("body").get_attribute("data-resyncs") == "1"
+    assert_not_reloaded(page)
+
+
 def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveServer) -> None:
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")

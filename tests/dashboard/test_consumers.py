@@ -296,3 +296,33 @@ async def test_a_burst_of_changes_is_read_once_for_every_list_socket_not_once_pe
     assert sum(reads) == 20 and len(reads) < 20, reads
     for communicator in sockets:
         await communicator.disconnect()
+
+
+async def test_a_socket_that_missed_a_message_sees_the_gap_and_resyncs_to_the_database_state(
+    approval_workflow, monkeypatch
+):
+    from workflows_app import fanout
+
+    monkeypatch.setattr(fanout, "HEARTBEAT_SECONDS", 0.2)
+    inst = await get_workflow(approval_workflow).acreate(id="gap-1")
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    seq = (await receive_until(communicator, "snapshot"))["seq"]
+    # The socket loses the next message of its stream (as a full buffer or a dropped
+    # frame would): its subscriber skips one delivery.
+    (subscriber,) = fanout.hub().streams[fanout.LIST_STREAM]
+    deliver = subscriber.deliver
+
+    async def lose_one(message_seq: int, text: str) -> None:
+        subscriber.deliver = deliver
+
+    subscriber.deliver = lose_one
+    await inst.apause(actor="test")
+    async with asyncio.timeout(RECEIVE_TIMEOUT):  # the page can tell it missed something
+        while (heartbeat := await receive_until(communicator, "heartbeat"))["seq"] == seq:
+            pass
+    await communicator.send_json_to({"type": "resync"})
+    snapshot = await receive_until(communicator, "snapshot")
+    assert snapshot["seq"] >= heartbeat["seq"]
+    assert [(i["id"], i["status"]) for i in snapshot["instances"]] == [("gap-1", "paused")]
+    await communicator.disconnect()
