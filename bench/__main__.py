@@ -30,7 +30,11 @@ FULL = {
     "recovery": 500,
     "fleet": 300,
     "parked_memory": 100_000,
+    # Dashboard fan-out: sockets, changes at 0.5 s, burst creates, creates timed with none
+    # and with rate_sockets open.
+    "fanout": {"sockets": 500, "changes": 20, "burst": 500, "rate_n": 500, "rate_sockets": 200},
 }
+QUICK_FANOUT = {"sockets": 50, "changes": 6, "burst": 50, "rate_n": 100, "rate_sockets": 20}
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
 REQUIRED_KEYS = [
@@ -52,6 +56,12 @@ REQUIRED_KEYS = [
     "recovery_500_s",
     "fleet_1_worker_per_s",
     "fleet_3_workers_per_s",
+    "fanout_sockets",
+    "fanout_p50_ms",
+    "fanout_p95_ms",
+    "fanout_missed",
+    "fanout_stale_sockets",
+    "fanout_create_rate_ratio",
 ]
 
 # Figures in milliseconds per operation: shown against the baseline commit as well.
@@ -85,6 +95,7 @@ def scaled(quick: bool) -> dict[str, Any]:
     # 2-core box): a tenth of them alone would take most of the minute --quick is allowed.
     out["herd"] = FULL["herd"] // 40
     out["parked_memory"] = FULL["parked_memory"] // 20
+    out["fanout"] = QUICK_FANOUT
     out["herd_lead_s"] = 1.5
     out["settle_s"] = 1.5
     return out
@@ -92,6 +103,7 @@ def scaled(quick: bool) -> dict[str, Any]:
 
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     from . import measures as m
+    from .fanout import fanout
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -105,6 +117,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("replay", lambda: m.replay(size["replay"])),
         ("recovery", lambda: m.recovery(size["recovery"])),
         ("fleet", lambda: m.fleet(size["fleet"])),
+        ("fanout", lambda: fanout(**size["fanout"])),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -150,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 "replay",
                 "recovery",
                 "fleet",
+                "fanout",
                 "parked_memory",
             ]
         ),
