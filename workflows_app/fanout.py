@@ -31,13 +31,18 @@ from .models import HistoryRecord, Instance
 log = logging.getLogger("workflows_app.fanout")
 
 WINDOW_SECONDS = 0.05  # instances that change within it are read in one query
+# A busy hub widens its windows to BUSY_FACTOR times what the last one took to read and
+# send (up to MAX_WINDOW_SECONDS): sending every socket a frame per change would take the
+# whole event loop, which also serves the API and the pages.
+BUSY_FACTOR = 4.0
+MAX_WINDOW_SECONDS = 0.4
 OVERVIEW_WINDOW_SECONDS = 0.25  # one summary per workflow per window, however busy it is
 TAIL_SECONDS = 0.25  # how often the history table is tailed while a socket is open
 TAIL_BATCH = 2000  # history rows per tail query; a full batch is followed at once
 GAP_SECONDS = 10.0  # how long an id the tail skipped is looked for (PostgreSQL commits
 # transactions out of id order: a lower id can become visible after a higher one)
 MAX_GAPS = 1000
-HEARTBEAT_SECONDS = 2.0
+HEARTBEAT_SECONDS = 5.0
 REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
 MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
 RETRY_SECONDS = 1.0  # after a failed read (database restarting)
@@ -272,11 +277,17 @@ class Hub:
     # --- the reads and what they send -----------------------------------------------
 
     async def flush(self) -> None:
+        window = WINDOW_SECONDS
+
         async def one() -> None:
+            nonlocal window
             await self.changed.wait()
             self.changed.clear()
-            await asyncio.sleep(WINDOW_SECONDS)
+            await asyncio.sleep(window)
+            started = time.perf_counter()
             await self.flush_window()
+            spent = time.perf_counter() - started
+            window = min(MAX_WINDOW_SECONDS, max(WINDOW_SECONDS, BUSY_FACTOR * spent))
 
         await self.forever(one, "instance reader")
 
