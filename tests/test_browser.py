@@ -394,6 +394,27 @@ def test_a_list_page_that_lost_a_live_message_notices_and_resyncs(
     assert_not_reloaded(page)
 
 
+def test_an_in_flight_sleep_span_grows_without_a_reload_then_settles(
+    page: Page, server: LiveServer
+) -> None:
+    create_from_form(page, "trial-reminder", "e2e-trace", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    mark_page(page)
+    sleeping = page.locator("li.span-open", has_text="sleep trial period")
+    expect(sleeping).to_have_count(1)
+    duration = sleeping.locator("[data-duration]")
+    first = duration.text_content()
+    expect(duration).not_to_have_text(first or "")  # it grows, from the server's clock
+    grown = duration.text_content()
+    expect(duration).not_to_have_text(grown or "")
+    server.manage("wf", "skip-sleep", "e2e-trace", "--workflow", "trial-reminder")
+    # Settled, live: the stored span replaces the drawn one.
+    expect(page.locator("li.span:not(.span-open)", has_text="sleep trial period")).to_have_count(1)
+    expect(page.locator("li.span-open", has_text="sleep trial period")).to_have_count(0)
+    expect(badge(page)).to_have_attribute("data-status", "complete")
+    assert_not_reloaded(page)
+
+
 def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveServer) -> None:
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")

@@ -260,6 +260,35 @@
     }
   }
 
+  // --- the live trace: in-flight spans grow until their stored span replaces them ------
+  function formatMs(ms) {
+    if (ms < 1000) return `${ms.toFixed(0)} ms`;
+    if (ms < 60000) return `${(ms / 1000).toFixed(2)} s`;
+    return `${(ms / 60000).toFixed(1)} min`;
+  }
+
+  function growTrace() {
+    const list = document.querySelector("ol.waterfall[data-now-ms]");
+    if (!list || !list.querySelector("li.span-open")) return;
+    // The server's clock, not the browser's: the offset is taken when the list arrives.
+    if (list.dataset.offsetMs === undefined) list.dataset.offsetMs = String(Number(list.dataset.nowMs) - Date.now());
+    const now = Date.now() + Number(list.dataset.offsetMs);
+    const rows = [...list.querySelectorAll(":scope > li.span[data-start-ms]")];
+    const spans = rows.map((li) => {
+      const open = li.classList.contains("span-open");
+      const start = Number(li.dataset.startMs);
+      return { li, open, start, end: open ? Math.max(now, start) : Number(li.dataset.endMs) };
+    });
+    const first = Math.min(...spans.map((s) => s.start));
+    const total = Math.max(Math.max(...spans.map((s) => s.end)) - first, 1);
+    for (const s of spans) {
+      const bar = s.li.querySelector(".span-bar");
+      bar.style.left = `${((s.start - first) / total) * 100}%`;
+      bar.style.width = `${Math.max(((s.end - s.start) / total) * 100, 0.3)}%`;
+      if (s.open) s.li.querySelector("[data-duration]").textContent = formatMs(s.end - s.start);
+    }
+  }
+
   // --- the socket: connect, reconnect with backoff --------------------------------------
   const MIN_BACKOFF_MS = 250;
   const MAX_BACKOFF_MS = 8000;
@@ -308,6 +337,7 @@
   for (const tz of document.querySelectorAll('input[name="tz"]')) tz.value = String(-new Date().getTimezoneOffset());
   formatTimes();
   setInterval(() => formatTimes(), 30_000);
+  setInterval(growTrace, 250);
   const page = pages[body.dataset.live];
   if (page && body.dataset.ws && "WebSocket" in window) {
     connect(page, MIN_BACKOFF_MS);

@@ -771,3 +771,17 @@ def test_the_favicon_is_served_for_every_page_and_linked_from_the_dashboard(clie
     assert finders.find("workflows/favicon.svg")
     client.force_login(operator)
     assert 'rel="icon" href="/static/workflows/favicon.svg"' in client.get("/").content.decode()
+
+
+def test_the_trace_draws_an_open_wait_as_an_in_flight_span_until_it_ends(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow, id="trace-open")
+    page = operator_client.get(page_url(inst.row())).content.decode()
+    assert page.count('class="span span-open"') == 1
+    assert "waitForEvent approval" in page and "so far" in page
+    inst.send_event("approval", {"ok": True}, actor="test")
+    testing.run_until_idle()  # the wait ends (its span is stored); the sleep opens
+    page = operator_client.get(page_url(inst.row())).content.decode()
+    assert page.count('class="span span-open"') == 1
+    assert 'data-start-ms="' in page and "sleep cool-off" in page
