@@ -121,12 +121,17 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         return await database_sync_to_async(access.session_may_view)(self.session_key, self.user_pk)
 
     async def recheck_periodically(self) -> None:
+        shared = min(fanout.ACCESS_SHARED_SECONDS, access.RECHECK_SECONDS / 2)
         while not self.ended:
-            await asyncio.sleep(access.RECHECK_SECONDS)
-            await self.wf_access({})
+            await asyncio.sleep(access.RECHECK_SECONDS - shared)
+            hub = self.hub
+            if hub is not None and not await hub.session_may_view(
+                self.session_key, self.user_pk, shared
+            ):
+                await self.end()
 
     async def wf_access(self, message: dict[str, Any]) -> None:
-        """The user changed (or the timer fired): close unless they may still view."""
+        """The user changed: close unless they may still view (read afresh, not shared)."""
         if not self.ended and not await self.still_allowed():
             await self.end()
 

@@ -25,7 +25,7 @@ from channels.layers import get_channel_layer
 from django.db import connections
 from django.db.models import Max, Q
 
-from . import dashboard, live
+from . import access, dashboard, live
 from .models import HistoryRecord, Instance
 
 log = logging.getLogger("workflows_app.fanout")
@@ -46,6 +46,10 @@ HEARTBEAT_SECONDS = 5.0
 REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
 MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
 RETRY_SECONDS = 1.0  # after a failed read (database restarting)
+# The periodic access check's answer is shared by the sockets of one session for this
+# long (they were mostly opened together and re-check together); sockets re-check every
+# access.RECHECK_SECONDS minus it, so a change no signal reported still closes them in time.
+ACCESS_SHARED_SECONDS = 5.0
 
 LIST_STREAM = "instances"
 OVERVIEW_STREAM = "overview"
@@ -125,6 +129,8 @@ class Hub:
         self.gaps: dict[int, float] = {}  # history id -> when to stop looking for it
         self.lock = asyncio.Lock()
         self.running = False
+        # (session key, user pk) -> (monotonic time, the access check's answer)
+        self.access: dict[tuple[str, Any], tuple[float, bool]] = {}
 
     # --- subscriptions --------------------------------------------------------------
 
@@ -215,6 +221,20 @@ class Hub:
             except Exception:
                 log.warning("dashboard %s failed; retrying", what, exc_info=True)
                 await asyncio.sleep(RETRY_SECONDS)
+
+    async def session_may_view(self, session_key: str, user_pk: Any, shared: float) -> bool:
+        """The periodic access check of a socket, read on the hub's thread (its kept
+        connection, not the thread every synchronous view waits for) and shared by the
+        sockets of a session for `shared` seconds."""
+        now = time.monotonic()
+        key = (session_key, user_pk)
+        cached = self.access.get(key)
+        if cached is not None and now - cached[0] < shared:
+            return cached[1]
+        allowed = await self.read(access.session_may_view, session_key, user_pk)
+        self.access = {k: v for k, v in self.access.items() if now - v[0] < shared}
+        self.access[key] = (now, allowed)
+        return allowed
 
     # --- sources: the channel layer and the history tail ----------------------------
 
