@@ -44,13 +44,13 @@ async def staff_cookie() -> bytes:
 
 
 async def receive_until(
-    communicator: WebsocketCommunicator, type: str, **match: Any
+    communicator: WebsocketCommunicator, type: str, timeout: float = RECEIVE_TIMEOUT, **match: Any
 ) -> dict[str, Any]:
     """The next message of that type (and matching fields), skipping others (heartbeats
     among them: the whole wait is bounded, not each message)."""
-    async with asyncio.timeout(RECEIVE_TIMEOUT):
+    async with asyncio.timeout(timeout):
         while True:
-            message = await communicator.receive_json_from(timeout=RECEIVE_TIMEOUT)
+            message = await communicator.receive_json_from(timeout=timeout)
             if message["type"] == type and all(message.get(k) == v for k, v in match.items()):
                 return message
 
