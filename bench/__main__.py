@@ -36,7 +36,11 @@ FULL = {
     "bulk": 10_000,
     "sse": 200,
     "metrics": 10_000,
+    # Dashboard fan-out: sockets, changes at 0.5 s, burst creates, creates timed with none
+    # and with rate_sockets open.
+    "fanout": {"sockets": 500, "changes": 20, "burst": 500, "rate_n": 500, "rate_sockets": 200},
 }
+QUICK_FANOUT = {"sockets": 50, "changes": 6, "burst": 50, "rate_n": 100, "rate_sockets": 20}
 
 # The JSON keys every run prints (null when the measurement was skipped or failed).
 REQUIRED_KEYS = [
@@ -63,6 +67,12 @@ REQUIRED_KEYS = [
     "sse_latency_p50_ms",
     "sse_latency_p95_ms",
     "metrics_scrape_p50_ms",
+    "fanout_sockets",
+    "fanout_p50_ms",
+    "fanout_p95_ms",
+    "fanout_missed",
+    "fanout_stale_sockets",
+    "fanout_create_rate_ratio",
 ]
 
 # Figures in milliseconds per operation: shown against the baseline commit as well.
@@ -112,6 +122,7 @@ def scaled(quick: bool) -> dict[str, Any]:
     # 2-core box): a tenth of them alone would take most of the minute --quick is allowed.
     out["herd"] = FULL["herd"] // 40
     out["parked_memory"] = FULL["parked_memory"] // 20
+    out["fanout"] = QUICK_FANOUT
     out["herd_lead_s"] = 1.5
     out["settle_s"] = 1.5
     return out
@@ -121,6 +132,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
     from . import measures as m
     from . import operating as ops
     from . import streams
+    from .fanout import fanout
 
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
@@ -141,6 +153,7 @@ def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]
         ("bulk", lambda: ops.bulk_terminate(size["bulk"])),
         ("sse", lambda: streams.sse_latency(size["sse"])),
         ("metrics", lambda: streams.metrics_scrape(size["metrics"], 50)),
+        ("fanout", lambda: fanout(**size["fanout"])),
         ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
     ]
 
@@ -192,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bulk",
                 "sse",
                 "metrics",
+                "fanout",
                 "parked_memory",
             ]
         ),

@@ -42,6 +42,9 @@ def _close_every_connection_before_the_test_database_is_dropped(
 
     history_listener.stop()  # its LISTEN connection is on the test database too
 
+    from workflows_app import fanout
+
+    fanout.close_reader_connections()  # the dashboard hub's reader keeps its connection
     if SyncToAsync.single_thread_executor._threads:
         SyncToAsync.single_thread_executor.submit(connections.close_all).result(10)
     connections.close_all()

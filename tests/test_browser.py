@@ -334,6 +334,87 @@ def test_the_overview_counts_move_live(page: Page) -> None:
     assert_not_reloaded(page)
 
 
+def test_a_pause_by_a_manage_py_command_in_another_process_reaches_open_pages(
+    page: Page, server: LiveServer
+) -> None:
+    """Nothing carries the command's change to the server (in-memory channel layer): the
+    server's history tail finds it, and both open pages show it within a second."""
+    create_from_form(page, "trial-reminder", "e2e-command", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    mark_page(page)
+    listing = page.context.new_page()
+    listing.goto("/instances/?workflow=trial-reminder")
+    expect(listing.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(listing)
+    row_badge = listing.locator('tr[data-instance-id="e2e-command"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    server.manage("wf", "pause", "e2e-command", "--workflow", "trial-reminder")
+    exited = time.monotonic()
+    expect(badge(page)).to_have_attribute("data-status", "paused", timeout=1000)
+    expect(row_badge).to_have_attribute("data-status", "paused", timeout=1000)
+    print(f"\nmanage.py wf pause → both open pages: {(time.monotonic() - exited) * 1000:.0f} ms")
+    server.manage("wf", "resume", "e2e-command", "--workflow", "trial-reminder")
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    assert_not_reloaded(page)
+    assert_not_reloaded(listing)
+    listing.close()
+
+
+def test_a_list_page_that_lost_a_live_message_notices_and_resyncs(
+    page: Page, server: LiveServer
+) -> None:
+    server.manage(
+        "wf", "start", "trial-reminder", "--id", "e2e-gap", "--params", '{"trial": "14 days"}'
+    )
+    dropped: list[str] = []
+
+    def lose_the_first_batch(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+
+        def from_server(message: str | bytes) -> None:
+            if not dropped and isinstance(message, str) and '"instance.batch"' in message:
+                dropped.append(message)  # lost on the way, as a flaky proxy would
+            else:
+                ws.send(message)
+
+        upstream.on_message(from_server)
+        ws.on_message(lambda message: upstream.send(message))
+
+    page.route_web_socket(re.compile(r"/ws/instances/$"), lose_the_first_batch)
+    page.goto("/instances/?workflow=trial-reminder")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    row_badge = page.locator('tr[data-instance-id="e2e-gap"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    server.manage("wf", "pause", "e2e-gap", "--workflow", "trial-reminder")
+    expect(row_badge).to_have_attribute("data-status", "paused")  # by the resync's snapshot
+    assert dropped, "no update was sent to drop"
+    assert page.locator("body").get_attribute("data-resyncs") == "1"
+    assert_not_reloaded(page)
+
+
+def test_an_in_flight_sleep_span_grows_without_a_reload_then_settles(
+    page: Page, server: LiveServer
+) -> None:
+    create_from_form(page, "trial-reminder", "e2e-trace", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    mark_page(page)
+    sleeping = page.locator("li.span-open", has_text="sleep trial period")
+    expect(sleeping).to_have_count(1)
+    duration = sleeping.locator("[data-duration]")
+    first = duration.text_content()
+    expect(duration).not_to_have_text(first or "")  # it grows, from the server's clock
+    grown = duration.text_content()
+    expect(duration).not_to_have_text(grown or "")
+    server.manage("wf", "skip-sleep", "e2e-trace", "--workflow", "trial-reminder")
+    # Settled, live: the stored span replaces the drawn one.
+    expect(page.locator("li.span:not(.span-open)", has_text="sleep trial period")).to_have_count(1)
+    expect(page.locator("li.span-open", has_text="sleep trial period")).to_have_count(0)
+    expect(badge(page)).to_have_attribute("data-status", "complete")
+    assert_not_reloaded(page)
+
+
 def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveServer) -> None:
     page.goto("/instances/")
     expect(page.locator("body")).to_have_attribute("data-socket", "connected")

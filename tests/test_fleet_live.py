@@ -14,6 +14,8 @@ from workflows_app.client import get_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+WORKER_BOOT_SECONDS = 60
+
 
 @needs_redis
 async def test_steps_run_by_a_worker_process_are_streamed_to_a_dashboard_socket(workers, settings):
@@ -26,7 +28,8 @@ async def test_steps_run_by_a_worker_process_are_streamed_to_a_dashboard_socket(
         assert connected
         assert (await receive_until(communicator, "snapshot"))["instance"]["status"] == "running"
         (worker,) = workers(1, REDIS_URL=redis_url, WFDASH_POLL_SECONDS="60")
-        written = await receive_until(communicator, "step.written")
+        # The first message waits for the worker process to boot (slow on a busy box).
+        written = await receive_until(communicator, "step.written", timeout=WORKER_BOOT_SECONDS)
         assert written["step"]["name"] == "wait" and written["step"]["kind"] == "waitForEvent"
         await inst.asend_event("go", {"n": 1})
         after = None

@@ -1,10 +1,12 @@
 """Channels consumers: the engine's channel (`runworker workflows`) and the dashboard sockets.
 
 A dashboard socket gets a full snapshot from the database on connect, then small typed
-events (`instance.status`, `step.written`, `history.appended`, `span.stored`, `error`)
-relayed from channel-layer groups. The layer is lossy; the snapshot after a reconnect
-repairs whatever was missed. Clients may only send `ping` (and `watch` on the list);
-anything else gets an `error` frame and changes nothing. A socket follows its session:
+events (`instance.batch` on the list, `workflow.summary`, `instance.status`,
+`step.written`, `history.appended`, `span.stored`, `error.recorded`) that this process's
+fan-out hub (fanout.py) hands it, each numbered in its stream, and a `heartbeat` with the
+last number. A page that sees a number skipped sends `resync` and gets a new snapshot.
+Clients may only send `ping`, `resync` (and `watch` on the list); anything else gets an
+`error` frame and changes nothing. A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
 on every client message, every access.RECHECK_SECONDS and whenever the user changes.
 """
@@ -19,17 +21,13 @@ from channels.consumer import AsyncConsumer
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from . import access, dashboard, live
+from . import access, dashboard, fanout, live
 from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
 
 MAX_CLIENT_FRAME = 8192  # bytes; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
-OVERVIEW_COALESCE_SECONDS = 0.25  # one summary per workflow per window, however busy it is
-LIST_COALESCE_SECONDS = (
-    0.05  # the instance list reads the instances that changed in a window at once
-)
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 
@@ -54,15 +52,18 @@ def _summary(pk: int) -> dashboard.InstanceSummaryJSON | None:
 
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
-    """Base: staff-only sockets that join groups, send a snapshot, then relay events."""
+    """Base: staff-only sockets that subscribe to a stream of this process's fan-out hub,
+    send a snapshot, then relay what the hub hands them (numbered: see fanout.py)."""
 
-    client_types: frozenset[str] = frozenset({"ping"})
+    client_types: frozenset[str] = frozenset({"ping", "resync"})
     ended = False  # closed for lost access: send nothing more, even what is already queued
     recheck_task: asyncio.Task[None] | None = None
-    flush_task: asyncio.Task[None] | None = None  # coalesced updates, where a page has them
+    hub: fanout.Hub | None = None
+    # Messages the hub delivered while the snapshot was being read: sent after it.
+    backlog: list[tuple[int, str]] | None = None
 
-    def groups_for(self) -> list[str]:
-        return []
+    def stream(self) -> str:
+        raise NotImplementedError
 
     async def snapshot(self) -> dict[str, Any] | None:
         """The full state the page shows; None refuses the socket (e.g. unknown instance)."""
@@ -75,32 +76,62 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         self.user_pk = user.pk
+        self.backlog = []
+        self.hub = fanout.hub()
+        # Subscribed before the snapshot is read: nothing that changes after it is missed.
+        seq = await self.hub.subscribe(self, self.stream())
         snapshot = await self.snapshot()
         if snapshot is None:
+            await self.leave_hub()
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        live.bind_socket_loop()
-        self.groups = [
-            *self.groups_for(),
-            live.session_group(self.session_key),
-            live.user_group(self.user_pk),
-        ]
+        self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
         for group in self.groups:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
-        await self.send_json(snapshot)
+        await self.send_snapshot(snapshot, seq)
         self.recheck_task = asyncio.ensure_future(self.recheck_periodically())
+
+    async def send_snapshot(self, snapshot: dict[str, Any], seq: int) -> None:
+        """The snapshot says which message of the stream it includes; delivered ones it
+        includes are not sent again."""
+        await self.send_json({**snapshot, "seq": seq})
+        backlog, self.backlog = self.backlog or [], None
+        for message_seq, text in backlog:
+            if message_seq > seq:
+                await self.send_text(text)
+
+    async def deliver(self, seq: int, text: str) -> None:
+        """From the hub: one message of this socket's stream, already serialized."""
+        if self.backlog is not None:
+            self.backlog.append((seq, text))
+        else:
+            await self.send_text(text)
+
+    async def send_text(self, text: str) -> None:
+        if not self.ended:
+            await self.send(text_data=text)
+
+    async def leave_hub(self) -> None:
+        hub, self.hub = self.hub, None
+        if hub is not None:
+            await hub.unsubscribe(self, self.stream())
 
     async def still_allowed(self) -> bool:
         return await database_sync_to_async(access.session_may_view)(self.session_key, self.user_pk)
 
     async def recheck_periodically(self) -> None:
+        shared = min(fanout.ACCESS_SHARED_SECONDS, access.RECHECK_SECONDS / 2)
         while not self.ended:
-            await asyncio.sleep(access.RECHECK_SECONDS)
-            await self.wf_access({})
+            await asyncio.sleep(access.RECHECK_SECONDS - shared)
+            hub = self.hub
+            if hub is not None and not await hub.session_may_view(
+                self.session_key, self.user_pk, shared
+            ):
+                await self.end()
 
     async def wf_access(self, message: dict[str, Any]) -> None:
-        """The user changed (or the timer fired): close unless they may still view."""
+        """The user changed: close unless they may still view (read afresh, not shared)."""
         if not self.ended and not await self.still_allowed():
             await self.end()
 
@@ -109,6 +140,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def end(self) -> None:
         self.ended = True
+        await self.leave_hub()
         await self.close(code=CLOSE_FORBIDDEN)
 
     async def send_json(self, content: Any, close: bool = False) -> None:
@@ -116,9 +148,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await super().send_json(content, close)
 
     async def disconnect(self, code: int) -> None:
-        for task in (self.recheck_task, self.flush_task):
-            if task is not None:
-                task.cancel()
+        if self.recheck_task is not None:
+            self.recheck_task.cancel()
+        await self.leave_hub()
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -142,8 +174,19 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.reject(f"unknown message; this socket accepts {sorted(self.client_types)}")
         elif content["type"] == "ping":
             await self.send_json({"type": "pong"})
+        elif content["type"] == "resync":
+            await self.resync()
         else:
             await self.handle_client(content)
+
+    async def resync(self) -> None:
+        """The page noticed a gap in the stream's numbers: send it a fresh snapshot."""
+        if self.hub is None:
+            return
+        seq = self.hub.seq(self.stream())
+        snapshot = await self.snapshot()
+        if snapshot is not None:
+            await self.send_json({**snapshot, "seq": seq})
 
     async def handle_client(self, content: dict[str, Any]) -> None:
         await self.reject("unsupported message")
@@ -153,50 +196,30 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
 
 class OverviewConsumer(DashboardConsumer):
-    """Per-workflow summaries; changes are coalesced so a busy workflow costs one query per window."""
+    """Per-workflow summaries; the hub reads each workflow once per window for every socket."""
 
-    def groups_for(self) -> list[str]:
-        return [live.OVERVIEW_GROUP]
+    def stream(self) -> str:
+        return fanout.OVERVIEW_STREAM
 
     async def snapshot(self) -> dict[str, Any]:
-        self.dirty: set[str | int] = set()
-        self.flush_task = None
         summaries = await database_sync_to_async(dashboard.workflow_summaries)()
         return {"type": "snapshot", "workflows": [s.as_json() for s in summaries]}
 
-    async def wf_instance(self, message: dict[str, Any]) -> None:
-        self.dirty.add(message.get("workflow") or int(message["pk"]))
-        if self.flush_task is None or self.flush_task.done():
-            self.flush_task = asyncio.ensure_future(self.flush())
-
-    async def flush(self) -> None:
-        # Until nothing is left: a change that arrives while a window is being read goes
-        # in the next window (wf_instance starts no second flush while this one runs).
-        while self.dirty:
-            await asyncio.sleep(OVERVIEW_COALESCE_SECONDS)
-            dirty, self.dirty = self.dirty, set()
-            for summary in await database_sync_to_async(_summaries_for)(dirty):
-                await self.send_json({"type": "workflow.summary", "workflow": summary})
-
-
-def _summaries_for(dirty: set[str | int]) -> list[dashboard.WorkflowSummaryJSON]:
-    names = {d for d in dirty if isinstance(d, str)}
-    pks = [d for d in dirty if isinstance(d, int)]
-    names.update(Instance.objects.filter(pk__in=pks).values_list("workflow", flat=True))
-    return [s.as_json() for name in sorted(names) for s in dashboard.workflow_summaries(only=name)]
-
 
 class InstanceListConsumer(DashboardConsumer):
-    """Status changes of any instance; the page updates its rows and prepends new ones."""
+    """Status changes of any instance, in batches; the page updates its rows and
+    prepends new ones."""
 
-    client_types = frozenset({"ping", "watch"})
+    client_types = frozenset({"ping", "resync", "watch"})
+    watched: list[int] | None = None  # the rows the page said it shows
 
-    def groups_for(self) -> list[str]:
-        return [live.OVERVIEW_GROUP]
+    def stream(self) -> str:
+        return fanout.LIST_STREAM
 
     async def snapshot(self) -> dict[str, Any]:
-        self.pending: dict[int, str | None] = {}  # pk -> the latest kind of change
-        self.flush_task = None
+        if self.watched is not None:
+            rows = await database_sync_to_async(_rows)(self.watched)
+            return {"type": "snapshot", "instances": rows}
         page = await database_sync_to_async(dashboard.instance_page)(dashboard.ListFilters())
         return {"type": "snapshot", "instances": [dashboard.instance_summary(r) for r in page.rows]}
 
@@ -214,23 +237,8 @@ class InstanceListConsumer(DashboardConsumer):
                 f"watch needs pks: a list of at most {MAX_WATCHED} integers from 1 to 2**63-1"
             )
             return
-        rows = await database_sync_to_async(_rows)(pks)
-        await self.send_json({"type": "snapshot", "instances": rows})
-
-    async def wf_instance(self, message: dict[str, Any]) -> None:
-        """Changes are read in windows of LIST_COALESCE_SECONDS: one query for all the
-        instances that changed in it, not one per change (a burst costs one read)."""
-        self.pending[int(message["pk"])] = message.get("kind")
-        if self.flush_task is None or self.flush_task.done():
-            self.flush_task = asyncio.ensure_future(self.flush())
-
-    async def flush(self) -> None:
-        while self.pending:
-            await asyncio.sleep(LIST_COALESCE_SECONDS)
-            pending, self.pending = self.pending, {}
-            for summary in await database_sync_to_async(_rows)(list(pending)):
-                kind = pending[summary["pk"]]
-                await self.send_json({"type": "instance.status", "kind": kind, "instance": summary})
+        self.watched = pks
+        await self.resync()
 
 
 def _rows(pks: list[int]) -> list[dashboard.InstanceSummaryJSON]:
@@ -243,43 +251,10 @@ def _rows(pks: list[int]) -> list[dashboard.InstanceSummaryJSON]:
 class InstanceDetailConsumer(DashboardConsumer):
     """Everything that happens to one instance; the page re-fetches its live fragment."""
 
-    def groups_for(self) -> list[str]:
-        return [live.instance_group(self.pk)]
+    def stream(self) -> str:
+        return fanout.instance_stream(int(self.scope["url_route"]["kwargs"]["pk"]))
 
     async def snapshot(self) -> dict[str, Any] | None:
-        self.pk = int(self.scope["url_route"]["kwargs"]["pk"])
-        summary = await database_sync_to_async(_summary)(self.pk)
+        pk = int(self.scope["url_route"]["kwargs"]["pk"])
+        summary = await database_sync_to_async(_summary)(pk)
         return None if summary is None else {"type": "snapshot", "instance": summary}
-
-    async def wf_instance(self, message: dict[str, Any]) -> None:
-        summary = await database_sync_to_async(_summary)(self.pk)
-        if summary is not None:
-            await self.send_json(
-                {"type": "instance.status", "kind": message.get("kind"), "instance": summary}
-            )
-
-    async def wf_step(self, message: dict[str, Any]) -> None:
-        await self.send_json({"type": "step.written", "step": message.get("step")})
-        if message.get("history"):
-            await self.send_json({"type": "history.appended", "count": message["history"]})
-
-    async def wf_span(self, message: dict[str, Any]) -> None:
-        await self.send_json(
-            {
-                "type": "span.stored",
-                "span_id": message.get("span_id"),
-                "name": message.get("name"),
-                "status": message.get("status"),
-            }
-        )
-
-    async def wf_error(self, message: dict[str, Any]) -> None:
-        await self.send_json(
-            {
-                "type": "error.recorded",
-                "step": message.get("step"),
-                "attempt": message.get("attempt"),
-                "name": message.get("name"),
-                "message": message.get("message"),
-            }
-        )

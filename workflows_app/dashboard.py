@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
 from .codec import shown_text
-from .engine import lifecycle, store
+from .engine import clock, lifecycle, store
 from .engine.registry import all_definitions
 from .models import (
     ErrorRecord,
@@ -425,12 +425,56 @@ class WaterfallSpan:
         return self.span.status_code == "ERROR"
 
     @property
+    def in_flight(self) -> bool:
+        """Drawn from an open step (see in_flight_spans), not a stored span."""
+        return self.span.pk is None
+
+    @property
+    def start_ms(self) -> int:
+        return int(self.span.start_time.timestamp() * 1000)
+
+    @property
+    def end_ms(self) -> int:
+        return int(self.span.end_time.timestamp() * 1000)
+
+    @property
     def attributes_json(self) -> str:
         return json.dumps(self.span.attributes, indent=2, ensure_ascii=False, default=str)
 
     @property
     def events_json(self) -> str:
         return json.dumps(self.span.events, indent=2, ensure_ascii=False, default=str)
+
+
+IN_FLIGHT = (StepStatus.RUNNING, StepStatus.WAITING, StepStatus.RETRYING)
+
+
+def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) -> list[Span]:
+    """The spans of steps still open — a running step, a sleep, an event wait, a retry
+    wait — ending now: the engine stores a span only when it ends (a sleep can last a
+    year), so without these a waiting instance's trace is nearly empty. Unsaved rows; the
+    page grows them until the stored span replaces them."""
+    return [
+        Span(
+            instance_id=instance.pk,
+            trace_id=instance.trace_id,
+            span_id=f"open-{r.pk}",
+            name=f"step {r.label}"
+            if r.kind in (StepKind.DO, StepKind.COMPENSATE)
+            else f"{r.kind} {r.name}",
+            kind="INTERNAL",
+            start_time=r.started_at,
+            end_time=max(now, r.started_at),
+            status_code="UNSET",
+            attributes={
+                "wfdash.in_flight": r.status,
+                "step.attempts": r.attempts,
+                **({"step.wake_at": r.wake_at.isoformat()} if r.wake_at else {}),
+            },
+        )
+        for r in steps
+        if r.status in IN_FLIGHT
+    ]
 
 
 def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
@@ -583,6 +627,7 @@ class InstanceDetail:
     inbox: list[InboxEvent]
     parent: Instance | None = None
     children: list[Instance] = field(default_factory=list)
+    now_ms: int = 0  # when it was read: the page grows in-flight spans from there
 
     @property
     def params_pretty(self) -> str:
@@ -697,7 +742,10 @@ def instance_detail(pk: int) -> InstanceDetail:
         if s.record.kind == StepKind.WAIT_FOR_EVENT and s.record.status == StepStatus.WAITING
     ]
     history = list(HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence"))
-    spans, trace_ms = waterfall(list(Span.objects.filter(instance_id=pk).order_by("start_time")))
+    stored = list(Span.objects.filter(instance_id=pk).order_by("start_time"))
+    now = clock.now()
+    open_spans = in_flight_spans(instance, [s.record for s in steps], now)
+    spans, trace_ms = waterfall(stored + open_spans)
     errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
     inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
     parent = Instance.objects.filter(pk=instance.parent_id).first() if instance.parent_id else None
@@ -708,7 +756,17 @@ def instance_detail(pk: int) -> InstanceDetail:
         if s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD):
             s.child = by_step.get(s.record.name)
     return InstanceDetail(
-        instance, steps, history, pending, spans, trace_ms, errors, inbox, parent, children
+        instance,
+        steps,
+        history,
+        pending,
+        spans,
+        trace_ms,
+        errors,
+        inbox,
+        parent,
+        children,
+        int(now.timestamp() * 1000),
     )
 
 

@@ -8,6 +8,7 @@ because workers poll the database and dashboards re-read it on connect.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import logging
 import threading
@@ -226,6 +227,8 @@ class Sender:
             maxlen=self.MAX_UPDATES
         )  # drops the oldest
         self.wake = asyncio.Event()
+        self.idle = asyncio.Event()  # set when nothing is waiting to be sent
+        self.idle.set()
         threading.Thread(
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
@@ -240,7 +243,11 @@ class Sender:
             self.hints.put(message)
         else:
             self.updates.append((group, message))
+        self.idle.clear()
         self.wake.set()
+
+    async def drained(self) -> None:
+        await self.idle.wait()
 
     async def _drain(self) -> None:
         semaphore = asyncio.Semaphore(self.PARALLEL_GROUPS)
@@ -263,6 +270,8 @@ class Sender:
                 for group, message in _coalesce(chunk):
                     by_group.setdefault(group, []).append(message)
                 await asyncio.gather(*(send_in_order(g, ms) for g, ms in by_group.items()))
+            if not self.wake.is_set():
+                self.idle.set()
 
     async def _send(self, group: str | None, message: dict[str, Any]) -> None:
         layer = get_channel_layer()
@@ -277,6 +286,26 @@ class Sender:
 
 _sender: Sender | None = None
 _sender_lock = threading.Lock()
+FLUSH_SECONDS = 5.0  # the longest a process's exit waits for its last messages
+
+
+def flush(timeout: float = FLUSH_SECONDS) -> bool:
+    """Wait until this process's Sender has sent what it holds; False if it timed out.
+
+    The Sender's thread is a daemon: a short-lived process (`manage.py wf pause`, a
+    script, a shell) would otherwise exit with its last messages still queued, and open
+    pages in other processes would never hear of its changes. Registered with atexit
+    when the Sender starts; commands call it too.
+    """
+    sender = _sender
+    if sender is None or sender.loop.is_closed():
+        return True
+    try:
+        asyncio.run_coroutine_threadsafe(sender.drained(), sender.loop).result(timeout)
+    except (TimeoutError, RuntimeError):
+        log.warning("exiting with live updates not yet sent (%.0f s)", timeout)
+        return False
+    return True
 
 
 def _background_send(group: str, message: dict[str, Any]) -> None:
@@ -284,6 +313,8 @@ def _background_send(group: str, message: dict[str, Any]) -> None:
     global _sender
     with _sender_lock:
         if _sender is None or _sender.loop.is_closed():
+            if _sender is None:
+                atexit.register(flush)
             _sender = Sender()
         sender = _sender
     sender.put(group, message)

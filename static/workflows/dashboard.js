@@ -120,7 +120,8 @@
     },
     instances: {
       snapshot(msg) { msg.instances.forEach((i) => updateRow(i, true)); },
-      "instance.status"(msg) { updateRow(msg.instance, false); },
+      "instance.batch"(msg) { msg.changes.forEach((c) => updateRow(c.instance, false)); },
+      onResync() { newRows(); },
       onOpen(socket) {
         const pks = [...document.querySelectorAll("tr[data-pk]")].map((tr) => Number(tr.dataset.pk));
         if (pks.length) socket.send(JSON.stringify({ type: "watch", pks }));
@@ -259,6 +260,35 @@
     }
   }
 
+  // --- the live trace: in-flight spans grow until their stored span replaces them ------
+  function formatMs(ms) {
+    if (ms < 1000) return `${ms.toFixed(0)} ms`;
+    if (ms < 60000) return `${(ms / 1000).toFixed(2)} s`;
+    return `${(ms / 60000).toFixed(1)} min`;
+  }
+
+  function growTrace() {
+    const list = document.querySelector("ol.waterfall[data-now-ms]");
+    if (!list || !list.querySelector("li.span-open")) return;
+    // The server's clock, not the browser's: the offset is taken when the list arrives.
+    if (list.dataset.offsetMs === undefined) list.dataset.offsetMs = String(Number(list.dataset.nowMs) - Date.now());
+    const now = Date.now() + Number(list.dataset.offsetMs);
+    const rows = [...list.querySelectorAll(":scope > li.span[data-start-ms]")];
+    const spans = rows.map((li) => {
+      const open = li.classList.contains("span-open");
+      const start = Number(li.dataset.startMs);
+      return { li, open, start, end: open ? Math.max(now, start) : Number(li.dataset.endMs) };
+    });
+    const first = Math.min(...spans.map((s) => s.start));
+    const total = Math.max(Math.max(...spans.map((s) => s.end)) - first, 1);
+    for (const s of spans) {
+      const bar = s.li.querySelector(".span-bar");
+      bar.style.left = `${((s.start - first) / total) * 100}%`;
+      bar.style.width = `${Math.max(((s.end - s.start) / total) * 100, 0.3)}%`;
+      if (s.open) s.li.querySelector("[data-duration]").textContent = formatMs(s.end - s.start);
+    }
+  }
+
   // --- the socket: connect, reconnect with backoff --------------------------------------
   const MIN_BACKOFF_MS = 250;
   const MAX_BACKOFF_MS = 8000;
@@ -266,6 +296,14 @@
   function connect(page, backoff) {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const socket = new WebSocket(`${scheme}//${location.host}${body.dataset.ws}`);
+    // Messages of the page's stream are numbered; a heartbeat repeats the last number.
+    // A skipped number means a lost message: ask for a snapshot instead of staying stale.
+    let seq = null;
+    const resync = () => {
+      body.dataset.resyncs = String(Number(body.dataset.resyncs || 0) + 1);
+      if (page.onOpen) page.onOpen(socket); else socket.send(JSON.stringify({ type: "resync" }));
+      page.onResync?.();
+    };
     socket.addEventListener("open", () => {
       backoff = MIN_BACKOFF_MS;
       body.dataset.socket = "connected";
@@ -275,6 +313,15 @@
     socket.addEventListener("message", (ev) => {
       let msg;
       try { msg = JSON.parse(ev.data); } catch { return; }
+      if (typeof msg.seq === "number") {
+        if (msg.type === "snapshot") seq = msg.seq;
+        else if (seq !== null) {
+          const expected = msg.type === "heartbeat" ? seq : seq + 1;
+          if (msg.seq < expected) return; // already in the snapshot
+          seq = msg.seq;
+          if (msg.seq > expected) resync();
+        }
+      }
       const handler = page[msg.type];
       if (typeof handler === "function") handler(msg);
       else if (msg.type === "error") console.warn("wfdash socket:", msg.error);
@@ -290,6 +337,7 @@
   for (const tz of document.querySelectorAll('input[name="tz"]')) tz.value = String(-new Date().getTimezoneOffset());
   formatTimes();
   setInterval(() => formatTimes(), 30_000);
+  setInterval(growTrace, 250);
   const page = pages[body.dataset.live];
   if (page && body.dataset.ws && "WebSocket" in window) {
     connect(page, MIN_BACKOFF_MS);

@@ -870,3 +870,17 @@ def test_apply_to_all_refuses_bad_filters_and_options_and_starts_nothing(
     assert operator_client.get(reverse("workflows:bulk-job", args=[999])).status_code == 404
     bad_count = operator_client.get(reverse("workflows:bulk-job-count"), {"version": "x"})
     assert bad_count.status_code == 400
+
+
+def test_the_trace_draws_an_open_wait_as_an_in_flight_span_until_it_ends(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow, id="trace-open")
+    page = operator_client.get(page_url(inst.row())).content.decode()
+    assert page.count('class="span span-open"') == 1
+    assert "waitForEvent approval" in page and "so far" in page
+    inst.send_event("approval", {"ok": True}, actor="test")
+    testing.run_until_idle()  # the wait ends (its span is stored); the sleep opens
+    page = operator_client.get(page_url(inst.row())).content.decode()
+    assert page.count('class="span span-open"') == 1
+    assert 'data-start-ms="' in page and "sleep cool-off" in page

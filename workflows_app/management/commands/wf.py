@@ -35,7 +35,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 from tqdm import tqdm
 
-from workflows_app import bulk, surfaces, testing, tokens
+from workflows_app import bulk, live, surfaces, testing, tokens
 from workflows_app.client import InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
@@ -301,6 +301,8 @@ class Command(BaseCommand):
             options["handler"](namespace)
         except (errors.WorkflowError, tokens.TokenError) as exc:
             raise CommandError(" ".join(str(exc).split())) from exc
+        finally:
+            live.flush()  # open pages in other processes hear of this command's changes
 
     # --- output ---------------------------------------------------------------------
 

@@ -1,0 +1,437 @@
+"""One reader per serving process feeds every dashboard socket in it.
+
+Sockets neither read the database per change nor join the channel layer's busy groups
+themselves: the process's Hub joins those groups once, tails the history table (so
+changes made by other processes — a `wf` command, a shell, the admin, another server —
+reach open pages even when no channel-layer message carried them), reads each short
+window's changed instances in one query, and hands every socket the same serialized
+message. Messages of a stream carry a sequence number and a heartbeat repeats the last
+one, so a page that missed a message notices and asks for a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from channels.layers import get_channel_layer
+from django.db import connections
+from django.db.models import Max, Q
+
+from . import access, dashboard, live
+from .models import HistoryRecord, Instance
+
+log = logging.getLogger("workflows_app.fanout")
+
+WINDOW_SECONDS = 0.05  # instances that change within it are read in one query
+# A busy hub widens its windows to BUSY_FACTOR times what the last one took to read and
+# send (up to MAX_WINDOW_SECONDS): sending every socket a frame per change would take the
+# whole event loop, which also serves the API and the pages.
+BUSY_FACTOR = 4.0
+MAX_WINDOW_SECONDS = 0.4
+OVERVIEW_WINDOW_SECONDS = 0.25  # one summary per workflow per window, however busy it is
+TAIL_SECONDS = 0.25  # how often the history table is tailed while a socket is open
+TAIL_BATCH = 2000  # history rows per tail query; a full batch is followed at once
+GAP_SECONDS = 10.0  # how long an id the tail skipped is looked for (PostgreSQL commits
+# transactions out of id order: a lower id can become visible after a higher one)
+MAX_GAPS = 1000
+HEARTBEAT_SECONDS = 5.0
+REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
+MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
+RETRY_SECONDS = 1.0  # after a failed read (database restarting)
+# The periodic access check's answer is shared by the sockets of one session for this
+# long (they were mostly opened together and re-check together); sockets re-check every
+# access.RECHECK_SECONDS minus it, so a change no signal reported still closes them in time.
+ACCESS_SHARED_SECONDS = 5.0
+
+LIST_STREAM = "instances"
+OVERVIEW_STREAM = "overview"
+
+T = TypeVar("T")
+
+
+def instance_stream(pk: int) -> str:
+    return f"instance.{pk}"
+
+
+class Subscriber(Protocol):
+    async def deliver(self, seq: int, text: str) -> None: ...
+
+
+# The hub's reads run in one thread that keeps its database connection open: asgiref's
+# database_sync_to_async closes the connection after every call (CONN_MAX_AGE=0), and a
+# fresh connection per read cost more than the read.
+_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wfdash-fanout")
+
+
+def _read_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except Exception:
+        connections.close_all()  # a broken connection is replaced on the next read
+        raise
+
+
+def close_reader_connections() -> None:
+    """Close the reader thread's connection (tests do before dropping their database)."""
+    _reader.submit(connections.close_all).result(10)
+
+
+def latest_history_id() -> int:
+    return HistoryRecord.objects.aggregate(last=Max("id"))["last"] or 0
+
+
+def history_after(after: int, gaps: list[int]) -> list[tuple[int, int, str]]:
+    """(id, instance pk, type) of history rows past the tail's position or in its gaps:
+    the primary key index serves it."""
+    where = Q(id__gt=after) | Q(id__in=gaps) if gaps else Q(id__gt=after)
+    return list(
+        HistoryRecord.objects.filter(where)
+        .order_by("id")
+        .values_list("id", "instance_id", "type")[:TAIL_BATCH]
+    )
+
+
+def read_rows(pks: list[int]) -> list[Instance]:
+    return list(Instance.objects.only(*dashboard.ROW_FIELDS, "history_seq").filter(pk__in=pks))
+
+
+def read_workflow_summaries(names: set[str]) -> list[dashboard.WorkflowSummaryJSON]:
+    return [s.as_json() for name in sorted(names) for s in dashboard.workflow_summaries(only=name)]
+
+
+class Hub:
+    """The process's one listener, reader and sender for its dashboard sockets (one
+    event loop: daphne's). Runs while at least one socket is subscribed."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[str, set[Subscriber]] = {}
+        self.seqs: dict[str, int] = {}
+        self.dirty: dict[int, str | None] = {}  # pk -> the latest kind of change
+        self.relayed: set[int] = set()  # pks whose pages were sent a step since their read
+        self.dirty_workflows: set[str] = set()
+        # pk -> (summary as sent, history_seq): a change already pushed is not pushed again
+        self.pushed: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self.changed = asyncio.Event()
+        self.workflows_changed = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.channel: str | None = None
+        self.joined: set[str] = set()
+        self.after = 0  # the tail's position: the highest history id seen
+        self.gaps: dict[int, float] = {}  # history id -> when to stop looking for it
+        self.lock = asyncio.Lock()
+        self.running = False
+        # (session key, user pk) -> (monotonic time, the access check's answer)
+        self.access: dict[tuple[str, Any], tuple[float, bool]] = {}
+
+    # --- subscriptions --------------------------------------------------------------
+
+    def seq(self, stream: str) -> int:
+        return self.seqs.get(stream, 0)
+
+    async def subscribe(self, subscriber: Subscriber, stream: str) -> int:
+        """Start delivering the stream to the subscriber; returns its sequence now."""
+        async with self.lock:
+            if not self.running:
+                await self.start()
+            self.streams.setdefault(stream, set()).add(subscriber)
+            group = self.group_of(stream)
+            if group is not None and group not in self.joined:
+                await self.join(group)
+        return self.seq(stream)
+
+    async def unsubscribe(self, subscriber: Subscriber, stream: str) -> None:
+        async with self.lock:
+            subscribers = self.streams.get(stream, set())
+            subscribers.discard(subscriber)
+            if subscribers:
+                return
+            self.streams.pop(stream, None)
+            group = self.group_of(stream)
+            if group is not None and group in self.joined:
+                await self.leave(group)
+            if not self.streams and self.running:
+                await self.stop()
+
+    @staticmethod
+    def group_of(stream: str) -> str | None:
+        if stream.startswith("instance."):
+            return live.instance_group(int(stream.removeprefix("instance.")))
+        return None
+
+    async def join(self, group: str) -> None:
+        layer = get_channel_layer()
+        if layer is not None and self.channel is not None:
+            await layer.group_add(group, self.channel)
+        self.joined.add(group)
+
+    async def leave(self, group: str) -> None:
+        self.joined.discard(group)
+        layer = get_channel_layer()
+        if layer is not None and self.channel is not None:
+            with contextlib.suppress(Exception):
+                await layer.group_discard(group, self.channel)
+
+    # --- life -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        live.bind_socket_loop()
+        self.running = True
+        layer = get_channel_layer()
+        if layer is not None:
+            # The default prefix: channels_redis receives every process-local channel of a
+            # layer through one Redis key, named by it.
+            self.channel = await layer.new_channel()
+            await self.join(live.OVERVIEW_GROUP)
+        self.after = await self.read(latest_history_id)
+        self.tasks = [
+            asyncio.ensure_future(loop())
+            for loop in (self.listen, self.flush, self.flush_workflows, self.tail, self.heartbeat)
+        ]
+
+    async def stop(self) -> None:
+        self.running = False
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks = []
+        for group in list(self.joined):
+            await self.leave(group)
+        self.channel = None
+        await self.loop.run_in_executor(_reader, connections.close_all)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.loop.run_in_executor(_reader, _read_in_thread, fn, *args)
+
+    async def forever(self, step: Callable[[], Any], what: str) -> None:
+        """Repeat one step; a failure (database or layer down) is logged and retried."""
+        while True:
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("dashboard %s failed; retrying", what, exc_info=True)
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def session_may_view(self, session_key: str, user_pk: Any, shared: float) -> bool:
+        """The periodic access check of a socket, read on the hub's thread (its kept
+        connection, not the thread every synchronous view waits for) and shared by the
+        sockets of a session for `shared` seconds."""
+        now = time.monotonic()
+        key = (session_key, user_pk)
+        cached = self.access.get(key)
+        if cached is not None and now - cached[0] < shared:
+            return cached[1]
+        allowed = await self.read(access.session_may_view, session_key, user_pk)
+        self.access = {k: v for k, v in self.access.items() if now - v[0] < shared}
+        self.access[key] = (now, allowed)
+        return allowed
+
+    # --- sources: the channel layer and the history tail ----------------------------
+
+    async def listen(self) -> None:
+        layer = get_channel_layer()
+        if layer is None or self.channel is None:
+            return
+        channel = self.channel
+
+        async def one() -> None:
+            await self.on_message(await layer.receive(channel))
+
+        await self.forever(one, "listener")
+
+    async def on_message(self, message: dict[str, Any]) -> None:
+        kind, pk = message.get("type"), message.get("pk")
+        if not isinstance(pk, int):
+            return
+        if kind == "wf.instance":
+            self.mark(pk, message.get("kind"))
+            return
+        page = page_message(message)
+        stream = instance_stream(pk)
+        if page is not None and stream in self.streams:
+            self.relayed.add(pk)
+            for item in page:
+                await self.broadcast(stream, item)
+
+    def mark(self, pk: int, kind: str | None, replace: bool = True) -> None:
+        if replace or self.dirty.get(pk) is None:
+            self.dirty[pk] = kind
+        self.changed.set()
+
+    async def tail(self) -> None:
+        async def one() -> None:
+            found = await self.read(history_after, self.after, sorted(self.gaps))
+            self.advance(found)
+            if len(found) < TAIL_BATCH:
+                await asyncio.sleep(TAIL_SECONDS)
+
+        await self.forever(one, "history tail")
+
+    def advance(self, found: list[tuple[int, int, str]]) -> None:
+        """Move the tail past what it found, remembering ids it skipped for a while."""
+        now = time.monotonic()
+        for history_id, pk, kind in found:
+            if history_id in self.gaps:
+                del self.gaps[history_id]
+            elif history_id > self.after:
+                for missing in range(max(self.after + 1, history_id - MAX_GAPS), history_id):
+                    self.gaps[missing] = now + GAP_SECONDS
+                self.after = history_id
+            self.mark(pk, kind, replace=False)  # an in-process kind says more
+        for history_id, until in list(self.gaps.items()):
+            if until < now:
+                del self.gaps[history_id]
+        while len(self.gaps) > MAX_GAPS:
+            del self.gaps[min(self.gaps)]
+
+    # --- the reads and what they send -----------------------------------------------
+
+    async def flush(self) -> None:
+        window = WINDOW_SECONDS
+
+        async def one() -> None:
+            nonlocal window
+            await self.changed.wait()
+            self.changed.clear()
+            await asyncio.sleep(window)
+            started = time.perf_counter()
+            await self.flush_window()
+            spent = time.perf_counter() - started
+            window = min(MAX_WINDOW_SECONDS, max(WINDOW_SECONDS, BUSY_FACTOR * spent))
+
+        await self.forever(one, "instance reader")
+
+    async def flush_window(self) -> None:
+        dirty, self.dirty = self.dirty, {}
+        relayed, self.relayed = self.relayed, set()
+        everyone = LIST_STREAM in self.streams or OVERVIEW_STREAM in self.streams
+        pks = [pk for pk in dirty if everyone or instance_stream(pk) in self.streams]
+        if not pks:
+            return
+        changes = []
+        for row in await self.read(read_rows, pks):
+            summary = dashboard.instance_summary(row)
+            text = json.dumps(summary, sort_keys=True)
+            before = self.pushed.pop(row.pk, None)
+            self.remember(row.pk, (text, row.history_seq))
+            kind = dirty[row.pk]
+            stream = instance_stream(row.pk)
+            if before is None or before[0] != text:
+                changes.append({"kind": kind, "instance": summary})
+                self.dirty_workflows.add(row.workflow)
+                if stream in self.streams:
+                    await self.broadcast(
+                        stream, {"type": "instance.status", "kind": kind, "instance": summary}
+                    )
+            elif row.history_seq > before[1] and row.pk not in relayed and stream in self.streams:
+                await self.broadcast(
+                    stream, {"type": "history.appended", "count": row.history_seq - before[1]}
+                )
+        if changes and LIST_STREAM in self.streams:
+            await self.broadcast(LIST_STREAM, {"type": "instance.batch", "changes": changes})
+        if self.dirty_workflows and OVERVIEW_STREAM in self.streams:
+            self.workflows_changed.set()
+        elif OVERVIEW_STREAM not in self.streams:
+            self.dirty_workflows.clear()
+
+    def remember(self, pk: int, state: tuple[str, int]) -> None:
+        self.pushed[pk] = state
+        while len(self.pushed) > MAX_REMEMBERED:
+            self.pushed.popitem(last=False)
+
+    async def flush_workflows(self) -> None:
+        async def one() -> None:
+            await self.workflows_changed.wait()
+            self.workflows_changed.clear()
+            await asyncio.sleep(OVERVIEW_WINDOW_SECONDS)
+            names, self.dirty_workflows = self.dirty_workflows, set()
+            if names and OVERVIEW_STREAM in self.streams:
+                for summary in await self.read(read_workflow_summaries, names):
+                    await self.broadcast(
+                        OVERVIEW_STREAM, {"type": "workflow.summary", "workflow": summary}
+                    )
+
+        await self.forever(one, "overview reader")
+
+    # --- sending --------------------------------------------------------------------
+
+    async def broadcast(self, stream: str, message: dict[str, Any]) -> None:
+        """Serialize once, number it in its stream and hand it to every subscriber."""
+        seq = self.seqs[stream] = self.seq(stream) + 1
+        text = json.dumps({**message, "seq": seq})
+        for subscriber in list(self.streams.get(stream, ())):
+            try:
+                await subscriber.deliver(seq, text)
+            except Exception:  # a socket closing meanwhile; it is unsubscribed by its own close
+                log.debug("could not deliver to a socket", exc_info=True)
+
+    async def heartbeat(self) -> None:
+        rejoined = time.monotonic()
+
+        async def one() -> None:
+            nonlocal rejoined
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            for stream, subscribers in list(self.streams.items()):
+                seq = self.seq(stream)
+                text = json.dumps({"type": "heartbeat", "seq": seq})
+                for subscriber in list(subscribers):
+                    with contextlib.suppress(Exception):
+                        await subscriber.deliver(seq, text)
+            if time.monotonic() - rejoined > REJOIN_SECONDS:
+                rejoined = time.monotonic()
+                for group in list(self.joined):
+                    await self.join(group)
+
+        await self.forever(one, "heartbeat")
+
+
+def page_message(message: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """What an instance page is sent for an engine message of its instance."""
+    kind = message.get("type")
+    if kind == "wf.step":
+        out = [{"type": "step.written", "step": message.get("step")}]
+        if message.get("history"):
+            out.append({"type": "history.appended", "count": message["history"]})
+        return out
+    if kind == "wf.span":
+        return [
+            {
+                "type": "span.stored",
+                "span_id": message.get("span_id"),
+                "name": message.get("name"),
+                "status": message.get("status"),
+            }
+        ]
+    if kind == "wf.error":
+        return [
+            {
+                "type": "error.recorded",
+                "step": message.get("step"),
+                "attempt": message.get("attempt"),
+                "name": message.get("name"),
+                "message": message.get("message"),
+            }
+        ]
+    return None
+
+
+_hub: Hub | None = None
+
+
+def hub() -> Hub:
+    """This event loop's hub (a test's loop ends with the test; daphne's lives on)."""
+    global _hub
+    loop = asyncio.get_running_loop()
+    if _hub is None or _hub.loop is not loop:
+        _hub = Hub()
+    return _hub
