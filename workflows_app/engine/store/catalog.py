@@ -95,11 +95,14 @@ def prune(
     """
     now = now or clock.now()
     total = 0
+    expired = Instance.objects.filter(expires_at__lte=now)
     for _ in itertools.count() if max_batches is None else range(max_batches):
+        # Look before taking the write lock: on SQLite every transaction takes it at BEGIN,
+        # and a worker frozen (SIGSTOP, a debugger) inside an empty prune would hold it.
+        if not expired.exists():
+            return total
         with transaction.atomic():
-            pks = list(
-                Instance.objects.filter(expires_at__lte=now).values_list("id", flat=True)[:batch]
-            )
+            pks = list(expired.values_list("id", flat=True)[:batch])
             if not pks:
                 return total
             delete_rows(pks)

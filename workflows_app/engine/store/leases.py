@@ -157,14 +157,18 @@ def claim_runnable(
     if writes_in_one_statement():
         return _claim_at_once(worker_id, limit, now, lease_until, exclude)
     claimed: list[tuple[int, str]] = []
+    runnable = (
+        Instance.objects.filter(wake_at__lte=now)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
+        .exclude(id__in=list(exclude))
+        .order_by("wake_at")
+    )
+    # Look before taking the write lock (SQLite takes it at BEGIN): an idle worker's poll
+    # then never queues behind, nor blocks, the writers that have work.
+    if not runnable.exists():
+        return claimed
     with transaction.atomic():
-        query = (
-            Instance.objects.filter(wake_at__lte=now)
-            .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
-            .exclude(id__in=list(exclude))
-            .order_by("wake_at")
-        )
-        query = skip_rows_being_claimed(query)
+        query = skip_rows_being_claimed(runnable)
         rows = list(
             query.values_list("id", "lease_token", "status", "run_count", "compensate_on_cancel")[
                 :limit
