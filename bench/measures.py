@@ -413,12 +413,20 @@ def herd(n: int, lead_seconds: float = 3.0) -> Figures:
         pks.update(wake_at=at, params_json=params)
         StepRecord.objects.filter(instance__in=pks, name="until").update(wake_at=at)
     with ServingWorker() as w:
+        cpu_before = time.process_time()
         notify_local("wake")
         if not w.hooks.wait_for("complete", n, timeout=max(600, n * 0.1)):
             raise TimeoutError(f"herd: {w.hooks.outcomes['complete']}/{n} complete")
         done = time.time()
+        cpu = time.process_time() - cpu_before
     seconds = done - at.timestamp()
-    return {"herd_10k_wake_s": seconds, "herd_instances": n, "herd_wake_per_s": n / seconds}
+    return {
+        "herd_10k_wake_s": seconds,
+        "herd_instances": n,
+        "herd_wake_per_s": n / seconds,
+        # This process's CPU (every thread) per instance: what a loaded machine changes least.
+        "herd_cpu_ms_per_instance": cpu * 1000 / n,
+    }
 
 
 # --- 6. replay -------------------------------------------------------------------------

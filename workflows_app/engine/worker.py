@@ -201,13 +201,13 @@ class GroupCommit:
 
     def __init__(self, db: ConnectionThreads) -> None:
         self.db = db
-        self.pending: list[tuple[store.StepWrite, asyncio.Future[str]]] = []
+        self.pending: list[tuple[store.StepWrite | store.FinishWrite, asyncio.Future[Any]]] = []
         self.flushing: set[asyncio.Task[None]] = (
             set()
         )  # referenced: a task may not vanish mid-flush
 
-    async def __call__(self, write: store.StepWrite) -> str:
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    async def __call__(self, write: store.StepWrite | store.FinishWrite) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending.append((write, future))
         if len(self.flushing) < self.db.threads:
             self.flushing.add(asyncio.ensure_future(self._flush()))

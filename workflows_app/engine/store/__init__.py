@@ -54,6 +54,7 @@ from .leases import (
 )
 from .records import History, LeaseLost, LoadedRun, NewInstance, append_history
 from .runs import (
+    FinishWrite,
     StepWrite,
     begin_compensation,
     finish,
@@ -67,6 +68,7 @@ from .wakes import WakeListener, hint_workers
 
 __all__ = [
     "VERSION_MISSING",
+    "FinishWrite",
     "History",
     "LeaseLost",
     "LoadedRun",

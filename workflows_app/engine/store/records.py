@@ -161,16 +161,20 @@ def append_histories(records: dict[int, History], now: datetime) -> None:
 
 
 def close_open_steps(pk: int | Sequence[int], now: datetime) -> None:
-    """A finished instance has no step still waiting, retrying or running."""
+    """A finished instance has no step still waiting, retrying or running.
+
+    Raw SQL: every finish runs it, and building the ORM query cost more than running it."""
+    pks = [pk] if isinstance(pk, int) else list(pk)
+    if not pks:
+        return
     name, message = FINISHED_BEFORE_STEP
-    instances = {"instance_id": pk} if isinstance(pk, int) else {"instance_id__in": list(pk)}
-    StepRecord.objects.filter(**instances, status__in=OPEN_STEP_STATUSES).update(
-        status=StepStatus.FAILED,
-        wake_at=None,
-        completed_at=now,
-        last_error_name=name,
-        last_error_message=message,
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
+            "last_error_name = %s, last_error_message = %s "
+            f"WHERE instance_id IN ({', '.join(['%s'] * len(pks))}) AND status IN (%s, %s, %s)",
+            [StepStatus.FAILED, db_time(now), name, message, *pks, *OPEN_STEP_STATUSES],
+        )
 
 
 def wake_parent(parent_pk: int, parent_step: str, now: datetime) -> None:

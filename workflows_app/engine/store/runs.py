@@ -139,14 +139,53 @@ class StepWrite:
     error: dict[str, Any] | None = None
 
 
+@dataclass
+class FinishWrite:
+    """A run's end (see finish) sharing a group commit with other runs' checkpoints.
+
+    Only for what finish does in one fenced UPDATE and a few plain writes after it: no
+    parent to wake and lock first, no queue to promote (flow control)."""
+
+    pk: int
+    token: str
+    status: str
+    limits: Limits
+    output_json: str | None = None
+    error: tuple[str, str, str] | None = None
+    history: Sequence[History] = ()
+    error_record: dict[str, Any] | None = None
+
+    def apply(self) -> bool:
+        """Inside the group's transaction; False (nothing written) when the lease is lost."""
+        return _finish_rows(
+            self.pk,
+            self.token,
+            self.status,
+            self.limits,
+            clock.now(),
+            self.output_json,
+            self.error or ("", "", ""),
+            self.history,
+            self.error_record,
+        )
+
+
 @retry_while_locked
-def write_steps(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
-    """Several runs' checkpoints in one transaction: one commit instead of one each.
+def write_steps(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | LeaseLost]:
+    """Several runs' checkpoints (and ends) in one transaction: one commit instead of one each.
 
     Each write is fenced on its own, so a run that lost its lease gets its LeaseLost back
-    while the others commit. Rows are locked in instance order, so two
-    concurrent group commits can never deadlock on each other.
+    (an end gets False) while the others commit. Rows are locked in instance order, so two
+    concurrent group commits can never deadlock on each other. Ends come only where
+    writes are not one statement each (SQLite): the PostgreSQL group pipelines steps.
     """
+    if len(writes) == 1 and isinstance(writes[0], FinishWrite):
+        f = writes[0]
+        return [
+            finish(
+                f.pk, f.token, f.status, f.limits, f.output_json, f.error, f.history, f.error_record
+            )
+        ]
     if len(writes) == 1:  # no savepoint needed: a LeaseLost rolls the one write back
         w = writes[0]
         try:
@@ -162,12 +201,15 @@ def write_steps(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
         faults.hit("after_checkpoint")
         return [status]
     if writes_in_one_statement():
-        return _write_pipelined(writes)
+        return _write_pipelined(writes)  # type: ignore[arg-type]  # steps only (see above)
     close_if_dropped()
-    results: dict[int, str | LeaseLost] = {}
+    results: dict[int, str | bool | LeaseLost] = {}
     with transaction.atomic():
         for index in sorted(range(len(writes)), key=lambda i: writes[i].pk):
             w = writes[index]
+            if isinstance(w, FinishWrite):  # its first statement is the fence, as below
+                results[index] = w.apply()
+                continue
             # The fence is a write's first statement and changes nothing when it fails;
             # only a write consuming an event can fail after changing rows: a savepoint.
             scope = (
@@ -180,8 +222,9 @@ def write_steps(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
                     )
             except LeaseLost as exc:
                 results[index] = exc
-    for _ in writes:
-        faults.hit("after_checkpoint")
+    for w in writes:
+        if not isinstance(w, FinishWrite):
+            faults.hit("after_checkpoint")
     return [results[i] for i in range(len(writes))]
 
 
@@ -442,44 +485,74 @@ def finish(
     with transaction.atomic():
         if parent_pk is not None:  # issue 15 (children): parent before child
             list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
+        return _finish_rows(
+            pk,
+            token,
+            status,
+            limits,
+            now,
+            output_json,
+            (name, message, stack),
+            history,
+            error_record,
+        )
+
+
+def _finish_rows(
+    pk: int,
+    token: str,
+    status: str,
+    limits: Limits,
+    now: datetime,
+    output_json: str | None,
+    error: tuple[str, str, str],
+    history: Sequence[History],
+    error_record: dict[str, Any] | None,
+) -> bool:
+    """finish's writes, inside the caller's transaction; the first statement is the fence."""
+    name, message, stack = error
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
+            "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
+            "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
+            "lease_owner = '', lease_expires_at = NULL "
+            "WHERE id = %s AND lease_token = %s "
+            "RETURNING history_seq, retention_ms, retention_error_ms, workflow, "
+            "parent_id, parent_step",
+            [
+                len(history),
+                db_time(now),
+                status,
+                output_json,
+                name,
+                message,
+                stack,
+                db_time(now),
+                False,
+                pk,
+                token,
+            ],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return False
+    last_seq, success_ms, error_ms, workflow, parent_id, parent_step = row
+    close_open_steps(pk, now)
+    if parent_id is not None:  # issue 15 (children)
+        wake_parent(parent_id, parent_step, now)
+    expiry = retention.expires_at(status, success_ms, error_ms, limits, now)
+    if expiry is not None:
         with connection.cursor() as cursor:
             cursor.execute(
-                f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
-                "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
-                "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
-                "lease_owner = '', lease_expires_at = NULL "
-                "WHERE id = %s AND lease_token = %s "
-                "RETURNING history_seq, retention_ms, retention_error_ms, workflow, "
-                "parent_id, parent_step",
-                [
-                    len(history),
-                    db_time(now),
-                    status,
-                    output_json,
-                    name,
-                    message,
-                    stack,
-                    db_time(now),
-                    False,
-                    pk,
-                    token,
-                ],
+                f"UPDATE {INSTANCE_TABLE} SET expires_at = %s WHERE id = %s",
+                [db_time(expiry), pk],
             )
-            row = cursor.fetchone()
-        if row is None:
-            return False
-        last_seq, success_ms, error_ms, workflow, parent_id, parent_step = row
-        close_open_steps(pk, now)
-        if parent_id is not None:  # issue 15 (children)
-            wake_parent(parent_id, parent_step, now)
-        expiry = retention.expires_at(status, success_ms, error_ms, limits, now)
-        if expiry is not None:
-            Instance.objects.filter(id=pk).update(expires_at=expiry)
-        insert_history(pk, last_seq - len(history) + 1, history, now)
-        if error_record is not None:
-            ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
-        if limits.flow_controlled:  # queues form only under flow control (issue 15)
-            promote_queued(workflow, limits, now)
+    insert_history(pk, last_seq - len(history) + 1, history, now)
+    if error_record is not None:
+        ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
+    if limits.flow_controlled:  # queues form only under flow control (issue 15)
+        promote_queued(workflow, limits, now)
     return True
 
 
