@@ -79,3 +79,11 @@ def workers() -> Iterator[Callable[..., list[WorkerProcess]]]:
         log = worker.stop()
         if log.strip():  # shown by pytest when the test fails
             print(f"--- worker {worker.pid} (exit {worker.process.returncode}) logged:\n{log}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests create users by the hundred: a fast hasher instead of a million PBKDF2
+    rounds each (the subprocesses the tests start keep the project's real hashers)."""
+    from django.conf import settings
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -183,3 +183,36 @@ def test_an_event_is_stored_made_due_recorded_and_hinted_in_one_statement(regist
     assert sent.data["type"] == "go" and inst.row().wake_at is not None
     testing.run_until_idle()
     assert inst.status().output == {"n": 1}
+
+
+def test_a_herd_of_timers_due_at_one_instant_is_claimed_in_batches_and_each_run_once(registered):
+    postgres_only()
+
+    @register("fast-path-herd")
+    class SleepThenStep(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "1 hour")
+            return await step.do("after", lambda: "woke")
+
+    herd, concurrency = 120, 50
+    with testing.fake_clock() as fake:
+        workflow = get_workflow("fast-path-herd")
+        handles = [
+            h
+            for start in (0, 60)
+            for h in workflow.create_batch([{"id": f"herd-{n}"} for n in range(start, start + 60)])
+        ]
+        testing.run_until_idle(concurrency=concurrency)
+        assert {h.status().status for h in handles} == {"waiting"}
+        fake.advance(timedelta(hours=1))  # every timer is due at the same instant
+        with testing.QueryCounter() as queries:
+            testing.run_until_idle(concurrency=concurrency)
+    assert {h.status().output for h in handles} == {"woke"}
+    claims = [s for s in queries.statements if s.lstrip().startswith("WITH picked AS")]
+    # Each claim takes as many as there are free places (the first all 50, later ones
+    # what the finished runs freed): a handful of statements, never one per instance.
+    assert len(claims) <= herd // 10, len(claims)
+    started = HistoryRecord.objects.filter(
+        instance__workflow="fast-path-herd", type="run.started"
+    ).count()
+    assert started == 2 * herd  # the first run, and one after the wake: nobody ran twice
