@@ -307,6 +307,9 @@ class Worker:
         # The earliest tick of the schedules this worker fires; looked up again when it is
         # due, when told a schedule changed, and at least every poll interval.
         self.next_tick: datetime | None = None
+        # From the last claim: whether it took everything due, and if so the next timer.
+        self.claimed_all_due = True
+        self.next_timer: datetime | None = None
         self._ticks_looked_up = -float("inf")
 
     # --- life cycle ---------------------------------------------------------------------
@@ -393,7 +396,8 @@ class Worker:
             loop.call_soon_threadsafe(self._on_hint, kind, pk)
 
     def _on_hint(self, kind: str, pk: int | None) -> None:
-        self._admission_stale = True
+        if kind != "event":  # an event admits nobody: no look at the queue on its account
+            self._admission_stale = True
         if kind in ("clock", "schedule"):
             self._ticks_looked_up = -float("inf")
         if kind == "bulk":
@@ -438,6 +442,7 @@ class Worker:
             return 0
         assert self.db is not None
         claimed = await self.db(self._admit_then_claim, free, list(self.tasks))
+        self.claimed_all_due = len(claimed) < free
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
             self.runs_started += 1
@@ -460,7 +465,11 @@ class Worker:
             self._admission_checked_at = time.monotonic()
             workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
             _, self.next_admission_at = store.admit_due(workflows)
-        return store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
+        claimed = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
+        # Everything due is claimed: the next timer, looked up in the same trip (the runs
+        # just claimed need the database thread next, not behind a trip of its own).
+        self.next_timer = store.next_wake_at() if len(claimed) < free else None
+        return claimed
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
         self.tasks.pop(pk, None)
@@ -664,11 +673,14 @@ class Worker:
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
                     full = len(self.tasks) >= self.concurrency
-                    if (started and not full) or await self.maintain_once():
+                    # Claim again at once only if the claim was cut short by the free places
+                    # while places remain (more is due than it took).
+                    more_due = started and not self.claimed_all_due
+                    if (more_due and not full) or await self.maintain_once():
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         await self.prune_once()
-                        due = await self.db(store.next_wake_at)
+                        due = self.next_timer
                         admission = self.next_admission_at  # a debounce ends, a rate window opens
                         if admission is not None and (due is None or admission < due):
                             due = admission
