@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOT = (
@@ -73,15 +74,20 @@ class WorkerProcess:
         self.process.wait(10)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # idempotent: stop_all() may have sent it
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
+        stop_process(self.process, self.log)
+
+
+def stop_process(process: subprocess.Popen[bytes], log: Any) -> None:
+    """SIGTERM (idempotent: stop_all() may have sent it), then kill after 20 s; drop the log."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    log.close()
+    os.unlink(log.name)
 
     def __enter__(self) -> WorkerProcess:
         return self

@@ -25,7 +25,7 @@ from workflows_app import tokens
 from workflows_app.client import get_workflow
 
 from . import workflows  # noqa: F401  (registers the bench workflows)
-from .procs import ROOT
+from .procs import ROOT, stop_process
 
 Figures = dict[str, Any]
 WAITER = "bench-event"  # parked on wait_for_event: events buffer, history grows
@@ -84,14 +84,7 @@ class WebServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
+        stop_process(self.process, self.log)
 
 
 def sse_latency(n: int) -> Figures:

@@ -206,6 +206,10 @@ def test_declared_schedules_follow_the_code(registered):
     assert [(s.name, s.cron) for s in schedules.list(workflow="evolving")] == [
         ("evolving:0", "30 5 * * *")
     ]
+    registry.unregister("evolving")
+    register_report("evolving", [])  # the code declares none any more: none is left
+    testing.run_until_idle()
+    assert schedules.list(workflow="evolving") == []
 
 
 def race_to_fire(targets, racers: int) -> tuple[list[int], list[BaseException]]:

@@ -239,7 +239,16 @@ def sync_declared(declared: Sequence[tuple[str, Sequence[str]]]) -> None:
     """Keep the declared schedules of these workflows in step with their code: create new
     ones, update a changed cron (keeping paused), delete those no longer declared."""
     now = clock.now()
+    # Most workflows declare none: one read for them all, and a write only if one used to.
+    undeclared = Schedule.objects.filter(
+        workflow__in=[workflow for workflow, crons in declared if not crons], declared=True
+    )
+    if undeclared.exists():
+        with transaction.atomic():
+            undeclared.delete()
     for workflow, crons in declared:
+        if not crons:
+            continue
         with transaction.atomic():
             wanted = {declared_name(workflow, i): cron for i, cron in enumerate(crons)}
             existing = {
