@@ -466,9 +466,11 @@ class Worker:
             workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
             _, self.next_admission_at = store.admit_due(workflows)
         claimed = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
-        # Everything due is claimed: the next timer, looked up in the same trip (the runs
-        # just claimed need the database thread next, not behind a trip of its own).
-        self.next_timer = store.next_wake_at() if len(claimed) < free else None
+        if self.db_threads == 1 and len(claimed) < free:
+            # Everything due is claimed. With one database thread (SQLite) the next timer
+            # is looked up in this trip: a trip of its own would queue ahead of the runs
+            # just claimed. With several, it goes beside them (serve).
+            self.next_timer = store.next_wake_at()
         return claimed
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
@@ -680,7 +682,11 @@ class Worker:
                         continue
                     if not full:  # a full worker cannot claim a due timer: a run ending wakes it
                         await self.prune_once()
-                        due = self.next_timer
+                        due = (
+                            self.next_timer
+                            if self.db_threads == 1
+                            else await self.db(store.next_wake_at)
+                        )
                         admission = self.next_admission_at  # a debounce ends, a rate window opens
                         if admission is not None and (due is None or admission < due):
                             due = admission
