@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
 from tests.polling import wait_until
@@ -216,3 +217,38 @@ def test_a_herd_of_timers_due_at_one_instant_is_claimed_in_batches_and_each_run_
         instance__workflow="fast-path-herd", type="run.started"
     ).count()
     assert started == 2 * herd  # the first run, and one after the wake: nobody ran twice
+
+
+def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_way(registered):
+    postgres_only()
+    from workflows_app.engine.errors import InstanceAlreadyExists
+    from workflows_app.models import Instance
+
+    @register("fast-path-create")
+    class Plain(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    workflow = get_workflow("fast-path-create")
+    connection.ensure_connection()  # its set-up statements are not the create's
+    with CaptureQueriesContext(connection) as queries:
+        first = workflow.create(id="c-1", params={"n": 1}, idempotency_key="key-1")
+    statements = [q["sql"] for q in queries.captured_queries]
+    # One statement writes the instance, its history and the NOTIFY; the rest store the
+    # create span (no engine runs in this process to store it later).
+    assert statements[0].startswith("WITH new AS (INSERT"), statements
+    writes = [sql for sql in statements[1:] if sql.startswith(("INSERT", "UPDATE", "WITH"))]
+    assert all(sql.startswith("INSERT INTO workflows_app_span") for sql in writes), statements
+    row = first.row()
+    assert (row.status, row.params_json, row.idempotency_key) == ("running", '{"n":1}', "key-1")
+    assert list(HistoryRecord.objects.filter(instance=row).values_list("sequence", "type")) == [
+        (1, "instance.created")
+    ]
+    with pytest.raises(InstanceAlreadyExists, match="c-1"):
+        workflow.create(id="c-1", params={"n": 2})
+    again = workflow.create(id="c-2", params={"n": 3}, idempotency_key="key-1")
+    assert again.id == "c-1"  # the key's instance, not a new one
+    assert Instance.objects.filter(workflow="fast-path-create").count() == 1
+    assert HistoryRecord.objects.filter(instance=row).count() == 1
+    testing.run_until_idle()
+    assert first.status().output == {"n": 1}

@@ -242,7 +242,7 @@ class WorkflowBinding:
                 spans.creation_span(
                     instance.trace_id, self.name, instance.instance_id, actor=_actor(actor)
                 )
-                _after_commit("created", instance, self.name)
+                _after_commit("created", instance, self.name, hinted=True)  # by the store
         if not running_in_this_process():
             try:
                 flush_spans()  # no engine here to store the `create` spans (a fleet's web process)

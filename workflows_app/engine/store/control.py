@@ -8,6 +8,7 @@ Each action is one transaction under the instance's row lock; the lifecycle tabl
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -324,6 +325,17 @@ def create_instances(
 
     Returns (instance, created) pairs in the order of items.
     """
+    if (
+        writes_in_one_statement()
+        and len(items) == 1
+        and not limits.flow_controlled
+        and items[0].debounce_key is None
+        and items[0].parent_pk is None
+    ):
+        created = _create_at_once(name, version, items[0], actor)
+        if created is not None:
+            return [(created, True)]
+        # The id or the idempotency key is taken: the long way says which, or returns it.
     for attempt in range(3):
         try:
             with transaction.atomic():
@@ -432,45 +444,7 @@ def _create_instances(
                 if pending is not None:
                     found[position] = pending
         fresh = [i for n, i in enumerate(items) if n not in found]
-    rows = []
-    for item in fresh:
-        admit_at = (
-            now + timedelta(milliseconds=item.debounce_ms)
-            if item.debounce_key is not None and item.debounce_ms is not None
-            else None
-        )
-        rows.append(
-            Instance(
-                workflow=name,
-                instance_id=item.instance_id,
-                version=version,
-                # Under flow control every new instance is queued first, then admitted
-                # below with the queue, in one order (priority, then creation).
-                status=Status.QUEUED if controlled else Status.RUNNING,
-                params_json=item.params_json,
-                idempotency_key=item.idempotency_key,
-                created_by=actor,
-                created_at=now,
-                updated_at=now,
-                started_at=None if controlled else now,
-                wake_at=None if controlled else now,
-                retention_ms=item.retention_ms,
-                schedule=item.schedule,
-                scheduled_at=item.scheduled_at,
-                retention_error_ms=item.retention_error_ms,
-                attributes=item.attributes,
-                history_seq=1,
-                trace_id=uuid.uuid4().hex,
-                priority=item.priority,
-                concurrency_key=item.concurrency_key,
-                debounce_key=item.debounce_key,
-                admit_at=admit_at,
-                waiting_reason=DEBOUNCED + admit_at.isoformat() if admit_at else "",
-                parent_id=item.parent_pk,
-                parent_step=item.parent_step,
-                parent_span=item.parent_span,
-            )
-        )
+    rows = [_new_row(name, version, item, actor, now, controlled) for item in fresh]
     Instance.objects.bulk_create(rows)
     if controlled and rows:
         admitted = set(promote_queued(name, limits, now, created={r.pk for r in rows}))
@@ -494,25 +468,101 @@ def _create_instances(
             sequence=1,
             created_at=now,
             type="instance.created",
-            data={
-                "version": version,
-                "status": row.status,
-                **({"priority": row.priority} if row.priority != 5 else {}),
-                **({"concurrency_key": row.concurrency_key} if row.concurrency_key else {}),
-                **({"debounce_key": row.debounce_key} if row.debounce_key else {}),
-                **({"reason": row.waiting_reason} if row.waiting_reason else {}),
-                **(
-                    {"parent": {"pk": row.parent_id, "step": row.parent_step}}
-                    if row.parent_id
-                    else {}
-                ),
-            },
+            data=_created_data(row),
             actor=actor,
         )
         for row in rows
     )
+    # Delivered at commit (PostgreSQL): a worker runs it, or looks at its queue again.
+    hint_workers("created", [row.pk for row in rows])
     created = iter(rows)
     return [(found[n], False) if n in found else (next(created), True) for n in range(len(items))]
+
+
+def _new_row(
+    name: str, version: int, item: NewInstance, actor: str, now: datetime, controlled: bool
+) -> Instance:
+    admit_at = (
+        now + timedelta(milliseconds=item.debounce_ms)
+        if item.debounce_key is not None and item.debounce_ms is not None
+        else None
+    )
+    return Instance(
+        workflow=name,
+        instance_id=item.instance_id,
+        version=version,
+        # Under flow control every new instance is queued first, then admitted with the
+        # queue, in one order (priority, then creation).
+        status=Status.QUEUED if controlled else Status.RUNNING,
+        params_json=item.params_json,
+        idempotency_key=item.idempotency_key,
+        created_by=actor,
+        created_at=now,
+        updated_at=now,
+        started_at=None if controlled else now,
+        wake_at=None if controlled else now,
+        retention_ms=item.retention_ms,
+        schedule=item.schedule,
+        scheduled_at=item.scheduled_at,
+        retention_error_ms=item.retention_error_ms,
+        attributes=item.attributes,
+        history_seq=1,
+        trace_id=uuid.uuid4().hex,
+        priority=item.priority,
+        concurrency_key=item.concurrency_key,
+        debounce_key=item.debounce_key,
+        admit_at=admit_at,
+        waiting_reason=DEBOUNCED + admit_at.isoformat() if admit_at else "",
+        parent_id=item.parent_pk,
+        parent_step=item.parent_step,
+        parent_span=item.parent_span,
+    )
+
+
+def _created_data(row: Instance) -> dict[str, Any]:
+    """The data of an instance's instance.created record."""
+    return {
+        "version": row.version,
+        "status": row.status,
+        **({"priority": row.priority} if row.priority != 5 else {}),
+        **({"concurrency_key": row.concurrency_key} if row.concurrency_key else {}),
+        **({"debounce_key": row.debounce_key} if row.debounce_key else {}),
+        **({"reason": row.waiting_reason} if row.waiting_reason else {}),
+        **({"parent": {"pk": row.parent_id, "step": row.parent_step}} if row.parent_id else {}),
+    }
+
+
+def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> Instance | None:
+    """One instance with no queue, parent or debounce, as one autocommit statement
+    (PostgreSQL): the row, its instance.created record and the workers' NOTIFY. None,
+    with nothing written, when its id or idempotency key is taken."""
+    now = clock.now()
+    row = _new_row(name, version, item, actor, now, controlled=False)
+    fields = [f for f in Instance._meta.concrete_fields if not f.primary_key]
+    values = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _create_sql(tuple(f.column for f in fields)),
+            [*values, db_time(now), json.dumps(_created_data(row)), actor, WAKE_CHANNEL],
+        )
+        returned = cursor.fetchone()
+    if returned is None:
+        return None
+    names = [f.attname for f in Instance._meta.concrete_fields]
+    return Instance.from_db(connection.alias, names, returned[:-1])
+
+
+@functools.cache
+def _create_sql(columns: tuple[str, ...]) -> str:
+    every = ", ".join(f.column for f in Instance._meta.concrete_fields)
+    return (
+        f"WITH new AS (INSERT INTO {INSTANCE_TABLE} ({', '.join(columns)}) "
+        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING {every}), "
+        f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
+        "SELECT id, 1, %s, 'instance.created', CAST(%s AS jsonb), %s FROM new), "
+        "hint AS (SELECT pg_notify(%s, 'created ' || id) FROM new) "
+        "SELECT new.*, (SELECT count(*) FROM hint) FROM new"
+    )
 
 
 # --- children ---------------------------------------------------------------------------
