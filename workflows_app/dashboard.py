@@ -17,7 +17,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
-from .codec import shown_text
+from .codec import ENVELOPE_START, shown_text
 from .engine import clock, lifecycle, store
 from .engine.registry import all_definitions
 from .models import (
@@ -214,11 +214,7 @@ class ListFilters:
         if self.created_to is not None:
             query = query.filter(created_at__lt=self.created_to)
         if self.q:
-            query = query.filter(
-                Q(instance_id=self.q)
-                | Q(idempotency_key=self.q)
-                | Q(instance_id__startswith=self.q)
-            )
+            query = query.filter(search_text(self.q))
         return store.filter_attributes(query, dict(self.attributes))
 
     def as_json(self) -> dict[str, Any]:
@@ -233,6 +229,28 @@ class ListFilters:
             "attributes": dict(self.attributes),
         }
         return {k: v for k, v in shown.items() if v not in ("", None, {})}
+
+
+def search_text(q: str) -> Q:
+    """The list's free-text search: an id or idempotency key, or a case-insensitive
+    substring of the params, the output or the error (name and message).
+
+    The JSON columns are searched as the text they are stored as (compact JSON), so
+    `"plan":"pro"` matches a key and its value. A substring cannot use an index: this
+    scans the rows the other filters leave (LIKE on SQLite, UPPER() LIKE on PostgreSQL).
+    Values sealed by the payload codec (and sensitive outputs) are left out: their
+    stored text is an envelope, and matching on it would say something about the data.
+    """
+    sealed = ENVELOPE_START
+    return (
+        Q(instance_id=q)
+        | Q(idempotency_key=q)
+        | Q(instance_id__startswith=q)
+        | (Q(params_json__icontains=q) & ~Q(params_json__startswith=sealed))
+        | (Q(output_json__icontains=q) & ~Q(output_json__startswith=sealed))
+        | Q(error_name__icontains=q)
+        | Q(error_message__icontains=q)
+    )
 
 
 # The columns a list row shows; loading only these keeps a page cheap at any table size.

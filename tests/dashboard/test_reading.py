@@ -1,0 +1,67 @@
+"""Reading an instance's data on the dashboard: search, attempt history, JSON, chart axes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.urls import reverse
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+XSS = "<script>alert(1)</script>"
+
+
+@pytest.fixture
+def reading_workflow() -> Iterator[str]:
+    """Returns its params' note, or fails for good with a message made of it."""
+
+    @register("dash-reading")
+    class DashReading(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            note = event.payload["note"]
+            if event.payload.get("fail"):
+                raise NonRetryableError(f"refused: {note}")
+            return await step.do("echo", lambda: {"echoed": note.upper()})
+
+    yield "dash-reading"
+    registry.unregister("dash-reading")
+
+
+def listed_ids(client: Any, **params: str) -> set[str]:
+    page = client.get(reverse("workflows:instances"), params).content.decode()
+    return set(re.findall(r'data-instance-id="([^"]+)"', page))
+
+
+def test_the_list_search_finds_text_in_params_output_and_error(operator_client, reading_workflow):
+    workflow = get_workflow(reading_workflow)
+    workflow.create(id="plain", params={"note": "Blue Whale"})
+    workflow.create(id="shouted", params={"note": "narwhal"})
+    workflow.create(id="refused", params={"note": "kraken", "fail": True})
+    testing.run_until_idle()
+
+    assert listed_ids(operator_client, q="blue whale") == {"plain"}  # params, any case
+    assert listed_ids(operator_client, q="NARWHAL") == {"shouted"}  # params and output
+    assert listed_ids(operator_client, q='"echoed":"NARWHAL"') == {"shouted"}  # output's JSON
+    assert listed_ids(operator_client, q="refused: krak") == {"refused"}  # error message
+    assert listed_ids(operator_client, q="NonRetryable") == {"refused"}  # error name
+    assert listed_ids(operator_client, q="sea serpent") == set()
+    assert listed_ids(operator_client, q="shouted") == {"shouted"}  # ids still match
+
+
+def test_the_list_search_ignores_sealed_values(operator_client, reading_workflow, settings):
+    settings.WFDASH = {**settings.WFDASH, "PAYLOAD_CODEC": "tests.codecs.FernetCodec"}
+    from workflows_app import codec
+
+    codec.clear_cache()
+    try:
+        get_workflow(reading_workflow).create(id="sealed", params={"note": "hidden"})
+        assert listed_ids(operator_client, q="codec") == set()  # the envelope's own key
+    finally:
+        codec.clear_cache()
