@@ -448,6 +448,15 @@ class WaterfallSpan:
         return self.span.pk is None
 
     @property
+    def is_wait(self) -> bool:
+        """A sleep, an event wait, a child's run or a retry wait: time spent parked. The
+        page compresses stretches where only such spans are open, as it does idle gaps."""
+        attributes = self.span.attributes if isinstance(self.span.attributes, dict) else {}
+        if attributes.get("wfdash.in_flight") in (StepStatus.WAITING, StepStatus.RETRYING):
+            return True
+        return attributes.get("workflow.step.type") in WAIT_KINDS
+
+    @property
     def start_ms(self) -> int:
         return int(self.span.start_time.timestamp() * 1000)
 
@@ -465,6 +474,7 @@ class WaterfallSpan:
 
 
 IN_FLIGHT = (StepStatus.RUNNING, StepStatus.WAITING, StepStatus.RETRYING)
+WAIT_KINDS = (StepKind.SLEEP, StepKind.SLEEP_UNTIL, StepKind.WAIT_FOR_EVENT, StepKind.INVOKE)
 
 
 def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) -> list[Span]:
@@ -486,6 +496,7 @@ def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) 
             status_code="UNSET",
             attributes={
                 "wfdash.in_flight": r.status,
+                "workflow.step.type": r.kind,
                 "step.attempts": r.attempts,
                 **({"step.wake_at": r.wake_at.isoformat()} if r.wake_at else {}),
             },
@@ -524,6 +535,7 @@ def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
                     {
                         "left": round(min(max(offset, 0.0), 100.0), 2),
                         "name": str(event.get("name", "")),
+                        "at_ms": int(at.timestamp() * 1000) if at else None,
                     }
                 )
             out.append(

@@ -228,6 +228,7 @@
         const node = document.importNode(section, true);
         if (current) { carryState(current, node); current.replaceWith(node); } else { root.append(node); }
         formatTimes(node);
+        if (name === "trace") layoutTrace(); // before the browser paints the server's unscaled bars
         current = node;
         lastHTML.set(name, html);
       }
@@ -260,33 +261,248 @@
     }
   }
 
-  // --- the live trace: in-flight spans grow until their stored span replaces them ------
+  // --- the live trace: idle gaps compressed, a time axis, zoom; in-flight spans grow ---
   function formatMs(ms) {
     if (ms < 1000) return `${ms.toFixed(0)} ms`;
     if (ms < 60000) return `${(ms / 1000).toFixed(2)} s`;
     return `${(ms / 60000).toFixed(1)} min`;
   }
 
-  function growTrace() {
-    const list = document.querySelector("ol.waterfall[data-now-ms]");
-    if (!list || !list.querySelector("li.span-open")) return;
-    // The server's clock, not the browser's: the offset is taken when the list arrives.
-    if (list.dataset.offsetMs === undefined) list.dataset.offsetMs = String(Number(list.dataset.nowMs) - Date.now());
-    const now = Date.now() + Number(list.dataset.offsetMs);
-    const rows = [...list.querySelectorAll(":scope > li.span[data-start-ms]")];
-    const spans = rows.map((li) => {
-      const open = li.classList.contains("span-open");
-      const start = Number(li.dataset.startMs);
-      return { li, open, start, end: open ? Math.max(now, start) : Number(li.dataset.endMs) };
-    });
+  // A stretch where no span works (nothing open but sleeps and waits) longer than this
+  // share of the time still drawn to scale becomes a break of BREAK_SHARE of the width.
+  const GAP_SHARE = 0.2;
+  const BREAK_SHARE = 0.06;
+  const AXIS_TICKS = 6; // about this many labels across the track
+  const MIN_TICK_PX = 70; // labels closer than this to the previous one are left out
+  const TICK_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 15e3, 3e4, 6e4, 12e4, 3e5,
+    6e5, 9e5, 18e5, 36e5, 72e5, 108e5, 216e5, 432e5, 864e5, 1728e5, 6048e5, 2592e6, 31536e6];
+
+  /** "23 h", "1 d 2 h", "5 min", "45 s": the length of a break, in its two largest units
+   * (rounded to the second, so a day less a millisecond reads "1 d"). */
+  function formatSpan(ms) {
+    const units = [["d", 864e5], ["h", 36e5], ["min", 6e4], ["s", 1e3]];
+    if (ms < 1000) return `${Math.round(ms)} ms`;
+    const top = units.findIndex(([, size]) => ms >= size);
+    const grain = units[Math.min(top + 1, units.length - 1)][1];
+    let rest = Math.round(ms / grain) * grain;
+    const parts = [];
+    for (const [unit, size] of units) {
+      const n = Math.floor(rest / size);
+      rest -= n * size;
+      if (n) parts.push(`${n} ${unit}`);
+    }
+    return parts.slice(0, 2).join(" ");
+  }
+
+  /** An axis label: time since the trace began, to the precision of the tick step. */
+  function formatOffset(ms, step) {
+    if (ms === 0) return "0";
+    if (ms < 1000) return `${Math.round(ms)} ms`;
+    const decimals = step >= 1000 ? 0 : step >= 100 ? 1 : step >= 10 ? 2 : 3;
+    if (ms < 60000) return `${(ms / 1000).toFixed(decimals)} s`;
+    const days = Math.floor(ms / 864e5);
+    const h = Math.floor((ms % 864e5) / 36e5), m = Math.floor((ms % 36e5) / 6e4);
+    const sec = (ms % 6e4) / 1000;
+    if (ms < 36e5) return step >= 6e4 ? `${m} min` : `${m} min ${sec.toFixed(decimals)} s`;
+    const mm = String(m).padStart(2, "0");
+    const ss = sec.toFixed(decimals).padStart(decimals ? 3 + decimals : 2, "0");
+    const clock = step >= 6e4 ? `${h}:${mm}` : `${h}:${mm}:${ss}`;
+    return days ? `${days} d ${clock}` : clock;
+  }
+
+  /** Time → position 0…1 on a scale that draws busy stretches to scale and idle gaps
+   * (no working span open) as short fixed breaks. */
+  function buildScale(spans) {
     const first = Math.min(...spans.map((s) => s.start));
-    const total = Math.max(Math.max(...spans.map((s) => s.end)) - first, 1);
+    const last = Math.max(...spans.map((s) => s.end), first + 1);
+    const busy = spans.filter((s) => !s.wait).map((s) => [s.start, s.end]).sort((a, b) => a[0] - b[0]);
+    const gaps = [];
+    let reach = first;
+    for (const [a, b] of busy) { if (a > reach) gaps.push([reach, a]); reach = Math.max(reach, b); }
+    if (last > reach) gaps.push([reach, last]);
+    // The biggest gaps first, each judged against the time still drawn to scale.
+    gaps.sort((a, b) => (b[1] - b[0]) - (a[1] - a[0]));
+    const breaks = [];
+    let scaled = last - first;
+    for (const gap of gaps) {
+      const length = gap[1] - gap[0];
+      if (length <= GAP_SHARE * scaled || scaled - length <= 0) break;
+      breaks.push(gap); scaled -= length;
+    }
+    breaks.sort((a, b) => a[0] - b[0]);
+    const breakShare = Math.min(BREAK_SHARE, 0.5 / Math.max(breaks.length, 1));
+    const perMs = (1 - breakShare * breaks.length) / Math.max(scaled, 1);
+    // Pieces of the axis: [t0, t1, p0, p1, isBreak]
+    const pieces = [];
+    let t = first, p = 0;
+    for (const [a, b] of breaks) {
+      if (a > t) { pieces.push([t, a, p, p + (a - t) * perMs, false]); p += (a - t) * perMs; }
+      pieces.push([a, b, p, p + breakShare, true]); p += breakShare; t = b;
+    }
+    if (last > t || !pieces.length) pieces.push([t, last, p, 1, false]);
+    pieces[pieces.length - 1][3] = 1;
+    const at = (time) => {
+      for (const [t0, t1, p0, p1] of pieces) {
+        if (time <= t1) return time <= t0 ? p0 : p0 + ((time - t0) / Math.max(t1 - t0, 1e-9)) * (p1 - p0);
+      }
+      return 1;
+    };
+    const timeAt = (pos) => {
+      for (const [t0, t1, p0, p1] of pieces) {
+        if (pos <= p1) return pos <= p0 ? t0 : t0 + ((pos - p0) / Math.max(p1 - p0, 1e-12)) * (t1 - t0);
+      }
+      return last;
+    };
+    return { first, last, pieces, at, timeAt };
+  }
+
+  // The zoomed window as times (null: the whole trace), kept across live refreshes.
+  let traceZoom = null;
+
+  function traceSpans(list) {
+    const open = list.querySelector("li.span-open");
+    // The server's clock, not the browser's: the offset is taken when the list arrives.
+    if (open && list.dataset.offsetMs === undefined) list.dataset.offsetMs = String(Number(list.dataset.nowMs) - Date.now());
+    const now = Date.now() + Number(list.dataset.offsetMs || 0);
+    return [...list.querySelectorAll(":scope > li.span[data-start-ms]")].map((li) => {
+      const isOpen = li.classList.contains("span-open");
+      const start = Number(li.dataset.startMs);
+      return { li, open: isOpen, wait: li.dataset.wait === "1", start, end: isOpen ? Math.max(now, start) : Number(li.dataset.endMs) };
+    });
+  }
+
+  function layoutTrace() {
+    const list = document.querySelector("ol.waterfall[data-now-ms]");
+    if (!list) return;
+    const spans = traceSpans(list);
+    if (!spans.length) return;
+    const scale = buildScale(spans);
+    let [v0, v1] = traceZoom ? [scale.at(traceZoom[0]), scale.at(traceZoom[1])] : [0, 1];
+    if (!(v1 - v0 > 1e-9)) [v0, v1] = [0, 1];
+    const x = (time) => ((scale.at(time) - v0) / (v1 - v0)) * 100;
     for (const s of spans) {
       const bar = s.li.querySelector(".span-bar");
-      bar.style.left = `${((s.start - first) / total) * 100}%`;
-      bar.style.width = `${Math.max(((s.end - s.start) / total) * 100, 0.3)}%`;
+      const left = x(s.start), right = x(s.end);
+      bar.style.left = `${left}%`;
+      bar.style.width = `${Math.max(right - left, 0.3)}%`;
+      for (const mark of bar.querySelectorAll(".span-event[data-at-ms]")) {
+        const width = right - left;
+        mark.style.left = `${width > 0 ? ((x(Number(mark.dataset.atMs)) - left) / width) * 100 : 0}%`;
+      }
+      const track = s.li.querySelector(".span-track");
+      const bands = scale.pieces.filter((piece) => piece[4]).map(([t0, t1]) => {
+        const band = document.createElement("span");
+        band.className = "gap-band";
+        band.style.left = `${x(t0)}%`;
+        band.style.width = `${x(t1) - x(t0)}%`;
+        return band;
+      });
+      track.querySelectorAll(".gap-band").forEach((b) => b.remove());
+      track.prepend(...bands);
       if (s.open) s.li.querySelector("[data-duration]").textContent = formatMs(s.end - s.start);
     }
+    drawAxis(list, scale, v0, v1, x);
+  }
+
+  function drawAxis(list, scale, v0, v1, x) {
+    const axis = list.parentElement.querySelector(".trace-axis .axis-track");
+    if (!axis) return;
+    const width = axis.getBoundingClientRect().width || 600;
+    const labels = [];
+    // The time drawn to scale inside the window sets the step: about AXIS_TICKS labels.
+    let scaled = 0;
+    for (const [t0, t1, p0, p1, isBreak] of scale.pieces) {
+      if (isBreak || p1 <= v0 || p0 >= v1) continue;
+      scaled += scale.timeAt(Math.min(p1, v1)) - scale.timeAt(Math.max(p0, v0));
+    }
+    const step = TICK_STEPS.find((s) => s >= scaled / AXIS_TICKS) || TICK_STEPS[TICK_STEPS.length - 1];
+    let lastPx = -Infinity;
+    for (const [t0, t1, p0, p1, isBreak] of scale.pieces) {
+      if (p1 < v0 || p0 > v1) continue;
+      if (isBreak) {
+        const mid = (x(t0) + x(t1)) / 2;
+        const gap = document.createElement("span");
+        gap.className = "axis-gap";
+        gap.style.left = `${mid}%`;
+        gap.textContent = `⋯ ${formatSpan(t1 - t0)} ⋯`;
+        gap.title = `${formatSpan(t1 - t0)} with nothing running, drawn short`;
+        labels.push(gap);
+        lastPx = (mid / 100) * width;
+        continue;
+      }
+      const from = Math.max(t0, scale.timeAt(v0)), to = Math.min(t1, scale.timeAt(v1));
+      for (let k = Math.ceil((from - scale.first) / step); scale.first + k * step <= to; k++) {
+        const t = scale.first + k * step;
+        const pct = x(t);
+        const px = (pct / 100) * width;
+        if (px - lastPx < MIN_TICK_PX || pct < -0.01 || pct > 100.01) continue;
+        const tick = document.createElement("span");
+        tick.className = "axis-tick";
+        tick.style.left = `${pct}%`;
+        tick.dataset.offsetMs = String(t - scale.first);
+        tick.textContent = formatOffset(t - scale.first, step);
+        labels.push(tick);
+        lastPx = px;
+      }
+    }
+    axis.replaceChildren(...labels);
+    axis.dataset.zoomed = traceZoom ? "true" : "false";
+  }
+
+  function zoomTrace(factor, center) {
+    const list = document.querySelector("ol.waterfall[data-now-ms]");
+    if (!list) return;
+    const scale = buildScale(traceSpans(list));
+    let [v0, v1] = traceZoom ? [scale.at(traceZoom[0]), scale.at(traceZoom[1])] : [0, 1];
+    const mid = center ?? (v0 + v1) / 2;
+    const half = Math.min(((v1 - v0) * factor) / 2, 0.5);
+    v0 = Math.max(0, mid - half); v1 = Math.min(1, v0 + 2 * half); v0 = Math.max(0, v1 - 2 * half);
+    traceZoom = v1 - v0 >= 0.999 ? null : [scale.timeAt(v0), scale.timeAt(v1)];
+    layoutTrace();
+  }
+
+  document.addEventListener("click", (ev) => {
+    const button = ev.target.closest("[data-trace-zoom]");
+    if (!button) return;
+    const how = button.dataset.traceZoom;
+    if (how === "reset") { traceZoom = null; layoutTrace(); } else zoomTrace(how === "in" ? 0.5 : 2);
+  });
+
+  // Drag across the axis: the window becomes the selected range.
+  document.addEventListener("pointerdown", (ev) => {
+    const axis = ev.target.closest(".trace-axis .axis-track");
+    if (!axis || ev.button !== 0) return;
+    ev.preventDefault();
+    const box = axis.getBoundingClientRect();
+    const fraction = (clientX) => Math.min(Math.max((clientX - box.left) / box.width, 0), 1);
+    const from = fraction(ev.clientX);
+    const band = document.createElement("span");
+    band.className = "axis-selection";
+    axis.append(band);
+    const move = (e) => {
+      const to = fraction(e.clientX);
+      band.style.left = `${Math.min(from, to) * 100}%`;
+      band.style.width = `${Math.abs(to - from) * 100}%`;
+    };
+    const up = (e) => {
+      document.removeEventListener("pointermove", move);
+      document.removeEventListener("pointerup", up);
+      band.remove();
+      const to = fraction(e.clientX);
+      if (Math.abs(to - from) * box.width < 4) return; // a click, not a drag
+      const list = document.querySelector("ol.waterfall[data-now-ms]");
+      const scale = buildScale(traceSpans(list));
+      const [v0, v1] = traceZoom ? [scale.at(traceZoom[0]), scale.at(traceZoom[1])] : [0, 1];
+      const [a, b] = [Math.min(from, to), Math.max(from, to)].map((f) => v0 + f * (v1 - v0));
+      traceZoom = [scale.timeAt(a), scale.timeAt(b)];
+      layoutTrace();
+    };
+    document.addEventListener("pointermove", move);
+    document.addEventListener("pointerup", up);
+  });
+
+  function growTrace() {
+    if (document.querySelector("ol.waterfall[data-now-ms] li.span-open")) layoutTrace();
   }
 
   // --- the socket: connect, reconnect with backoff --------------------------------------
@@ -336,6 +552,8 @@
 
   for (const tz of document.querySelectorAll('input[name="tz"]')) tz.value = String(-new Date().getTimezoneOffset());
   formatTimes();
+  layoutTrace();
+  addEventListener("resize", layoutTrace);
   setInterval(() => formatTimes(), 30_000);
   setInterval(growTrace, 250);
   const page = pages[body.dataset.live];

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from django.urls import reverse
 
+from tests.trace_clock import DAY_SLEEPER, register_day_sleeper, run_a_day_long_sleep
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
@@ -65,3 +66,37 @@ def test_the_list_search_ignores_sealed_values(operator_client, reading_workflow
         assert listed_ids(operator_client, q="codec") == set()  # the envelope's own key
     finally:
         codec.clear_cache()
+
+
+@pytest.fixture
+def day_sleeper() -> Iterator[str]:
+    register_day_sleeper()
+    yield DAY_SLEEPER
+    registry.unregister(DAY_SLEEPER)
+
+
+def trace_rows(page: str) -> dict[str, dict[str, Any]]:
+    """Each waterfall row's span name → its data attributes."""
+    rows = {}
+    for li, name in re.findall(
+        r'(<li class="span[^>]*>)\s*<button[^>]*>\s*<span class="span-name">([^<]+)</span>', page
+    ):
+        rows[name] = {
+            "start": int(re.search(r'data-start-ms="(\d+)"', li).group(1)),
+            "end": int(re.search(r'data-end-ms="(\d+)"', li).group(1)),
+            "wait": 'data-wait="1"' in li,
+        }
+    return rows
+
+
+def test_the_trace_of_a_day_long_sleep_marks_the_sleep_as_a_wait(operator_client, day_sleeper):
+    run_a_day_long_sleep(day_sleeper, "day")
+    page = operator_client.get(reverse("workflows:instance", args=[day_sleeper, "day"]))
+    rows = trace_rows(page.content.decode())
+    first, sleep, second = rows["step first"], rows["sleep overnight"], rows["step second"]
+    assert (first["end"] - first["start"], second["end"] - second["start"]) == (10, 10)
+    assert sleep["end"] - sleep["start"] == 86_400_000
+    assert first["end"] <= sleep["start"] and sleep["end"] <= second["start"]
+    assert sleep["wait"] and not first["wait"] and not second["wait"]
+    assert 'class="trace-axis"' in page.content.decode()
+    assert 'data-trace-zoom="reset"' in page.content.decode()

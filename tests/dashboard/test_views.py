@@ -707,7 +707,8 @@ def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
         early.is_error
         and early.left == 10
         and early.width == 40
-        and early.events == [{"left": 50.0, "name": "retry"}]
+        and early.events
+        == [{"left": 50.0, "name": "retry", "at_ms": (early.start_ms + early.end_ms) // 2}]
     )
     page = operator_client.get(page_url(row)).content.decode()
     assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page
