@@ -52,7 +52,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "shell",
         "-c",
         "from tests.trace_clock import DAY_SLEEPER, register_day_sleeper, run_a_day_long_sleep; "
-        "register_day_sleeper(); run_a_day_long_sleep(DAY_SLEEPER, 'e2e-day')",
+        "from tests.trace_clock import register_flaky, run_flaky; "
+        "register_day_sleeper(); run_a_day_long_sleep(DAY_SLEEPER, 'e2e-day'); "
+        "register_flaky(); "
+        "run_flaky('e2e-flaky', {'note': '<b>bold</b>', 'deep': {'list': [1, True, None]}})",
     )
     live.start()
     yield live
@@ -125,3 +128,34 @@ def test_zoom_in_out_and_reset_move_the_axis(page: Page) -> None:  # noqa: F811
 
     page.get_by_role("button", name="zoom out", exact=True).click()
     assert axis_labels(page) != zoomed
+
+
+def test_json_is_a_folding_tree_and_a_stack_reads_as_lines(page: Page) -> None:  # noqa: F811
+    page.goto("/workflows/flaky-fetch/e2e-flaky/")
+    params = page.locator('[data-section="io"] .panel').first.locator(".json-view")
+    expect(params.locator(".json-key").first).to_have_text('"note"')
+    expect(params.locator(".json-string").first).to_have_text('"<b>bold</b>"')  # as text
+    assert params.locator("b", has_text="bold").count() == 0
+    deep = params.locator("details.json-node", has=page.locator(".json-index")).first
+    expect(deep.locator(".json-boolean")).to_have_text("true")
+    expect(deep.locator(".json-null")).to_have_text("null")
+    outer = params.locator("details.json-node").first
+    assert outer.evaluate("d => d.open")
+    outer.locator("summary").first.click()
+    assert not outer.evaluate("d => d.open")
+    expect(outer.locator(".json-preview").first).to_be_visible()
+
+    # A failed attempt's span event: the stack is preformatted lines, not a "\n" string.
+    page.locator(".span-row", has_text="step fetch").first.click()
+    stack = page.locator(".span-detail:not([hidden]) pre.json-lines", has_text="Traceback")
+    expect(stack.first).to_be_visible()
+    text = stack.first.inner_text()
+    assert "\n" in text and "\\n" not in text and "ConnectionError" in text
+    box = stack.first.bounding_box()
+    assert box is not None and box["height"] > 40  # several lines tall
+
+    # Every attempt of the step, with its duration and error.
+    attempts = page.locator('[data-step="fetch"] details.attempts')
+    attempts.locator("summary").first.click()
+    expect(attempts.locator("li[data-attempt]")).to_have_count(3)
+    expect(attempts.locator('li[data-attempt="1"]')).to_contain_text("ConnectionError")

@@ -61,3 +61,40 @@ def register_day_sleeper() -> None:
             await step.do("first", ten_ms("first"))
             await step.sleep("overnight", "1 day")
             return await step.do("second", ten_ms("second"))
+
+
+FLAKY = "flaky-fetch"
+
+
+def register_flaky() -> None:
+    """Register FLAKY: step "fetch" fails twice (ConnectionError, a multi-line message),
+    then returns; attempt n takes 5·n ms of the fake clock; retries wait 1 s."""
+    from workflows_app.engine import WorkflowEntrypoint, register
+
+    calls: list[int] = []
+
+    def fetch() -> dict[str, int]:
+        calls.append(1)
+        clock.get_clock().advance(5 * len(calls))  # type: ignore[union-attr]
+        if len(calls) < 3:
+            raise ConnectionError(f"flaky {len(calls)} <script>alert(1)</script>\nsecond line")
+        return {"rows": 12}
+
+    @register(FLAKY)
+    class FlakyFetch(WorkflowEntrypoint):
+        async def run(self, event, step):  # type: ignore[no-untyped-def]
+            return await step.do(
+                "fetch", fetch, retries={"limit": 5, "delay": "1 second", "backoff": "constant"}
+            )
+
+
+def run_flaky(instance_id: str, params: object = None) -> None:
+    """Run a FLAKY instance through its three attempts on a fake clock."""
+    from workflows_app import testing
+    from workflows_app.client import get_workflow
+
+    with testing.fake_clock() as fake, spans_on_the_engine_clock():
+        get_workflow(FLAKY).create(id=instance_id, params=params)
+        for _ in range(3):
+            testing.run_until_idle()
+            fake.advance("1 second")

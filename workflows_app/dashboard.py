@@ -575,11 +575,76 @@ STEP_CUT_SHORT = "InstanceFinished"
 
 
 @dataclass
+class AttemptView:
+    """One attempt of a step, read from its span: each attempt runs in a span of its own."""
+
+    number: int
+    span_id: str
+    started_at: datetime
+    duration_ms: float
+    error_name: str = ""
+    error_message: str = ""
+    error_stack: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error_name or self.error_message)
+
+
+RETRY_ERROR_EVENT = "step.retry_error"
+
+
+def step_attempts(spans: list[Span]) -> dict[str, list[AttemptView]]:
+    """Step label → its attempts, oldest first, from the stored `step <label>` spans: the
+    duration is the span's, the error its `step.retry_error` event's (else its status)."""
+    by_step: dict[str, list[Span]] = {}
+    for span in spans:
+        attributes = span.attributes if isinstance(span.attributes, dict) else {}
+        label = attributes.get("workflow.step.name")
+        if span.name == f"step {label}":
+            by_step.setdefault(label, []).append(span)
+    attempts: dict[str, list[AttemptView]] = {}
+    for label, step_spans in by_step.items():
+        rows = []
+        for number, span in enumerate(sorted(step_spans, key=lambda s: s.start_time), start=1):
+            failure = next(
+                (
+                    e.get("attributes") or {}
+                    for e in reversed(span.events if isinstance(span.events, list) else [])
+                    if isinstance(e, dict) and e.get("name") == RETRY_ERROR_EVENT
+                ),
+                None,
+            )
+            attempt = AttemptView(
+                number,
+                span.span_id,
+                span.start_time,
+                max((span.end_time - span.start_time).total_seconds() * 1000, 0.0),
+            )
+            if failure is not None:
+                attempt.number = int(failure.get("step.attempt") or number)
+                attempt.error_name = str(failure.get("error.name", ""))
+                attempt.error_message = str(failure.get("error.message", ""))
+                attempt.error_stack = str(failure.get("error.stack", ""))
+            elif span.status_code == "ERROR":
+                attempt.error_name, attempt.error_message = "Error", span.status_message
+            rows.append(attempt)
+        attempts[label] = rows
+    return attempts
+
+
+@dataclass
 class StepView:
     """A step row as an operator reads it: the engine's bookkeeping turned into words."""
 
     record: StepRecord
     child: Instance | None = None  # the child workflow a step.invoke / step.start started
+    attempts: list[AttemptView] = field(default_factory=list)  # from its spans, oldest first
+
+    @property
+    def shows_attempts(self) -> bool:
+        """Worth unfolding: more than one attempt, or one that failed."""
+        return len(self.attempts) > 1 or any(a.failed for a in self.attempts)
 
     @property
     def was_cut_short(self) -> bool:
@@ -782,6 +847,10 @@ def instance_detail(pk: int) -> InstanceDetail:
     starts = any(s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD) for s in steps)
     children = list(Instance.objects.filter(parent_id=pk).order_by("id")) if starts else []
     by_step = {c.parent_step: c for c in children}
+    attempts = step_attempts(stored)
+    for s in steps:
+        if s.record.kind in (StepKind.DO, StepKind.COMPENSATE):
+            s.attempts = attempts.get(s.record.label, [])
     for s in steps:
         if s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD):
             s.child = by_step.get(s.record.name)

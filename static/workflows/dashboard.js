@@ -74,6 +74,81 @@
     if (detail) detail.hidden = !open;
   });
 
+  // --- JSON: a collapsible, highlighted tree; multi-line strings (stacks) as real lines --
+  const JSON_OPEN_DEPTH = 3; // levels open at first (a span event's attributes); deeper ones start folded
+  const PREVIEW_CHARS = 90;
+
+  function jsonPreview(value) {
+    const text = JSON.stringify(value);
+    return text.length > PREVIEW_CHARS ? `${text.slice(0, PREVIEW_CHARS - 1)}…` : text;
+  }
+
+  // Numbers JSON.parse would round (ids past 2^53) keep their digits where the browser
+  // can (JSON.rawJSON); elsewhere they show rounded, as any JSON.parse would.
+  const keepDigits = typeof JSON.rawJSON === "function"
+    ? (key, value, context) => (typeof value === "number" && context && String(value) !== context.source ? JSON.rawJSON(context.source) : value)
+    : undefined;
+  const isRaw = (value) => typeof JSON.isRawJSON === "function" && JSON.isRawJSON(value);
+
+  function jsonScalar(value) {
+    if (isRaw(value)) {
+      const raw = document.createElement("span");
+      raw.className = "json-number";
+      raw.textContent = JSON.stringify(value);
+      return raw;
+    }
+    const el = document.createElement(typeof value === "string" && value.includes("\n") ? "pre" : "span");
+    el.className = value === null ? "json-null" : `json-${typeof value}`;
+    if (el.tagName === "PRE") { el.classList.add("json-lines"); el.textContent = value; } // a stack, a message
+    else el.textContent = JSON.stringify(value);
+    return el;
+  }
+
+  function jsonNode(value, depth, folded) {
+    if (value === null || typeof value !== "object" || isRaw(value)) return jsonScalar(value);
+    const entries = Array.isArray(value) ? value.map((v, i) => [i, v]) : Object.entries(value);
+    if (!entries.length) return jsonScalar(value);
+    const node = document.createElement("details");
+    node.className = "json-node";
+    node.open = !folded && depth < JSON_OPEN_DEPTH;
+    const summary = document.createElement("summary");
+    const count = document.createElement("span");
+    count.className = "json-count";
+    count.textContent = Array.isArray(value) ? `[${entries.length}]` : `{${entries.length}}`;
+    const preview = document.createElement("span");
+    preview.className = "json-preview";
+    preview.textContent = jsonPreview(value);
+    summary.append(count, " ", preview);
+    const children = document.createElement("div");
+    children.className = "json-children";
+    for (const [key, child] of entries) {
+      const row = document.createElement("div");
+      row.className = "json-row";
+      const label = document.createElement("span");
+      label.className = Array.isArray(value) ? "json-index" : "json-key";
+      label.textContent = Array.isArray(value) ? String(key) : JSON.stringify(key);
+      row.append(label, ": ", jsonNode(child, depth + 1, false));
+      children.append(row);
+    }
+    node.append(summary, children);
+    return node;
+  }
+
+  /** Elements marked data-json-view hold JSON text the server escaped; each gets a viewer
+   * beside it (the text stays, hidden, for anything that cannot parse). */
+  function viewJSON(root = document) {
+    for (const el of root.querySelectorAll("[data-json-view]:not([data-json-viewed])")) {
+      let value;
+      try { value = JSON.parse(el.textContent, keepDigits); } catch { continue; }
+      el.dataset.jsonViewed = "1";
+      const viewer = document.createElement("div");
+      viewer.className = "json-view";
+      viewer.append(jsonNode(value, 0, el.dataset.jsonView === "folded"));
+      el.after(viewer);
+      el.hidden = true;
+    }
+  }
+
   // --- live updates ---------------------------------------------------------------------
   function setBadge(badge, status) {
     if (!badge || badge.dataset.status === status) return;
@@ -228,6 +303,7 @@
         const node = document.importNode(section, true);
         if (current) { carryState(current, node); current.replaceWith(node); } else { root.append(node); }
         formatTimes(node);
+        viewJSON(node);
         if (name === "trace") layoutTrace(); // before the browser paints the server's unscaled bars
         current = node;
         lastHTML.set(name, html);
@@ -243,7 +319,8 @@
   }
 
   function carryState(from, to) {
-    const opened = [...from.querySelectorAll("details")].map((d) => d.open);
+    // The server's own <details>, by position; JSON viewers are rebuilt afresh.
+    const opened = [...from.querySelectorAll("details:not(.json-node)")].map((d) => d.open);
     to.querySelectorAll("details").forEach((d, i) => { if (opened[i]) d.open = true; });
     for (const row of from.querySelectorAll('.span-row[aria-expanded="true"]')) {
       const twin = to.querySelector(`[aria-controls="${CSS.escape(row.getAttribute("aria-controls"))}"]`);
@@ -552,6 +629,7 @@
 
   for (const tz of document.querySelectorAll('input[name="tz"]')) tz.value = String(-new Date().getTimezoneOffset());
   formatTimes();
+  viewJSON();
   layoutTrace();
   addEventListener("resize", layoutTrace);
   setInterval(() => formatTimes(), 30_000);

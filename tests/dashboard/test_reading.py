@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 from django.urls import reverse
 
-from tests.trace_clock import DAY_SLEEPER, register_day_sleeper, run_a_day_long_sleep
+from tests.trace_clock import (
+    DAY_SLEEPER,
+    FLAKY,
+    register_day_sleeper,
+    register_flaky,
+    run_a_day_long_sleep,
+    run_flaky,
+)
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
@@ -100,3 +107,42 @@ def test_the_trace_of_a_day_long_sleep_marks_the_sleep_as_a_wait(operator_client
     assert sleep["wait"] and not first["wait"] and not second["wait"]
     assert 'class="trace-axis"' in page.content.decode()
     assert 'data-trace-zoom="reset"' in page.content.decode()
+
+
+@pytest.fixture
+def flaky_workflow() -> Iterator[str]:
+    register_flaky()
+    yield FLAKY
+    registry.unregister(FLAKY)
+
+
+def test_each_attempt_of_a_step_shows_its_duration_and_error(operator_client, flaky_workflow):
+    run_flaky("flaky", params={"note": "a\nb"})
+    page = operator_client.get(reverse("workflows:instance", args=[flaky_workflow, "flaky"]))
+    html = page.content.decode()
+    row = re.search(r'<tr data-step="fetch">.*?</tr>', html, re.S).group(0)
+    attempts = re.findall(
+        r'<li data-attempt="(\d+)">.*?data-field="duration">([^<]+)</a>(.*?)</li>', row, re.S
+    )
+    assert [(n, duration) for n, duration, _ in attempts] == [
+        ("1", "5 ms"),
+        ("2", "10 ms"),
+        ("3", "15 ms"),
+    ]
+    assert "ConnectionError" in attempts[0][2] and "flaky 1" in attempts[0][2]
+    assert "flaky 2" in attempts[1][2] and "ok" in attempts[2][2]
+    assert "Traceback (most recent call last)" in attempts[0][2]  # the attempt's stack
+    assert XSS not in html and "&lt;script&gt;" in html
+
+
+def test_json_values_are_marked_for_the_viewer_and_escaped(operator_client, reading_workflow):
+    get_workflow(reading_workflow).create(id="json", params={"note": XSS})
+    testing.run_until_idle()
+    html = operator_client.get(
+        reverse("workflows:instance", args=[reading_workflow, "json"])
+    ).content.decode()
+    params = re.search(r"<h2>Params</h2><pre ([^>]*)>(.*?)</pre>", html, re.S)
+    assert params.group(1) == 'class="json" data-json-view'
+    assert "&lt;script&gt;" in params.group(2) and XSS not in html
+    assert html.count('<h3>Attributes</h3><pre class="json" data-json-view>') >= 2  # per span
+    assert 'data-json-view="folded"' in html  # history data starts folded
