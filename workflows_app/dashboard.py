@@ -47,12 +47,36 @@ LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
 # --- overview -----------------------------------------------------------------------------
 
 
+def chart_peak(completed: list[int], errored: list[int]) -> int:
+    """The count a full-height bar stands for: the y-axis's top label."""
+    return max([*completed, *errored, 1])
+
+
+TIME_AXIS_PARTS = 4  # x-axis labels at the window's start, quarters, and now
+
+
+def time_axis(window_minutes: int) -> list[dict[str, Any]]:
+    """x-axis labels of a chart of the last `window_minutes`, oldest first: "−60 min",
+    "−45 min", …, "now", each with its position in percent of the width."""
+    labels = []
+    for i in range(TIME_AXIS_PARTS + 1):
+        ago = round(window_minutes * (TIME_AXIS_PARTS - i) / TIME_AXIS_PARTS)
+        if ago == 0:
+            text = "now"
+        elif ago >= 120 and ago % 60 == 0:
+            text = f"−{ago // 60} h"
+        else:
+            text = f"−{ago} min"
+        labels.append({"left": round(100 * i / TIME_AXIS_PARTS, 2), "label": text})
+    return labels
+
+
 def bar_chart(
     completed: list[int], errored: list[int], window_minutes: int, bucket_minutes: int
 ) -> list[dict[str, Any]]:
     """Bars for an inline SVG (viewBox 100 x CHART_HEIGHT): a completed and an errored bar
     per bucket, oldest first, heights relative to the busiest bucket."""
-    peak = max([*completed, *errored, 1])
+    peak = chart_peak(completed, errored)
     slot = 100 / len(completed)
     bars = []
     for i, (c, e) in enumerate(zip(completed, errored, strict=True)):
@@ -84,6 +108,7 @@ class WorkflowSummaryJSON(TypedDict):
     errored_last_hour: int
     error_rate: float | None
     chart: list[dict[str, Any]]
+    chart_peak: int
 
 
 @dataclass
@@ -125,6 +150,14 @@ class WorkflowSummary:
             self.completed_series, self.errored_series, CHART_MINUTES, CHART_BUCKET_MINUTES
         )
 
+    @property
+    def chart_peak(self) -> int:
+        return chart_peak(self.completed_series, self.errored_series)
+
+    @property
+    def time_axis(self) -> list[dict[str, Any]]:
+        return time_axis(CHART_MINUTES)
+
     def as_json(self) -> WorkflowSummaryJSON:
         return {
             "name": self.name,
@@ -136,6 +169,7 @@ class WorkflowSummary:
             "errored_last_hour": self.errored_last_hour,
             "error_rate": self.error_rate,
             "chart": self.chart(),
+            "chart_peak": self.chart_peak,
         }
 
 

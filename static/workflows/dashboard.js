@@ -232,6 +232,8 @@
     });
     const key = badges.map((a) => a.textContent).join("|");
     if (counts.dataset.key !== key) { counts.dataset.key = key; counts.replaceChildren(...badges); }
+    const peak = card.querySelector('[data-axis="y-max"]');
+    if (peak && typeof s.chart_peak === "number") peak.textContent = String(s.chart_peak);
     card.querySelectorAll("g[data-bucket]").forEach((g, i) => {
       const bar = s.chart[i];
       if (!bar) return;

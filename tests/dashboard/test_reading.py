@@ -19,6 +19,7 @@ from tests.trace_clock import (
 )
 from workflows_app import testing
 from workflows_app.client import get_workflow
+from workflows_app.dashboard import time_axis, workflow_summaries
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -146,3 +147,42 @@ def test_json_values_are_marked_for_the_viewer_and_escaped(operator_client, read
     assert "&lt;script&gt;" in params.group(2) and XSS not in html
     assert html.count('<h3>Attributes</h3><pre class="json" data-json-view>') >= 2  # per span
     assert 'data-json-view="folded"' in html  # history data starts folded
+
+
+def test_chart_time_axes_read_back_from_now():
+    assert [t["label"] for t in time_axis(60)] == [
+        "−60 min",
+        "−45 min",
+        "−30 min",
+        "−15 min",
+        "now",
+    ]
+    assert [t["label"] for t in time_axis(24 * 60)] == ["−24 h", "−18 h", "−12 h", "−6 h", "now"]
+    assert [t["left"] for t in time_axis(60)] == [0, 25, 50, 75, 100]
+
+
+def x_labels(html: str) -> list[str]:
+    return re.findall(r'<span style="left: [\d.]+%">([^<]+)</span>', html)
+
+
+def test_the_overview_and_metrics_charts_have_a_time_axis_and_a_scale(
+    operator_client, reading_workflow
+):
+    workflow = get_workflow(reading_workflow)
+    for n in range(3):
+        workflow.create(id=f"done-{n}", params={"note": "x"})
+    testing.run_until_idle()
+
+    overview = operator_client.get(reverse("workflows:overview")).content.decode()
+    card = re.search(
+        r'<article class="card" data-workflow="dash-reading">.*?</article>', overview, re.S
+    )
+    assert x_labels(card.group(0)) == ["−60 min", "−45 min", "−30 min", "−15 min", "now"]
+    # All three finished in the same 5-minute bucket: the top of the scale is 3.
+    assert '<span data-axis="y-max">3</span><span>0</span>' in card.group(0)
+    (summary,) = [s for s in workflow_summaries() if s.name == reading_workflow]
+    assert summary.as_json()["chart_peak"] == 3
+
+    metrics = operator_client.get("/stats/?window=day").content.decode()
+    assert x_labels(metrics) == ["−24 h", "−18 h", "−12 h", "−6 h", "now"]
+    assert '<span data-axis="y-max">3</span>' in metrics
