@@ -8,6 +8,7 @@ worker of the server races the script for it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -159,3 +160,20 @@ def test_json_is_a_folding_tree_and_a_stack_reads_as_lines(page: Page) -> None: 
     attempts.locator("summary").first.click()
     expect(attempts.locator("li[data-attempt]")).to_have_count(3)
     expect(attempts.locator('li[data-attempt="1"]')).to_contain_text("ConnectionError")
+
+
+def test_the_admin_instance_list_fits_1400_px_with_ids_on_one_line(page: Page) -> None:  # noqa: F811
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto("/admin/workflows_app/instance/")
+    main = page.locator("#main")
+    if "shifted" not in (main.get_attribute("class") or ""):
+        page.locator("#toggle-nav-sidebar").click()  # the widest case: both sidebars open
+    expect(main).to_have_class(re.compile(r"\bshifted\b"))
+    results = page.locator("#changelist .results")
+    assert results.evaluate("el => el.scrollWidth <= el.clientWidth")  # no column cut off
+    headers = page.locator("#result_list thead th")
+    assert headers.last.bounding_box()["x"] + headers.last.bounding_box()["width"] <= 1400
+    line = page.locator("#result_list thead th").first.bounding_box()["height"]
+    for cell in page.locator("#result_list th.field-instance_label").all():
+        assert cell.bounding_box()["height"] <= line * 1.5  # one line, not four
+        assert cell.locator(".wf-cut").get_attribute("title")
