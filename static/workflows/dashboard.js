@@ -505,8 +505,11 @@
         gap.style.left = `${mid}%`;
         gap.textContent = `⋯ ${formatSpan(t1 - t0)} ⋯`;
         gap.title = `${formatSpan(t1 - t0)} with nothing running, drawn short`;
+        gap.dataset.px = String((mid / 100) * width);
+        // The break's label wins over the ticks just before it.
+        while (labels.length && Number(labels[labels.length - 1].dataset.px) > Number(gap.dataset.px) - MIN_TICK_PX) labels.pop();
         labels.push(gap);
-        lastPx = (mid / 100) * width;
+        lastPx = Number(gap.dataset.px);
         continue;
       }
       const from = Math.max(t0, scale.timeAt(v0)), to = Math.min(t1, scale.timeAt(v1));
@@ -519,6 +522,8 @@
         tick.className = "axis-tick";
         tick.style.left = `${pct}%`;
         tick.dataset.offsetMs = String(t - scale.first);
+        tick.dataset.px = String(px);
+        if (pct > 95) tick.classList.add("axis-end"); // right-aligned, not cut by the edge
         tick.textContent = formatOffset(t - scale.first, step);
         labels.push(tick);
         lastPx = px;
