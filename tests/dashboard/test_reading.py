@@ -174,6 +174,7 @@ def test_the_overview_and_metrics_charts_have_a_time_axis_and_a_scale(
     testing.run_until_idle()
 
     overview = operator_client.get(reverse("workflows:overview")).content.decode()
+    assert "{#" not in overview and "comment" not in overview  # the partial's notes stay out
     card = re.search(
         r'<article class="card" data-workflow="dash-reading">.*?</article>', overview, re.S
     )
