@@ -200,12 +200,12 @@ INSTANCE_PAGE_ACTIONS = {
 
 
 def list_time(instant: datetime) -> SafeString:
-    """A list cell's time to the minute (narrow columns), to the second in its tooltip."""
+    """A list cell's time, short for a narrow column: month, day and minute this year, the
+    date in another year; to the second, with the year, in its tooltip."""
     local = timezone.localtime(instant)
+    short = "%m-%d %H:%M" if local.year == timezone.localtime().year else "%Y-%m-%d"
     return format_html(
-        '<span title="{}">{}</span>',
-        local.strftime("%Y-%m-%d %H:%M:%S"),
-        local.strftime("%Y-%m-%d %H:%M"),
+        '<span title="{}">{}</span>', local.strftime("%Y-%m-%d %H:%M:%S"), local.strftime(short)
     )
 
 
