@@ -281,9 +281,10 @@
   });
 
   // Section name → server HTML last applied, so unchanged sections are left alone. CSRF
-  // tokens are masked afresh on every render, so they are left out of the comparison.
+  // tokens are masked afresh on every render, and the trace's read time changes on every
+  // render, so both are left out of the comparison.
   const lastHTML = new Map();
-  const comparable = (html) => html.replace(/name="csrfmiddlewaretoken" value="[^"]*"/g, "");
+  const comparable = (html) => html.replace(/name="csrfmiddlewaretoken" value="[^"]*"/g, "").replace(/ data-now-ms="\d+"/, "");
   for (const section of document.querySelectorAll("#live-root > [data-section]")) {
     lastHTML.set(section.dataset.section, comparable(section.outerHTML));
   }
