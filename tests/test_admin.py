@@ -6,10 +6,12 @@ import hashlib
 import html
 import re
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.contrib.staticfiles import finders
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -284,10 +286,35 @@ def test_history_rows_read_as_sequence_and_type_not_as_object_numbers(admin_clie
 def test_the_instance_list_keeps_ids_on_one_line_in_few_columns(admin_client):
     waiting_approval("order-with-a-rather-long-identifier-0001")
     page = admin_client.get(changelist(Instance)).content.decode()
-    assert '<span class="wf-id">order-with-a-rather-long-identifier-0001</span>' in page
+    assert (
+        '<span class="wf-id wf-cut" title="order-with-a-rather-long-identifier-0001">'
+        "order-with-a-rather-long-identifier-0001</span>"
+    ) in page
     assert "workflows/admin.css" in page
     headers = re.findall(r'<th scope="col" class="(?:sortable )?column-(\w+)', page)
     assert len(headers) <= 7, headers
+
+
+def test_long_list_cells_are_cut_to_their_column_and_whole_in_a_tooltip(admin_client):
+    long_id = "order-" + "x" * 90
+    inst = waiting_approval(long_id)
+    Instance.objects.filter(pk=inst.row().pk).update(
+        error_name="VeryLongErrorNameThatWouldWidenTheColumn", error_message="it <broke>"
+    )
+    page = admin_client.get(changelist(Instance)).content.decode()
+    title = html.escape(long_id, quote=True)
+    assert f'<span class="wf-id wf-cut" title="{title}">{title}</span>' in page
+    assert (
+        '<span class="wf-cut" title="VeryLongErrorNameThatWouldWidenTheColumn: it &lt;broke&gt;">'
+        "VeryLongErrorNameThatWouldWidenTheColumn</span>"
+    ) in page
+    # Times to the minute without the year (this year's), whole in the tooltip.
+    assert re.search(
+        r'<span title="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d">\d\d-\d\d \d\d:\d\d</span>', page
+    )
+    text = Path(finders.find("workflows/admin.css")).read_text()
+    assert ".model-instance #result_list { table-layout: fixed; width: 100%; }" in text
+    assert "text-overflow: ellipsis" in text
 
 
 # --- tokens -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, ClassVar
 
 from django import forms
@@ -198,17 +199,27 @@ INSTANCE_PAGE_ACTIONS = {
 }
 
 
+def list_time(instant: datetime) -> SafeString:
+    """A list cell's time, short for a narrow column: month, day and minute this year, the
+    date in another year; to the second, with the year, in its tooltip."""
+    local = timezone.localtime(instant)
+    short = "%m-%d %H:%M" if local.year == timezone.localtime().year else "%Y-%m-%d"
+    return format_html(
+        '<span title="{}">{}</span>', local.strftime("%Y-%m-%d %H:%M:%S"), local.strftime(short)
+    )
+
+
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
     # Few, compact columns: at 1,400 px with the filter sidebar every column stays visible.
     list_display = (
         "instance_label",
-        "workflow",
+        "workflow_label",
         "version",
         "status",
         "created",
         "finished",
-        "error_name",
+        "error_label",
     )
     list_display_links = ("instance_label",)
     change_form_template = "admin/workflows_app/instance/change_form.html"
@@ -295,18 +306,31 @@ class InstanceAdmin(admin.ModelAdmin):
 
     @admin.display(description="instance", ordering="instance_id")
     def instance_label(self, obj: Instance) -> SafeString:
-        # One line, monospaced, whatever its length: a UUID must not wrap onto four lines.
-        return format_html('<span class="wf-id">{}</span>', obj.instance_id)
+        # One line, monospaced, whatever its length: a UUID must not wrap onto four lines;
+        # past the column's width it is cut with an ellipsis, whole in the tooltip.
+        return format_html(
+            '<span class="wf-id wf-cut" title="{}">{}</span>', obj.instance_id, obj.instance_id
+        )
+
+    @admin.display(description="workflow", ordering="workflow")
+    def workflow_label(self, obj: Instance) -> SafeString:
+        return format_html('<span class="wf-cut" title="{}">{}</span>', obj.workflow, obj.workflow)
+
+    @admin.display(description="error", ordering="error_name")
+    def error_label(self, obj: Instance) -> SafeString | str:
+        """The error's name, cut to the column; the tooltip has the name and message."""
+        if not obj.error_name:
+            return ""
+        whole = f"{obj.error_name}: {obj.error_message}" if obj.error_message else obj.error_name
+        return format_html('<span class="wf-cut" title="{}">{}</span>', whole, obj.error_name)
 
     @admin.display(description="created", ordering="created_at")
-    def created(self, obj: Instance) -> str:
-        return timezone.localtime(obj.created_at).strftime("%Y-%m-%d %H:%M:%S")
+    def created(self, obj: Instance) -> SafeString:
+        return list_time(obj.created_at)
 
     @admin.display(description="finished", ordering="finished_at")
-    def finished(self, obj: Instance) -> str:
-        if obj.finished_at is None:
-            return "-"
-        return timezone.localtime(obj.finished_at).strftime("%Y-%m-%d %H:%M:%S")
+    def finished(self, obj: Instance) -> SafeString | str:
+        return "-" if obj.finished_at is None else list_time(obj.finished_at)
 
     def get_urls(self) -> list[Any]:
         return [

@@ -17,7 +17,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from .client import decode_cursor, encode_cursor
-from .codec import shown_text
+from .codec import ENVELOPE_START, shown_text
 from .engine import clock, lifecycle, store
 from .engine.registry import all_definitions
 from .models import (
@@ -47,12 +47,36 @@ LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
 # --- overview -----------------------------------------------------------------------------
 
 
+def chart_peak(completed: list[int], errored: list[int]) -> int:
+    """The count a full-height bar stands for: the y-axis's top label."""
+    return max([*completed, *errored, 1])
+
+
+TIME_AXIS_PARTS = 4  # x-axis labels at the window's start, quarters, and now
+
+
+def time_axis(window_minutes: int) -> list[dict[str, Any]]:
+    """x-axis labels of a chart of the last `window_minutes`, oldest first: "−60 min",
+    "−45 min", …, "now", each with its position in percent of the width."""
+    labels = []
+    for i in range(TIME_AXIS_PARTS + 1):
+        ago = round(window_minutes * (TIME_AXIS_PARTS - i) / TIME_AXIS_PARTS)
+        if ago == 0:
+            text = "now"
+        elif ago >= 120 and ago % 60 == 0:
+            text = f"−{ago // 60} h"
+        else:
+            text = f"−{ago} min"
+        labels.append({"left": round(100 * i / TIME_AXIS_PARTS, 2), "label": text})
+    return labels
+
+
 def bar_chart(
     completed: list[int], errored: list[int], window_minutes: int, bucket_minutes: int
 ) -> list[dict[str, Any]]:
     """Bars for an inline SVG (viewBox 100 x CHART_HEIGHT): a completed and an errored bar
     per bucket, oldest first, heights relative to the busiest bucket."""
-    peak = max([*completed, *errored, 1])
+    peak = chart_peak(completed, errored)
     slot = 100 / len(completed)
     bars = []
     for i, (c, e) in enumerate(zip(completed, errored, strict=True)):
@@ -84,6 +108,7 @@ class WorkflowSummaryJSON(TypedDict):
     errored_last_hour: int
     error_rate: float | None
     chart: list[dict[str, Any]]
+    chart_peak: int
 
 
 @dataclass
@@ -125,6 +150,14 @@ class WorkflowSummary:
             self.completed_series, self.errored_series, CHART_MINUTES, CHART_BUCKET_MINUTES
         )
 
+    @property
+    def chart_peak(self) -> int:
+        return chart_peak(self.completed_series, self.errored_series)
+
+    @property
+    def time_axis(self) -> list[dict[str, Any]]:
+        return time_axis(CHART_MINUTES)
+
     def as_json(self) -> WorkflowSummaryJSON:
         return {
             "name": self.name,
@@ -136,6 +169,7 @@ class WorkflowSummary:
             "errored_last_hour": self.errored_last_hour,
             "error_rate": self.error_rate,
             "chart": self.chart(),
+            "chart_peak": self.chart_peak,
         }
 
 
@@ -214,11 +248,7 @@ class ListFilters:
         if self.created_to is not None:
             query = query.filter(created_at__lt=self.created_to)
         if self.q:
-            query = query.filter(
-                Q(instance_id=self.q)
-                | Q(idempotency_key=self.q)
-                | Q(instance_id__startswith=self.q)
-            )
+            query = query.filter(search_text(self.q))
         return store.filter_attributes(query, dict(self.attributes))
 
     def as_json(self) -> dict[str, Any]:
@@ -233,6 +263,28 @@ class ListFilters:
             "attributes": dict(self.attributes),
         }
         return {k: v for k, v in shown.items() if v not in ("", None, {})}
+
+
+def search_text(q: str) -> Q:
+    """The list's free-text search: an id or idempotency key, or a case-insensitive
+    substring of the params, the output or the error (name and message).
+
+    The JSON columns are searched as the text they are stored as (compact JSON), so
+    `"plan":"pro"` matches a key and its value. A substring cannot use an index: this
+    scans the rows the other filters leave (LIKE on SQLite, UPPER() LIKE on PostgreSQL).
+    Values sealed by the payload codec (and sensitive outputs) are left out: their
+    stored text is an envelope, and matching on it would say something about the data.
+    """
+    sealed = ENVELOPE_START
+    return (
+        Q(instance_id=q)
+        | Q(idempotency_key=q)
+        | Q(instance_id__startswith=q)
+        | (Q(params_json__icontains=q) & ~Q(params_json__startswith=sealed))
+        | (Q(output_json__icontains=q) & ~Q(output_json__startswith=sealed))
+        | Q(error_name__icontains=q)
+        | Q(error_message__icontains=q)
+    )
 
 
 # The columns a list row shows; loading only these keeps a page cheap at any table size.
@@ -430,6 +482,15 @@ class WaterfallSpan:
         return self.span.pk is None
 
     @property
+    def is_wait(self) -> bool:
+        """A sleep, an event wait, a child's run or a retry wait: time spent parked. The
+        page compresses stretches where only such spans are open, as it does idle gaps."""
+        attributes = self.span.attributes if isinstance(self.span.attributes, dict) else {}
+        if attributes.get("wfdash.in_flight") in (StepStatus.WAITING, StepStatus.RETRYING):
+            return True
+        return attributes.get("workflow.step.type") in WAIT_KINDS
+
+    @property
     def start_ms(self) -> int:
         return int(self.span.start_time.timestamp() * 1000)
 
@@ -447,6 +508,7 @@ class WaterfallSpan:
 
 
 IN_FLIGHT = (StepStatus.RUNNING, StepStatus.WAITING, StepStatus.RETRYING)
+WAIT_KINDS = (StepKind.SLEEP, StepKind.SLEEP_UNTIL, StepKind.WAIT_FOR_EVENT, StepKind.INVOKE)
 
 
 def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) -> list[Span]:
@@ -468,6 +530,7 @@ def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) 
             status_code="UNSET",
             attributes={
                 "wfdash.in_flight": r.status,
+                "workflow.step.type": r.kind,
                 "step.attempts": r.attempts,
                 **({"step.wake_at": r.wake_at.isoformat()} if r.wake_at else {}),
             },
@@ -506,6 +569,7 @@ def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
                     {
                         "left": round(min(max(offset, 0.0), 100.0), 2),
                         "name": str(event.get("name", "")),
+                        "at_ms": int(at.timestamp() * 1000) if at else None,
                     }
                 )
             out.append(
@@ -545,11 +609,76 @@ STEP_CUT_SHORT = "InstanceFinished"
 
 
 @dataclass
+class AttemptView:
+    """One attempt of a step, read from its span: each attempt runs in a span of its own."""
+
+    number: int
+    span_id: str
+    started_at: datetime
+    duration_ms: float
+    error_name: str = ""
+    error_message: str = ""
+    error_stack: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error_name or self.error_message)
+
+
+RETRY_ERROR_EVENT = "step.retry_error"
+
+
+def step_attempts(spans: list[Span]) -> dict[str, list[AttemptView]]:
+    """Step label → its attempts, oldest first, from the stored `step <label>` spans: the
+    duration is the span's, the error its `step.retry_error` event's (else its status)."""
+    by_step: dict[str, list[Span]] = {}
+    for span in spans:
+        attributes = span.attributes if isinstance(span.attributes, dict) else {}
+        label = attributes.get("workflow.step.name")
+        if span.name == f"step {label}":
+            by_step.setdefault(label, []).append(span)
+    attempts: dict[str, list[AttemptView]] = {}
+    for label, step_spans in by_step.items():
+        rows = []
+        for number, span in enumerate(sorted(step_spans, key=lambda s: s.start_time), start=1):
+            failure = next(
+                (
+                    e.get("attributes") or {}
+                    for e in reversed(span.events if isinstance(span.events, list) else [])
+                    if isinstance(e, dict) and e.get("name") == RETRY_ERROR_EVENT
+                ),
+                None,
+            )
+            attempt = AttemptView(
+                number,
+                span.span_id,
+                span.start_time,
+                max((span.end_time - span.start_time).total_seconds() * 1000, 0.0),
+            )
+            if failure is not None:
+                attempt.number = int(failure.get("step.attempt") or number)
+                attempt.error_name = str(failure.get("error.name", ""))
+                attempt.error_message = str(failure.get("error.message", ""))
+                attempt.error_stack = str(failure.get("error.stack", ""))
+            elif span.status_code == "ERROR":
+                attempt.error_name, attempt.error_message = "Error", span.status_message
+            rows.append(attempt)
+        attempts[label] = rows
+    return attempts
+
+
+@dataclass
 class StepView:
     """A step row as an operator reads it: the engine's bookkeeping turned into words."""
 
     record: StepRecord
     child: Instance | None = None  # the child workflow a step.invoke / step.start started
+    attempts: list[AttemptView] = field(default_factory=list)  # from its spans, oldest first
+
+    @property
+    def shows_attempts(self) -> bool:
+        """Worth unfolding: more than one attempt, or one that failed."""
+        return len(self.attempts) > 1 or any(a.failed for a in self.attempts)
 
     @property
     def was_cut_short(self) -> bool:
@@ -752,6 +881,10 @@ def instance_detail(pk: int) -> InstanceDetail:
     starts = any(s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD) for s in steps)
     children = list(Instance.objects.filter(parent_id=pk).order_by("id")) if starts else []
     by_step = {c.parent_step: c for c in children}
+    attempts = step_attempts(stored)
+    for s in steps:
+        if s.record.kind in (StepKind.DO, StepKind.COMPENSATE):
+            s.attempts = attempts.get(s.record.label, [])
     for s in steps:
         if s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD):
             s.child = by_step.get(s.record.name)

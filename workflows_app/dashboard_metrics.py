@@ -17,7 +17,7 @@ from typing import Any
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from .dashboard import CHART_HEIGHT, bar_chart
+from .dashboard import CHART_HEIGHT, bar_chart, chart_peak, time_axis
 from .models import Instance, Status, StepKind, StepRecord, StepStatus
 
 MAX_SAMPLES = 10_000  # rows read for the percentiles of one window (instances; steps)
@@ -106,6 +106,14 @@ class WorkflowMetrics:
             self.window.minutes,
             self.window.bucket_minutes,
         )
+
+    @property
+    def chart_peak(self) -> int:
+        return chart_peak(self.completed_series, self.errored_series)
+
+    @property
+    def time_axis(self) -> list[dict[str, Any]]:
+        return time_axis(self.window.minutes)
 
     @property
     def step_list(self) -> list[StepMetrics]:

@@ -126,7 +126,7 @@ class ListFilterForm(forms.Form):
     created_to = forms.DateTimeField(
         required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
-    q = forms.CharField(required=False, max_length=200, label="Id or idempotency key")
+    q = forms.CharField(required=False, max_length=200, label="Search (id, params, output, error)")
     attrs = AttributesField(
         label="Attributes",
         help_text="exact matches, KEY=VALUE separated by spaces; quote a value with spaces",

@@ -439,7 +439,10 @@ def test_a_non_retryable_failure_shows_its_error_not_an_engine_marker_nor_a_retr
     page = detail_page(operator_client, inst)
     row = step_row(page, "validate")
     assert re.search(r'data-field="output"></td>', row)  # not the engine's {"nonretryable": true}
-    assert re.search(r'data-field="attempts">1 \(not retryable\)<', row)
+    # The failed attempt unfolds under the label.
+    assert re.search(
+        r'data-field="attempts"><details class="attempts"><summary>1 \(not retryable\)<', row
+    )
     assert "/6" not in row
     assert "order 7 is missing its address" in row
     assert "no output yet" not in page and "none: the instance errored" in page
@@ -707,7 +710,8 @@ def test_the_waterfall_nests_children_under_parents_and_marks_errors_and_events(
         early.is_error
         and early.left == 10
         and early.width == 40
-        and early.events == [{"left": 50.0, "name": "retry"}]
+        and early.events
+        == [{"left": 50.0, "name": "retry", "at_ms": (early.start_ms + early.end_ms) // 2}]
     )
     page = operator_client.get(page_url(row)).content.decode()
     assert 'class="span span-error" id="span-early"' in page and "span-detail-grandchild" in page

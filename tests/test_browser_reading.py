@@ -1,0 +1,180 @@
+"""End-to-end in Chromium: reading a trace and an instance's data on the instance page.
+
+The server runs no engine: each test's instance is run to its end by `manage.py shell`
+under the fake clock (tests/trace_clock.py), so a day-long sleep takes no time and no
+worker of the server races the script for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from tests.test_browser import (  # noqa: F401  (fixtures)
+    LiveServer,
+    _reason,
+    browser,
+    free_port,
+    page,
+)
+
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+if _reason is None:
+    from playwright.sync_api import Page, expect
+
+MIN_STEP_BAR_PX = 20  # a 10 ms step beside a 1-day sleep, on a ~800 px track
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    tmp = tmp_path_factory.mktemp("browser-reading")
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}",
+        "DJANGO_DEBUG": "1",
+        "WFDASH_DEMO": "0",
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    live = LiveServer(env, free_port(), tmp / "server.log")
+    live.manage("migrate", "--noinput")
+    live.manage(
+        "shell",
+        "-c",
+        "from django.contrib.auth.models import User; "
+        "User.objects.create_superuser('admin', 'admin@example.com', 'admin')",
+    )
+    live.manage(
+        "shell",
+        "-c",
+        "from tests.trace_clock import DAY_SLEEPER, register_day_sleeper, run_a_day_long_sleep; "
+        "from tests.trace_clock import register_flaky, run_flaky; "
+        "register_day_sleeper(); run_a_day_long_sleep(DAY_SLEEPER, 'e2e-day'); "
+        "register_flaky(); "
+        "run_flaky('e2e-flaky', {'note': '<b>bold</b>', 'deep': {'list': [1, True, None]}})",
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+def bar_width(page: Page, span_name: str) -> float:  # noqa: F811
+    row = page.locator("ol.waterfall > li.span").filter(
+        has=page.locator(".span-name", has_text=span_name)
+    )
+    box = row.first.locator(".span-bar").bounding_box()
+    assert box is not None
+    return float(box["width"])
+
+
+def axis_labels(page: Page) -> list[str]:  # noqa: F811
+    return page.locator(".trace-axis .axis-tick").all_text_contents()
+
+
+def test_a_day_long_sleep_is_drawn_as_a_short_break_between_readable_steps(page: Page) -> None:  # noqa: F811
+    page.goto("/workflows/day-sleeper/e2e-day/")
+    expect(page.locator("h1.mono")).to_have_text("e2e-day")
+    expect(page.locator(".trace-axis .axis-gap")).to_have_count(1)
+    assert page.locator(".trace-axis .axis-gap").text_content() == "⋯ 1 d ⋯"
+    assert bar_width(page, "step first") > MIN_STEP_BAR_PX
+    assert bar_width(page, "step second") > MIN_STEP_BAR_PX
+    # The sleep runs across the break, and the break is hatched in every row's track.
+    track = page.locator("ol.waterfall .span-track").first.bounding_box()
+    assert track is not None
+    assert bar_width(page, "sleep overnight") < track["width"]
+    assert (
+        page.locator("ol.waterfall .gap-band").count() == page.locator("ol.waterfall > li").count()
+    )
+    labels = axis_labels(page)
+    assert labels[0] == "0"
+    assert any(label.endswith(" ms") for label in labels), labels
+    assert any(label.startswith("1 d ") for label in labels), labels  # after the break
+
+
+def test_zoom_in_out_and_reset_move_the_axis(page: Page) -> None:  # noqa: F811
+    page.goto("/workflows/day-sleeper/e2e-day/")
+    expect(page.locator(".trace-axis .axis-tick").first).to_have_text("0")
+    whole = axis_labels(page)
+    first_bar = bar_width(page, "step first")
+
+    page.get_by_role("button", name="zoom in", exact=True).click()
+    expect(page.locator(".trace-axis .axis-track")).to_have_attribute("data-zoomed", "true")
+    assert axis_labels(page) != whole
+    assert bar_width(page, "step first") > first_bar
+
+    page.get_by_role("button", name="Reset zoom").click()
+    expect(page.locator(".trace-axis .axis-track")).to_have_attribute("data-zoomed", "false")
+    assert axis_labels(page) == whole
+
+    # Dragging across the first tenth of the axis zooms into the first step.
+    page.locator(".trace-axis .axis-track").scroll_into_view_if_needed()
+    axis = page.locator(".trace-axis .axis-track").bounding_box()
+    assert axis is not None
+    y = axis["y"] + axis["height"] / 2
+    page.mouse.move(axis["x"] + 1, y)
+    page.mouse.down()
+    page.mouse.move(axis["x"] + axis["width"] * 0.05, y, steps=4)
+    page.mouse.move(axis["x"] + axis["width"] * 0.1, y, steps=4)
+    page.mouse.up()
+    expect(page.locator(".trace-axis .axis-track")).to_have_attribute("data-zoomed", "true")
+    zoomed = axis_labels(page)
+    assert zoomed != whole
+    assert all(label.endswith(" ms") for label in zoomed), zoomed  # the first 3 ms only
+    assert page.locator(".trace-axis .axis-gap").count() == 0  # the break is out of view
+    assert bar_width(page, "step first") > 3 * first_bar
+
+    page.get_by_role("button", name="zoom out", exact=True).click()
+    assert axis_labels(page) != zoomed
+
+
+def test_json_is_a_folding_tree_and_a_stack_reads_as_lines(page: Page) -> None:  # noqa: F811
+    page.goto("/workflows/flaky-fetch/e2e-flaky/")
+    params = page.locator('[data-section="io"] .panel').first.locator(".json-view")
+    expect(params.locator(".json-key").first).to_have_text('"note"')
+    expect(params.locator(".json-string").first).to_have_text('"<b>bold</b>"')  # as text
+    assert params.locator("b", has_text="bold").count() == 0
+    deep = params.locator("details.json-node", has=page.locator(".json-index")).first
+    expect(deep.locator(".json-boolean")).to_have_text("true")
+    expect(deep.locator(".json-null")).to_have_text("null")
+    outer = params.locator("details.json-node").first
+    assert outer.evaluate("d => d.open")
+    outer.locator("summary").first.click()
+    assert not outer.evaluate("d => d.open")
+    expect(outer.locator(".json-preview").first).to_be_visible()
+
+    # A failed attempt's span event: the stack is preformatted lines, not a "\n" string.
+    page.locator(".span-row", has_text="step fetch").first.click()
+    stack = page.locator(".span-detail:not([hidden]) pre.json-lines", has_text="Traceback")
+    expect(stack.first).to_be_visible()
+    text = stack.first.inner_text()
+    assert "ConnectionError: flaky 1 <script>alert(1)</script>\nsecond line" in text
+    box = stack.first.bounding_box()
+    assert box is not None and box["height"] > 40  # several lines tall
+
+    # Every attempt of the step, with its duration and error.
+    attempts = page.locator('[data-step="fetch"] details.attempts')
+    attempts.locator("summary").first.click()
+    expect(attempts.locator("li[data-attempt]")).to_have_count(3)
+    expect(attempts.locator('li[data-attempt="1"]')).to_contain_text("ConnectionError")
+
+
+def test_the_admin_instance_list_fits_1400_px_with_ids_on_one_line(page: Page) -> None:  # noqa: F811
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto("/admin/workflows_app/instance/")
+    main = page.locator("#main")
+    if "shifted" not in (main.get_attribute("class") or ""):
+        page.locator("#toggle-nav-sidebar").click()  # the widest case: both sidebars open
+    expect(main).to_have_class(re.compile(r"\bshifted\b"))
+    results = page.locator("#changelist .results")
+    assert results.evaluate("el => el.scrollWidth <= el.clientWidth")  # no column cut off
+    headers = page.locator("#result_list thead th")
+    assert headers.last.bounding_box()["x"] + headers.last.bounding_box()["width"] <= 1400
+    line = page.locator("#result_list thead th").first.bounding_box()["height"]
+    for cell in page.locator("#result_list th.field-instance_label").all():
+        assert cell.bounding_box()["height"] <= line * 1.5  # one line, not four
+        assert cell.locator(".wf-cut").get_attribute("title")
