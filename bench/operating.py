@@ -11,7 +11,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from workflows_app.client import WorkflowBinding
-from workflows_app.engine import clock
+from workflows_app.engine import clock, store
 from workflows_app.models import Instance
 
 Figures = dict[str, Any]
@@ -34,7 +34,7 @@ def insert_tagged(workflow: str, n: int, batch: int = 5000) -> None:
     now = clock.now()
     for start in range(0, n, batch):
         with transaction.atomic():
-            Instance.objects.bulk_create(
+            rows = Instance.objects.bulk_create(
                 Instance(
                     workflow=workflow,
                     instance_id=f"{workflow}-{i}",
@@ -51,6 +51,7 @@ def insert_tagged(workflow: str, n: int, batch: int = 5000) -> None:
                 )
                 for i in range(start, min(n, start + batch))
             )
+            store.index_attributes(rows)  # the rows list filters read, as create writes them
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(f"ANALYZE {Instance._meta.db_table}")

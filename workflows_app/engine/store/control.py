@@ -56,6 +56,7 @@ from .records import (
     locked_instance,
     wake_parent,
 )
+from .search import index_attributes
 from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
@@ -472,6 +473,7 @@ def _create_instances(
             )
         )
     Instance.objects.bulk_create(rows)
+    index_attributes(rows)
     if controlled and rows:
         admitted = set(promote_queued(name, limits, now, created={r.pk for r in rows}))
         for row in rows:
