@@ -12,7 +12,7 @@ from django.db import connection, transaction
 
 from workflows_app.client import WorkflowBinding
 from workflows_app.engine import clock, store
-from workflows_app.models import Instance
+from workflows_app.models import Instance, InstanceAttribute
 
 Figures = dict[str, Any]
 PLANS = ("free", "pro", "enterprise")
@@ -80,6 +80,7 @@ def attribute_filter(n: int) -> Figures:
         }
         assert len(wf.list(attributes={"customer": "c-7"}).instances) == n // CUSTOMERS
     finally:
+        InstanceAttribute.objects.filter(instance__workflow=workflow)._raw_delete(connection.alias)
         Instance.objects.filter(workflow=workflow)._raw_delete(connection.alias)
     return figures
 
