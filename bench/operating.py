@@ -85,6 +85,37 @@ def attribute_filter(n: int) -> Figures:
     return figures
 
 
+def attribute_create(n: int, block: int = 50) -> Figures:
+    """What the attribute rows cost a create: create() one at a time with three attributes
+    against none, in alternating blocks of the same run (machine noise falls on both).
+    Per create, ms; the instances are never run and are deleted after."""
+    from workflows_app.client import get_workflow
+
+    binding = get_workflow("bench-step1")
+    prefix = f"attr-create-{uuid.uuid4().hex[:6]}"
+    spent = {"plain": 0.0, "tagged": 0.0}
+    try:
+        for start in range(0, n, block):
+            for kind in ("plain", "tagged") if start // block % 2 == 0 else ("tagged", "plain"):
+                t0 = time.perf_counter()
+                for i in range(start, min(n, start + block)):
+                    attributes = (
+                        {"customer": f"c-{i % CUSTOMERS}", "plan": PLANS[i % 3], "seats": i % 100}
+                        if kind == "tagged"
+                        else None
+                    )
+                    binding.create(id=f"{prefix}-{kind}-{i}", attributes=attributes)
+                spent[kind] += time.perf_counter() - t0
+    finally:
+        Instance.objects.filter(workflow="bench-step1", instance_id__startswith=prefix).delete()
+    plain, tagged = spent["plain"] * 1000 / n, spent["tagged"] * 1000 / n
+    return {
+        "attr_create_plain_ms": plain,
+        "attr_create_tagged_ms": tagged,
+        "attr_create_ratio": tagged / plain,
+    }
+
+
 def bulk_terminate(n: int) -> Figures:
     """wf.bulk("terminate", status="waiting") over n parked instances (each waiting for an
     event, as a run leaves them), applied batch by batch in this process as a worker does:
