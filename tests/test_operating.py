@@ -176,6 +176,15 @@ def test_a_filtered_page_walks_the_attribute_index_newest_first_without_sorting(
     assert "instance_attribute_lookup" in explain(across.values_list("id")[:51])
 
 
+def test_a_filter_of_several_keys_walks_the_rarest_one_on_sqlite(tagged):
+    for n in range(12):
+        tagged.create(id=f"k{n}", attributes={"plan": "pro", "customer": f"c-{n}"})
+    query = tagged.matching(attributes={"plan": "pro", "customer": "c-4"})
+    assert [r.instance_id for r in store.order_by_id(query)] == ["k4"]
+    if connection.vendor == "sqlite":  # the first joined row is the one walked
+        assert 'attribute_match_0."key" = customer' in str(query.query)
+
+
 def test_attribute_rows_follow_create_set_attributes_and_delete(tagged):
     def rows(inst):
         return dict(

@@ -18,6 +18,7 @@ from ..attributes import index_text
 ATTRIBUTE_TABLE = InstanceAttribute._meta.db_table
 ATTRIBUTE_ALIAS = "attribute_match_"  # the joined row of the filter's n-th key
 ATTRIBUTE_ORDER = "attribute_order"  # the first joined row's instance id: the list order
+DRIVER_PROBE = 1000  # rows counted at most per key of a SQLite filter, to pick the rarest
 
 
 def index_attributes(instances: Iterable[Instance]) -> None:
@@ -56,7 +57,7 @@ def filter_attributes(query: Any, attributes: Mapping[str, Any]) -> Any:
     common one about a page of them. Sorting by the instance's id instead would first
     collect every match.
     """
-    for position, (key, value) in enumerate(attributes.items()):
+    for position, (key, value) in enumerate(rarest_first(attributes)):
         name = f"{ATTRIBUTE_ALIAS}{position}"
         query = query.alias(
             **{
@@ -69,6 +70,23 @@ def filter_attributes(query: Any, attributes: Mapping[str, Any]) -> Any:
         if position == 0:
             query = query.alias(**{ATTRIBUTE_ORDER: F(f"{name}__instance_id")})
     return query
+
+
+def rarest_first(attributes: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The filter's keys, on SQLite the one with the fewest rows first (counted up to
+    DRIVER_PROBE each): SQLite walks the first key's rows, so a common first key with a
+    rare second one would walk every row of the common value. PostgreSQL's planner keeps
+    per-value statistics and picks the rare one itself."""
+    items = list(attributes.items())
+    if len(items) < 2 or connection.vendor != "sqlite":
+        return items
+
+    def rows_of(item: tuple[str, Any]) -> int:
+        key, value = item
+        matching = InstanceAttribute.objects.filter(key=key, value=index_text(value))
+        return matching[:DRIVER_PROBE].count()
+
+    return sorted(items, key=rows_of)
 
 
 def order_by_id(query: Any, newest_first: bool = True) -> Any:
