@@ -11,8 +11,8 @@ from typing import Any
 from django.db import connection, transaction
 
 from workflows_app.client import WorkflowBinding
-from workflows_app.engine import clock
-from workflows_app.models import Instance
+from workflows_app.engine import clock, store
+from workflows_app.models import Instance, InstanceAttribute
 
 Figures = dict[str, Any]
 PLANS = ("free", "pro", "enterprise")
@@ -34,7 +34,7 @@ def insert_tagged(workflow: str, n: int, batch: int = 5000) -> None:
     now = clock.now()
     for start in range(0, n, batch):
         with transaction.atomic():
-            Instance.objects.bulk_create(
+            rows = Instance.objects.bulk_create(
                 Instance(
                     workflow=workflow,
                     instance_id=f"{workflow}-{i}",
@@ -51,15 +51,17 @@ def insert_tagged(workflow: str, n: int, batch: int = 5000) -> None:
                 )
                 for i in range(start, min(n, start + batch))
             )
+            store.index_attributes(rows)  # the rows list filters read, as create writes them
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(f"ANALYZE {Instance._meta.db_table}")
+            for model in (Instance, InstanceAttribute):
+                cursor.execute(f"ANALYZE {model._meta.db_table}")
 
 
 def attribute_filter(n: int) -> Figures:
     """wf.list() server time over n instances of one workflow: unfiltered (the baseline),
     then by a rare attribute (n / 2000 matches), a common one (a third), a rare one with a
-    status, and a value nobody has (the worst case: every row is looked at on SQLite)."""
+    status, a value nobody has, and a common key with a rare one (given in that order)."""
     workflow = f"bench-attrs-{uuid.uuid4().hex[:6]}"
     t0 = time.perf_counter()
     insert_tagged(workflow, n)
@@ -76,11 +78,46 @@ def attribute_filter(n: int) -> Figures:
                 lambda: wf.list(attributes={"customer": "c-7"}, status="waiting")
             ),
             "attr_list_none_ms": _median_ms(lambda: wf.list(attributes={"customer": "nobody"})),
+            "attr_list_common_rare_ms": _median_ms(
+                lambda: wf.list(attributes={"plan": "pro", "customer": "c-7"})
+            ),
         }
         assert len(wf.list(attributes={"customer": "c-7"}).instances) == n // CUSTOMERS
     finally:
+        InstanceAttribute.objects.filter(instance__workflow=workflow)._raw_delete(connection.alias)
         Instance.objects.filter(workflow=workflow)._raw_delete(connection.alias)
     return figures
+
+
+def attribute_create(n: int, block: int = 50) -> Figures:
+    """What the attribute rows cost a create: create() one at a time with three attributes
+    against none, in alternating blocks of the same run (machine noise falls on both).
+    Per create, ms; the instances are never run and are deleted after."""
+    from workflows_app.client import get_workflow
+
+    binding = get_workflow("bench-step1")
+    prefix = f"attr-create-{uuid.uuid4().hex[:6]}"
+    spent = {"plain": 0.0, "tagged": 0.0}
+    try:
+        for start in range(0, n, block):
+            for kind in ("plain", "tagged") if start // block % 2 == 0 else ("tagged", "plain"):
+                t0 = time.perf_counter()
+                for i in range(start, min(n, start + block)):
+                    attributes = (
+                        {"customer": f"c-{i % CUSTOMERS}", "plan": PLANS[i % 3], "seats": i % 100}
+                        if kind == "tagged"
+                        else None
+                    )
+                    binding.create(id=f"{prefix}-{kind}-{i}", attributes=attributes)
+                spent[kind] += time.perf_counter() - t0
+    finally:
+        Instance.objects.filter(workflow="bench-step1", instance_id__startswith=prefix).delete()
+    plain, tagged = spent["plain"] * 1000 / n, spent["tagged"] * 1000 / n
+    return {
+        "attr_create_plain_ms": plain,
+        "attr_create_tagged_ms": tagged,
+        "attr_create_ratio": tagged / plain,
+    }
 
 
 def bulk_terminate(n: int) -> Figures:

@@ -78,14 +78,15 @@ class LiveServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def manage(self, *args: str) -> None:
-        subprocess.run(
+    def manage(self, *args: str) -> str:
+        return subprocess.run(
             [sys.executable, "manage.py", *args],
             cwd=ROOT,
             env=self.env,
             check=True,
             capture_output=True,
-        )
+            text=True,
+        ).stdout
 
     def start(self) -> None:
         with self.log.open("ab") as log:  # the child keeps its own copy of the descriptor
@@ -424,6 +425,67 @@ def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveSe
     server.start()
     expect(page.locator("body")).to_have_attribute("data-socket", "connected", timeout=30_000)
     assert_not_reloaded(page)
+
+
+def start_waiting_bulk_job(server: LiveServer, batch: str) -> int:
+    """Three new instances tagged batch=<batch> and a bulk terminate of them, made by
+    another process; returns the job's id."""
+    script = (
+        "from workflows_app.client import get_workflow\n"
+        "wf = get_workflow('trial-reminder')\n"
+        "for n in range(3):\n"
+        f"    wf.create({{'trial': '14 days'}}, id=f'e2e-{batch}-{{n}}',"
+        f" attributes={{'batch': '{batch}'}})\n"
+        f"print(wf.bulk('terminate', attributes={{'batch': '{batch}'}}, actor='e2e').id)"
+    )
+    return int(server.manage("shell", "-c", script).split()[-1])
+
+
+def apply_batch(server: LiveServer, job_id: int) -> None:
+    """Two instances of the job, terminated by another process (as a worker would)."""
+    server.manage("shell", "-c", f"from workflows_app import bulk; bulk.process_batch({job_id}, 2)")
+
+
+def test_the_bulk_progress_bar_follows_its_job_over_the_socket(
+    page: Page, server: LiveServer
+) -> None:
+    """Batches applied by another process reach the bar over the WebSocket, and the page
+    never reads the job's JSON (its polling fallback) while the socket is up."""
+    server.stop()
+    server.env["WFDASH_EMBEDDED_WORKER"] = "0"  # the job waits for the batches applied below
+    try:
+        server.start()
+        job_id = start_waiting_bulk_job(server, "ws")
+        polled: list[str] = []
+        page.on("request", lambda r: polled.append(r.url) if "/bulk-jobs/" in r.url else None)
+        page.goto(f"/instances/?job={job_id}")
+        panel = page.locator("[data-bulk-job-url]")
+        expect(panel).to_have_attribute("data-socket", "connected")
+        summary = page.locator("[data-bulk-summary]")
+        expect(summary).to_contain_text("0 of 3 processed")
+        mark_page(page)
+        apply_batch(server, job_id)
+        expect(summary).to_contain_text("2 of 3 processed: 2 applied")
+        expect(page.locator("[data-bulk-progress]")).to_have_attribute("value", "2")
+        apply_batch(server, job_id)
+        expect(summary).to_contain_text("3 of 3 processed: 3 applied, 0 skipped, 0 failed — done")
+        expect(panel).to_have_attribute("data-done", "1")
+        assert_not_reloaded(page)
+        assert polled == [], polled
+
+        # Without the socket (refused here), the bar polls the job's JSON instead.
+        job_id = start_waiting_bulk_job(server, "poll")
+        page.route_web_socket(re.compile(r"/ws/bulk-jobs/"), lambda ws: ws.close())
+        page.goto(f"/instances/?job={job_id}")
+        expect(panel).to_have_attribute("data-socket", "disconnected")
+        expect(summary).to_contain_text("0 of 3 processed")
+        apply_batch(server, job_id)
+        expect(summary).to_contain_text("2 of 3 processed: 2 applied")
+        assert any(f"/bulk-jobs/{job_id}/" in url for url in polled), polled
+    finally:
+        server.stop()
+        server.env["WFDASH_EMBEDDED_WORKER"] = "1"
+        server.start()
 
 
 def trace_span(page: Page, name: str) -> Any:

@@ -23,6 +23,7 @@ from workflows_app.models import (
     HistoryRecord,
     InboxEvent,
     Instance,
+    InstanceAttribute,
     Span,
     StepRecord,
 )
@@ -135,35 +136,78 @@ def test_an_attribute_key_with_double_underscores_or_dots_is_one_key(tagged):
     assert ids(tagged.list(attributes={"x.y": "z"})) == ["odd"]
 
 
-def test_sqlite_tests_attributes_from_an_index_without_reading_each_row(tagged):
-    if connection.vendor != "sqlite":
-        pytest.skip("SQLite's index of (workflow, id, attributes)")
-    sql, params = (
-        tagged.matching(attributes={"customer": "c-3"})
-        .order_by("-id")
-        .values_list("id")
-        .query.sql_with_params()
-    )
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
-        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
-    assert "instance_wf_attributes" in plan, plan
+def test_a_filter_tells_strings_numbers_and_booleans_apart_alike_on_both_databases(tagged):
+    # SPEC §9: str/int/float/bool values; numbers compare as numbers (1 == 1.0), a boolean
+    # is not a number and a string of digits is not a number.
+    for name, value in [("one", 1), ("one-float", 1.0), ("true", True), ("text", "1")]:
+        tagged.create(id=name, attributes={"v": value})
+    tagged.create(id="half", attributes={"v": 1.5, "w": False})
+    assert ids(tagged.list(attributes={"v": 1})) == ["one-float", "one"]
+    assert ids(tagged.list(attributes={"v": 1.0})) == ["one-float", "one"]
+    assert ids(tagged.list(attributes={"v": True})) == ["true"]
+    assert ids(tagged.list(attributes={"v": "1"})) == ["text"]
+    assert ids(tagged.list(attributes={"v": 1.5, "w": False})) == ["half"]
+    assert ids(tagged.list(attributes={"w": 0})) == []
+    assert ids(tagged.list(attributes={"v": "true"})) == []
 
 
-def test_postgresql_answers_an_attribute_filter_from_its_gin_index(tagged):
-    if connection.vendor != "postgresql":
-        pytest.skip("the GIN index exists on PostgreSQL only")
-    for n in range(20):
-        tagged.create(id=f"i{n}", attributes={"customer": f"c-{n}"})
-    # Across workflows (the dashboard's filter without a workflow): only the GIN index can help.
-    query = store.filter_attributes(Instance.objects.all(), {"customer": "c-3"})
-    sql, params = query.values_list("id").query.sql_with_params()
-    assert "@>" in sql
+def explain(query):
+    sql, params = query.query.sql_with_params()
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
-        cursor.execute("EXPLAIN " + sql, params)
-        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
-    assert "instance_attributes_gin" in plan, plan
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
+        cursor.execute(
+            ("EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN ") + sql, params
+        )
+        return " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+
+
+def test_a_filtered_page_walks_the_attribute_index_newest_first_without_sorting(tagged):
+    for n in range(20):
+        tagged.create(id=f"i{n}", attributes={"customer": f"c-{n % 3}"})
+    page = store.order_by_id(tagged.matching(attributes={"customer": "c-1"}))
+    assert [r.instance_id for r in page[:3]] == ["i19", "i16", "i13"]
+    plan = explain(page.values_list("id")[:51])
+    assert "instance_attribute_lookup" in plan, plan
+    if connection.vendor == "sqlite":
+        assert "TEMP B-TREE" not in plan, plan  # read in order, stopped at the page's end
+    # Across workflows (the dashboard without a workflow) the same index serves.
+    across = store.order_by_id(store.filter_attributes(Instance.objects.all(), {"customer": "c-1"}))
+    assert "instance_attribute_lookup" in explain(across.values_list("id")[:51])
+
+
+def test_a_filter_of_several_keys_walks_the_rarest_one_on_sqlite(tagged):
+    for n in range(12):
+        tagged.create(id=f"k{n}", attributes={"plan": "pro", "customer": f"c-{n}"})
+    query = tagged.matching(attributes={"plan": "pro", "customer": "c-4"})
+    assert [r.instance_id for r in store.order_by_id(query)] == ["k4"]
+    if connection.vendor == "sqlite":  # the first joined row is the one walked
+        assert 'attribute_match_0."key" = customer' in str(query.query)
+
+
+def test_attribute_rows_follow_create_set_attributes_and_delete(tagged):
+    def rows(inst):
+        return dict(
+            InstanceAttribute.objects.filter(instance_id=inst.row().pk).values_list("key", "value")
+        )
+
+    inst = tagged.create(id="r", attributes={"customer": "c-9", "plan": "pro", "seats": 2.0})
+    assert rows(inst) == {"customer": '"c-9"', "plan": '"pro"', "seats": "2"}
+    testing.run_until_idle()  # step.set_attributes: plan -> enterprise
+    assert rows(inst) == {"customer": '"c-9"', "plan": '"enterprise"', "seats": "2"}
+    assert ids(tagged.list(attributes={"plan": "enterprise", "seats": 2})) == ["r"]
+    inst.terminate()
+    pk = inst.row().pk
+    inst.delete()
+    assert not InstanceAttribute.objects.filter(instance_id=pk).exists()
+
+
+def test_set_attributes_that_fails_its_fence_writes_no_rows(tagged):
+    inst = tagged.create(id="f", attributes={"plan": "pro"})
+    with pytest.raises(store.LeaseLost):
+        store.merge_attributes(inst.row().pk, "not-the-lease", {"plan": "stolen"})
+    assert ids(tagged.list(attributes={"plan": "pro"})) == ["f"]
+    assert ids(tagged.list(attributes={"plan": "stolen"})) == []
 
 
 # --- delete ------------------------------------------------------------------------------

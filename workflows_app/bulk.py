@@ -78,6 +78,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
         if claimed is None:
             return None
         job, pks = claimed
+        transaction.on_commit(functools.partial(live.bulk_job_progressed, job.pk))
         actor = job.actor or f"bulk#{job.pk}"
         if job.action == BulkAction.TERMINATE:
             # The common case at scale: a few statements per batch instead of a few per

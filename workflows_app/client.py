@@ -289,7 +289,7 @@ class WorkflowBinding:
         query = self.matching(status, version, attributes, created_before, created_after)
         if cursor:
             query = query.filter(id__lt=decode_cursor(cursor))
-        rows = list(query.order_by("-id")[: limit + 1])
+        rows = list(store.order_by_id(query)[: limit + 1])
         more = len(rows) > limit
         rows = rows[:limit]
         return Page(

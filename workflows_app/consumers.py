@@ -2,9 +2,9 @@
 
 A dashboard socket gets a full snapshot from the database on connect, then small typed
 events (`instance.batch` on the list, `workflow.summary`, `instance.status`,
-`step.written`, `history.appended`, `span.stored`, `error.recorded`) that this process's
-fan-out hub (fanout.py) hands it, each numbered in its stream, and a `heartbeat` with the
-last number. A page that sees a number skipped sends `resync` and gets a new snapshot.
+`step.written`, `history.appended`, `span.stored`, `error.recorded`, `bulk.progress`)
+that this process's fan-out hub (fanout.py) hands it, each numbered in its stream, and a
+`heartbeat` with the last number. A page that sees a number skipped sends `resync` and gets a new snapshot.
 Clients may only send `ping`, `resync` (and `watch` on the list); anything else gets an
 `error` frame and changes nothing. A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
@@ -239,6 +239,18 @@ class InstanceListConsumer(DashboardConsumer):
             return
         self.watched = pks
         await self.resync()
+
+
+class BulkJobConsumer(DashboardConsumer):
+    """One bulk job's progress for the list page's progress bar (which polls without it)."""
+
+    def stream(self) -> str:
+        return fanout.bulk_job_stream(int(self.scope["url_route"]["kwargs"]["pk"]))
+
+    async def snapshot(self) -> dict[str, Any] | None:
+        pk = int(self.scope["url_route"]["kwargs"]["pk"])
+        jobs = await database_sync_to_async(fanout.read_bulk_jobs)([pk])
+        return {"type": "snapshot", "job": jobs[0]} if jobs else None
 
 
 def _rows(pks: list[int]) -> list[dashboard.InstanceSummaryJSON]:

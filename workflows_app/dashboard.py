@@ -323,7 +323,11 @@ def instance_page(
     """
     query = filters.apply(Instance.objects.only(*ROW_FIELDS))
     if before:
-        rows = list(query.filter(id__gt=decode_cursor(before)).order_by("id")[: limit + 1])
+        rows = list(
+            store.order_by_id(query.filter(id__gt=decode_cursor(before)), newest_first=False)[
+                : limit + 1
+            ]
+        )
         more_newer = len(rows) > limit
         rows = rows[:limit][::-1]
         return InstancePage(
@@ -333,7 +337,7 @@ def instance_page(
         )
     if after:
         query = query.filter(id__lt=decode_cursor(after))
-    rows = list(query.order_by("-id")[: limit + 1])
+    rows = list(store.order_by_id(query)[: limit + 1])
     more_older = len(rows) > limit
     rows = rows[:limit]
     return InstancePage(
@@ -351,7 +355,9 @@ def count_matching(filters: ListFilters) -> int:
 def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:
     """Instances created after the newest row a live page shows, for prepending."""
     return list(
-        filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk).order_by("-id")[:limit]
+        store.order_by_id(filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk))[
+            :limit
+        ]
     )
 
 

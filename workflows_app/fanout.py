@@ -51,6 +51,10 @@ RETRY_SECONDS = 1.0  # after a failed read (database restarting)
 # access.RECHECK_SECONDS minus it, so a change no signal reported still closes them in time.
 ACCESS_SHARED_SECONDS = 5.0
 
+# Bulk jobs followed by a page are read at least this often while unfinished: a worker
+# in another process announces its batches only through a cross-process layer (Redis).
+BULK_READ_SECONDS = 0.25
+
 LIST_STREAM = "instances"
 OVERVIEW_STREAM = "overview"
 
@@ -59,6 +63,10 @@ T = TypeVar("T")
 
 def instance_stream(pk: int) -> str:
     return f"instance.{pk}"
+
+
+def bulk_job_stream(pk: int) -> str:
+    return f"bulk.{pk}"
 
 
 class Subscriber(Protocol):
@@ -103,6 +111,21 @@ def read_rows(pks: list[int]) -> list[Instance]:
     return list(Instance.objects.only(*dashboard.ROW_FIELDS, "history_seq").filter(pk__in=pks))
 
 
+def read_bulk_jobs(pks: list[int]) -> list[dict[str, Any]]:
+    """The progress JSON (as GET …/bulk-jobs/<id>/ answers) of those that exist."""
+    from .client import BulkJobHandle
+    from .engine import errors
+    from .surfaces import bulk_job_json
+
+    jobs = []
+    for pk in pks:
+        try:
+            jobs.append(bulk_job_json(BulkJobHandle.find(pk)))
+        except errors.BulkJobNotFound:
+            continue
+    return jobs
+
+
 def read_workflow_summaries(names: set[str]) -> list[dashboard.WorkflowSummaryJSON]:
     return [s.as_json() for name in sorted(names) for s in dashboard.workflow_summaries(only=name)]
 
@@ -122,6 +145,9 @@ class Hub:
         self.pushed: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self.changed = asyncio.Event()
         self.workflows_changed = asyncio.Event()
+        self.bulk_changed = asyncio.Event()
+        # job pk -> (its progress JSON as last sent, done): a finished job is not read again
+        self.bulk_pushed: dict[int, tuple[str, bool]] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.channel: str | None = None
         self.joined: set[str] = set()
@@ -165,6 +191,8 @@ class Hub:
     def group_of(stream: str) -> str | None:
         if stream.startswith("instance."):
             return live.instance_group(int(stream.removeprefix("instance.")))
+        if stream.startswith("bulk."):
+            return live.bulk_job_group(int(stream.removeprefix("bulk.")))
         return None
 
     async def join(self, group: str) -> None:
@@ -194,7 +222,14 @@ class Hub:
         self.after = await self.read(latest_history_id)
         self.tasks = [
             asyncio.ensure_future(loop())
-            for loop in (self.listen, self.flush, self.flush_workflows, self.tail, self.heartbeat)
+            for loop in (
+                self.listen,
+                self.flush,
+                self.flush_workflows,
+                self.follow_bulk_jobs,
+                self.tail,
+                self.heartbeat,
+            )
         ]
 
     async def stop(self) -> None:
@@ -255,6 +290,9 @@ class Hub:
             return
         if kind == "wf.instance":
             self.mark(pk, message.get("kind"))
+            return
+        if kind == "wf.bulk":
+            self.bulk_changed.set()
             return
         page = page_message(message)
         stream = instance_stream(pk)
@@ -362,6 +400,32 @@ class Hub:
                     )
 
         await self.forever(one, "overview reader")
+
+    async def follow_bulk_jobs(self) -> None:
+        """Followed bulk jobs are read when a batch is announced, and every
+        BULK_READ_SECONDS without one, until done; a change is pushed as `bulk.progress`."""
+
+        async def one() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.bulk_changed.wait(), BULK_READ_SECONDS)
+            self.bulk_changed.clear()
+            await self.flush_bulk_jobs()
+
+        await self.forever(one, "bulk job reader")
+
+    async def flush_bulk_jobs(self) -> None:
+        followed = {int(s.removeprefix("bulk.")) for s in self.streams if s.startswith("bulk.")}
+        self.bulk_pushed = {pk: t for pk, t in self.bulk_pushed.items() if pk in followed}
+        pks = sorted(pk for pk in followed if not self.bulk_pushed.get(pk, ("", False))[1])
+        if not pks:
+            return
+        for job in await self.read(read_bulk_jobs, pks):
+            text = json.dumps(job, sort_keys=True)
+            if self.bulk_pushed.get(job["id"], ("", False))[0] != text:
+                self.bulk_pushed[job["id"]] = (text, bool(job["done"]))
+                await self.broadcast(
+                    bulk_job_stream(job["id"]), {"type": "bulk.progress", "job": job}
+                )
 
     # --- sending --------------------------------------------------------------------
 

@@ -118,6 +118,15 @@ def workflow_group(name: str) -> str:
     return "wfdash.workflow." + "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
 
 
+def bulk_job_group(pk: int) -> str:
+    return f"wfdash.bulk.{pk}"
+
+
+def bulk_job_progressed(pk: int) -> None:
+    """A batch of a bulk job committed: pages following the job read its progress now."""
+    publish(bulk_job_group(pk), {"type": "wf.bulk", "pk": pk})
+
+
 def _cross_process_layer() -> Any:
     """The channel layer if it reaches other processes (Redis); None for the in-memory one."""
     layer = get_channel_layer()

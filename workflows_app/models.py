@@ -112,8 +112,8 @@ class Instance(models.Model):
     # The schedule that started the instance and the tick it fired for ("" / NULL otherwise).
     schedule = models.CharField(max_length=80, blank=True, default="")
     scheduled_at = models.DateTimeField(null=True, blank=True)
-    # Search attributes (str/int/float/bool values): exact-match filters of the list. An
-    # object, never NULL, so PostgreSQL's containment (`@>`) can use its GIN index.
+    # Search attributes (str/int/float/bool values) as given, never NULL; the list's
+    # exact-match filters read their mirror, InstanceAttribute (one indexed row per key).
     attributes = models.JSONField(default=dict, blank=True)
 
     class Meta:
@@ -221,6 +221,33 @@ class Instance(models.Model):
         if not self.error_name and not self.error_message:
             return None
         return {"name": self.error_name, "message": self.error_message}
+
+
+class InstanceAttribute(models.Model):
+    """One search attribute of an instance, a row per key: what list filters look up.
+
+    Instance.attributes stays the attributes as given (shown, returned, bulk-recorded);
+    these rows mirror it, written in the same transaction by every store write of
+    attributes (create, step.set_attributes) and deleted with the instance. `value` is
+    engine.attributes.index_text(value): JSON with one spelling per number, so "1", 1
+    and true stay three values while 1 and 1.0 are one, as the JSON filter had them.
+    """
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="attribute_rows")
+    key = models.CharField(max_length=64)
+    value = models.TextField()
+
+    class Meta:
+        constraints = [
+            # step.set_attributes: INSERT ... ON CONFLICT (instance_id, key) DO UPDATE;
+            # its index also finds an instance's rows when the instance is deleted.
+            models.UniqueConstraint(fields=["instance", "key"], name="instance_attribute_key"),
+        ]
+        indexes = [
+            # list(attributes=...): WHERE key = ? AND value = ? ORDER BY instance_id DESC,
+            # one index range per filtered key, walked newest first.
+            models.Index(fields=["key", "value", "instance"], name="instance_attribute_lookup"),
+        ]
 
 
 class Schedule(models.Model):

@@ -15,5 +15,6 @@ websocket_urlpatterns: list[Any] = [
     path("ws/overview/", consumers.OverviewConsumer.as_asgi()),
     path("ws/instances/", consumers.InstanceListConsumer.as_asgi()),
     path("ws/instances/<pk:pk>/", consumers.InstanceDetailConsumer.as_asgi()),
+    path("ws/bulk-jobs/<pk:pk>/", consumers.BulkJobConsumer.as_asgi()),
     re_path(r"", consumers.UnknownPathConsumer.as_asgi()),  # last: refused, not a 500 handshake
 ]

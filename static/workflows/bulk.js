@@ -1,14 +1,36 @@
 /* wfdash: follow a bulk job's progress on the instance list until it is done.
-   Reads the job's JSON (a staff page like the list itself) every half second. */
+   Over the dashboard's WebSocket (/ws/bulk-jobs/<id>/: a snapshot, then a `bulk.progress`
+   message per committed batch) while it is up; the job's JSON is read every half second
+   only when the socket cannot be opened or has closed before the job is done. */
 (() => {
   "use strict";
   const POLL_MS = 500;
+  const OPEN_TIMEOUT_MS = 3000; // a socket not open by then: poll (it stops if one opens)
 
   function follow(panel) {
     const bar = panel.querySelector("[data-bulk-progress]");
     const summary = panel.querySelector("[data-bulk-summary]");
     const errors = panel.querySelector("[data-bulk-errors]");
+    let polling = false;
+
+    function render(job) {
+      bar.max = Math.max(job.matched, 1);
+      bar.value = job.matched ? job.processed : 1;
+      summary.textContent = `${job.processed} of ${job.matched} processed: ${job.applied} applied, ` +
+        `${job.skipped} skipped, ${job.failed} failed` + (job.done ? " — done" : "");
+      errors.replaceChildren(...job.errors.map((text) => {
+        const item = document.createElement("li");
+        item.textContent = text; // text, never HTML: messages quote instance ids
+        return item;
+      }));
+      panel.dataset.done = job.done ? "1" : "0";
+    }
+
     async function tick() {
+      if (panel.dataset.done === "1" || panel.dataset.socket === "connected") {
+        polling = false;
+        return;
+      }
       let job;
       try {
         const response = await fetch(panel.dataset.bulkJobUrl, {
@@ -20,19 +42,51 @@
         setTimeout(tick, POLL_MS * 4);
         return;
       }
-      bar.max = Math.max(job.matched, 1);
-      bar.value = job.matched ? job.processed : 1;
-      summary.textContent = `${job.processed} of ${job.matched} processed: ${job.applied} applied, ` +
-        `${job.skipped} skipped, ${job.failed} failed` + (job.done ? " — done" : "");
-      errors.replaceChildren(...job.errors.map((text) => {
-        const item = document.createElement("li");
-        item.textContent = text; // text, never HTML: messages quote instance ids
-        return item;
-      }));
-      panel.dataset.done = job.done ? "1" : "0";
-      if (!job.done) setTimeout(tick, POLL_MS);
+      render(job);
+      setTimeout(tick, POLL_MS);
     }
-    if (panel.dataset.done !== "1") tick();
+
+    function poll() {
+      if (polling || panel.dataset.done === "1") return;
+      polling = true;
+      tick();
+    }
+
+    function listen() {
+      const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+      let socket;
+      try {
+        socket = new WebSocket(`${scheme}//${location.host}${panel.dataset.bulkJobWs}`);
+      } catch (e) {
+        poll();
+        return;
+      }
+      let seq = 0;
+      const fallback = setTimeout(poll, OPEN_TIMEOUT_MS);
+      socket.addEventListener("open", () => {
+        clearTimeout(fallback);
+        panel.dataset.socket = "connected";
+      });
+      socket.addEventListener("message", (event) => {
+        const message = JSON.parse(event.data);
+        if (message.type === "snapshot" || message.type === "bulk.progress") {
+          seq = message.seq;
+          render(message.job); // the whole job each time: a missed message loses nothing
+          if (message.job.done) socket.close();
+        } else if (message.type === "heartbeat" && message.seq > seq) {
+          socket.send(JSON.stringify({ type: "resync" })); // missed the latest: read it again
+        }
+      });
+      socket.addEventListener("close", () => {
+        clearTimeout(fallback);
+        panel.dataset.socket = "disconnected";
+        poll(); // nothing if the job is done
+      });
+    }
+
+    if (panel.dataset.done === "1") return;
+    if (panel.dataset.bulkJobWs && "WebSocket" in window) listen();
+    else poll();
   }
 
   // "Apply to all N matching": counted when opened, so the list itself never pays for it.

@@ -326,3 +326,64 @@ async def test_a_socket_that_missed_a_message_sees_the_gap_and_resyncs_to_the_da
     assert snapshot["seq"] >= heartbeat["seq"]
     assert [(i["id"], i["status"]) for i in snapshot["instances"]] == [("gap-1", "paused")]
     await communicator.disconnect()
+
+
+async def waiting_bulk_job(workflow: str, n: int) -> int:
+    """n instances parked on their event and a bulk terminate of them (nothing applied yet)."""
+    for i in range(n):
+        await get_workflow(workflow).acreate(id=f"bulk-{i}")
+    await testing.arun_until_idle()
+    job = await get_workflow(workflow).abulk("terminate", status="waiting", actor="test")
+    return job.id
+
+
+async def test_the_bulk_job_socket_pushes_each_batch_as_it_commits(approval_workflow, monkeypatch):
+    from workflows_app import bulk, fanout
+
+    # Only the batch's own announcement can bring the update within the test's wait.
+    monkeypatch.setattr(fanout, "BULK_READ_SECONDS", 3600.0)
+    job_id = await waiting_bulk_job(approval_workflow, 3)
+    communicator, connected = await connect(f"/ws/bulk-jobs/{job_id}/", await staff_cookie())
+    assert connected
+    snapshot = await receive_until(communicator, "snapshot")
+    assert (snapshot["job"]["matched"], snapshot["job"]["processed"]) == (3, 0)
+    await database_sync_to_async(bulk.process_batch)(job_id, 2)
+    first = (await receive_until(communicator, "bulk.progress"))["job"]
+    assert (first["processed"], first["applied"], first["done"]) == (2, 2, False)
+    await database_sync_to_async(bulk.process_batch)(job_id, 2)
+    last = (await receive_until(communicator, "bulk.progress"))["job"]
+    assert (last["processed"], last["applied"], last["done"]) == (3, 3, True)
+    assert [last] == await database_sync_to_async(fanout.read_bulk_jobs)([job_id])
+    await communicator.disconnect()
+
+
+async def test_a_bulk_job_batch_nobody_announced_still_reaches_its_page(approval_workflow):
+    """A worker in another process without a cross-process layer announces nothing: the
+    hub reads followed, unfinished jobs on its own."""
+    from channels.layers import get_channel_layer
+
+    from workflows_app import bulk
+
+    job_id = await waiting_bulk_job(approval_workflow, 2)
+    communicator, connected = await connect(f"/ws/bulk-jobs/{job_id}/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    layer = get_channel_layer()
+    sent = layer.group_send
+
+    async def drop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    layer.group_send = drop
+    try:
+        await database_sync_to_async(bulk.process_batch)(job_id)
+        progress = (await receive_until(communicator, "bulk.progress", timeout=2.0))["job"]
+    finally:
+        layer.group_send = sent
+    assert (progress["processed"], progress["done"]) == (2, True)
+    await communicator.disconnect()
+
+
+async def test_an_unknown_bulk_job_is_refused():
+    _, connected = await connect("/ws/bulk-jobs/999999/", await staff_cookie())
+    assert not connected

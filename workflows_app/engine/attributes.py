@@ -1,7 +1,8 @@
 """Search attributes: small typed key/value pairs an instance is found by.
 
 Values are str, int, float or bool, so an exact-match filter means the same on both
-databases (a JSON object of scalars: PostgreSQL containment, SQLite json_extract).
+databases: a JSON object of scalars on the instance, mirrored one row per key (its value
+as index_text) in the indexed table the filters read.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def check_attributes(attributes: object, what: str = "attributes") -> dict[str, 
     if len(attributes) > MAX_ATTRIBUTES:
         raise LimitExceeded("max attributes", len(attributes), MAX_ATTRIBUTES, what)
     return {check_key(k): check_value(k, v) for k, v in attributes.items()}
+
+
+def index_text(value: Scalar) -> str:
+    """The text a value is stored under in the attribute rows and looked up by: its JSON,
+    with a float that is a whole number in the 64-bit range spelled as that integer. So a
+    filter keeps the JSON filter's types: 1 finds 1 and 1.0, true is not 1, "1" is not 1."""
+    if isinstance(value, float) and value.is_integer() and -INT64 <= value < INT64:
+        value = int(value)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def parse_value(text: str) -> Scalar:

@@ -41,7 +41,7 @@ from .control import (
     terminate,
     terminate_batch,
 )
-from .dialect import filter_attributes, measure_clock_offset, retry_while_locked, transient
+from .dialect import measure_clock_offset, retry_while_locked, transient
 from .leases import (
     claim_and_load,
     claim_runnable,
@@ -64,6 +64,7 @@ from .runs import (
     rewrite_step,
     write_steps,
 )
+from .search import filter_attributes, index_attributes, order_by_id
 from .wakes import WakeListener, hint_workers
 
 __all__ = [
@@ -94,11 +95,13 @@ __all__ = [
     "heartbeat",
     "hint_workers",
     "holding_places",
+    "index_attributes",
     "load_run",
     "load_runs",
     "measure_clock_offset",
     "merge_attributes",
     "next_wake_at",
+    "order_by_id",
     "park",
     "park_unrunnable",
     "pause",

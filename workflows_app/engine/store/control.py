@@ -57,6 +57,7 @@ from .records import (
     locked_instance,
     wake_parent,
 )
+from .search import index_attributes
 from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
@@ -446,6 +447,7 @@ def _create_instances(
         fresh = [i for n, i in enumerate(items) if n not in found]
     rows = [_new_row(name, version, item, actor, now, controlled) for item in fresh]
     Instance.objects.bulk_create(rows)
+    index_attributes(rows)
     if controlled and rows:
         admitted = set(promote_queued(name, limits, now, created={r.pk for r in rows}))
         for row in rows:

@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
-from django.db.models import F, Func, IntegerField, Value
-from django.db.models.fields.json import KeyTransform
 
 from .. import clock
 
 LOCKED_RETRIES = 3
 # Printable ASCII without quote or backslash: JSON writes such a string the same everywhere.
-PLAIN_TEXT = re.compile(r"[ !#-\[\]-~]*\Z")
 
 
 def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,40 +163,6 @@ def measure_clock_offset_on_connect(sender: Any, connection: Any, **kwargs: Any)
             logging.getLogger("workflows_app.engine").warning(
                 "could not read the database's clock", exc_info=True
             )
-
-
-def filter_attributes(query: Any, attributes: dict[str, Any]) -> Any:
-    """Instances whose attributes hold every key with exactly that value.
-
-    PostgreSQL: one containment test (`attributes @> '{...}'`), which its GIN index
-    (jsonb_path_ops) answers. SQLite: json_extract per key; no index can cover arbitrary
-    keys there, so it filters the rows the other conditions leave (see docs/operating.md).
-    """
-    if not attributes:
-        return query
-    if connection.vendor == "postgresql":
-        return query.filter(attributes__contains=attributes)
-    for position, (key, value) in enumerate(attributes.items()):
-        if isinstance(value, str) and PLAIN_TEXT.match(value):
-            # A cheap pre-test before json_extract parses the row's JSON: a plain string
-            # value is stored as the same quoted text by every writer (Python's json and
-            # SQLite's json_patch), so a row without that text cannot match. About 10x
-            # fewer parses for a rare value.
-            hint = f"attribute_text_{position}"
-            query = query.alias(
-                **{
-                    hint: Func(
-                        F("attributes"),
-                        Value(f'"{value}"'),
-                        function="INSTR",
-                        output_field=IntegerField(),
-                    )
-                }
-            ).filter(**{f"{hint}__gt": 0})
-        # An explicit KeyTransform: a key may contain "__", which a lookup string would split.
-        alias = f"attribute_{position}"
-        query = query.alias(**{alias: KeyTransform(key, "attributes")}).filter(**{alias: value})
-    return query
 
 
 def merge_json_sql(column: str) -> str:

@@ -54,6 +54,7 @@ from .records import (
     insert_history,
     wake_parent,
 )
+from .search import upsert_attributes
 
 STEP_COLUMNS = (
     "instance_id",
@@ -723,3 +724,4 @@ def merge_attributes(pk: int, token: str, attributes: dict[str, Any]) -> None:
                 "WHERE id = %s",
                 [json.dumps(attributes, separators=(",", ":")), pk],
             )
+        upsert_attributes(pk, attributes)

@@ -1,0 +1,96 @@
+"""Search attributes in the database: the rows list filters look up, and the filter.
+
+Every write of an instance's attributes goes through here, inside the writer's
+transaction, so the rows (models.InstanceAttribute) never disagree with the JSON column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import connection
+from django.db.models import F, FilteredRelation, Q
+
+from ...models import Instance, InstanceAttribute
+from ..attributes import index_text
+
+ATTRIBUTE_TABLE = InstanceAttribute._meta.db_table
+ATTRIBUTE_ALIAS = "attribute_match_"  # the joined row of the filter's n-th key
+ATTRIBUTE_ORDER = "attribute_order"  # the first joined row's instance id: the list order
+DRIVER_PROBE = 1000  # rows counted at most per key of a SQLite filter, to pick the rarest
+
+
+def index_attributes(instances: Iterable[Instance]) -> None:
+    """Rows for the attributes of instances just inserted (create; inside its transaction)."""
+    InstanceAttribute.objects.bulk_create(
+        InstanceAttribute(instance_id=row.pk, key=key, value=index_text(value))
+        for row in instances
+        for key, value in (row.attributes or {}).items()
+    )
+
+
+def upsert_attributes(pk: int, attributes: Mapping[str, Any]) -> None:
+    """step.set_attributes: the keys' rows take the new values (inside the caller's
+    transaction, after the JSON column's own upsert)."""
+    if not attributes:
+        return
+    values = ", ".join(["(%s, %s, %s)"] * len(attributes))
+    params: list[Any] = []
+    for key, value in attributes.items():
+        params += [pk, key, index_text(value)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {ATTRIBUTE_TABLE} (instance_id, key, value) VALUES {values} "
+            "ON CONFLICT (instance_id, key) DO UPDATE SET value = excluded.value",
+            params,
+        )
+
+
+def filter_attributes(query: Any, attributes: Mapping[str, Any]) -> Any:
+    """Instances whose attributes hold every key with exactly that value (index_text's
+    equality: 1 matches 1.0, never true or "1").
+
+    Each key joins its row by (key, value). Order the result with order_by_id(): it sorts
+    by the first key's row, which SQLite then walks newest first in the index of (key,
+    value, instance), stopping at the page's end: a rare value reads its own few rows, a
+    common one about a page of them. Sorting by the instance's id instead would first
+    collect every match.
+    """
+    for position, (key, value) in enumerate(rarest_first(attributes)):
+        name = f"{ATTRIBUTE_ALIAS}{position}"
+        query = query.alias(
+            **{
+                name: FilteredRelation(
+                    "attribute_rows",
+                    condition=Q(attribute_rows__key=key, attribute_rows__value=index_text(value)),
+                )
+            }
+        ).filter(**{f"{name}__isnull": False})
+        if position == 0:
+            query = query.alias(**{ATTRIBUTE_ORDER: F(f"{name}__instance_id")})
+    return query
+
+
+def rarest_first(attributes: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The filter's keys, on SQLite the one with the fewest rows first (counted up to
+    DRIVER_PROBE each): SQLite walks the first key's rows, so a common first key with a
+    rare second one would walk every row of the common value. PostgreSQL's planner keeps
+    per-value statistics and picks the rare one itself."""
+    items = list(attributes.items())
+    if len(items) < 2 or connection.vendor != "sqlite":
+        return items
+
+    def rows_of(item: tuple[str, Any]) -> int:
+        key, value = item
+        matching = InstanceAttribute.objects.filter(key=key, value=index_text(value))
+        return matching[:DRIVER_PROBE].count()
+
+    return sorted(items, key=rows_of)
+
+
+def order_by_id(query: Any, newest_first: bool = True) -> Any:
+    """query ordered by instance id; through the attribute row when filter_attributes
+    joined one (the same order, read from an index instead of sorted)."""
+    column = ATTRIBUTE_ORDER if ATTRIBUTE_ORDER in query.query.annotations else "id"
+    return query.order_by(f"-{column}" if newest_first else column)
