@@ -250,5 +250,9 @@ def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_wa
     assert again.id == "c-1"  # the key's instance, not a new one
     assert Instance.objects.filter(workflow="fast-path-create").count() == 1
     assert HistoryRecord.objects.filter(instance=row).count() == 1
+    tagged = workflow.create(id="c-3", attributes={"customer": "acme", "tier": 2})
+    assert [
+        i.id for i in workflow.list(attributes={"customer": "acme", "tier": 2.0}).instances
+    ] == [tagged.id]  # the attribute rows were written by the same statement
     testing.run_until_idle()
     assert first.status().output == {"n": 1}

@@ -28,6 +28,7 @@ from ...models import (
     StepStatus,
 )
 from .. import clock, lifecycle, retention
+from ..attributes import index_text
 from ..errors import (
     InstanceAlreadyExists,
     InstanceNotFound,
@@ -57,7 +58,7 @@ from .records import (
     locked_instance,
     wake_parent,
 )
-from .search import index_attributes
+from .search import ATTRIBUTE_TABLE, index_attributes
 from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
@@ -542,10 +543,20 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
     row = _new_row(name, version, item, actor, now, controlled=False)
     fields = [f for f in Instance._meta.concrete_fields if not f.primary_key]
     values = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
+    attributes = [
+        part for key, value in (row.attributes or {}).items() for part in (key, index_text(value))
+    ]
     with connection.cursor() as cursor:
         cursor.execute(
-            _create_sql(tuple(f.column for f in fields)),
-            [*values, db_time(now), json.dumps(_created_data(row)), actor, WAKE_CHANNEL],
+            _create_sql(tuple(f.column for f in fields), len(attributes) // 2),
+            [
+                *values,
+                db_time(now),
+                json.dumps(_created_data(row)),
+                actor,
+                *attributes,
+                WAKE_CHANNEL,
+            ],
         )
         returned = cursor.fetchone()
     if returned is None:
@@ -555,16 +566,23 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
 
 
 @functools.cache
-def _create_sql(columns: tuple[str, ...]) -> str:
+def _create_sql(columns: tuple[str, ...], attribute_count: int) -> str:
+    """The statement of _create_at_once for one shape (cached per shape)."""
     every = ", ".join(f.column for f in Instance._meta.concrete_fields)
-    return (
-        f"WITH new AS (INSERT INTO {INSTANCE_TABLE} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING {every}), "
+    parts = [
+        f"new AS (INSERT INTO {INSTANCE_TABLE} ({', '.join(columns)}) "
+        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING {every})",
         f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
-        "SELECT id, 1, %s, 'instance.created', CAST(%s AS jsonb), %s FROM new), "
-        "hint AS (SELECT pg_notify(%s, 'created ' || id) FROM new) "
-        "SELECT new.*, (SELECT count(*) FROM hint) FROM new"
-    )
+        "SELECT id, 1, %s, 'instance.created', CAST(%s AS jsonb), %s FROM new)",
+    ]
+    if attribute_count:  # the rows attribute filters look up (search.index_attributes)
+        pairs = ", ".join(["(CAST(%s AS text), CAST(%s AS text))"] * attribute_count)
+        parts.append(
+            f"attributes AS (INSERT INTO {ATTRIBUTE_TABLE} (instance_id, key, value) "
+            f"SELECT new.id, a.key, a.value FROM new, (VALUES {pairs}) AS a(key, value))"
+        )
+    parts.append("hint AS (SELECT pg_notify(%s, 'created ' || id) FROM new)")
+    return f"WITH {', '.join(parts)} SELECT new.*, (SELECT count(*) FROM hint) FROM new"
 
 
 # --- children ---------------------------------------------------------------------------
