@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tests import fleet_workflows
 from tests.polling import wait_until
@@ -209,8 +209,9 @@ def test_a_connection_dropped_after_every_checkpoint_duplicates_no_checkpoint_hi
     wait_until(
         lambda: inst.status().status == "waiting", 30, "the instance to park on its event wait"
     )
-    inst.send_event("go", {"n": 1})
-    inst.send_event("go", {"n": 2})  # a second one: must stay in the inbox, unconsumed
+    with transaction.atomic():  # both land before the worker can see either (and finish)
+        inst.send_event("go", {"n": 1})
+        inst.send_event("go", {"n": 2})  # a second one: must stay in the inbox, unconsumed
     wait_until(lambda: inst.status().status == "complete", 30, "the instance to complete")
     assert inst.status().output == {"n": 1}
     assert executions("drop") == {("drop", "before"): 1, ("drop", "after"): 1}
