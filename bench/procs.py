@@ -76,6 +76,12 @@ class WorkerProcess:
     def stop(self) -> None:
         stop_process(self.process, self.log)
 
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def stop_process(process: subprocess.Popen[bytes], log: Any) -> None:
     """SIGTERM (idempotent: stop_all() may have sent it), then kill after 20 s; drop the log."""
@@ -88,12 +94,6 @@ def stop_process(process: subprocess.Popen[bytes], log: Any) -> None:
             process.wait(10)
     log.close()
     os.unlink(log.name)
-
-    def __enter__(self) -> WorkerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def stop_all(procs: list[WorkerProcess]) -> None:
