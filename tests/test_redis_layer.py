@@ -59,3 +59,26 @@ async def test_an_idle_receive_outlasts_the_blocking_pop(redis_layer):
         "type": "late"
     }
     await sender
+
+
+def test_a_full_engine_channel_is_reported_once_a_minute_not_per_message(settings, caplog):
+    """No runworker reads the engine channel: hints pile up until the layer refuses them.
+    That is said once, in a line, not as a traceback per hint (a herd sends thousands)."""
+    import logging
+
+    from workflows_app import live
+
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 1}}
+    }
+    sender = live.Sender()
+
+    async def hint_many() -> None:
+        for n in range(5):
+            await sender._send(None, {"type": "wf.hint", "kind": "wake", "n": n})
+
+    with caplog.at_level(logging.WARNING, logger="workflows_app.live"):
+        asyncio.run(hint_many())
+    reports = [r for r in caplog.records if r.name == "workflows_app.live"]
+    assert len(reports) == 1, [r.getMessage() for r in reports]
+    assert "channel layer full" in reports[0].getMessage() and reports[0].exc_info is None

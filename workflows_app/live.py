@@ -12,12 +12,14 @@ import atexit
 import hashlib
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+from channels.exceptions import ChannelFull
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 
 from .engine.worker import notify_local
@@ -238,6 +240,7 @@ class Sender:
         self.wake = asyncio.Event()
         self.idle = asyncio.Event()  # set when nothing is waiting to be sent
         self.idle.set()
+        self.full_warned_at = -float("inf")  # time.monotonic() of the last ChannelFull warning
         threading.Thread(
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
@@ -289,12 +292,24 @@ class Sender:
                 await layer.send(ENGINE_CHANNEL, message)
             else:
                 await layer.group_send(group, message)
+        except ChannelFull:
+            # Nobody reads the engine channel (no runworker up): say so once a minute,
+            # not with a traceback per message. Workers still poll (and hear NOTIFY).
+            now = time.monotonic()
+            if now - self.full_warned_at >= FULL_WARNING_SECONDS:
+                self.full_warned_at = now
+                log.warning(
+                    "channel layer full: %s to %s dropped (is a `runworker workflows` running?)",
+                    message.get("type"),
+                    group or ENGINE_CHANNEL,
+                )
         except Exception:  # a lost hint or notification costs latency only
             log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
 
 
 _sender: Sender | None = None
 _sender_lock = threading.Lock()
+FULL_WARNING_SECONDS = 60.0  # a full channel layer is reported at most this often
 FLUSH_SECONDS = 5.0  # the longest a process's exit waits for its last messages
 
 
