@@ -209,3 +209,42 @@ def test_metrics_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: 
         assert received.get(name) == {"wfdash.engine"}, (name, received)
     # The database gauges are /metrics' alone: the exporter's thread does not query.
     assert "wfdash.backlog" not in received
+
+
+def test_a_worker_process_serves_its_own_runs_and_steps_on_its_metrics_port(workers):
+    """In a fleet the runs happen in `runworker` processes: each serves its own
+    instruments for Prometheus (WFDASH_METRICS_PORT), loopback-bound unless told otherwise."""
+    import socket
+    import urllib.request
+
+    from tests import fleet_workflows
+    from tests.polling import wait_until
+
+    fleet_workflows.ensure_ledger()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers(1, WFDASH_METRICS_PORT=str(port))
+    inst = get_workflow("rel-race").create(id="metered")
+    wait_until(lambda: inst.status().status == "complete", 30, "the worker to run it")
+
+    def served() -> dict[tuple[str, tuple], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    # Counted when the run ends, which the status shows a moment before the counter moves.
+    wait_until(
+        lambda: sample(served(), "wfdash_instances_finished_total", workflow="rel-race") == 1,
+        10,
+        "the worker's counter of finished runs",
+    )
+    samples = served()
+    assert sample(samples, "wfdash_instances_started_total", workflow="rel-race") == 1
+    assert sample(samples, "wfdash_step_duration_seconds_count", workflow="rel-race") == 3
+    # The fleet-wide database gauges are the web process's /metrics, not each worker's.
+    assert sample(samples, "wfdash_instances", workflow="rel-race") == 0

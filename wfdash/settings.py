@@ -255,12 +255,17 @@ WFDASH = {
     "TRACING": env_bool("WFDASH_TRACING", True),
     # Refuse a changed class under an already-registered version (see registry.py).
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
+    # A sleep ending within this many ms is waited for by its run, not parked and woken.
+    "SLEEP_IN_PROCESS_MS": int(os.environ.get("WFDASH_SLEEP_IN_PROCESS_MS", "1000")),
+    # A `runworker workflows` process serves its own metrics (runs, steps, latencies) in
+    # Prometheus text on this port (unset: it serves none); the web process's /metrics has
+    # the fleet-wide database gauges. Bound to METRICS_ADDR: loopback unless set.
+    "METRICS_PORT": int(os.environ.get("WFDASH_METRICS_PORT") or 0) or None,
+    "METRICS_ADDR": os.environ.get("WFDASH_METRICS_ADDR", "127.0.0.1"),
     # Checkpoints of concurrent runs share one transaction (group commit). Default: on for
     # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
     # PostgreSQL, whose parallel connections already overlap commits (on, its group is
     # pipelined; a group cut by a dropped connection is written again, not re-run).
-    # A sleep ending within this many ms is waited for by its run, not parked and woken.
-    "SLEEP_IN_PROCESS_MS": int(os.environ.get("WFDASH_SLEEP_IN_PROCESS_MS", "1000")),
     "GROUP_COMMIT": env_bool(
         "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
     ),

@@ -25,13 +25,13 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .engine import clock, lifecycle
 from .models import Instance
 
-__all__ = ["CONTENT_TYPE_LATEST", "configure", "scrape"]
+__all__ = ["CONTENT_TYPE_LATEST", "configure", "scrape", "serve_process_metrics"]
 
 # Counts read once per scrape, shared by the gauges that need them; None outside a scrape.
 _scrape_counts: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
@@ -98,6 +98,16 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
         )
         _provider = provider
         return provider
+
+
+def serve_process_metrics(port: int, addr: str) -> Any:
+    """This process's instruments over HTTP for Prometheus, in a thread of their own (a
+    worker's runs, steps and latencies; the database gauges stay with the web's /metrics).
+    Returns the server (its shutdown() stops it)."""
+    configure()
+    assert _registry is not None
+    server, _ = start_http_server(port, addr=addr, registry=_registry)
+    return server
 
 
 def scrape() -> bytes:

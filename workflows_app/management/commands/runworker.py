@@ -15,9 +15,11 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
+from django.conf import settings
 
 from workflows_app.engine.worker import Worker as EngineWorker
 from workflows_app.engine.worker import notify_local
@@ -109,12 +111,15 @@ class EngineChannelsWorker(ChannelsWorker):
             asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
         ]
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
+        metrics_server = serve_metrics()
         log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
         try:
             await engine.serve(stop)
         finally:
             for listener in listeners:
                 listener.cancel()
+            if metrics_server is not None:
+                metrics_server.shutdown()
             report.end(engine)
 
     async def keep_listening(self, listen: Callable[[str], Awaitable[None]], channel: str) -> None:
@@ -135,6 +140,20 @@ class EngineChannelsWorker(ChannelsWorker):
         while True:
             message = await self.channel_layer.receive(channel)
             notify_local(str(message.get("kind", "wake")), message.get("pk"))
+
+
+def serve_metrics() -> Any:
+    """WFDASH["METRICS_PORT"]: this worker's own metrics for Prometheus to scrape."""
+    conf = getattr(settings, "WFDASH", {})
+    port = conf.get("METRICS_PORT")
+    if not port or not conf.get("METRICS", True):
+        return None
+    from workflows_app import metrics
+
+    addr = conf.get("METRICS_ADDR", "127.0.0.1")
+    server = metrics.serve_process_metrics(int(port), addr)
+    log.info("wfdash worker metrics at http://%s:%s/metrics", addr, server.server_port)
+    return server
 
 
 class Command(ChannelsRunworker):
