@@ -256,3 +256,25 @@ def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_wa
     ] == [tagged.id]  # the attribute rows were written by the same statement
     testing.run_until_idle()
     assert first.status().output == {"n": 1}
+
+
+def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
+    """The claim's load and the one-statement create read raw rows: their JSON columns go
+    through the fields' own conversion, as an ORM read does."""
+    postgres_only()
+    from workflows_app.models import Instance
+
+    @register("fast-path-rows")
+    class Waits(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("wait", type="go")).payload
+
+    inst = get_workflow("fast-path-rows").create(id="rows", attributes={"customer": "acme"})
+    testing.run_until_idle()
+    inst.send_event("go", {"n": 1})
+    [(pk, _, loaded)] = store.claim_and_load("probe", 5, 30)
+    assert loaded.instance.attributes == {"customer": "acme"}
+    assert loaded.instance.attributes == Instance.objects.get(pk=pk).attributes
+    assert [e.payload_json for e in loaded.events["go"][0]] == ['{"n":1}']
+    assert loaded.steps["wait"].status == "waiting"
+    assert store.load_runs([pk])[pk].instance.attributes == {"customer": "acme"}

@@ -56,6 +56,7 @@ from .records import (
     clear_lease,
     close_open_steps,
     locked_instance,
+    models_from_rows,
     wake_parent,
 )
 from .search import ATTRIBUTE_TABLE, index_attributes
@@ -561,8 +562,8 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
         returned = cursor.fetchone()
     if returned is None:
         return None
-    names = [f.attname for f in Instance._meta.concrete_fields]
-    return Instance.from_db(connection.alias, names, returned[:-1])
+    (created,) = models_from_rows(Instance, [returned[:-1]])
+    return created
 
 
 @functools.cache

@@ -8,14 +8,14 @@ worker claims the instances again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Exists, Min, OuterRef, Q
-from django.db.models.expressions import RawSQL
+from django.db.models import Min, Q
 
 from ...models import (
     InboxEvent,
@@ -36,10 +36,13 @@ from .dialect import (
 )
 from .records import (
     HISTORY_TABLE,
+    INBOX_TABLE,
     INSTANCE_TABLE,
+    STEP_TABLE,
     History,
     LoadedRun,
     insert_history,
+    models_from_rows,
 )
 
 
@@ -55,6 +58,15 @@ def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
     """Several instances with all their checkpoints, and the oldest buffered events of the
     types their waiting steps wait for: three queries at most, bounded whatever is buffered.
     Other events are read when a wait asks for them (unconsumed_events)."""
+    if writes_in_one_statement():
+        ids = list(pks)
+        with connection.cursor() as cursor:
+            rows = []
+            for sql, params in _load_statements(ids, EVENTS_PER_LOAD * len(ids)):
+                cursor.execute(sql, params)
+                rows.append(cursor.fetchall())
+        instances, steps, events = (models_from_rows(m, r) for m, r in zip(LOADED_MODELS, rows))
+        return _assemble(instances, steps, events, len(instances))
     instances = list(Instance.objects.filter(id__in=list(pks)))
     steps = list(StepRecord.objects.filter(instance_id__in=[i.pk for i in instances]))
     awaited = {
@@ -282,36 +294,22 @@ def _claim_and_load_pipelined(
     the reads find the claimed rows by the tokens this worker chose."""
     now = clock.now()
     params = _claim_params(worker_id, limit, now, now + timedelta(seconds=lease_seconds), exclude)
-    tokens = params["tokens"]
-    claimed_ids = RawSQL(f"SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(%s)", [tokens])
-    waiting_for_it = StepRecord.objects.filter(
-        instance_id=OuterRef("instance_id"),
-        event_type=OuterRef("type"),
-        kind=StepKind.WAIT_FOR_EVENT,
-        status=StepStatus.WAITING,
-    )
-    reads = [
-        Instance.objects.filter(id__in=claimed_ids),
-        StepRecord.objects.filter(instance_id__in=claimed_ids),
-        InboxEvent.objects.filter(
-            Exists(waiting_for_it), instance_id__in=claimed_ids, consumed_at__isnull=True
-        ).order_by("id")[: EVENTS_PER_LOAD * limit],
-    ]
+    reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
     connection.ensure_connection()
     with connection.connection.pipeline():
         claim = connection.cursor()
         claim.execute(CLAIM_SQL, params)
         cursors = []
-        for query in reads:
-            sql, query_params = query.query.sql_with_params()
+        for sql, read_params in reads:
             cursor = connection.cursor()
-            cursor.execute(sql, query_params)
+            cursor.execute(sql, read_params)
             cursors.append(cursor)
     claimed = [(pk, token) for pk, token in claim.fetchall()]
     try:
         faults.hit("after_claim")
         instances, steps, events = (
-            _models(query.model, cursor.fetchall()) for query, cursor in zip(reads, cursors)
+            models_from_rows(model, cursor.fetchall())
+            for model, cursor in zip(LOADED_MODELS, cursors)
         )
         loaded = _assemble(instances, steps, events, limit)
     except DatabaseError:
@@ -320,9 +318,40 @@ def _claim_and_load_pipelined(
     return [(pk, token, loaded.get(pk)) for pk, token in claimed]
 
 
-def _models(model: Any, rows: list[tuple[Any, ...]]) -> list[Any]:
-    names = [f.attname for f in model._meta.concrete_fields]
-    return [model.from_db(connection.alias, names, row) for row in rows]
+LOADED_MODELS = (Instance, StepRecord, InboxEvent)
+
+
+def _columns(model: Any, alias: str) -> str:
+    return ", ".join(f'{alias}."{f.column}"' for f in model._meta.concrete_fields)
+
+
+def _load_statements(
+    keys: Sequence[Any], events_limit: int, by_token: bool = False
+) -> list[tuple[str, list[Any]]]:
+    """load_runs' three reads as SQL (PostgreSQL), by instance id or by lease token (the
+    reads pipelined after a claim): building them with the ORM cost more than running them
+    (0.7 of 1.1 ms per read here)."""
+    instances, steps, events = _load_sql(by_token)
+    keys = list(keys)
+    waiting = [StepKind.WAIT_FOR_EVENT, StepStatus.WAITING, events_limit]
+    return [(instances, [keys]), (steps, [keys]), (events, [keys, *waiting])]
+
+
+@functools.cache
+def _load_sql(by_token: bool) -> tuple[str, str, str]:
+    ids = (
+        f"(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(%s))"
+        if by_token
+        else "(SELECT unnest(CAST(%s AS bigint[])))"
+    )
+    return (
+        f"SELECT {_columns(Instance, 'i')} FROM {INSTANCE_TABLE} i WHERE i.id IN {ids}",
+        f"SELECT {_columns(StepRecord, 's')} FROM {STEP_TABLE} s WHERE s.instance_id IN {ids}",
+        f"SELECT {_columns(InboxEvent, 'e')} FROM {INBOX_TABLE} e WHERE e.instance_id IN {ids} "
+        "AND e.consumed_at IS NULL AND EXISTS (SELECT 1 FROM "
+        f"{STEP_TABLE} w WHERE w.instance_id = e.instance_id AND w.event_type = e.type "
+        "AND w.kind = %s AND w.status = %s) ORDER BY e.id LIMIT %s",
+    )
 
 
 @retry_while_locked

@@ -202,3 +202,18 @@ def locked_instance(name: str, instance_id: str) -> Instance:
 
 def clear_lease() -> dict[str, Any]:
     return {"lease_token": None, "lease_owner": "", "lease_expires_at": None}
+
+
+def models_from_rows(model: Any, rows: list[tuple[Any, ...]]) -> list[Any]:
+    """Model objects from raw rows in concrete-field order, through the fields' own
+    from_db_value (a JSONField's column arrives as text)."""
+    fields = model._meta.concrete_fields
+    names = [f.attname for f in fields]
+    converters = [(i, f.from_db_value) for i, f in enumerate(fields) if hasattr(f, "from_db_value")]
+    objects = []
+    for row in rows:
+        values = list(row)
+        for i, convert in converters:
+            values[i] = convert(values[i], None, connection)
+        objects.append(model.from_db(connection.alias, names, values))
+    return objects
