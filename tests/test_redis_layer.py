@@ -65,17 +65,19 @@ def test_a_full_engine_channel_is_reported_once_a_minute_not_per_message(setting
     """No runworker reads the engine channel: hints pile up until the layer refuses them.
     That is said once, in a line, not as a traceback per hint (a herd sends thousands)."""
     import logging
+    import types
 
     from workflows_app import live
 
     settings.CHANNEL_LAYERS = {
         "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 1}}
     }
-    sender = live.Sender()
+    # The sender's send alone, without its thread and loop (which outlive the test).
+    sender = types.SimpleNamespace(full_warned_at=-float("inf"))
 
     async def hint_many() -> None:
         for n in range(5):
-            await sender._send(None, {"type": "wf.hint", "kind": "wake", "n": n})
+            await live.Sender._send(sender, None, {"type": "wf.hint", "kind": "wake", "n": n})
 
     with caplog.at_level(logging.WARNING, logger="workflows_app.live"):
         asyncio.run(hint_many())
