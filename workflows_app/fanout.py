@@ -31,10 +31,11 @@ from .models import HistoryRecord, Instance
 log = logging.getLogger("workflows_app.fanout")
 
 WINDOW_SECONDS = 0.05  # instances that change within it are read in one query
-# A busy hub widens its windows to BUSY_FACTOR times what the last one took to read and
-# send (up to MAX_WINDOW_SECONDS): sending every socket a frame per change would take the
-# whole event loop, which also serves the API and the pages.
-BUSY_FACTOR = 4.0
+# A busy hub starts its flushes at least BUSY_FACTOR times what the last one took to read
+# and send apart (up to MAX_WINDOW_SECONDS): sending every socket a frame per change would
+# take the event loop, which also serves the API and the pages (and the frames' writes
+# after the flush cost as much again). A change after a quiet spell waits WINDOW_SECONDS.
+BUSY_FACTOR = 20.0
 MAX_WINDOW_SECONDS = 0.4
 OVERVIEW_WINDOW_SECONDS = 0.25  # one summary per workflow per window, however busy it is
 TAIL_SECONDS = 0.25  # how often the history table is tailed while a socket is open
@@ -335,16 +336,19 @@ class Hub:
     # --- the reads and what they send -----------------------------------------------
 
     async def flush(self) -> None:
-        window = WINDOW_SECONDS
+        window, last_start = WINDOW_SECONDS, -float("inf")
 
         async def one() -> None:
-            nonlocal window
+            nonlocal window, last_start
             await self.changed.wait()
             self.changed.clear()
-            await asyncio.sleep(window)
-            started = time.perf_counter()
+            # The window spaces flushes' starts: it delays a change only while changes
+            # keep coming, not one after a quiet spell.
+            since_last = time.perf_counter() - last_start
+            await asyncio.sleep(max(WINDOW_SECONDS, window - since_last))
+            last_start = time.perf_counter()
             await self.flush_window()
-            spent = time.perf_counter() - started
+            spent = time.perf_counter() - last_start
             window = min(MAX_WINDOW_SECONDS, max(WINDOW_SECONDS, BUSY_FACTOR * spent))
 
         await self.forever(one, "instance reader")
