@@ -164,6 +164,32 @@ def test_the_child_trace_links_to_the_parent_span():
     assert any(link["trace_id"] == parent_row.trace_id for link in child_span.links)
 
 
+def test_the_parent_trace_leads_to_each_child_it_started():
+    parent = get_workflow("order").create(id="o8", params={"order": 3})
+    testing.run_until_idle()
+    testing.run_until_idle()
+    assert parent.status().status == "complete"
+    children = {c.id: c.row() for c in parent.children()}
+    assert set(children) == {"o8:ship", "o8:audit"}
+    parent_spans = Span.objects.filter(trace_id=parent.row().trace_id)
+    # The invoke and start spans name their child and its trace.
+    for step_span, child_id in (("invoke ship", "o8:ship"), ("start audit", "o8:audit")):
+        span = parent_spans.get(name=step_span)
+        assert span.attributes["workflow.child.instance_id"] == child_id
+        assert span.attributes["workflow.child.trace_id"] == children[child_id].trace_id
+    # The parent's run spans link to each child's creation span, in the child's trace.
+    links = [link for s in parent_spans.filter(name="workflow order") for link in s.links]
+    linked = {
+        link["attributes"]["workflow.child.instance_id"]: link
+        for link in links
+        if link["attributes"].get("workflow.link") == "child"
+    }
+    assert set(linked) == set(children)
+    for child_id, link in linked.items():
+        created = Span.objects.get(trace_id=children[child_id].trace_id, name="create ship")
+        assert (link["trace_id"], link["span_id"]) == (created.trace_id, created.span_id)
+
+
 def test_given_ids_and_bad_step_names_make_valid_deterministic_child_ids():
     @register("named-children")
     class Named(WorkflowEntrypoint):

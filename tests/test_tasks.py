@@ -93,13 +93,12 @@ def test_priority_maps_to_the_instance_priority_scale():
     assert [wfdash_priority(p) for p in (100, 50, 0, -50, -100)] == [0, 2, 5, 8, 9]
 
 
-def test_priority_is_kept_with_the_task_and_passed_to_create_when_instances_have_one(tasks):
+def test_priority_is_kept_with_the_task_and_passed_to_its_instance(tasks):
     result = tasks.urgent.enqueue("now")
     assert result.task.priority == 50
     row = Instance.objects.get(instance_id=result.id)
     assert row.params["priority"] == 50
-    if hasattr(row, "priority"):  # instances gain a priority with flow control (issue 15)
-        assert row.priority == wfdash_priority(50)
+    assert row.priority == wfdash_priority(50) == 2
     assert tasks.urgent.get_result(result.id).task.priority == 50
 
 

@@ -103,7 +103,8 @@ class Instance(models.Model):
     debounce_key = models.CharField(max_length=200, null=True, blank=True)
     admit_at = models.DateTimeField(null=True, blank=True)
     # A child workflow: the parent instance and the step (invoke / start) that started it;
-    # parent_span is "<trace id>:<span id>" of the parent's step span, linked from the child's.
+    # parent_span is "<trace id>:<span id>" of the parent's run span that started it, linked
+    # from the child's runs (the parent's run span links back to the child's creation span).
     parent = models.ForeignKey(
         "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="children"
     )

@@ -16,7 +16,6 @@ OPTIONS: "retries" (step retries, default {"limit": 0}: Django tasks run once) a
 from __future__ import annotations
 
 import builtins
-import inspect
 import json
 from datetime import datetime
 from typing import Any
@@ -175,10 +174,9 @@ class WorkflowTaskBackend(BaseTaskBackend):
             backend=self.alias,
         )
         binding = get_workflow(workflow_name(task))
-        create_kwargs: dict[str, Any] = {"params": payload, "actor": "django.tasks"}
-        if "priority" in inspect.signature(binding.create).parameters:
-            create_kwargs["priority"] = wfdash_priority(task.priority)
-        handle = binding.create(**create_kwargs)
+        handle = binding.create(
+            params=payload, actor="django.tasks", priority=wfdash_priority(task.priority)
+        )
         result = self._result(task, handle.row(refresh=False), None, [])
         task_enqueued.send(type(self), task_result=result)
         return result

@@ -185,6 +185,7 @@ class DatabaseSpanProcessor(SpanProcessor):
                         {
                             "trace_id": format(link.context.trace_id, "032x"),
                             "span_id": format(link.context.span_id, "016x"),
+                            "attributes": dict(link.attributes or {}),
                         }
                         for link in span.links
                     ]

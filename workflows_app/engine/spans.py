@@ -75,8 +75,9 @@ def start_workflow_span(
         forced_trace_id.reset(token)
 
 
-def span_links(linked: str) -> list[trace.Link]:
-    """A link to the span named "<trace id>:<span id>", or none."""
+def span_links(linked: str, role: str = "parent") -> list[trace.Link]:
+    """A link to the span named "<trace id>:<span id>", or none; role says what the linked
+    span is to this one (a child's run links its "parent", a parent's step its "child")."""
     trace_hex, _, span_hex = linked.partition(":")
     if not trace_hex or not span_hex:
         return []
@@ -86,7 +87,16 @@ def span_links(linked: str) -> list[trace.Link]:
         is_remote=True,
         trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
     )
-    return [trace.Link(context, {"workflow.link": "parent"})]
+    return [trace.Link(context, {"workflow.link": role})]
+
+
+def link_child(span: Span | None, linked: str, instance_id: str) -> None:
+    """Link a parent's span to its child's creation span ("<trace id>:<span id>"), so a
+    trace viewer leads from the parent to the child as the child's run leads back."""
+    if span is None or not span.is_recording():
+        return
+    for link in span_links(linked, "child"):
+        span.add_link(link.context, {**link.attributes, "workflow.child.instance_id": instance_id})
 
 
 @contextmanager
@@ -110,10 +120,13 @@ def finished_span(
     end: datetime,
     attributes: dict[str, Any],
     error: BaseException | None = None,
+    links: list[trace.Link] | None = None,
 ) -> None:
     """A span that started in an earlier run (a sleep, an event wait), ended now."""
     ctx = trace.set_span_in_context(parent) if parent is not None else None
-    span = tracer().start_span(name, context=ctx, attributes=attributes, start_time=ns(start))
+    span = tracer().start_span(
+        name, context=ctx, attributes=attributes, start_time=ns(start), links=links
+    )
     if error is not None:
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, str(error)))
@@ -145,8 +158,9 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
     span.set_status(Status(StatusCode.ERROR, message or (str(exc) if exc is not None else "")))
 
 
-def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "") -> None:
-    """`create <name>` in the instance's trace, linked to the caller's span (a request)."""
+def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "") -> str:
+    """`create <name>` in the instance's trace, linked to the caller's span (a request);
+    returns "<trace id>:<span id>" of it, for a parent's step to link to its child."""
     caller = trace.get_current_span().get_span_context()
     links = [trace.Link(caller)] if caller.is_valid else []
     token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
@@ -165,3 +179,5 @@ def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "
     finally:
         forced_trace_id.reset(token)
     span.end()
+    trace_hex, span_hex = span_ids(span)
+    return f"{trace_hex}:{span_hex}" if span_hex else ""

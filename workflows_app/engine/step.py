@@ -594,6 +594,14 @@ class Step:
             record.completed_at = clock.now()
             history = [_child_history("child.started", name, child, wait=False)]
             await run.write(record, history, progress=True)
+            attributes = {
+                **run.span_attributes(name, StepKind.START_CHILD),
+                "workflow.child": workflow,
+                **_child_attributes(child),
+            }
+            spans.finished_span(
+                run.span, f"start {name}", record.started_at, record.completed_at, attributes
+            )
             return child.instance_id
 
     async def _start_child(
@@ -624,7 +632,10 @@ class Step:
             store.start_child, definition.name, definition.version, limits, item, fallback, actor
         )
         if created:  # in the parent's context: the creation span links to the parent's span
-            spans.creation_span(child.trace_id, definition.name, child.instance_id, actor)
+            created_span = spans.creation_span(
+                child.trace_id, definition.name, child.instance_id, actor
+            )
+            spans.link_child(run.span, created_span, child.instance_id)
         return child
 
     async def _child_finished(
@@ -632,7 +643,11 @@ class Step:
     ) -> Any:
         """Checkpoint what became of the child: its output, or ChildWorkflowFailed."""
         run, name = self._run, record.name
-        attributes = {**run.span_attributes(name, StepKind.INVOKE), "workflow.child": workflow}
+        attributes = {
+            **run.span_attributes(name, StepKind.INVOKE),
+            "workflow.child": workflow,
+            **_child_attributes(child),
+        }
         record.completed_at = clock.now()
         record.wake_at = None
         if child is not None and child.status == Status.COMPLETE:
@@ -713,6 +728,16 @@ def child_ids(parent_pk: int, parent_id: str, step_name: str, limits: Limits) ->
     if len(readable) > limits.max_instance_id_length or not INSTANCE_ID_PATTERN.match(readable):
         return fallback, fallback
     return readable, fallback
+
+
+def _child_attributes(child: Instance | None) -> dict[str, str]:
+    """What a parent's invoke or start span says of its child, to find the child's trace."""
+    if child is None:
+        return {}
+    return {
+        "workflow.child.instance_id": child.instance_id,
+        "workflow.child.trace_id": child.trace_id,
+    }
 
 
 def _child_history(kind: str, step_name: str, child: Instance, wait: bool | None = None) -> History:
