@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -139,9 +140,20 @@ class DatabaseSpanProcessor(SpanProcessor):
 
         from .models import Instance, Span
 
-        trace_ids = {format(s.context.trace_id, "032x") for s in batch}
-        instances = dict(
-            Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id")
+        # Each row finds its instance by trace id inside the INSERT and RETURNING says which
+        # it found: one statement (and, alone, one commit) instead of a read, a write and a
+        # commit. SQLite before 3.35 has no RETURNING: the instances are read first there.
+        returning = connection.features.can_return_rows_from_bulk_insert
+        instances: dict[str, int] = {}
+        if not returning:
+            trace_ids = {format(s.context.trace_id, "032x") for s in batch}
+            instances = dict(
+                Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id")
+            )
+        instance_value = (
+            f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = %s LIMIT 1)"
+            if returning
+            else "%s"
         )
         json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
         when = connection.ops.adapt_datetimefield_value
@@ -157,7 +169,7 @@ class DatabaseSpanProcessor(SpanProcessor):
             )
             stored.append(row)
             params += [
-                row.instance_id,
+                trace_id if returning else row.instance_id,
                 trace_id,
                 row.span_id,
                 format(span.parent.span_id, "016x") if span.parent else "",
@@ -192,17 +204,25 @@ class DatabaseSpanProcessor(SpanProcessor):
                 ),
             ]
         values = (
-            f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {json_value}, {json_value}, {json_value})"
+            f"({instance_value}, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+            f"{json_value}, {json_value}, {json_value})"
         )
-        with transaction.atomic(), connection.cursor() as cursor:
+        found: dict[str, int | None] = {}
+        several = len(stored) > FLUSH_ROWS
+        with transaction.atomic() if several else nullcontext(), connection.cursor() as cursor:
             for start in range(0, len(stored), FLUSH_ROWS):
                 chunk = stored[start : start + FLUSH_ROWS]
                 cursor.execute(
                     f"INSERT INTO {Span._meta.db_table} (instance_id, trace_id, span_id, parent_span_id, name, kind, "
                     "start_time, end_time, status_code, status_message, attributes, events, links) VALUES "
-                    + ", ".join([values] * len(chunk)),
+                    + ", ".join([values] * len(chunk))
+                    + (" RETURNING span_id, instance_id" if returning else ""),
                     params[start * 13 : (start + len(chunk)) * 13],
                 )
+                if returning:
+                    found.update(cursor.fetchall())
+        if returning:
+            stored = [row._replace(instance_id=found.get(row.span_id)) for row in stored]
         return stored
 
     def _requeue(self, batch: list[ReadableSpan]) -> None:
