@@ -129,12 +129,25 @@ def bulk_job_progressed(pk: int) -> None:
     publish(bulk_job_group(pk), {"type": "wf.bulk", "pk": pk})
 
 
+def is_in_process(layer: Any) -> bool:
+    """Whether the layer is the in-memory one: its messages never leave this process."""
+    return isinstance(layer, InMemoryChannelLayer)
+
+
 def _cross_process_layer() -> Any:
     """The channel layer if it reaches other processes (Redis); None for the in-memory one."""
     layer = get_channel_layer()
-    if layer is None or isinstance(layer, InMemoryChannelLayer):
+    if layer is None or is_in_process(layer):
         return None
     return layer
+
+
+def publish_overview(message: dict[str, Any]) -> None:
+    """A change for the dashboard's lists and overview. Only a hub in this process takes
+    these: over a cross-process layer the hubs tail the history table instead (see
+    fanout.FAST_TAIL_SECONDS), so nothing is sent where nobody listens."""
+    if _cross_process_layer() is None:
+        publish(OVERVIEW_GROUP, message)
 
 
 def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> None:
@@ -144,7 +157,7 @@ def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> 
     if pk is not None:
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
-        publish(OVERVIEW_GROUP, message)
+        publish_overview(message)
     if _cross_process_layer() is not None:
         _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
 
@@ -370,14 +383,13 @@ class EngineHooks:
             result_waiters.wake(run.pk)
         if run not in self._announced:
             self._announced.add(run)
-            publish(
-                OVERVIEW_GROUP,
+            publish_overview(
                 {
                     "type": "wf.instance",
                     "pk": run.pk,
                     "workflow": run.definition.name,
                     "kind": "running",
-                },
+                }
             )
 
     def attempt_failed(self, run: Any, record: Any, exc: BaseException) -> None:
@@ -410,7 +422,7 @@ class EngineHooks:
         result_waiters.wake(pk)
         message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}
         publish(instance_group(pk), message)
-        publish(OVERVIEW_GROUP, message)
+        publish_overview(message)
 
     def span_stored(self, span: Any) -> None:
         """For the engine's span exporter, after it stores a Span row of an instance."""

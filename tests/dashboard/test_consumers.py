@@ -281,11 +281,16 @@ async def test_a_burst_of_changes_is_read_once_for_every_list_socket_not_once_pe
         assert connected
         await receive_until(communicator, "snapshot")
         sockets.append(communicator)
+    # The engine's message per change: over the in-memory layer through the overview
+    # group, as the engine sends it; over Redis the hub takes changes from the history
+    # tail, so the same message is handed to it as its listener would.
     layer = get_channel_layer()
     for pk in pks:
-        await layer.group_send(
-            live.OVERVIEW_GROUP, {"type": "wf.instance", "pk": pk, "workflow": None, "kind": "x"}
-        )
+        message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": "x"}
+        if live.is_in_process(layer):
+            await layer.group_send(live.OVERVIEW_GROUP, message)
+        else:
+            await fanout.hub().on_message(message)
     for communicator in sockets:
         seen = set()
         while len(seen) < 20:
@@ -387,3 +392,35 @@ async def test_a_bulk_job_batch_nobody_announced_still_reaches_its_page(approval
 async def test_an_unknown_bulk_job_is_refused():
     _, connected = await connect("/ws/bulk-jobs/999999/", await staff_cookie())
     assert not connected
+
+
+async def test_a_run_that_parks_without_a_history_row_still_reaches_list_pages(
+    approval_workflow,
+):
+    """Over a cross-process layer the hub takes changes from the history tail, and parking
+    (running -> waiting) writes no history row: an instance last read running is read
+    again until it settles."""
+    from workflows_app import fanout
+    from workflows_app.models import Instance
+
+    inst = await get_workflow(approval_workflow).acreate(id="parks")
+    pk = (await database_sync_to_async(inst.row)()).pk
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    hub = fanout.hub()
+    hub.hears_every_change = False  # as over Redis: no engine message per change
+
+    def set_status(status: str) -> None:  # a bare row change: no history row, no message
+        Instance.objects.filter(pk=pk).update(status=status)
+
+    await database_sync_to_async(set_status)("running")
+    hub.mark(pk, None)  # the tail found a history row of it (run.started)
+    await receive_change(communicator, id="parks", status="running")
+    assert pk in hub.following
+    await database_sync_to_async(set_status)("waiting")
+    async with asyncio.timeout(fanout.FOLLOW_SECONDS + 5):
+        await receive_change(communicator, id="parks", status="waiting")
+    await asyncio.sleep(0)
+    assert pk not in hub.following  # settled: no longer read again
+    await communicator.disconnect()
