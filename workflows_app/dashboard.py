@@ -485,7 +485,16 @@ class WaterfallSpan:
     @property
     def in_flight(self) -> bool:
         """Drawn from an open step (see in_flight_spans), not a stored span."""
-        return self.span.pk is None
+        return self.span.pk is None and "wfdash.in_flight" in self._attributes
+
+    @property
+    def cut_short(self) -> bool:
+        """Drawn from a step its instance's end cut short (see cut_short_spans)."""
+        return self.span.pk is None and "wfdash.cut_short" in self._attributes
+
+    @property
+    def _attributes(self) -> dict[str, Any]:
+        return self.span.attributes if isinstance(self.span.attributes, dict) else {}
 
     @property
     def is_wait(self) -> bool:
@@ -523,20 +532,13 @@ def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) 
     year), so without these a waiting instance's trace is nearly empty. Unsaved rows; the
     page grows them until the stored span replaces them."""
     return [
-        Span(
-            instance_id=instance.pk,
-            trace_id=instance.trace_id,
-            span_id=f"open-{r.pk}",
-            name=f"step {r.label}"
-            if r.kind in (StepKind.DO, StepKind.COMPENSATE)
-            else f"{r.kind} {r.name}",
-            kind="INTERNAL",
-            start_time=r.started_at,
-            end_time=max(now, r.started_at),
-            status_code="UNSET",
-            attributes={
+        _step_span(
+            instance,
+            r,
+            f"open-{r.pk}",
+            max(now, r.started_at),
+            {
                 "wfdash.in_flight": r.status,
-                "workflow.step.type": r.kind,
                 "step.attempts": r.attempts,
                 **({"step.wake_at": r.wake_at.isoformat()} if r.wake_at else {}),
             },
@@ -544,6 +546,42 @@ def in_flight_spans(instance: Instance, steps: list[StepRecord], now: datetime) 
         for r in steps
         if r.status in IN_FLIGHT
     ]
+
+
+def cut_short_spans(instance: Instance, steps: list[StepRecord]) -> list[Span]:
+    """The spans of sleeps, event waits and child invocations that the instance's end
+    (terminate, cancel) cut short: the engine never ends their spans, so the trace drew
+    nothing where the instance spent its time waiting. Each ends when the instance did."""
+    return [
+        _step_span(
+            instance,
+            r,
+            f"cut-{r.pk}",
+            max(r.completed_at or r.started_at, r.started_at),
+            {"wfdash.cut_short": True, "wfdash.ended_by": instance.status},
+        )
+        for r in steps
+        if r.kind in WAIT_KINDS and r.last_error_name == STEP_CUT_SHORT
+    ]
+
+
+def _step_span(
+    instance: Instance, r: StepRecord, span_id: str, end: datetime, attributes: dict[str, Any]
+) -> Span:
+    """An unsaved span drawn from a step row, named as the engine names the step's span."""
+    return Span(
+        instance_id=instance.pk,
+        trace_id=instance.trace_id,
+        span_id=span_id,
+        name=f"step {r.label}"
+        if r.kind in (StepKind.DO, StepKind.COMPENSATE)
+        else f"{r.kind} {r.name}",
+        kind="INTERNAL",
+        start_time=r.started_at,
+        end_time=end,
+        status_code="UNSET",
+        attributes={"workflow.step.type": r.kind, **attributes},
+    )
 
 
 def waterfall(spans: list[Span]) -> tuple[list[WaterfallSpan], float]:
@@ -879,8 +917,9 @@ def instance_detail(pk: int) -> InstanceDetail:
     history = list(HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence"))
     stored = list(Span.objects.filter(instance_id=pk).order_by("start_time"))
     now = clock.now()
-    open_spans = in_flight_spans(instance, [s.record for s in steps], now)
-    spans, trace_ms = waterfall(stored + open_spans)
+    records = [s.record for s in steps]
+    drawn = in_flight_spans(instance, records, now) + cut_short_spans(instance, records)
+    spans, trace_ms = waterfall(stored + drawn)
     errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
     inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
     parent = Instance.objects.filter(pk=instance.parent_id).first() if instance.parent_id else None

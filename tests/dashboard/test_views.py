@@ -888,3 +888,14 @@ def test_the_trace_draws_an_open_wait_as_an_in_flight_span_until_it_ends(
     page = operator_client.get(page_url(inst.row())).content.decode()
     assert page.count('class="span span-open"') == 1
     assert 'data-start-ms="' in page and "sleep cool-off" in page
+
+
+def test_a_wait_cut_short_by_a_terminate_stays_in_the_trace_ending_with_the_instance(
+    operator_client, approval_workflow
+):
+    inst = waiting_instance(approval_workflow, id="trace-cut")
+    inst.terminate(actor="test")
+    page = operator_client.get(page_url(inst.row())).content.decode()
+    assert 'class="span span-open"' not in page  # nothing grows once the instance ended
+    assert page.count('class="span span-cut"') == 1
+    assert "waitForEvent approval" in page and "cut short" in page
