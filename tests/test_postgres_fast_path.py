@@ -272,9 +272,33 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
     inst = get_workflow("fast-path-rows").create(id="rows", attributes={"customer": "acme"})
     testing.run_until_idle()
     inst.send_event("go", {"n": 1})
-    [(pk, _, loaded)] = store.claim_and_load("probe", 5, 30)
+    [(pk, _, loaded)] = store.claim_and_load("probe", 5, 30).runs
     assert loaded.instance.attributes == {"customer": "acme"}
     assert loaded.instance.attributes == Instance.objects.get(pk=pk).attributes
     assert [e.payload_json for e in loaded.events["go"][0]] == ['{"n":1}']
     assert loaded.steps["wait"].status == "waiting"
     assert store.load_runs([pk])[pk].instance.attributes == {"customer": "acme"}
+
+
+def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
+    """The worker's idle wait needs the next timer: read beside the claim in one pipeline,
+    not in a trip of its own while the claimed runs start."""
+    postgres_only()
+
+    @register("fast-path-timer")
+    class Naps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", event.payload["nap"])
+            return "woke"
+
+    workflow = get_workflow("fast-path-timer")
+    workflow.create(id="long", params={"nap": "2 hours"})
+    testing.run_until_idle()
+    soonest = store.next_wake_at()
+    assert soonest is not None
+    workflow.create(id="due")  # claimable now; no timer of its own yet
+    with CaptureQueriesContext(connection) as queries:
+        claimed = store.claim_and_load("probe", 5, 30)
+    assert [loaded.instance.instance_id for _, _, loaded in claimed.runs] == ["due"]
+    assert claimed.looked_for_next_wake and claimed.next_wake == soonest
+    assert sum("MIN(wake_at)" in q["sql"] for q in queries.captured_queries) == 1

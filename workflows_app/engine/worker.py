@@ -310,6 +310,7 @@ class Worker:
         # From the last claim: whether it took everything due, and if so the next timer.
         self.claimed_all_due = True
         self.next_timer: datetime | None = None
+        self.next_timer_known = False  # the last claim's trip read next_timer
         self._ticks_looked_up = -float("inf")
 
     # --- life cycle ---------------------------------------------------------------------
@@ -465,12 +466,17 @@ class Worker:
             self._admission_checked_at = time.monotonic()
             workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
             _, self.next_admission_at = store.admit_due(workflows)
-        claimed = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
-        if self.db_threads == 1 and len(claimed) < free:
+        result = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
+        claimed = result.runs
+        self.next_timer_known = result.looked_for_next_wake
+        if result.looked_for_next_wake:  # PostgreSQL: read in the claim's own round trip
+            self.next_timer = result.next_wake
+        elif self.db_threads == 1 and len(claimed) < free:
             # Everything due is claimed. With one database thread (SQLite) the next timer
             # is looked up in this trip: a trip of its own would queue ahead of the runs
             # just claimed. With several, it goes beside them (serve).
             self.next_timer = store.next_wake_at()
+            self.next_timer_known = True
         return claimed
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
@@ -684,7 +690,7 @@ class Worker:
                         await self.prune_once()
                         due = (
                             self.next_timer
-                            if self.db_threads == 1
+                            if self.next_timer_known
                             else await self.db(store.next_wake_at)
                         )
                         admission = self.next_admission_at  # a debounce ends, a rate window opens

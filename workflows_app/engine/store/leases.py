@@ -12,7 +12,7 @@ import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Min, Q
@@ -127,22 +127,31 @@ def unconsumed_events(pk: int, event_type: str, after_id: int, limit: int) -> li
     )
 
 
+class Claimed(NamedTuple):
+    """What claim_and_load took, and (when it looked, in the same trip) the next timer."""
+
+    runs: list[tuple[int, str, LoadedRun | None]]
+    next_wake: datetime | None = None
+    looked_for_next_wake: bool = False
+
+
 def claim_and_load(
     worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
-) -> list[tuple[int, str, LoadedRun | None]]:
-    """claim_runnable, then load_runs of what was claimed: one trip to the database thread."""
+) -> Claimed:
+    """claim_runnable, then load_runs of what was claimed: one trip to the database thread.
+    On PostgreSQL the next timer (next_wake_at) is read in the same round trip."""
     if writes_in_one_statement():
         return _claim_and_load_pipelined(worker_id, limit, lease_seconds, exclude)
     claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
     if not claimed:
-        return []
+        return Claimed([])
     try:
         faults.hit("after_claim")
         loaded = load_runs([pk for pk, _ in claimed])
     except DatabaseError:
         _release_after_failed_load(claimed)
         raise
-    return [(pk, token, loaded.get(pk)) for pk, token in claimed]
+    return Claimed([(pk, token, loaded.get(pk)) for pk, token in claimed])
 
 
 def _release_after_failed_load(claimed: Sequence[tuple[int, str]]) -> None:
@@ -304,7 +313,12 @@ def _claim_and_load_pipelined(
             cursor = connection.cursor()
             cursor.execute(sql, read_params)
             cursors.append(cursor)
+        # The worker's idle wait needs the next timer: asked here it costs no trip of its
+        # own (a trip beside the claimed runs took the GIL from them as they started).
+        timer = connection.cursor()
+        timer.execute(NEXT_WAKE_SQL)
     claimed = [(pk, token) for pk, token in claim.fetchall()]
+    (next_wake,) = timer.fetchone()
     try:
         faults.hit("after_claim")
         instances, steps, events = (
@@ -315,7 +329,7 @@ def _claim_and_load_pipelined(
     except DatabaseError:
         _release_after_failed_load(claimed)
         raise
-    return [(pk, token, loaded.get(pk)) for pk, token in claimed]
+    return Claimed([(pk, token, loaded.get(pk)) for pk, token in claimed], next_wake, True)
 
 
 LOADED_MODELS = (Instance, StepRecord, InboxEvent)
@@ -380,6 +394,11 @@ def release(leases: Sequence[tuple[int, str]]) -> None:
             Instance.objects.filter(id=pk, lease_token=token).update(
                 lease_token=None, lease_owner="", lease_expires_at=None
             )
+
+
+NEXT_WAKE_SQL = (
+    f"SELECT MIN(wake_at) FROM {INSTANCE_TABLE} WHERE wake_at IS NOT NULL AND lease_token IS NULL"
+)
 
 
 def next_wake_at() -> datetime | None:
