@@ -328,13 +328,7 @@ def create_instances(
 
     Returns (instance, created) pairs in the order of items.
     """
-    if (
-        writes_in_one_statement()
-        and len(items) == 1
-        and not limits.flow_controlled
-        and items[0].debounce_key is None
-        and items[0].parent_pk is None
-    ):
+    if len(items) == 1 and _one_statement_create(limits, items[0]):
         created = _create_at_once(name, version, items[0], actor)
         if created is not None:
             return [(created, True)]
@@ -351,6 +345,30 @@ def create_instances(
                     f"could not create instances of {name!r}: {exc}"
                 ) from None
     raise AssertionError("unreachable")
+
+
+def _one_statement_create(limits: Limits, item: NewInstance) -> bool:
+    """PostgreSQL, and nothing to decide before the row exists: no queue, debounce or parent."""
+    return (
+        writes_in_one_statement()
+        and not limits.flow_controlled
+        and item.debounce_key is None
+        and item.parent_pk is None
+    )
+
+
+def create_in_transaction(
+    name: str, version: int, limits: Limits, item: NewInstance, actor: str
+) -> Instance:
+    """One new instance inside the caller's transaction (a schedule's tick moves on in the
+    same one): one statement where create_instances would take one; InstanceAlreadyExists
+    when its id is taken."""
+    if _one_statement_create(limits, item):
+        created = _create_at_once(name, version, item, actor)
+        if created is not None:
+            return created
+    [(instance, _)] = _create_instances(name, version, limits, [item], actor)
+    return instance
 
 
 def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int, Instance]:

@@ -30,7 +30,7 @@ from ..errors import (
     WorkflowError,
 )
 from ..limits import Limits
-from .control import _create_instances
+from .control import create_in_transaction
 from .dialect import retry_while_locked
 from .records import NewInstance
 
@@ -187,11 +187,11 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
         with transaction.atomic():
             if not move_on(instance_id):
                 return None  # fired (or paused, or changed) by another process meanwhile
-            [(instance, _)] = _create_instances(
+            instance = create_in_transaction(
                 target.workflow,
                 target.version,
                 target.limits,
-                [NewInstance(instance_id, row.params_json, schedule=row.name, scheduled_at=tick)],
+                NewInstance(instance_id, row.params_json, schedule=row.name, scheduled_at=tick),
                 f"{DECLARED_ACTOR}:{row.name}",
             )
     except InstanceAlreadyExists:
@@ -215,11 +215,11 @@ def trigger(name: str, target: Target, actor: str = "") -> Instance:
     row = get_schedule(name)
     now = clock.now()
     with transaction.atomic():
-        [(instance, _)] = _create_instances(
+        instance = create_in_transaction(
             target.workflow,
             target.version,
             target.limits,
-            [NewInstance(str(uuid.uuid4()), row.params_json, schedule=row.name, scheduled_at=now)],
+            NewInstance(str(uuid.uuid4()), row.params_json, schedule=row.name, scheduled_at=now),
             actor or f"{DECLARED_ACTOR}:{row.name}",
         )
         Schedule.objects.filter(pk=row.pk).update(
