@@ -46,8 +46,11 @@ TAIL_SECONDS = 0.25  # how often the history table is tailed while a socket is o
 # seen id, is cheaper at this pace and carries the same changes.
 FAST_TAIL_SECONDS = 0.05
 # A run that parks (running -> waiting) writes no history row: without the engine's
-# message, the hub reads instances it last saw running again this often until they stop.
+# message, the hub reads instances it last saw running again until they stop, first
+# after FOLLOW_SECONDS, then twice as long each time up to MAX_FOLLOW_SECONDS (a short
+# run's park shows at once; a fleet's long steps are not read four times a second).
 FOLLOW_SECONDS = 0.25
+MAX_FOLLOW_SECONDS = 2.0
 MAX_FOLLOWED = 5000
 UNSETTLED = frozenset({Status.RUNNING, Status.COMPENSATING})
 TAIL_BATCH = 2000  # history rows per tail query; a full batch is followed at once
@@ -166,7 +169,7 @@ class Hub:
         self.after = 0  # the tail's position: the highest history id seen
         self.tail_seconds = FAST_TAIL_SECONDS
         self.hears_every_change = False  # the engine's messages reach this process
-        self.following: dict[int, float] = {}  # pk -> when to read it again
+        self.following: dict[int, tuple[float, float]] = {}  # pk -> (when, interval)
         self.gaps: dict[int, float] = {}  # history id -> when to stop looking for it
         self.lock = asyncio.Lock()
         self.running = False
@@ -356,13 +359,14 @@ class Hub:
         if self.hears_every_change or row.status not in UNSETTLED:
             self.following.pop(row.pk, None)
         elif row.pk not in self.following and len(self.following) < MAX_FOLLOWED:
-            self.following[row.pk] = time.monotonic() + FOLLOW_SECONDS
+            self.following[row.pk] = (time.monotonic() + FOLLOW_SECONDS, FOLLOW_SECONDS)
 
     def mark_followed(self) -> None:
         now = time.monotonic()
-        for pk, due in list(self.following.items()):
+        for pk, (due, interval) in list(self.following.items()):
             if due <= now:
-                self.following[pk] = now + FOLLOW_SECONDS
+                longer = min(interval * 2, MAX_FOLLOW_SECONDS)
+                self.following[pk] = (now + longer, longer)
                 self.mark(pk, None, replace=False)
 
     # --- the reads and what they send -----------------------------------------------
