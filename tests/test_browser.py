@@ -572,6 +572,12 @@ def test_the_trace_marks_a_failed_step_and_its_run_as_errors(page: Page) -> None
     expect(detail).to_be_visible()
     expect(detail).to_contain_text("status ERROR")
     expect(detail).to_contain_text("input contains corrupt rows")
+    # A finished instance's Run group holds one line of text: it is as tall as its
+    # neighbour, not stretched by the hint's 12rem flex basis (a column's basis is height).
+    run_group = page.locator('[aria-labelledby="actions-run"]').bounding_box()
+    restart_group = page.locator('[aria-labelledby="actions-restart"]').bounding_box()
+    assert run_group is not None and restart_group is not None
+    assert run_group["height"] <= restart_group["height"] + 1, (run_group, restart_group)
 
 
 def test_a_refused_payload_stays_in_the_form_beside_its_error(page: Page) -> None:
