@@ -314,3 +314,32 @@ def test_a_serving_worker_wakes_by_itself_when_a_debounce_ends(registered):
         loop_thread.loop.call_soon_threadsafe(stop.set)
         serving.result(30)
         loop_thread.close()
+
+
+def test_admission_counts_the_places_held_as_the_lifecycle_rule_says(registered):
+    """Admission counts places in SQL (it runs on every create); the count must be the
+    lifecycle's rule: every status that holds a place, a paused instance only once started."""
+    from workflows_app.engine import clock, lifecycle
+    from workflows_app.engine.store import control
+    from workflows_app.models import Instance, Status
+
+    register_gated("places", max_concurrent_instances=100, max_concurrent_per_key=100)
+    wf = get_workflow("places")
+    rows = []
+    for n, status in enumerate(sorted(Status.values)):
+        for started in (False, True):
+            inst = wf.create(id=f"{status}-{started}", concurrency_key=f"k{n % 3}")
+            rows.append((inst.row().pk, status, started))
+    for pk, status, started in rows:
+        Instance.objects.filter(pk=pk).update(
+            status=status, started_at=clock.now() if started else None
+        )
+    held = [pk for pk, status, started in rows if lifecycle.holds_place(status, started)]
+    assert 0 < len(held) < len(rows)
+    limits = Limits(max_concurrent_instances=100, max_concurrent_per_key=100)
+    assert control._free_slots("places", limits) == 100 - len(held)
+    admission = control.Admission("places", limits, clock.now(), keys={"k0", "k1", "k2"})
+    by_key = {f"k{n}": 0 for n in range(3)}
+    for pk in held:
+        by_key[Instance.objects.get(pk=pk).concurrency_key] += 1
+    assert admission.key_active == by_key

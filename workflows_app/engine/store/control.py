@@ -39,6 +39,7 @@ from ..limits import Limits
 from ..registry import limits_for
 from .dialect import (
     db_time,
+    from_db_time,
     lock_admission,
     lock_rows,
     retry_while_locked,
@@ -81,11 +82,25 @@ def holding_places(instances: Any) -> Any:
     )
 
 
+# holding_places as SQL: admission reads it on every create of a flow-controlled
+# workflow, and building the ORM queries cost more than running them.
+_HOLDING = [s for s in sorted(lifecycle.HOLDS_PLACE) if s != Status.PAUSED]
+HOLDING_SQL = (
+    f"(status IN ({', '.join(['%s'] * len(_HOLDING))}) OR (status = %s AND started_at IS NOT NULL))"
+)
+HOLDING_PARAMS = [*_HOLDING, Status.PAUSED]
+
+
 def _free_slots(name: str, limits: Limits) -> int | None:
     """Places left under max_concurrent_instances, or None for no limit."""
     if limits.max_concurrent_instances is None:
         return None
-    active = holding_places(Instance.objects.filter(workflow=name)).count()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT count(*) FROM {INSTANCE_TABLE} WHERE workflow = %s AND {HOLDING_SQL}",
+            [name, *HOLDING_PARAMS],
+        )
+        (active,) = cursor.fetchone()
     return max(0, limits.max_concurrent_instances - active)
 
 
@@ -146,13 +161,17 @@ class Admission:
         wanted = {k for k in keys if k is not None and k not in self.key_active}
         if not wanted:
             return
-        counted = holding_places(
-            Instance.objects.filter(workflow=self.name, concurrency_key__in=wanted)
-        )
+        keys = sorted(wanted)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT concurrency_key, count(*) FROM {INSTANCE_TABLE} WHERE workflow = %s "
+                f"AND concurrency_key IN ({', '.join(['%s'] * len(keys))}) AND {HOLDING_SQL} "
+                "GROUP BY concurrency_key",
+                [self.name, *keys, *HOLDING_PARAMS],
+            )
+            counted = cursor.fetchall()
         self.key_active.update({key: 0 for key in wanted})
-        self.key_active.update(
-            counted.values_list("concurrency_key").annotate(n=Count("id")).order_by()
-        )
+        self.key_active.update(counted)
 
     def decide(self, candidate: Candidate) -> tuple[bool, str, datetime | None]:
         """(admitted, why not, the admit_at to keep) for the next candidate in queue order."""
@@ -210,18 +229,24 @@ def _queued(name: str) -> Any:
 
 def _scan_queue(name: str) -> Iterator[list[Candidate]]:
     """The head of the queue in admission order, a page at a time, up to ADMISSION_SCAN."""
-    query = _queued(name).order_by("priority", "id")
     after: tuple[int, int] | None = None
     scanned = 0
     while scanned < ADMISSION_SCAN:
-        page = query
+        where, params = "", [name, Status.QUEUED]
         if after is not None:
-            page = page.filter(Q(priority__gt=after[0]) | Q(priority=after[0], id__gt=after[1]))
-        rows = list(
-            page.values_list("id", "priority", "concurrency_key", "admit_at", "waiting_reason")[
-                :ADMISSION_PAGE
+            where = " AND (priority > %s OR (priority = %s AND id > %s))"
+            params += [after[0], after[0], after[1]]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT id, priority, concurrency_key, admit_at, waiting_reason "
+                f"FROM {INSTANCE_TABLE} WHERE workflow = %s AND status = %s{where} "
+                f"ORDER BY priority, id LIMIT {ADMISSION_PAGE}",
+                params,
+            )
+            rows = [
+                (pk, priority, key, from_db_time(at), reason)
+                for pk, priority, key, at, reason in cursor.fetchall()
             ]
-        )
         scanned += len(rows)
         if rows:
             yield [Candidate(*row) for row in rows]

@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
@@ -52,6 +52,16 @@ def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
 def db_time(value: datetime | None) -> Any:
     """A datetime as this database's driver wants it in raw SQL (SQLite: naive UTC text)."""
     return connection.ops.adapt_datetimefield_value(value)
+
+
+def from_db_time(value: Any) -> datetime | None:
+    """A datetime column read by raw SQL, aware as the ORM gives it (SQLite's driver
+    returns naive UTC; PostgreSQL's an aware one)."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value is not None and value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value
 
 
 def json_placeholder() -> str:
