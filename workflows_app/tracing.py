@@ -142,42 +142,30 @@ class DatabaseSpanProcessor(SpanProcessor):
 
         # Each row finds its instance by trace id inside the INSERT and RETURNING says which
         # it found: one statement (and, alone, one commit) instead of a read, a write and a
-        # commit. SQLite before 3.35 has no RETURNING: the instances are read first there.
-        returning = connection.features.can_return_rows_from_bulk_insert
-        instances: dict[str, int] = {}
-        if not returning:
-            trace_ids = {format(s.context.trace_id, "032x") for s in batch}
-            instances = dict(
-                Instance.objects.filter(trace_id__in=trace_ids).values_list("trace_id", "id")
-            )
-        instance_value = (
-            f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = %s LIMIT 1)"
-            if returning
-            else "%s"
-        )
+        # commit. (The engine's claim needs RETURNING on SQLite as well: 3.35 or later.)
+        instance_value = f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = %s LIMIT 1)"
         json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
         when = connection.ops.adapt_datetimefield_value
-        stored, params = [], []
+        rows, params = [], []  # (trace id, span id, name, status) of each span, in order
         for span in batch:
             trace_id = format(span.context.trace_id, "032x")
-            row = StoredSpan(
-                instances.get(trace_id),
+            row = (
                 trace_id,
                 format(span.context.span_id, "016x"),
                 span.name[:300],
                 span.status.status_code.name,
             )
-            stored.append(row)
+            rows.append(row)
             params += [
-                trace_id if returning else row.instance_id,
                 trace_id,
-                row.span_id,
+                trace_id,
+                row[1],
                 format(span.parent.span_id, "016x") if span.parent else "",
-                row.name,
+                row[2],
                 span.kind.name,
                 when(_when(span.start_time)),
                 when(_when(span.end_time)),
-                row.status_code,
+                row[3],
                 span.status.description or "",
                 json.dumps({k: _jsonable(v) for k, v in (span.attributes or {}).items()}),
                 json.dumps(
@@ -208,22 +196,22 @@ class DatabaseSpanProcessor(SpanProcessor):
             f"{json_value}, {json_value}, {json_value})"
         )
         found: dict[str, int | None] = {}
-        several = len(stored) > FLUSH_ROWS
+        several = len(rows) > FLUSH_ROWS
         with transaction.atomic() if several else nullcontext(), connection.cursor() as cursor:
-            for start in range(0, len(stored), FLUSH_ROWS):
-                chunk = stored[start : start + FLUSH_ROWS]
+            for start in range(0, len(rows), FLUSH_ROWS):
+                count = len(rows[start : start + FLUSH_ROWS])
                 cursor.execute(
                     f"INSERT INTO {Span._meta.db_table} (instance_id, trace_id, span_id, parent_span_id, name, kind, "
                     "start_time, end_time, status_code, status_message, attributes, events, links) VALUES "
-                    + ", ".join([values] * len(chunk))
-                    + (" RETURNING span_id, instance_id" if returning else ""),
-                    params[start * 13 : (start + len(chunk)) * 13],
+                    + ", ".join([values] * count)
+                    + " RETURNING span_id, instance_id",
+                    params[start * 13 : (start + count) * 13],
                 )
-                if returning:
-                    found.update(cursor.fetchall())
-        if returning:
-            stored = [row._replace(instance_id=found.get(row.span_id)) for row in stored]
-        return stored
+                found.update(cursor.fetchall())
+        return [
+            StoredSpan(found.get(span_id), trace_id, span_id, *rest)
+            for trace_id, span_id, *rest in rows
+        ]
 
     def _requeue(self, batch: list[ReadableSpan]) -> None:
         with self._lock:

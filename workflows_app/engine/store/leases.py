@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Min, Q
+from django.db.models import Q
 
 from ...models import (
     InboxEvent,
@@ -28,6 +28,7 @@ from ...models import (
 from .. import clock, faults
 from .dialect import (
     db_time,
+    from_db_time,
     lock_rows,
     measure_clock_offset,
     retry_while_locked,
@@ -318,7 +319,7 @@ def _claim_and_load_pipelined(
         timer = connection.cursor()
         timer.execute(NEXT_WAKE_SQL)
     claimed = [(pk, token) for pk, token in claim.fetchall()]
-    (next_wake,) = timer.fetchone()
+    next_wake = from_db_time(timer.fetchone()[0])
     try:
         faults.hit("after_claim")
         instances, steps, events = (
@@ -402,7 +403,9 @@ NEXT_WAKE_SQL = (
 
 
 def next_wake_at() -> datetime | None:
-    """The earliest timer among unleased instances, for the worker's idle wait."""
-    return Instance.objects.filter(wake_at__isnull=False, lease_token__isnull=True).aggregate(
-        m=Min("wake_at")
-    )["m"]
+    """The earliest timer among unleased instances, for the worker's idle wait (the same
+    read the PostgreSQL claim pipelines)."""
+    with connection.cursor() as cursor:
+        cursor.execute(NEXT_WAKE_SQL)
+        (found,) = cursor.fetchone()
+    return from_db_time(found)
