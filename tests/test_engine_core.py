@@ -655,3 +655,50 @@ def test_a_sleep_longer_than_a_second_still_parks_its_instance(registered):
     assert (
         HistoryRecord.objects.filter(instance_id=parked.row().pk, type="run.started").count() == 1
     )
+
+
+def test_a_step_callable_takes_the_context_when_it_has_one_required_positional_argument():
+    """The fast answer from the code object agrees with inspect.signature on every shape."""
+    import functools
+
+    from workflows_app.engine.step import _takes_context
+
+    class Steps:
+        def with_context(self, ctx):
+            return ctx
+
+        def without(self):
+            return 1
+
+        def __call__(self, ctx):
+            return ctx
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def one(ctx):
+        return ctx
+
+    takes = [
+        one,
+        Steps().with_context,
+        Steps(),
+        decorated(one),
+        functools.partial(lambda a, b: a, 1),
+    ]
+    takes_not = [
+        lambda: 1,
+        lambda ctx=None: ctx,
+        lambda a, b: a,
+        lambda *args: args,
+        lambda *, ctx: ctx,
+        Steps().without,
+        decorated(lambda: 1),
+        print,
+    ]
+    assert [_takes_context(fn) for fn in takes] == [True] * len(takes)
+    assert [_takes_context(fn) for fn in takes_not] == [False] * len(takes_not)
