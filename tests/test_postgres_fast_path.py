@@ -302,3 +302,30 @@ def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
     assert [loaded.instance.instance_id for _, _, loaded in claimed.runs] == ["due"]
     assert claimed.looked_for_next_wake and claimed.next_wake == soonest
     assert sum("MIN(wake_at)" in q["sql"] for q in queries.captured_queries) == 1
+
+
+def test_the_engine_prepares_its_hot_statements_once_per_connection(registered, settings):
+    """The claim, its reads and the next-timer read are planned once per connection (the
+    instance table's planning cost more than running them); WFDASH_PG_PREPARE=0 turns it
+    off for a pooler that cannot keep prepared statements."""
+    postgres_only()
+
+    def prepared() -> list[str]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT statement FROM pg_prepared_statements")
+            return [sql for (sql,) in cursor.fetchall()]
+
+    get_workflow("fleet-waiter").create(id="prepared")
+    connection.ensure_connection()
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    settings.WFDASH = {**settings.WFDASH, "PG_PREPARE": False}
+    assert len(store.claim_and_load("probe", 5, 30).runs) == 1
+    assert prepared() == []
+    settings.WFDASH = {**settings.WFDASH, "PG_PREPARE": True}
+    store.claim_and_load("probe", 5, 30)
+    first = prepared()
+    assert any("picked AS" in sql for sql in first), first
+    assert any("MIN(wake_at)" in sql for sql in first), first
+    store.claim_and_load("probe", 5, 30)
+    assert sorted(prepared()) == sorted(first)  # reused, not prepared again

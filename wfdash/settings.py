@@ -266,6 +266,9 @@ WFDASH = {
     # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
     # PostgreSQL, whose parallel connections already overlap commits (on, its group is
     # pipelined; a group cut by a dropped connection is written again, not re-run).
+    # PostgreSQL: the engine's hot statements are prepared on each connection (planned
+    # once, not per call). Off for a pooler that cannot keep prepared statements.
+    "PG_PREPARE": env_bool("WFDASH_PG_PREPARE", True),
     "GROUP_COMMIT": env_bool(
         "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
     ),

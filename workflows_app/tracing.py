@@ -9,6 +9,7 @@ when idle. Where no engine runs (a web process of a fleet), the client flushes t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,31 @@ MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rathe
 
 
 FLUSH_ROWS = 500  # spans per INSERT statement (SQLite allows 32,766 parameters)
+
+SPAN_COLUMNS = (
+    "instance_id, trace_id, span_id, parent_span_id, name, kind, start_time, end_time, "
+    "status_code, status_message, attributes, events, links"
+)
+
+
+@functools.cache
+def _span_sql() -> tuple[str, str, str]:
+    """(PostgreSQL's INSERT, SQLite's INSERT head and one row of VALUES) for stored spans."""
+    from .models import Instance, Span
+
+    table = Span._meta.db_table
+    instance = f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = {{}} LIMIT 1)"
+    arrays = ", ".join(
+        f"CAST(%s AS {t}[])" for t in ["text"] * 5 + ["timestamptz"] * 2 + ["text"] * 5
+    )
+    postgres = (
+        f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT {instance.format('v.t')}, v.t, v.s, v.p, "
+        "v.n, v.k, v.st, v.e, v.c, v.m, CAST(v.a AS jsonb), CAST(v.ev AS jsonb), CAST(v.l AS jsonb) "
+        f"FROM unnest({arrays}) AS v(t, s, p, n, k, st, e, c, m, a, ev, l) "
+        "RETURNING span_id, instance_id"
+    )
+    row = f"({instance.format('%s')}, {', '.join(['%s'] * 12)})"
+    return postgres, f"INSERT INTO {table} ({SPAN_COLUMNS}) VALUES ", row
 
 
 class StoredSpan(NamedTuple):
@@ -138,80 +164,71 @@ class DatabaseSpanProcessor(SpanProcessor):
     def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:
         from django.db import connection, transaction
 
-        from .models import Instance, Span
+        from .engine.store.dialect import statement_cursor
 
         # Each row finds its instance by trace id inside the INSERT and RETURNING says which
         # it found: one statement (and, alone, one commit) instead of a read, a write and a
         # commit. (The engine's claim needs RETURNING on SQLite as well: 3.35 or later.)
-        instance_value = f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = %s LIMIT 1)"
-        json_value = "CAST(%s AS jsonb)" if connection.vendor == "postgresql" else "%s"
         when = connection.ops.adapt_datetimefield_value
-        rows, params = [], []  # (trace id, span id, name, status) of each span, in order
+        rows = []  # (trace id, span id, parent, name, kind, start, end, status, message, 3 JSON)
         for span in batch:
-            trace_id = format(span.context.trace_id, "032x")
-            row = (
-                trace_id,
-                format(span.context.span_id, "016x"),
-                span.name[:300],
-                span.status.status_code.name,
-            )
-            rows.append(row)
-            params += [
-                trace_id,
-                trace_id,
-                row[1],
-                format(span.parent.span_id, "016x") if span.parent else "",
-                row[2],
-                span.kind.name,
-                when(_when(span.start_time)),
-                when(_when(span.end_time)),
-                row[3],
-                span.status.description or "",
-                json.dumps({k: _jsonable(v) for k, v in (span.attributes or {}).items()}),
-                json.dumps(
-                    [
-                        {
-                            "name": e.name,
-                            "time": _when(e.timestamp).isoformat(),
-                            "attributes": {
-                                k: _jsonable(v) for k, v in (e.attributes or {}).items()
-                            },
-                        }
-                        for e in span.events
-                    ]
-                ),
-                json.dumps(
-                    [
-                        {
-                            "trace_id": format(link.context.trace_id, "032x"),
-                            "span_id": format(link.context.span_id, "016x"),
-                            "attributes": dict(link.attributes or {}),
-                        }
-                        for link in span.links
-                    ]
-                ),
-            ]
-        values = (
-            f"({instance_value}, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-            f"{json_value}, {json_value}, {json_value})"
-        )
-        found: dict[str, int | None] = {}
-        several = len(rows) > FLUSH_ROWS
-        with transaction.atomic() if several else nullcontext(), connection.cursor() as cursor:
-            for start in range(0, len(rows), FLUSH_ROWS):
-                count = len(rows[start : start + FLUSH_ROWS])
-                cursor.execute(
-                    f"INSERT INTO {Span._meta.db_table} (instance_id, trace_id, span_id, parent_span_id, name, kind, "
-                    "start_time, end_time, status_code, status_message, attributes, events, links) VALUES "
-                    + ", ".join([values] * count)
-                    + " RETURNING span_id, instance_id",
-                    params[start * 13 : (start + count) * 13],
+            rows.append(
+                (
+                    format(span.context.trace_id, "032x"),
+                    format(span.context.span_id, "016x"),
+                    format(span.parent.span_id, "016x") if span.parent else "",
+                    span.name[:300],
+                    span.kind.name,
+                    when(_when(span.start_time)),
+                    when(_when(span.end_time)),
+                    span.status.status_code.name,
+                    span.status.description or "",
+                    json.dumps({k: _jsonable(v) for k, v in (span.attributes or {}).items()}),
+                    json.dumps(
+                        [
+                            {
+                                "name": e.name,
+                                "time": _when(e.timestamp).isoformat(),
+                                "attributes": {
+                                    k: _jsonable(v) for k, v in (e.attributes or {}).items()
+                                },
+                            }
+                            for e in span.events
+                        ]
+                    ),
+                    json.dumps(
+                        [
+                            {
+                                "trace_id": format(link.context.trace_id, "032x"),
+                                "span_id": format(link.context.span_id, "016x"),
+                                "attributes": dict(link.attributes or {}),
+                            }
+                            for link in span.links
+                        ]
+                    ),
                 )
+            )
+        found: dict[str, int | None] = {}
+        postgres, head, one_row = _span_sql()
+        if connection.vendor == "postgresql":
+            # One statement of one shape whatever the batch (each column an array): prepared
+            # once per connection, its text never rebuilt nor parsed again.
+            with statement_cursor() as cursor:
+                cursor.execute(postgres, [list(column) for column in zip(*rows)])
                 found.update(cursor.fetchall())
-        return [
-            StoredSpan(found.get(span_id), trace_id, span_id, *rest)
-            for trace_id, span_id, *rest in rows
-        ]
+        else:
+            several = len(rows) > FLUSH_ROWS
+            with transaction.atomic() if several else nullcontext(), connection.cursor() as cursor:
+                for start in range(0, len(rows), FLUSH_ROWS):
+                    chunk = rows[start : start + FLUSH_ROWS]
+                    cursor.execute(
+                        head
+                        + ", ".join([one_row] * len(chunk))
+                        + " RETURNING span_id, instance_id",
+                        [v for row in chunk for v in (row[0], *row)],
+                    )
+                    found.update(cursor.fetchall())
+        return [StoredSpan(found.get(row[1]), row[0], row[1], row[3], row[7]) for row in rows]
 
     def _requeue(self, batch: list[ReadableSpan]) -> None:
         with self._lock:

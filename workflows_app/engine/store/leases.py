@@ -33,6 +33,7 @@ from .dialect import (
     measure_clock_offset,
     retry_while_locked,
     skip_rows_being_claimed,
+    statement_cursor,
     writes_in_one_statement,
 )
 from .records import (
@@ -61,7 +62,7 @@ def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
     Other events are read when a wait asks for them (unconsumed_events)."""
     if writes_in_one_statement():
         ids = list(pks)
-        with connection.cursor() as cursor:
+        with statement_cursor() as cursor:
             rows = []
             for sql, params in _load_statements(ids, EVENTS_PER_LOAD * len(ids)):
                 cursor.execute(sql, params)
@@ -291,7 +292,7 @@ def _claim_params(
 def _claim_at_once(
     worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
 ) -> list[tuple[int, str]]:
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:
         cursor.execute(CLAIM_SQL, _claim_params(worker_id, limit, now, lease_until, exclude))
         return [(pk, token) for pk, token in cursor.fetchall()]
 
@@ -307,16 +308,16 @@ def _claim_and_load_pipelined(
     reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
     connection.ensure_connection()
     with connection.connection.pipeline():
-        claim = connection.cursor()
+        claim = statement_cursor()
         claim.execute(CLAIM_SQL, params)
         cursors = []
         for sql, read_params in reads:
-            cursor = connection.cursor()
+            cursor = statement_cursor()
             cursor.execute(sql, read_params)
             cursors.append(cursor)
         # The worker's idle wait needs the next timer: asked here it costs no trip of its
         # own (a trip beside the claimed runs took the GIL from them as they started).
-        timer = connection.cursor()
+        timer = statement_cursor()
         timer.execute(NEXT_WAKE_SQL)
     claimed = [(pk, token) for pk, token in claim.fetchall()]
     next_wake = from_db_time(timer.fetchone()[0])
@@ -405,7 +406,7 @@ NEXT_WAKE_SQL = (
 def next_wake_at() -> datetime | None:
     """The earliest timer among unleased instances, for the worker's idle wait (the same
     read the PostgreSQL claim pipelines)."""
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:
         cursor.execute(NEXT_WAKE_SQL)
         (found,) = cursor.fetchone()
     return from_db_time(found)

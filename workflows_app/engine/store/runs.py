@@ -36,6 +36,7 @@ from .dialect import (
     lock_rows,
     merge_json_sql,
     retry_while_locked,
+    statement_cursor,
     typed_placeholders,
     writes_in_one_statement,
 )
@@ -381,7 +382,7 @@ def _write_at_once(w: StepWrite) -> str:
     """_write_step as one autocommit statement (PostgreSQL): one round trip per checkpoint."""
     faults.hit("before_checkpoint")
     sql, params = _checkpoint_statement(w, clock.now())
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:
         cursor.execute(sql, params)
         outcome = _checkpoint_outcome(w, cursor.fetchone())
     if isinstance(outcome, LeaseLost):
@@ -406,7 +407,7 @@ def _write_pipelined(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
         cursors = {}
         with connection.connection.pipeline():
             for i in order:
-                cursor = connection.cursor()  # Django's: counted, logged like any statement
+                cursor = statement_cursor()  # Django's wrapper: counted, logged like any
                 cursor.execute(*statements[i])
                 cursors[i] = cursor
         results = [
@@ -616,7 +617,7 @@ def _finish_at_once(
             params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
     if error_record is not None:
         params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:
         own = "retention_ms" if status == Status.COMPLETE else "retention_error_ms"
         cursor.execute(_finish_sql(len(history), error_record is not None, own), params)
         row = cursor.fetchone()
