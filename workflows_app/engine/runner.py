@@ -187,6 +187,7 @@ class Run:
         self.failure: BaseException | None = None  # compensate_on_failure: the error being unwound
         self.compensating = loaded.instance.compensate_on_cancel
         self.unwinding = False
+        self.behind: asyncio.Future[None] | None = None  # see write(behind=True)
 
     # --- signals from outside -------------------------------------------------------
 
@@ -250,6 +251,8 @@ class Run:
             outcome = await self._supervise(self.task)
             return outcome
         finally:
+            with contextlib.suppress(RunAborted, DatabaseError):
+                await self.settle()  # an aborted run's write behind lands before its lease goes
             if outcome in lifecycle.FINISHED:
                 meters.instance_finished(self.definition.name, outcome)
             self.span.set_attribute("workflow.outcome", outcome)
@@ -329,6 +332,7 @@ class Run:
 
     async def _park(self) -> str:
         try:
+            await self.settle()
             status = await self.db(
                 store.park,
                 self.pk,
@@ -338,7 +342,7 @@ class Run:
                 "",
                 self.events_seen,
             )
-        except LeaseLost:
+        except (LeaseLost, RunAborted):
             return "aborted"
         return str(status)
 
@@ -391,8 +395,9 @@ class Run:
             name, message, _ = error_fields(exc)
             data = {"reason": "failure", "error": {"name": name, "message": message}}
             try:
+                await self.settle()
                 await self.db(store.begin_compensation, self.pk, self.token, data)
-            except LeaseLost:
+            except (LeaseLost, RunAborted):
                 return "aborted"
             return await self._unwind()
         name, message, stack = error_fields(exc)
@@ -422,6 +427,10 @@ class Run:
     ) -> bool:
         """Finish the instance; False when the lease was lost. A plain end shares the
         group commit with other runs' checkpoints (SQLite), one commit fewer per run."""
+        try:
+            await self.settle()
+        except RunAborted:
+            return False
         if self.end_in_group:
             end = store.FinishWrite(
                 self.pk, self.token, status, self.limits, output_json, error, history, error_record
@@ -576,27 +585,62 @@ class Run:
         consume_event: int | None = None,
         progress: bool = False,
         error: dict[str, Any] | None = None,
+        behind: bool = False,
     ) -> None:
+        """Checkpoint a step. `behind`: the run goes on while the checkpoint is written (the
+        end of a sleep or a wait, which ran no user code: a crash before it lands replays
+        to the same point); every later write of the run, its park and its end wait for it."""
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         write = store.StepWrite(
             self.pk, self.token, record, history, consume_event, progress, error
         )
+        (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[
+            record.name
+        ] = record
+        if behind:
+            self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
+            # Retrieved here too: a refused write aborts the run, which may never settle it.
+            self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
+            return
+        await self.settle()
+        self._written(write, await self._checkpoint_or_abort(write))
+
+    async def _checkpoint_or_abort(self, write: store.StepWrite) -> str:
         try:
-            status = await self.checkpoint(write)
+            return await self.checkpoint(write)
         except LeaseLost as exc:
             self.abort(str(exc))
             raise RunAborted(str(exc)) from None
         except DatabaseError as exc:
-            status = await self._write_again(write, exc)
-        (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[
-            record.name
-        ] = record
+            return await self._write_again(write, exc)
+
+    def _written(self, write: store.StepWrite, status: str) -> None:
         if status == Status.WAITING_FOR_PAUSE and not self.pause_requested:
             self.request_pause()
         elif status == Status.RUNNING and self.pause_requested:
             self.pause_requested = False  # resumed before this boundary: the pause is off
-        self.notify("step_written", self, record, history)
+        self.notify("step_written", self, write.step, write.history)
+
+    async def _write_behind(
+        self, before: asyncio.Future[None] | None, write: store.StepWrite
+    ) -> None:
+        if before is not None:
+            await before  # the instance's checkpoints land in the order they were made
+        if self.abort_reason is not None:
+            raise RunAborted(self.abort_reason)
+        self._written(write, await self._checkpoint_or_abort(write))
+
+    async def settle(self) -> None:
+        """Wait for the checkpoint written behind the run; RunAborted if it was refused."""
+        behind = self.behind
+        if behind is None:
+            return
+        try:
+            await asyncio.shield(behind)  # a cancelled waiter leaves the write going
+        finally:
+            if behind.done() and self.behind is behind:
+                self.behind = None
 
     async def _write_again(self, write: store.StepWrite, error: DatabaseError) -> str:
         """Retry a checkpoint the database refused for a passing reason (a restart, a dropped

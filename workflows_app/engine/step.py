@@ -440,7 +440,7 @@ class Step:
             record.completed_at = clock.now()
             record.output_json = "null"
             history.append(History("sleep.completed", {"step": name}))
-            await run.write(record, history, progress=True)
+            await run.write(record, history, progress=True, behind=True)
             spans.finished_span(
                 run.span,
                 f"{kind} {name}",
@@ -542,7 +542,7 @@ class Step:
             shown = payload_for_history(delivered.payload, unseal(delivered.payload_json) or "null")
             data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
             history.append(History("event.received", data))
-            await run.write(record, history, consume_event=delivered.pk, progress=True)
+            await run.write(record, history, consume_event=delivered.pk, progress=True, behind=True)
             spans.finished_span(
                 run.span, f"waitForEvent {name}", record.started_at, record.completed_at, attributes
             )
@@ -641,6 +641,7 @@ class Step:
             parent_span=f"{trace_id}:{span_id}" if span_id else "",
         )
         actor = f"{run.definition.name}/{run.instance_id}"
+        await run.settle()  # the parent's history keeps its order
         child, created = await run.db(
             store.start_child, definition.name, definition.version, limits, item, fallback, actor
         )
