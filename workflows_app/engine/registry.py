@@ -46,6 +46,8 @@ class Definition:
     source_hash: str = ""
     # Cron expressions of register(schedules=[...]): each becomes a declared Schedule.
     schedules: tuple[str, ...] = ()
+    # (the settings' LIMITS it was built from, the Limits): every run asks for its limits.
+    _built_limits: list[tuple[Any, Limits]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def class_path(self) -> str:
@@ -57,9 +59,16 @@ class Definition:
         return await self.cls(instance_id).run(event, step)
 
     def limits(self) -> Limits:
+        """Built once while the settings' LIMITS stay the same object (a test or a reload
+        that assigns new settings gets new limits)."""
         from django.conf import settings
 
-        return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"), self.limits_overrides)
+        configured = getattr(settings, "WFDASH", {}).get("LIMITS")
+        if self._built_limits and self._built_limits[0][0] is configured:
+            return self._built_limits[0][1]
+        built = Limits.build(configured, self.limits_overrides)
+        self._built_limits[:] = [(configured, built)]
+        return built
 
 
 _lock = threading.Lock()
