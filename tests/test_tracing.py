@@ -132,6 +132,46 @@ def test_spans_and_errors_are_stored_and_go_with_the_instance(registered, export
     assert not ErrorRecord.objects.filter(instance_id=pk).exists()
 
 
+def test_each_stored_span_keeps_what_the_span_said(registered, exported):
+    """The stored row of every span of an instance: ids, parent, name, kind, times, status,
+    attributes, events with theirs, and links, as OpenTelemetry ended it."""
+    inst = drive_traced_instance()
+    tracing.flush_spans()
+    ended = {
+        format(s.context.span_id, "016x"): s
+        for s in exported.get_finished_spans()
+        if format(s.context.trace_id, "032x") == inst.row().trace_id
+    }
+    rows = {row.span_id: row for row in Span.objects.filter(trace_id=inst.row().trace_id)}
+    assert set(rows) == set(ended) and len(rows) > 10
+
+    def at(ns):
+        return datetime.fromtimestamp(ns / 1e9, tz=UTC)
+
+    for span_id, span in ended.items():
+        row = rows[span_id]
+        assert row.instance_id == inst.row().pk
+        assert row.parent_span_id == (format(span.parent.span_id, "016x") if span.parent else "")
+        assert (row.name, row.kind, row.status_code) == (
+            span.name,
+            span.kind.name,
+            span.status.status_code.name,
+        )
+        assert abs(row.start_time - at(span.start_time)).total_seconds() < 1e-5
+        assert abs(row.end_time - at(span.end_time)).total_seconds() < 1e-5
+        assert row.attributes == dict(span.attributes)
+        assert [(e["name"], e["attributes"]) for e in row.events] == [
+            (e.name, dict(e.attributes)) for e in span.events
+        ]
+        assert [datetime.fromisoformat(e["time"]) for e in row.events] == [
+            at(e.timestamp) for e in span.events
+        ]
+        assert [(link["trace_id"], link["span_id"]) for link in row.links] == [
+            (format(link.context.trace_id, "032x"), format(link.context.span_id, "016x"))
+            for link in span.links
+        ]
+
+
 def test_a_failed_instance_records_an_error_and_an_error_span(registered, exported):
     @register("failing")
     class Failing(WorkflowEntrypoint):
