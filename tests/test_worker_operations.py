@@ -398,3 +398,35 @@ def test_a_heartbeat_finds_its_leases_through_an_index_not_a_table_scan(register
         plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
     assert "instance_leased" in plan, plan
     assert store.heartbeat([token], 30) == set()
+
+
+async def test_database_threads_answer_each_call_and_cancel_the_queued_ones_at_close():
+    """The worker's database calls: results and errors come back to the caller's loop; at
+    close, calls still queued behind busy threads are cancelled, not left waiting forever."""
+    from workflows_app.engine.worker import ConnectionThreads
+
+    threads = ConnectionThreads(1, "test-db-calls")
+    release = threading.Event()
+    try:
+        assert await threads(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await threads(lambda: 1 / 0)
+        started = threading.Event()
+
+        def hold() -> bool:
+            started.set()
+            return release.wait(30)
+
+        busy = asyncio.ensure_future(threads(hold))
+        queued = asyncio.ensure_future(threads(lambda: "never"))
+        await asyncio.sleep(0)  # both are handed to the one thread's queue
+        assert started.wait(10)  # the first is running, the second waits behind it
+        threads.close()
+        release.set()
+        assert await busy is True  # a call that had started runs to its end
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        with pytest.raises(RuntimeError, match="closed"):
+            await threads(lambda: 1)
+    finally:
+        release.set()
