@@ -460,10 +460,10 @@ def publish(group: str, message: dict[str, Any]) -> None:
     if not isinstance(layer, InMemoryChannelLayer):
         _background_send(group, message)
         return
-    current = running_loop()
     target = _socket_loop
     if target is None or target.is_closed():
         return
+    current = running_loop()
 
     async def send() -> None:
         try:

@@ -576,7 +576,8 @@ class Run:
         finally:
             if not activity.blocked:
                 self.in_flight -= 1
-                self.changed.set()
+                if self._quiescent():  # the last branch at work stopped: the run may park
+                    self.changed.set()
 
     async def write(
         self,
