@@ -84,3 +84,30 @@ def test_a_full_engine_channel_is_reported_once_a_minute_not_per_message(setting
     reports = [r for r in caplog.records if r.name == "workflows_app.live"]
     assert len(reports) == 1, [r.getMessage() for r in reports]
     assert "channel layer full" in reports[0].getMessage() and reports[0].exc_info is None
+
+
+@needs_redis
+async def test_updates_are_sent_only_to_groups_that_a_socket_joined(redis_layer):
+    """A busy worker's step updates are mostly for instances no page is open on: those are
+    not sent (each group_send costs round trips and a Lua call, even to an empty group),
+    while a joined group still gets every message, in order."""
+    import secrets
+
+    from workflows_app import live
+
+    loop = asyncio.get_running_loop()
+    run = secrets.token_hex(4)
+    channel = await redis_layer.new_channel()
+    watched = f"wfdash.instance.watched-{run}"
+    await redis_layer.group_add(watched, channel)
+    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
+    assert await loop.run_in_executor(None, live.flush)
+    skipped_before = live._sender.skipped
+    for n in range(50):
+        live._background_send(f"wfdash.instance.nobody-{run}-{n}", {"type": "wf.step", "pk": n})
+        if n % 10 == 0:
+            live._background_send(watched, {"type": "wf.step", "pk": n})
+    assert await loop.run_in_executor(None, live.flush)
+    received = [await asyncio.wait_for(redis_layer.receive(channel), 5) for _ in range(5)]
+    assert [m["pk"] for m in received] == [0, 10, 20, 30, 40]
+    assert live._sender.skipped - skipped_before == 50

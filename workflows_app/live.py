@@ -254,6 +254,7 @@ class Sender:
         self.idle = asyncio.Event()  # set when nothing is waiting to be sent
         self.idle.set()
         self.full_warned_at = -float("inf")  # time.monotonic() of the last ChannelFull warning
+        self.skipped = 0  # updates not sent: nobody had joined their group
         threading.Thread(
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
@@ -294,9 +295,38 @@ class Sender:
                 by_group: dict[str | None, list[dict[str, Any]]] = {}
                 for group, message in _coalesce(chunk):
                     by_group.setdefault(group, []).append(message)
-                await asyncio.gather(*(send_in_order(g, ms) for g, ms in by_group.items()))
+                joined = await self._groups_with_members(list(by_group))
+                self.skipped += sum(len(by_group[g]) for g in by_group if g not in joined)
+                await asyncio.gather(
+                    *(send_in_order(g, ms) for g, ms in by_group.items() if g in joined)
+                )
             if not self.wake.is_set():
                 self.idle.set()
+
+    async def _groups_with_members(self, groups: list[str | None]) -> set[str | None]:
+        """The groups (None: the engine channel) that some socket's process has joined,
+        asked of Redis in one script call per host. Most of a busy worker's
+        updates are for instances no page is open on: a group_send costs two round trips
+        and a Lua call even to an empty group (a herd of timers spent half its CPU there).
+        A layer other than channels_redis's, or a failed look, sends to them all."""
+        layer = get_channel_layer()
+        key_of = getattr(layer, "_group_key", None)
+        named = [g for g in groups if g is not None]
+        if key_of is None or not hasattr(layer, "connection") or not named:
+            return set(groups)
+        by_host: dict[int, list[str]] = {}
+        for group in named:
+            by_host.setdefault(layer.consistent_hash(group), []).append(group)
+        joined: set[str | None] = {None}
+        try:
+            for host, names in by_host.items():
+                keys = [key_of(name) for name in names]
+                found = await layer.connection(host).eval(NON_EMPTY_KEYS, len(keys), *keys)
+                joined.update(names[int(index) - 1] for index in found)
+        except Exception:
+            log.debug("could not look up group members; sending to every group", exc_info=True)
+            return set(groups)
+        return joined
 
     async def _send(self, group: str | None, message: dict[str, Any]) -> None:
         layer = get_channel_layer()
@@ -319,6 +349,16 @@ class Sender:
         except Exception:  # a lost hint or notification costs latency only
             log.warning("could not publish %s to %s", message.get("type"), group, exc_info=True)
 
+
+# The 1-based positions of the keys that hold members: one short reply to parse, not one
+# per group (redis-py parses each reply in Python).
+NON_EMPTY_KEYS = """
+local found = {}
+for i, key in ipairs(KEYS) do
+    if redis.call('ZCARD', key) > 0 then found[#found + 1] = i end
+end
+return found
+"""
 
 _sender: Sender | None = None
 _sender_lock = threading.Lock()
