@@ -255,24 +255,35 @@ class Sender:
         self.idle.set()
         self.full_warned_at = -float("inf")  # time.monotonic() of the last ChannelFull warning
         self.skipped = 0  # updates not sent: nobody had joined their group
+        self.incoming: deque[tuple[str, dict[str, Any]]] = deque()  # put, not yet pulled
+        self.pulling = False  # a _pull is scheduled on the sender's loop
         threading.Thread(
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
 
     def put(self, group: str, message: dict[str, Any]) -> None:
-        """From any thread."""
-        self.loop.call_soon_threadsafe(self._put, group, message)
+        """From any thread. The sender's loop is woken once per burst, not per message
+        (each wake is a write to its self-pipe and a turn of its loop)."""
+        self.incoming.append((group, message))
+        if not self.pulling:
+            self.pulling = True
+            self.loop.call_soon_threadsafe(self._pull)
 
-    def _put(self, group: str, message: dict[str, Any]) -> None:
-        if group == WORKERS_GROUP:
-            self.hints.put(message)
-        else:
-            self.updates.append((group, message))
+    def _pull(self) -> None:
+        self.pulling = False  # before draining: a message put after this wakes it again
+        while self.incoming:
+            group, message = self.incoming.popleft()
+            if group == WORKERS_GROUP:
+                self.hints.put(message)
+            else:
+                self.updates.append((group, message))
         self.idle.clear()
         self.wake.set()
 
     async def drained(self) -> None:
+        if self.incoming:  # put by a thread whose wake-up is not scheduled yet
+            self._pull()
         await self.idle.wait()
 
     async def _drain(self) -> None:
