@@ -43,6 +43,7 @@ from .dialect import (
     lock_admission,
     lock_rows,
     retry_while_locked,
+    statement_cursor,
     writes_in_one_statement,
 )
 from .records import (
@@ -590,7 +591,7 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
     attributes = [
         part for key, value in (row.attributes or {}).items() for part in (key, index_text(value))
     ]
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:  # prepared once per shape (attribute count)
         cursor.execute(
             _create_sql(tuple(f.column for f in fields), len(attributes) // 2),
             [
@@ -1030,7 +1031,7 @@ def _send_event_at_once(
     actor: str,
     now: datetime,
 ) -> InboxEvent | None:
-    with connection.cursor() as cursor:
+    with statement_cursor() as cursor:
         cursor.execute(
             SEND_EVENT_SQL,
             {
