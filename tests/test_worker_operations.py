@@ -430,3 +430,33 @@ async def test_database_threads_answer_each_call_and_cancel_the_queued_ones_at_c
             await threads(lambda: 1)
     finally:
         release.set()
+
+
+async def test_a_background_flush_runs_one_at_a_time_and_flush_now_waits_for_it():
+    """The serve loop stores spans without waiting (an event sent meanwhile is claimed at
+    once); a forced flush asked for during one runs after it; flush_now returns only when
+    everything queued was stored."""
+    from workflows_app.engine.worker import ConnectionThreads
+
+    release = threading.Event()
+    flushed: list[str] = []
+
+    class Hooks:
+        def flush(self) -> None:
+            flushed.append("start")
+            assert release.wait(10)
+            flushed.append("end")
+
+    worker = Worker(hooks=Hooks())
+    worker.db = ConnectionThreads(1, "test-flush")
+    try:
+        worker.flush_in_background(force=True)
+        worker.flush_in_background(force=True)  # one is in flight: runs once more after it
+        worker.flush_in_background(force=False)
+        await asyncio.sleep(0)
+        release.set()
+        await worker.flush_now()
+        assert flushed == ["start", "end"] * 3  # the background one, its rerun, flush_now's
+    finally:
+        release.set()
+        worker.db.close()

@@ -359,6 +359,8 @@ class Worker:
         self._admission_stale = True  # a hint came since admit_due last looked
         self._admission_checked_at = float("-inf")  # time.monotonic() of that look
         self._last_flush = 0.0
+        self._flushing: asyncio.Future[None] | None = None  # see flush_in_background
+        self._flush_again = False
         self._next_maintain = 0.0  # time.monotonic() of the next look for background work
         # Finished instances past their retention are deleted this often (engine clock; 0: only
         # by `wf prune`), a batch at a time between runs.
@@ -446,7 +448,7 @@ class Worker:
         if self._unsubscribe_clock:
             self._unsubscribe_clock()
         await self.release_pending()
-        await self.flush_hooks(force=True)
+        await self.flush_now()
         await self._close_threads()
 
     async def _close_threads(self) -> None:
@@ -600,6 +602,30 @@ class Worker:
             if run is not None:
                 run.abort("lease lost")
         return lost
+
+    def flush_in_background(self, force: bool = False) -> None:
+        """flush_hooks without waiting for it: the serve loop goes on to wait for its next
+        wake while spans are stored (on PostgreSQL in another database thread, so an event
+        sent meanwhile is claimed at once). One at a time; a force asked for meanwhile
+        flushes again after it."""
+        if self._flushing is not None and not self._flushing.done():
+            self._flush_again = self._flush_again or force
+            return
+        self._flushing = asyncio.ensure_future(self._flush_while_asked(force))
+
+    async def _flush_while_asked(self, force: bool) -> None:
+        while True:
+            await self.flush_hooks(force)
+            if not self._flush_again:
+                return
+            force, self._flush_again = True, False
+
+    async def flush_now(self) -> None:
+        """Store every queued span before returning (a background flush first ends)."""
+        if self._flushing is not None:
+            with contextlib.suppress(Exception):
+                await self._flushing
+        await self.flush_hooks(force=True)
 
     async def flush_hooks(self, force: bool = False) -> None:
         """Store queued spans: after runs, at most every FLUSH_SECONDS, and when idle."""
@@ -776,7 +802,7 @@ class Worker:
                         # Due but not claimable (another worker is committing its claim):
                         # look again soon rather than spin on the same answer.
                         timeout = CONTENDED_WAIT_SECONDS
-                await self.flush_hooks(force=not self.tasks)  # going idle: store what is queued
+                self.flush_in_background(force=not self.tasks)  # going idle: store what is queued
                 waiters = [asyncio.ensure_future(self._wake.wait())]
                 if stop is not None:
                     waiters.append(asyncio.ensure_future(stop.wait()))
@@ -810,7 +836,7 @@ class Worker:
                 if await self.maintain_once(force=True):
                     continue  # a bulk batch may have made instances runnable
                 if not self.tasks:
-                    await self.flush_hooks(force=True)
+                    await self.flush_now()
                     return  # nothing claimable now and nothing running: idle
                 await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
 
