@@ -71,13 +71,14 @@ def json_placeholder() -> str:
 
 
 def statement_cursor() -> Any:
-    """A cursor for the engine's hot statements (checkpoint, finish, claim, load).
+    """A cursor for the engine's hot statements (checkpoint, finish, claim and its reads,
+    next timer, create, send_event, span storage).
 
     PostgreSQL: the parameters are bound on the server and each statement is prepared on
     its connection at first use, so it is parsed and planned once per connection rather
     than on every call. Every such statement touches the instance table, whose planning
-    costs 0.4-2 ms with its indexes: prepared, a herd of 2,000 timers took 41 % less of
-    the server's CPU and 27 % less time. Django's own cursors keep client-side binding
+    costs 0.4-2 ms with its indexes: prepared, 10,000 timers took 36.9 s instead of 45.5 s
+    (docs/performance.md, fourth round). Django's own cursors keep client-side binding
     (some ORM queries need it). Off with WFDASH_PG_PREPARE=0, for a pooler that cannot
     keep prepared statements (PgBouncer before 1.21 in transaction mode). SQLite: Django's
     cursor (its statements are cached by the driver already).
