@@ -10,7 +10,7 @@ import pytest
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, faults, register
-from workflows_app.models import HistoryRecord, InboxEvent, StepRecord
+from workflows_app.models import HistoryRecord, InboxEvent, Span, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -102,8 +102,11 @@ def test_a_wait_whose_checkpoint_is_refused_stops_the_run_and_the_next_delivers_
     assert (wait.status, wait.output["payload"]) == ("complete", {"n": 3})
 
 
-def test_a_sleep_that_ended_is_checkpointed_behind_the_step_after_it(registered):
-    @register("behind-sleeper")
+def test_a_sleep_that_came_due_while_parked_is_ended_by_the_claim_that_wakes_it(registered):
+    # A herd of timers: the claim that wakes the instance checkpoints the sleep's end and
+    # writes its sleep.completed record; the run reports it (span, live update) and
+    # writes nothing for it.
+    @register("claim-sleeper")
     class SleepThenStep(WorkflowEntrypoint):
         async def run(self, event, step):
             await step.sleep("nap", "1 second")
@@ -116,13 +119,63 @@ def test_a_sleep_that_ended_is_checkpointed_behind_the_step_after_it(registered)
             return await step.do("after", after)
 
     with testing.fake_clock() as clock:
-        inst = get_workflow("behind-sleeper").create(id="sleeper")
+        inst = get_workflow("claim-sleeper").create(id="claimed-sleeper")
         testing.run_until_idle()
         assert inst.status().status == "waiting"
         clock.advance("1 second")
-        faults.configure("before_checkpoint=sleep:2@1")
+        # The run's first checkpoint is the step's: the sleep has none of its own.
+        faults.configure("before_checkpoint=sleep:1@1")
         testing.run_until_idle()
     assert inst.status().output == "woke"
-    assert wait_status_seen == ["waiting"]
+    assert wait_status_seen == ["complete"]  # ended before the step after it ran
+    records = list(
+        HistoryRecord.objects.filter(instance__instance_id=inst.id)
+        .order_by("sequence")
+        .values_list("sequence", "type")
+    )
+    assert [seq for seq, _ in records] == list(range(1, len(records) + 1))
+    types = [t for _, t in records]
+    second_run = len(types) - types[::-1].index("run.started") - 1
+    assert types[second_run : second_run + 3] == ["run.started", "sleep.completed", "step.started"]
+    assert types.count("sleep.completed") == 1
+    nap = StepRecord.objects.get(instance__instance_id=inst.id, name="nap")
+    assert nap.status == "complete" and nap.completed_at is not None
+    assert Span.objects.filter(trace_id=inst.row().trace_id, name="sleep nap").count() == 1
+    assert inst.row().unproductive_claims == 0
+
+
+def test_a_sleep_that_comes_due_within_a_run_is_checkpointed_behind_the_step_after_it(
+    registered,
+):
+    seen: list[object] = []
+
+    @register("behind-sleeper")
+    class StepSleepStep(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("first", lambda: 1)
+            await step.sleep_until("nap", event.payload["at"])
+
+            def after():
+                seen.append(
+                    StepRecord.objects.filter(instance__instance_id=event.instance_id, name="nap")
+                    .values_list("status", flat=True)
+                    .first()
+                )
+                return "woke"
+
+            return await step.do("after", after)
+
+    # Due when the run reaches it: no park, and its checkpoint goes behind the step after it.
+    with testing.fake_clock():
+        inst = get_workflow("behind-sleeper").create(
+            id="sleeper",
+            params={"at": 946684800000},  # 2000-01-01: long past
+        )
+        faults.configure("before_checkpoint=sleep:2@2")
+        testing.run_until_idle()
+    assert inst.status().output == "woke"
+    assert seen == [None]  # the step ran before the sleep's row was written
     types = history(inst.id)
-    assert types.index("sleep.completed") < types.index("step.started")
+    last_step_started = len(types) - 1 - types[::-1].index("step.started")
+    assert types.index("sleep.started") < types.index("sleep.completed") < last_step_started
+    assert types[-1] == "instance.completed"

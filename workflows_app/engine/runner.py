@@ -147,6 +147,7 @@ class Run:
             and not writes_in_one_statement()
         )
         self.checkpoints = loaded.steps
+        self.sleeps_ended = loaded.sleeps_ended  # see Step._sleep
         self.compensation_checkpoints = loaded.compensations
         # Checkpoints by the step before them in their branch: where replay must go next.
         self.successors: dict[str, list[StepRecord]] = {}

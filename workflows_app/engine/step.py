@@ -418,6 +418,12 @@ class Step:
         run = self._run
         record = run.begin_op(name, kind)
         if record is not None and record.status == StepStatus.COMPLETE:
+            if name in run.sleeps_ended:  # by this run's claim: reported here, not written
+                run.sleeps_ended.discard(name)
+                run.notify(
+                    "step_written", run, record, [History("sleep.completed", {"step": name})]
+                )
+                self._sleep_span(name, kind, record)
             return
         async with run.activity() as activity:
             if record is None:
@@ -441,13 +447,17 @@ class Step:
             record.output_json = "null"
             history.append(History("sleep.completed", {"step": name}))
             await run.write(record, history, progress=True, behind=True)
-            spans.finished_span(
-                run.span,
-                f"{kind} {name}",
-                record.started_at,
-                record.completed_at,
-                run.span_attributes(name, kind),
-            )
+            self._sleep_span(name, kind, record)
+
+    def _sleep_span(self, name: str, kind: str, record: StepRecord) -> None:
+        run = self._run
+        spans.finished_span(
+            run.span,
+            f"{kind} {name}",
+            record.started_at,
+            record.completed_at,
+            run.span_attributes(name, kind),
+        )
 
     # --- events -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -64,6 +64,13 @@ def from_db_time(value: Any) -> datetime | None:
     if value is not None and value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     return value
+
+
+def array_literal(values: Iterable[int | str]) -> str:
+    """A PostgreSQL array literal ('{1,2,3}'), bound as one text parameter and cast in the
+    SQL: psycopg dumps a list parameter element by element in Python. Only for values
+    that need no quoting (ids, hex tokens)."""
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 def json_placeholder() -> str:

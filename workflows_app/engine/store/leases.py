@@ -27,6 +27,7 @@ from ...models import (
 )
 from .. import clock, faults
 from .dialect import (
+    array_literal,
     db_time,
     from_db_time,
     lock_rows,
@@ -144,15 +145,17 @@ def claim_and_load(
     On PostgreSQL the next timer (next_wake_at) is read in the same round trip."""
     if writes_in_one_statement():
         return _claim_and_load_pipelined(worker_id, limit, lease_seconds, exclude)
-    claimed = claim_runnable(worker_id, limit, lease_seconds, exclude)
-    if not claimed:
+    rows = _claim(worker_id, limit, lease_seconds, exclude)
+    if not rows:
         return Claimed([])
+    claimed = [(pk, token) for pk, token, _ in rows]
     try:
         faults.hit("after_claim")
         loaded = load_runs([pk for pk, _ in claimed])
     except DatabaseError:
         _release_after_failed_load(claimed)
         raise
+    _mark_sleeps_ended(loaded, {pk: slept for pk, _, slept in rows if slept})
     return Claimed([(pk, token, loaded.get(pk)) for pk, token in claimed])
 
 
@@ -164,7 +167,6 @@ def _release_after_failed_load(claimed: Sequence[tuple[int, str]]) -> None:
         release(claimed)
 
 
-@retry_while_locked
 def claim_runnable(
     worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
 ) -> list[tuple[int, str]]:
@@ -173,13 +175,22 @@ def claim_runnable(
     Runnable: wake_at <= now and no live lease. PostgreSQL skips rows another worker is
     claiming (FOR UPDATE SKIP LOCKED); SQLite's IMMEDIATE transaction serialises claimers.
     The claim also marks the run as started (status and run.started), so a run costs no
-    transaction of its own before its first checkpoint.
+    transaction of its own before its first checkpoint, and ends the sleeps that came due
+    (a herd of timers wakes without a checkpoint per instance for them).
     """
+    return [(pk, token) for pk, token, _ in _claim(worker_id, limit, lease_seconds, exclude)]
+
+
+@retry_while_locked
+def _claim(
+    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int]
+) -> list[tuple[int, str, list[str]]]:
+    """claim_runnable, with the names of the sleeps each claim ended."""
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
         return _claim_at_once(worker_id, limit, now, lease_until, exclude)
-    claimed: list[tuple[int, str]] = []
+    claimed: list[tuple[int, str, list[str]]] = []
     runnable = (
         Instance.objects.filter(wake_at__lte=now)
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
@@ -197,7 +208,7 @@ def claim_runnable(
                 :limit
             ]
         )
-        started: list[tuple[int, int, History]] = []
+        started: list[tuple[int, int, list[History]]] = []
         with connection.cursor() as cursor:
             for pk, old_token, status, run_count, compensating in rows:
                 token = uuid.uuid4().hex
@@ -225,51 +236,105 @@ def claim_runnable(
                     ],
                 )
                 row = cursor.fetchone()
-                if row is not None:
-                    claimed.append((pk, token))
-                    data = {"run": run_count + 1, "from": status, "worker": worker_id}
-                    started.append((pk, row[0], History("run.started", data)))
-        for pk, seq, record in started:
-            insert_history(pk, seq, [record], now)
+                if row is None:
+                    continue
+                data = {"run": run_count + 1, "from": status, "worker": worker_id}
+                records = [History("run.started", data)]
+                slept = (
+                    _end_due_sleeps(cursor, pk, now)
+                    if new_status == Status.RUNNING and not compensating
+                    else []
+                )
+                records += [History("sleep.completed", {"step": name}) for name in slept]
+                claimed.append((pk, token, slept))
+                started.append((pk, row[0], records))
+        for pk, seq, records in started:
+            insert_history(pk, seq, records, now)
     return claimed
 
 
+def _end_due_sleeps(cursor: Any, pk: int, now: datetime) -> list[str]:
+    """The claim's ending of due sleeps on SQLite (CLAIM_SQL's `ended` on PostgreSQL):
+    their checkpoints, and room for their sleep.completed records after run.started."""
+    cursor.execute(
+        f"UPDATE {STEP_TABLE} SET status = %s, completed_at = %s, output_json = 'null' "
+        "WHERE instance_id = %s AND kind IN (%s, %s) AND status = %s AND wake_at <= %s "
+        "RETURNING name, seq",
+        [
+            StepStatus.COMPLETE,
+            db_time(now),
+            pk,
+            StepKind.SLEEP,
+            StepKind.SLEEP_UNTIL,
+            StepStatus.WAITING,
+            db_time(now),
+        ],
+    )
+    slept = [name for name, _ in sorted(cursor.fetchall(), key=lambda r: (r[1], r[0]))]
+    if slept:
+        cursor.execute(
+            f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, unproductive_claims = 0 "
+            "WHERE id = %s",
+            [len(slept), pk],
+        )
+    return slept
+
+
 # claim_runnable as one autocommit statement (PostgreSQL): pick and lock the due rows,
-# lease them under the tokens given (in pick order), start their runs and write their
-# run.started records.
+# end the sleeps that came due in them (SLEPT_SQL), lease them under the tokens given (in
+# pick order), start their runs and write their run.started and sleep.completed records.
 CLAIM_SQL = f"""
 WITH picked AS (
     SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel
     FROM {INSTANCE_TABLE}
     WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
-      AND id <> ALL(%(exclude)s)
+      AND id <> ALL(CAST(%(exclude)s AS bigint[]))
     ORDER BY wake_at LIMIT %(limit)s
     FOR NO KEY UPDATE SKIP LOCKED
+), ended AS (
+    UPDATE {STEP_TABLE} AS s SET status = %(complete)s, completed_at = %(now)s,
+        output_json = 'null'
+    FROM picked AS p
+    WHERE s.instance_id = p.id AND p.old_status IN (%(waiting)s, %(running)s)
+      AND NOT p.compensate_on_cancel AND s.kind IN (%(sleep)s, %(sleep_until)s)
+      AND s.status = %(waiting)s AND s.wake_at <= %(now)s
+    RETURNING s.instance_id, s.name, s.seq
 ), numbered AS (
-    SELECT *, row_number() OVER () AS n FROM picked
+    SELECT p.*, row_number() OVER () AS n,
+        (SELECT count(*) FROM ended AS e WHERE e.instance_id = p.id) AS slept
+    FROM picked AS p
 ), claimed AS (
     UPDATE {INSTANCE_TABLE} AS i SET
         lease_owner = %(worker)s,
         lease_token = (CAST(%(tokens)s AS text[]))[p.n],
         lease_expires_at = %(lease_until)s,
-        unproductive_claims = i.unproductive_claims
-            + CASE WHEN p.old_token IS NULL THEN 0 ELSE 1 END,
+        unproductive_claims = CASE WHEN p.slept > 0 THEN 0
+            ELSE i.unproductive_claims + CASE WHEN p.old_token IS NULL THEN 0 ELSE 1 END END,
         status = CASE
             WHEN p.compensate_on_cancel THEN %(compensating)s
             WHEN p.old_status IN (%(waiting)s, %(running)s) THEN %(running)s
             ELSE p.old_status END,
         waiting_reason = '',
         run_count = i.run_count + 1,
-        history_seq = i.history_seq + 1
+        history_seq = i.history_seq + 1 + p.slept
     FROM numbered AS p WHERE i.id = p.id
-    RETURNING i.id, i.lease_token, i.history_seq, i.run_count, p.old_status
+    RETURNING i.id, i.lease_token, i.history_seq - p.slept AS started_seq, i.run_count,
+        p.old_status
 ), started AS (
     INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
-    SELECT id, history_seq, %(now)s, 'run.started',
+    SELECT id, started_seq, %(now)s, 'run.started',
         jsonb_build_object('run', run_count, 'from', old_status, 'worker', %(worker)s::text), ''
     FROM claimed
+), slept_history AS (
+    INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
+    SELECT e.instance_id,
+        c.started_seq + row_number() OVER (PARTITION BY e.instance_id ORDER BY e.seq, e.name),
+        %(now)s, 'sleep.completed', jsonb_build_object('step', e.name), ''
+    FROM ended AS e JOIN claimed AS c ON c.id = e.instance_id
 )
-SELECT id, lease_token FROM claimed
+SELECT c.id, c.lease_token,
+    ARRAY(SELECT e.name FROM ended AS e WHERE e.instance_id = c.id) AS slept
+FROM claimed AS c
 """
 
 
@@ -279,22 +344,25 @@ def _claim_params(
     return {
         "now": db_time(now),
         "lease_until": db_time(lease_until),
-        "exclude": list(exclude),
+        "exclude": array_literal(exclude),
         "limit": limit,
         "worker": worker_id,
-        "tokens": [uuid.uuid4().hex for _ in range(limit)],
+        "tokens": array_literal(uuid.uuid4().hex for _ in range(limit)),
         "compensating": Status.COMPENSATING,
         "waiting": Status.WAITING,
         "running": Status.RUNNING,
+        "complete": StepStatus.COMPLETE,
+        "sleep": StepKind.SLEEP,
+        "sleep_until": StepKind.SLEEP_UNTIL,
     }
 
 
 def _claim_at_once(
     worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
-) -> list[tuple[int, str]]:
+) -> list[tuple[int, str, list[str]]]:
     with statement_cursor() as cursor:
         cursor.execute(CLAIM_SQL, _claim_params(worker_id, limit, now, lease_until, exclude))
-        return [(pk, token) for pk, token in cursor.fetchall()]
+        return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
 
 
 def _claim_and_load_pipelined(
@@ -319,7 +387,8 @@ def _claim_and_load_pipelined(
         # own (a trip beside the claimed runs took the GIL from them as they started).
         timer = statement_cursor()
         timer.execute(NEXT_WAKE_SQL)
-    claimed = [(pk, token) for pk, token in claim.fetchall()]
+    rows = claim.fetchall()
+    claimed = [(pk, token) for pk, token, _ in rows]
     next_wake = from_db_time(timer.fetchone()[0])
     try:
         faults.hit("after_claim")
@@ -331,7 +400,16 @@ def _claim_and_load_pipelined(
     except DatabaseError:
         _release_after_failed_load(claimed)
         raise
+    _mark_sleeps_ended(loaded, {pk: slept for pk, _, slept in rows if slept})
     return Claimed([(pk, token, loaded.get(pk)) for pk, token in claimed], next_wake, True)
+
+
+def _mark_sleeps_ended(loaded: dict[int, LoadedRun], ended: dict[int, Sequence[str]]) -> None:
+    """Tell each run which sleeps its claim ended: it reports them (span, live update)
+    when its replay reaches them, and writes nothing for them."""
+    for pk, names in ended.items():
+        if pk in loaded:
+            loaded[pk].sleeps_ended = set(names)
 
 
 LOADED_MODELS = (Instance, StepRecord, InboxEvent)
@@ -342,13 +420,13 @@ def _columns(model: Any, alias: str) -> str:
 
 
 def _load_statements(
-    keys: Sequence[Any], events_limit: int, by_token: bool = False
+    keys: Sequence[Any] | str, events_limit: int, by_token: bool = False
 ) -> list[tuple[str, list[Any]]]:
     """load_runs' three reads as SQL (PostgreSQL), by instance id or by lease token (the
     reads pipelined after a claim): building them with the ORM cost more than running them
     (0.7 of 1.1 ms per read here)."""
     instances, steps, events = _load_sql(by_token)
-    keys = list(keys)
+    keys = keys if isinstance(keys, str) else array_literal(keys)
     waiting = [StepKind.WAIT_FOR_EVENT, StepStatus.WAITING, events_limit]
     return [(instances, [keys]), (steps, [keys]), (events, [keys, *waiting])]
 
@@ -356,7 +434,7 @@ def _load_statements(
 @functools.cache
 def _load_sql(by_token: bool) -> tuple[str, str, str]:
     ids = (
-        f"(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(%s))"
+        f"(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(CAST(%s AS text[])))"
         if by_token
         else "(SELECT unnest(CAST(%s AS bigint[])))"
     )

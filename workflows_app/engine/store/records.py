@@ -84,6 +84,9 @@ class LoadedRun:
     # The oldest buffered events of the types its waiting steps wait for, read with the
     # load: type -> (events, whether they are all there are).
     events: dict[str, tuple[list[InboxEvent], bool]] = field(default_factory=dict)
+    # The sleeps that had come due, ended by the claim that took this run (their
+    # checkpoint and sleep.completed record are written with it).
+    sleeps_ended: set[str] = field(default_factory=set)
 
 
 def allocate_history(pk: int, count: int) -> int:
