@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter
 from datetime import datetime, timedelta
 
 import pytest
@@ -17,7 +16,7 @@ from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
 from tests.polling import wait_until
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, clock, faults, register, store
+from workflows_app.engine import WorkflowEntrypoint, clock, register, store
 from workflows_app.models import HistoryRecord, Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -334,74 +333,9 @@ def test_the_engine_prepares_its_hot_statements_once_per_connection(registered, 
     assert sorted(prepared()) == sorted(first)  # reused, not prepared again
 
 
-def _xmin(table: str, where: str, params: list) -> int:
-    """The id of the transaction that last wrote the row (PostgreSQL's xmin)."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT xmin::text FROM {table} WHERE {where}", params)
-        return int(cursor.fetchone()[0])
-
-
-@register("fast-path-last-step")
-class TwoStepsThenReturn(WorkflowEntrypoint):
-    async def run(self, event, step):
-        first = await step.do("first", lambda: 1)
-        return first + await step.do("last", lambda: 2)
-
-
-def test_the_last_checkpoint_and_the_finish_are_one_commit(registered):
-    postgres_only()
-    inst = get_workflow("fast-path-last-step").create(id="last-and-finish")
-    testing.run_until_idle()
-    assert inst.status().output == 3
-    pk = inst.row().pk
-    step_xmin = "instance_id = %s AND name = %s"
-    ended_in = _xmin("workflows_app_instance", "id = %s", [pk])
-    assert _xmin("workflows_app_steprecord", step_xmin, [pk, "last"]) == ended_in
-    # The first step's checkpoint went on its own, before the last step ran.
-    assert _xmin("workflows_app_steprecord", step_xmin, [pk, "first"]) != ended_in
-    types = list(
-        HistoryRecord.objects.filter(instance_id=pk)
-        .order_by("sequence")
-        .values_list("type", flat=True)
-    )
-    assert types[-3:] == ["step.started", "step.completed", "instance.completed"]
-
-
-def test_a_failed_last_checkpoint_with_the_finish_is_written_again_without_running_the_step(
-    registered,
-):
-    postgres_only()
-    calls = Counter()
-
-    @register("fast-path-last-retry")
-    class CountedLastStep(WorkflowEntrypoint):
-        async def run(self, event, step):
-            def last():
-                calls["last"] += 1
-                return "done"
-
-            return await step.do("last", last)
-
-    inst = get_workflow("fast-path-last-retry").create(id="last-retried")
-    faults.configure("before_checkpoint=raise@1")  # the first try of checkpoint + finish
-    try:
-        testing.run_until_idle()
-    finally:
-        faults.configure("")
-    assert (inst.status().status, inst.status().output) == ("complete", "done")
-    assert calls["last"] == 1
-    seqs = list(
-        HistoryRecord.objects.filter(instance_id=inst.row().pk)
-        .order_by("sequence")
-        .values_list("sequence", "type")
-    )
-    assert [s for s, _ in seqs] == list(range(1, len(seqs) + 1))
-    assert [t for _, t in seqs].count("step.completed") == 1
-
-
 def test_no_step_starts_before_the_checkpoint_of_the_step_before_it_has_landed(registered):
-    # The last checkpoint waits to go with the finish; any step after it, in the same
-    # branch or in another one started after it, sees it stored first.
+    # Any step after a step, in the same branch or in another one started after it,
+    # sees that step's checkpoint stored.
     postgres_only()
     seen: list[tuple[str, str]] = []
 

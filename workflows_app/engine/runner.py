@@ -189,15 +189,6 @@ class Run:
         self.compensating = loaded.instance.compensate_on_cancel
         self.unwinding = False
         self.behind: asyncio.Future[None] | None = None  # see write(behind=True)
-        self.deferred: store.StepWrite | None = None  # see write(defer=True)
-        self.step_landing: asyncio.Future[None] | None = None  # a sent deferred checkpoint
-        # A plain end (no parent to wake, no queue to promote) on PostgreSQL can carry the
-        # run's last checkpoint: one round trip and one commit for both.
-        self.end_takes_checkpoint = (
-            writes_in_one_statement()
-            and loaded.instance.parent_id is None
-            and not self.limits.flow_controlled
-        )
 
     # --- signals from outside -------------------------------------------------------
 
@@ -437,21 +428,6 @@ class Run:
     ) -> bool:
         """Finish the instance; False when the lease was lost. A plain end shares the
         group commit with other runs' checkpoints (SQLite), one commit fewer per run."""
-        if self.deferred is not None and self.end_takes_checkpoint:
-            ended = await self._end_with_checkpoint(
-                store.FinishWrite(
-                    self.pk,
-                    self.token,
-                    status,
-                    self.limits,
-                    output_json,
-                    error,
-                    history,
-                    error_record,
-                )
-            )
-            if ended is not None:
-                return ended
         try:
             await self.settle()
         except RunAborted:
@@ -475,29 +451,6 @@ class Run:
                 self.instance.parent_id,  # a child's finish locks its parent first and wakes it
             )
         )
-
-    async def _end_with_checkpoint(self, end: store.FinishWrite) -> bool | None:
-        """The deferred last checkpoint and the end, written together; None when only the
-        checkpoint could be written (a passing database error: it was written again alone)
-        and the end is still to do."""
-        write, self.deferred = self.deferred, None
-        assert write is not None
-        try:
-            await self.settle()  # checkpoints written behind, older than this one, first
-            outcome, ended = await self.db(store.checkpoint_and_finish, write, end)
-        except RunAborted:
-            return False
-        except DatabaseError as exc:  # both rolled back: the step is not run again
-            try:
-                self._written(write, await self._write_again(write, exc))
-            except RunAborted:
-                return False
-            return None
-        if isinstance(outcome, LeaseLost):
-            self.abort(str(outcome))
-            return False
-        self._written(write, outcome)
-        return ended
 
     def error_record(
         self,
@@ -616,11 +569,8 @@ class Run:
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         activity = Activity(self)
-        self.in_flight += 1  # at work from here: the run must not park while it settles
+        self.in_flight += 1
         try:
-            landing = self.step_landing
-            if self.deferred is not None or (landing is not None and not landing.done()):
-                await self.settle()  # a step's checkpoint lands before more work starts
             if self.holding or (self.compensating and not self.unwinding):
                 await activity.block()
             yield activity
@@ -638,16 +588,10 @@ class Run:
         progress: bool = False,
         error: dict[str, Any] | None = None,
         behind: bool = False,
-        defer: bool = False,
     ) -> None:
         """Checkpoint a step. `behind`: the run goes on while the checkpoint is written (the
         end of a sleep or a wait, which ran no user code: a crash before it lands replays
-        to the same point); every later write of the run, its park and its end wait for it.
-
-        `defer` (a completed step): where the end can carry a checkpoint, the write waits
-        for what the workflow does next. Returning at once, the end writes it; anything
-        else (another step's work, a write, a park, an await on something not ready) sends
-        it first, and no other step's code starts before it has landed (activity)."""
+        to the same point); every later write of the run, its park and its end wait for it."""
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         write = store.StepWrite(
@@ -656,15 +600,10 @@ class Run:
         (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[
             record.name
         ] = record
-        if self.deferred is not None:
-            self._send_deferred()  # checkpoints land in the order they were made
-        if defer and self.end_takes_checkpoint and not behind:
-            self.deferred = write
-            asyncio.get_running_loop().call_soon(self._send_deferred_unless_ending)
-            return
         if behind:
-            self.deferred = write
-            self._send_deferred(ran_code=False)
+            self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
+            # Retrieved here too: a refused write aborts the run, which may never settle it.
+            self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
             return
         await self.settle()
         self._written(write, await self._checkpoint_or_abort(write))
@@ -694,28 +633,8 @@ class Run:
             raise RunAborted(self.abort_reason)
         self._written(write, await self._checkpoint_or_abort(write))
 
-    def _send_deferred_unless_ending(self) -> None:
-        """The loop's next turn after a deferred checkpoint: if the workflow has returned
-        meanwhile, its end will carry it; otherwise the workflow waits on something else
-        and the checkpoint goes now."""
-        if self.task is not None and self.task.done():
-            return
-        self._send_deferred()
-
-    def _send_deferred(self, ran_code: bool = True) -> None:
-        write, self.deferred = self.deferred, None
-        if write is None:
-            return
-        self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
-        # Retrieved here too: a refused write aborts the run, which may never settle it.
-        self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if ran_code:
-            self.step_landing = self.behind
-
     async def settle(self) -> None:
-        """Wait for the checkpoints written behind the run (a deferred one is sent first);
-        RunAborted if one was refused."""
-        self._send_deferred()
+        """Wait for the checkpoint written behind the run; RunAborted if it was refused."""
         behind = self.behind
         if behind is None:
             return

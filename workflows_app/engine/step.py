@@ -333,7 +333,6 @@ class Step:
                 record,
                 [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
                 progress=True,
-                defer=True,
             )
             return json.loads(output_json)
 

@@ -606,26 +606,6 @@ def _finish_at_once(
 ) -> bool:
     """finish as one autocommit statement (PostgreSQL), for workflows without a queue;
     False, writing nothing, for a lost lease or a child (whose parent must wake with it)."""
-    sql, params = _finish_statement(
-        pk, token, status, limits, now, output_json, error, history, error_record
-    )
-    with statement_cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.fetchone() is not None
-
-
-def _finish_statement(
-    pk: int,
-    token: str,
-    status: str,
-    limits: Limits,
-    now: datetime,
-    output_json: str | None,
-    error: tuple[str, str, str],
-    history: Sequence[History],
-    error_record: dict[str, Any] | None,
-) -> tuple[str, list[Any]]:
-    """The one statement of _finish_at_once and its parameters."""
     when = db_time(now)
     default = retention.retention_ms(status, None, None, limits)
     params: list[Any] = [len(history), when, status, output_json, *error, when]
@@ -637,40 +617,11 @@ def _finish_statement(
             params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
     if error_record is not None:
         params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
-    own = "retention_ms" if status == Status.COMPLETE else "retention_error_ms"
-    return _finish_sql(len(history), error_record is not None, own), params
-
-
-def checkpoint_and_finish(w: StepWrite, end: FinishWrite) -> tuple[str | LeaseLost, bool]:
-    """A run's last checkpoint and its end in one round trip and one commit (PostgreSQL,
-    an end without a parent or a queue): both statements pipelined with no Sync between
-    them, so the server runs them as one implicit transaction. An error rolls both back;
-    the run then writes the checkpoint again on its own (never running its step again)."""
-    now = clock.now()
-    step_sql, step_params = _checkpoint_statement(w, now)
-    end_sql, end_params = _finish_statement(
-        end.pk,
-        end.token,
-        end.status,
-        end.limits,
-        now,
-        end.output_json,
-        end.error or ("", "", ""),
-        end.history,
-        end.error_record,
-    )
-    faults.hit("before_checkpoint")
-    close_if_dropped()
-    connection.ensure_connection()
-    with connection.connection.pipeline():
-        step_cursor = statement_cursor()
-        step_cursor.execute(step_sql, step_params)
-        end_cursor = statement_cursor()
-        end_cursor.execute(end_sql, end_params)
-    outcome = _checkpoint_outcome(w, step_cursor.fetchone())
-    ended = end_cursor.fetchone() is not None
-    faults.hit("after_checkpoint")
-    return outcome, ended
+    with statement_cursor() as cursor:
+        own = "retention_ms" if status == Status.COMPLETE else "retention_error_ms"
+        cursor.execute(_finish_sql(len(history), error_record is not None, own), params)
+        row = cursor.fetchone()
+    return row is not None
 
 
 @retry_while_locked
