@@ -3,7 +3,6 @@ through LISTEN/NOTIFY between processes; the database's clock for leases and tim
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from datetime import datetime, timedelta
@@ -17,7 +16,7 @@ from tests.polling import wait_until
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, clock, register, store
-from workflows_app.models import HistoryRecord, Instance, StepRecord
+from workflows_app.models import HistoryRecord, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -331,41 +330,3 @@ def test_the_engine_prepares_its_hot_statements_once_per_connection(registered, 
     assert any("MIN(wake_at)" in sql for sql in first), first
     store.claim_and_load("probe", 5, 30)
     assert sorted(prepared()) == sorted(first)  # reused, not prepared again
-
-
-def test_no_step_starts_before_the_checkpoint_of_the_step_before_it_has_landed(registered):
-    # Any step after a step, in the same branch or in another one started after it,
-    # sees that step's checkpoint stored.
-    postgres_only()
-    seen: list[tuple[str, str]] = []
-
-    def stored(instance_id: str, name: str) -> str:
-        row = StepRecord.objects.filter(instance__instance_id=instance_id, name=name).first()
-        return row.status if row is not None else "absent"
-
-    @register("fast-path-deferred-order")
-    class StepsInBranches(WorkflowEntrypoint):
-        async def run(self, event, step):
-            first_done = asyncio.Event()
-
-            async def one():
-                await step.do("a", lambda: "a")
-                first_done.set()
-                await asyncio.sleep(0)  # an await outside any step: the checkpoint goes
-                return await step.do(
-                    "b", lambda: seen.append(("b", stored(event.instance_id, "a")))
-                )
-
-            async def other():
-                await first_done.wait()
-                return await step.do(
-                    "c", lambda: seen.append(("c", stored(event.instance_id, "a")))
-                )
-
-            await asyncio.gather(one(), other())
-            return "ok"
-
-    inst = get_workflow("fast-path-deferred-order").create(id="deferred-order")
-    testing.run_until_idle()
-    assert inst.status().status == "complete"
-    assert sorted(seen) == [("b", "complete"), ("c", "complete")]

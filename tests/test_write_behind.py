@@ -3,6 +3,7 @@ once, every later write waits for that checkpoint, and a refused one stops the r
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -123,7 +124,8 @@ def test_a_sleep_that_came_due_while_parked_is_ended_by_the_claim_that_wakes_it(
         testing.run_until_idle()
         assert inst.status().status == "waiting"
         clock.advance("1 second")
-        # The run's first checkpoint is the step's: the sleep has none of its own.
+        # Held back 1 s, a checkpoint of the sleep written by the run would not have landed
+        # when the step after it looks: the claim's has.
         faults.configure("before_checkpoint=sleep:1@1")
         testing.run_until_idle()
     assert inst.status().output == "woke"
@@ -179,3 +181,40 @@ def test_a_sleep_that_comes_due_within_a_run_is_checkpointed_behind_the_step_aft
     last_step_started = len(types) - 1 - types[::-1].index("step.started")
     assert types.index("sleep.started") < types.index("sleep.completed") < last_step_started
     assert types[-1] == "instance.completed"
+
+
+def test_no_step_starts_before_the_checkpoint_of_the_step_before_it_has_landed(registered):
+    # Any step after a step, in the same branch or in another one started after it,
+    # sees that step's checkpoint stored.
+    seen: list[tuple[str, str]] = []
+
+    def stored(instance_id: str, name: str) -> str:
+        row = StepRecord.objects.filter(instance__instance_id=instance_id, name=name).first()
+        return row.status if row is not None else "absent"
+
+    @register("ordered-branches")
+    class StepsInBranches(WorkflowEntrypoint):
+        async def run(self, event, step):
+            first_done = asyncio.Event()
+
+            async def one():
+                await step.do("a", lambda: "a")
+                first_done.set()
+                await asyncio.sleep(0)  # an await outside any step between the two
+                return await step.do(
+                    "b", lambda: seen.append(("b", stored(event.instance_id, "a")))
+                )
+
+            async def other():
+                await first_done.wait()
+                return await step.do(
+                    "c", lambda: seen.append(("c", stored(event.instance_id, "a")))
+                )
+
+            await asyncio.gather(one(), other())
+            return "ok"
+
+    inst = get_workflow("ordered-branches").create(id="ordered-branches")
+    testing.run_until_idle()
+    assert inst.status().status == "complete"
+    assert sorted(seen) == [("b", "complete"), ("c", "complete")]

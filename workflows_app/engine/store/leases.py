@@ -281,7 +281,7 @@ def _end_due_sleeps(cursor: Any, pk: int, now: datetime) -> list[str]:
 
 
 # claim_runnable as one autocommit statement (PostgreSQL): pick and lock the due rows,
-# end the sleeps that came due in them (SLEPT_SQL), lease them under the tokens given (in
+# end the sleeps that came due in them (`ended`), lease them under the tokens given (in
 # pick order), start their runs and write their run.started and sleep.completed records.
 CLAIM_SQL = f"""
 WITH picked AS (
