@@ -433,15 +433,20 @@ def _load_statements(
 
 @functools.cache
 def _load_sql(by_token: bool) -> tuple[str, str, str]:
+    # "= ANY(array)", not "IN (subquery)": the statements are prepared, and the generic
+    # plan of the IN form hash-joined a sequential scan of every step row (3.6 ms per
+    # claim in a herd of 10,000 timers); an array is looked up in the index whatever the
+    # plan.
     ids = (
-        f"(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(CAST(%s AS text[])))"
+        f"ANY(ARRAY(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(CAST(%s AS text[]))))"
         if by_token
-        else "(SELECT unnest(CAST(%s AS bigint[])))"
+        else "ANY(CAST(%s AS bigint[]))"
     )
+    instance_key = "lease_token = ANY(CAST(%s AS text[]))" if by_token else f"id = {ids}"
     return (
-        f"SELECT {_columns(Instance, 'i')} FROM {INSTANCE_TABLE} i WHERE i.id IN {ids}",
-        f"SELECT {_columns(StepRecord, 's')} FROM {STEP_TABLE} s WHERE s.instance_id IN {ids}",
-        f"SELECT {_columns(InboxEvent, 'e')} FROM {INBOX_TABLE} e WHERE e.instance_id IN {ids} "
+        f"SELECT {_columns(Instance, 'i')} FROM {INSTANCE_TABLE} i WHERE i.{instance_key}",
+        f"SELECT {_columns(StepRecord, 's')} FROM {STEP_TABLE} s WHERE s.instance_id = {ids}",
+        f"SELECT {_columns(InboxEvent, 'e')} FROM {INBOX_TABLE} e WHERE e.instance_id = {ids} "
         "AND e.consumed_at IS NULL AND EXISTS (SELECT 1 FROM "
         f"{STEP_TABLE} w WHERE w.instance_id = e.instance_id AND w.event_type = e.type "
         "AND w.kind = %s AND w.status = %s) ORDER BY e.id LIMIT %s",
