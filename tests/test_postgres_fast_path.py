@@ -8,7 +8,7 @@ import time
 from datetime import datetime, timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
@@ -330,3 +330,22 @@ def test_the_engine_prepares_its_hot_statements_once_per_connection(registered, 
     assert any("MIN(wake_at)" in sql for sql in first), first
     store.claim_and_load("probe", 5, 30)
     assert sorted(prepared()) == sorted(first)  # reused, not prepared again
+
+
+def test_a_claim_commits_without_waiting_for_the_flush_and_only_the_claim_does(registered):
+    """The claim's transaction alone turns synchronous_commit off (a later checkpoint's
+    flush makes it durable); the connection's other transactions keep it on."""
+    postgres_only()
+    get_workflow("fleet-waiter").create(id="async-claim")
+
+    def synchronous_commit() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            return cursor.fetchone()[0]
+
+    assert synchronous_commit() == "on"
+    with transaction.atomic():
+        assert len(store.claim_runnable("probe", 5, 30)) == 1
+        assert synchronous_commit() == "off"
+    assert synchronous_commit() == "on"
+    assert Instance.objects.get(instance_id="async-claim").lease_owner == "probe"
