@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
 from tests.polling import wait_until
+from tests.test_fleet import needs_redis, redis_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, clock, register, store
@@ -100,6 +101,51 @@ def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
         assert ("event", 41) not in heard
     finally:
         listener.stop()
+
+
+@needs_redis
+def test_a_hint_workers_hear_by_notify_is_not_sent_through_redis_as_well(
+    registered, settings, monkeypatch
+):
+    """Every client action NOTIFYs the workers in its transaction; the same hint through
+    the channel layer only woke each worker twice (and filled the engine channel when no
+    `runworker` read it). With WAKE_NOTIFY off the workers do not LISTEN: Redis carries it."""
+    postgres_only()
+    from channels.layers import channel_layers
+
+    from wfdash.settings import redis_channel_layer
+    from workflows_app import live
+
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
+    channel_layers.backends.clear()
+    monkeypatch.setattr(channel_layers, "backends", {})  # the test's layer goes with it
+
+    @register("fast-path-hinted")
+    class Hinted(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go")
+
+    sent: list[tuple[str, dict]] = []
+    real_send = live._background_send
+    monkeypatch.setattr(
+        live,
+        "_background_send",
+        lambda group, message: (sent.append((group, message)), real_send(group, message)),
+    )
+
+    def hints() -> list[str]:
+        return [m["kind"] for group, m in sent if group == live.WORKERS_GROUP]
+
+    inst = get_workflow("fast-path-hinted").create()
+    inst.send_event("go")
+    inst.pause()
+    assert hints() == []
+    # The dashboard's update for the instance still goes through the layer.
+    assert live.instance_group(inst.row().pk) in {group for group, _ in sent}
+
+    settings.WFDASH = {**settings.WFDASH, "WAKE_NOTIFY": False}
+    inst.resume()
+    assert hints() == ["resume"]
 
 
 class SkewedHostClock(clock.RealClock):

@@ -118,7 +118,8 @@ def _after_commit(
     pk = instance.pk if isinstance(instance, Instance) else instance
     if not hinted:
         store.hint_workers(kind, [pk])  # PostgreSQL: delivered to every worker at commit
-    transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow))
+    notified = store.workers_listen()  # then no hint through Redis as well
+    transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow, notified))
 
 
 def _actor(actor: Any) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from channels.exceptions import ChannelFull
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 
+from .engine import store
 from .engine.worker import notify_local
 
 log = logging.getLogger("workflows_app.live")
@@ -150,15 +151,19 @@ def publish_overview(message: dict[str, Any]) -> None:
         publish(OVERVIEW_GROUP, message)
 
 
-def instance_changed(kind: str, pk: int | None, workflow: str | None = None) -> None:
-    """Called after a state change commits (from any thread, sync code)."""
+def instance_changed(
+    kind: str, pk: int | None, workflow: str | None = None, notified: bool = False
+) -> None:
+    """Called after a state change commits (from any thread, sync code). notified: its
+    transaction told every worker already (a PostgreSQL NOTIFY they LISTEN to), so no
+    hint goes through the channel layer."""
     notify_local(kind, pk)
     result_waiters.wake(pk)
     if pk is not None:
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
         publish_overview(message)
-    if _cross_process_layer() is not None:
+    if not notified and _cross_process_layer() is not None:
         _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
 
 
@@ -188,9 +193,11 @@ def _coalesce(batch: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None,
 
 
 def instances_promoted(pks: list[int]) -> None:
-    """Queued instances were started (a place freed up): tell workers and dashboards."""
+    """Queued instances were started (a place freed up): tell workers and dashboards
+    (workers that LISTEN heard it from the transaction that started them)."""
+    notified = store.workers_listen()
     for pk in pks:
-        instance_changed("promoted", pk)
+        instance_changed("promoted", pk, notified=notified)
 
 
 def instance_terminated(pk: int) -> None:

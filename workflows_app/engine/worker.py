@@ -761,7 +761,7 @@ class Worker:
         await self.start()
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         listener = None
-        if connection.vendor == "postgresql" and engine_settings().get("WAKE_NOTIFY", True):
+        if store.workers_listen():
             listener = store.WakeListener(self.hint)  # hints from every process, no Redis
             listener.start()
         try:

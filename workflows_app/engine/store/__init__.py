@@ -65,7 +65,7 @@ from .runs import (
     write_steps,
 )
 from .search import filter_attributes, index_attributes, order_by_id
-from .wakes import WakeListener, hint_workers
+from .wakes import WakeListener, hint_workers, workers_listen
 
 __all__ = [
     "VERSION_MISSING",
@@ -124,5 +124,6 @@ __all__ = [
     "transient",
     "unconsumed_events",
     "wake_registered_versions",
+    "workers_listen",
     "write_steps",
 ]

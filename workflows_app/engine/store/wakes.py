@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from django.conf import settings
 from django.db import connection
 
 log = logging.getLogger("workflows_app.engine")
@@ -33,6 +34,15 @@ def hint_workers(kind: str, pks: Iterable[int | None]) -> None:
                 "SELECT pg_notify(%s, p) FROM unnest(CAST(%s AS text[])) AS p",
                 [WAKE_CHANNEL, payloads],
             )
+
+
+def workers_listen() -> bool:
+    """Whether hint_workers reaches every worker: PostgreSQL, whose workers LISTEN unless
+    WFDASH["WAKE_NOTIFY"] is off. Then the same hint through Redis would only wake them
+    a second time (and fill the engine channel when no `runworker` reads it)."""
+    return connection.vendor == "postgresql" and bool(
+        getattr(settings, "WFDASH", {}).get("WAKE_NOTIFY", True)
+    )
 
 
 def parse_hint(payload: str) -> tuple[str, int | None]:
