@@ -177,7 +177,7 @@ def _coalesce(batch: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None,
     """Drop duplicates; fold every wake hint of a burst into one message to the engine
     channel (group None means: send to ENGINE_CHANNEL). Order is kept otherwise."""
     out: list[tuple[str | None, dict[str, Any]]] = []
-    seen: set[str] = set()
+    seen: set[tuple[Any, ...]] = set()
     woke = False
     for group, message in batch:
         if group == WORKERS_GROUP and message.get("kind") in WAKE_KINDS:
@@ -185,10 +185,17 @@ def _coalesce(batch: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None,
                 out.append((None, {"type": "wf.hint", "kind": "wake", "pk": None}))
                 woke = True
             continue
-        key = f"{group}|{sorted(message.items())}"
-        if key not in seen:
+        # Flat messages (status changes, hints) by their items, as built; one with a
+        # nested value (a step's fields, a span's) is never repeated word for word, and
+        # printing and sorting every update to compare it was a seventh of the sender's time.
+        key = (group, *message.items())
+        try:
+            if key in seen:
+                continue
             seen.add(key)
-            out.append((group, message))
+        except TypeError:
+            pass
+        out.append((group, message))
     return out
 
 
