@@ -262,10 +262,11 @@ class Run:
             self.span.end()
 
     async def _supervise(self, task: asyncio.Task[Any]) -> str:
+        # The workflow's end wakes the supervisor as any other change does: one Event to
+        # wait on, not a waiter task and an asyncio.wait per turn.
+        task.add_done_callback(self._workflow_ended)
         while True:
-            waiter = asyncio.ensure_future(self.changed.wait())
-            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            await self.changed.wait()
             if task.done():
                 break
             self.changed.clear()
@@ -287,6 +288,9 @@ class Run:
         if self.compensating and not self.unwinding and self.abort_reason is None:
             return await self._unwind()
         return await self._conclude(task)
+
+    def _workflow_ended(self, _: asyncio.Task[Any]) -> None:
+        self.changed.set()
 
     async def _unwind(self) -> str:
         """Run the compensations of completed steps, newest first, each as a durable step."""
