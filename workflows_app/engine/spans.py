@@ -9,8 +9,6 @@ processes, so their spans are created when they end, with the stored start time.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -99,18 +97,29 @@ def link_child(span: Span | None, linked: str, instance_id: str) -> None:
         span.add_link(link.context, {**link.attributes, "workflow.child.instance_id": instance_id})
 
 
-@contextmanager
-def child_span(parent: Span | None, name: str, attributes: dict[str, Any]) -> Iterator[Span]:
-    """A span under `parent`, current for the block (user spans in the step nest under it)."""
-    ctx = trace.set_span_in_context(parent) if parent is not None else None
-    with tracer().start_as_current_span(
-        name,
-        context=ctx,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        yield span
+class child_span:
+    """A span under `parent`, current for the block (user spans in the step nest under it);
+    the block's errors are the engine's to record. A class, not start_as_current_span: its
+    three nested generator context managers were a sixth of a step span's cost."""
+
+    __slots__ = ("span", "token")
+
+    def __init__(self, parent: Span | None, name: str, attributes: dict[str, Any]) -> None:
+        self.span = tracer().start_span(
+            name,
+            context=trace.set_span_in_context(parent) if parent is not None else None,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+
+    def __enter__(self) -> Span:
+        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, *exc_info: object) -> None:
+        otel_context.detach(self.token)
+        self.span.end()
 
 
 def finished_span(
