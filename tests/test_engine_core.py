@@ -702,3 +702,24 @@ def test_a_step_callable_takes_the_context_when_it_has_one_required_positional_a
     ]
     assert [_takes_context(fn) for fn in takes] == [True] * len(takes)
     assert [_takes_context(fn) for fn in takes_not] == [False] * len(takes_not)
+
+
+def test_a_new_step_record_is_the_record_keywords_would_make():
+    """new_step_record passes its values by position (Model.__init__'s fast path): every
+    field must hold what the keyword form with the model's defaults gives."""
+    from workflows_app.engine.step import new_step_record
+    from workflows_app.models import StepKind, StepStatus
+
+    made = new_step_record("charge", StepKind.DO, StepStatus.RUNNING, 7)
+    expected = StepRecord(
+        name="charge",
+        kind=StepKind.DO,
+        status=StepStatus.RUNNING,
+        seq=7,
+        started_at=made.started_at,
+    )
+    fields = [f.attname for f in StepRecord._meta.concrete_fields]
+    assert [getattr(made, f) for f in fields] == [getattr(expected, f) for f in fields]
+    assert made._state.adding and made._state.db is None
+    made.attempts += 1  # records share no mutable default
+    assert new_step_record("other", StepKind.DO, StepStatus.RUNNING, 8).attempts == 0
