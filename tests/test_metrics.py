@@ -248,3 +248,24 @@ def test_a_worker_process_serves_its_own_runs_and_steps_on_its_metrics_port(work
     assert sample(samples, "wfdash_step_duration_seconds_count", workflow="rel-race") == 3
     # The fleet-wide database gauges are the web process's /metrics, not each worker's.
     assert sample(samples, "wfdash_instances", workflow="rel-race") == 0
+
+
+def test_exemplars_are_sampled_only_where_an_exporter_carries_them(monkeypatch):
+    """Prometheus text has no exemplars: sampling them cost a fifth of every step's
+    duration record. OTLP keeps the SDK's trace-based default; the variable decides."""
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
+
+    from workflows_app.metrics import _exemplar_filter
+
+    for name in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        "OTEL_METRICS_EXEMPLAR_FILTER",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert isinstance(_exemplar_filter(), AlwaysOffExemplarFilter)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert _exemplar_filter() is None
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", "always_on")
+    assert _exemplar_filter() is None

@@ -22,7 +22,7 @@ from typing import Any
 from django.db.models import Count
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -71,6 +71,7 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
         readers.extend(extra_readers)
         provider = MeterProvider(
             metric_readers=readers,
+            exemplar_filter=_exemplar_filter(),
             resource=Resource.create(
                 {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
             ),
@@ -98,6 +99,16 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
         )
         _provider = provider
         return provider
+
+
+def _exemplar_filter() -> Any:
+    """No exemplars unless something exports them: Prometheus text carries none, while
+    sampling one (reading the current span, offering it to a reservoir) was a fifth of
+    each step-duration record. OTLP keeps the SDK's default (trace-based);
+    OTEL_METRICS_EXEMPLAR_FILTER, when set, decides."""
+    if otlp_configured() or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"):
+        return None  # the SDK reads the variable, trace_based by default
+    return AlwaysOffExemplarFilter()
 
 
 def serve_process_metrics(port: int, addr: str) -> Any:

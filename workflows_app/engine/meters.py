@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -132,14 +131,22 @@ def event_received(workflow: str, event_type: str, sent_at: datetime, now: datet
     )
 
 
-@contextmanager
-def timed_attempt(workflow: str, step: str) -> Iterator[None]:
+class timed_attempt:
     """Record the duration of the attempt inside, ok or error (not when it is cancelled:
-    a terminate or a lost lease is no outcome of the step)."""
-    began = time.perf_counter()
-    try:
-        yield
-    except Exception:
-        step_attempted(workflow, step, time.perf_counter() - began, ok=False)
-        raise
-    step_attempted(workflow, step, time.perf_counter() - began, ok=True)
+    a terminate or a lost lease is no outcome of the step). A class, not a generator
+    context manager: it wraps every attempt of every step."""
+
+    __slots__ = ("began", "step", "workflow")
+
+    def __init__(self, workflow: str, step: str) -> None:
+        self.workflow = workflow
+        self.step = step
+        self.began = time.perf_counter()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None or issubclass(kind, Exception):
+            seconds = time.perf_counter() - self.began
+            step_attempted(self.workflow, self.step, seconds, ok=kind is None)
