@@ -109,3 +109,13 @@ async def test_a_timeout_error_raised_by_the_step_itself_is_not_a_step_timeout()
         await attempt(1.0, raises_at_once())
     with pytest.raises(TimeoutError, match="its own, later"):
         await attempt(1.0, raises_after_a_wait())
+
+
+def test_a_step_context_makes_its_abandonment_event_once_and_keeps_it():
+    context = StepContext("inst", "step", 1)
+    assert not context.cancelled  # no event made just to answer
+    event = context.abandonment()
+    assert context.abandonment() is event
+    assert not context.wait_cancelled(0)
+    context.abandon()
+    assert context.cancelled and context.wait_cancelled(0) and event.is_set()

@@ -693,6 +693,7 @@ class Run:
             # ctx.cancelled): give it up to one more timeout to stop before the next
             # attempt starts, so attempts overlap only when a step ignores cancellation.
             await asyncio.wait({asyncio.wrap_future(previous)}, timeout=timeout_ms / 1000)
+        context.abandonment()  # before its thread may wait on it
         ctx = contextvars.copy_context()
         ctx.run(_current_step.set, context)
         self.loop = asyncio.get_running_loop()

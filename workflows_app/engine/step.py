@@ -86,7 +86,7 @@ class StepContext:
     instance_id: str
     step_name: str
     attempt: int
-    _abandoned: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    _abandoned: threading.Event | None = field(default=None, compare=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -99,14 +99,22 @@ class StepContext:
         An async step is cancelled outright; a sync one cannot be, so it may check this
         and stop early: whatever it returns now is discarded.
         """
-        return self._abandoned.is_set()
+        return self._abandoned is not None and self._abandoned.is_set()
 
     def wait_cancelled(self, seconds: float) -> bool:
         """Sleep up to `seconds`, waking early if the attempt is abandoned; returns cancelled."""
-        return self._abandoned.wait(seconds)
+        return self.abandonment().wait(seconds)
 
     def abandon(self) -> None:
-        self._abandoned.set()
+        self.abandonment().set()
+
+    def abandonment(self) -> threading.Event:
+        """The event set when the attempt is abandoned, made when first needed: only a sync
+        step's thread waits on it (the runner makes it before the thread starts; an async
+        step is cancelled outright), and one per attempt cost 3 µs a step."""
+        if self._abandoned is None:
+            object.__setattr__(self, "_abandoned", threading.Event())
+        return self._abandoned  # type: ignore[return-value]
 
 
 _current_step: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
