@@ -723,3 +723,22 @@ def test_a_new_step_record_is_the_record_keywords_would_make():
     assert made._state.adding and made._state.db is None
     made.attempts += 1  # records share no mutable default
     assert new_step_record("other", StepKind.DO, StepStatus.RUNNING, 8).attempts == 0
+
+
+def test_the_stores_raw_sql_cursor_converts_placeholders_as_django_does():
+    """sql_cursor: on SQLite the format-to-qmark conversion is cached per statement text;
+    every result must be the one Django's own cursor gives."""
+    from django.db import connection
+
+    from workflows_app.engine.store import dialect
+
+    query = "SELECT %s, %s || '%%', 'a%%s'"
+    for _ in range(2):  # converted, then from the cache
+        with dialect.sql_cursor() as cursor:
+            cursor.execute(query, [1, "x"])
+            ours = cursor.fetchone()
+        with connection.cursor() as cursor:
+            cursor.execute(query, [1, "x"])
+            assert ours == cursor.fetchone() == (1, "x%", "a%s")
+    if connection.vendor == "sqlite":
+        assert dialect._QMARK_QUERIES[query] == "SELECT ?, ? || '%', 'a%s'"

@@ -165,7 +165,7 @@ class DatabaseSpanProcessor(SpanProcessor):
     def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:
         from django.db import connection, transaction
 
-        from .engine.store.dialect import statement_cursor
+        from .engine.store.dialect import sql_cursor, statement_cursor
 
         # Each row finds its instance by trace id inside the INSERT and RETURNING says which
         # it found: one statement (and, alone, one commit) instead of a read, a write and a
@@ -187,7 +187,7 @@ class DatabaseSpanProcessor(SpanProcessor):
                 found.update(cursor.fetchall())
         else:
             several = len(rows) > FLUSH_ROWS
-            with transaction.atomic() if several else nullcontext(), connection.cursor() as cursor:
+            with transaction.atomic() if several else nullcontext(), sql_cursor() as cursor:
                 for start in range(0, len(rows), FLUSH_ROWS):
                     chunk = rows[start : start + FLUSH_ROWS]
                     cursor.execute(

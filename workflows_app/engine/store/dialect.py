@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
+from django.db.backends.sqlite3.base import SQLiteCursorWrapper
 
 from .. import clock
 
@@ -93,12 +94,42 @@ def statement_cursor() -> Any:
     # With queries logged (DEBUG, CaptureQueriesContext) Django's cursor, whose log shows
     # the SQL: a prepared statement's text is not kept by psycopg once it is prepared.
     if connection.vendor != "postgresql" or not prepares_statements() or connection.queries_logged:
-        return connection.cursor()
+        return sql_cursor()
     connection.ensure_connection()
     conn = connection.connection
     if conn.prepare_threshold is None:  # Django turns preparing off; on, by request only
         conn.prepare_threshold = ONLY_WHEN_ASKED
     return connection.make_cursor(PreparingCursor(conn))
+
+
+def sql_cursor() -> Any:
+    """Django's cursor, for the store's raw SQL. SQLite: its `%s` to `?` conversion is
+    cached per statement text; Django runs a regular expression over the whole statement
+    on every execute, a sixth of the engine's database thread per step (the checkpoint's
+    upsert alone is 600 characters). With queries logged, Django's own debug cursor."""
+    if connection.vendor != "sqlite" or connection.queries_logged:
+        return connection.cursor()
+    connection.ensure_connection()
+    return connection.make_cursor(connection.connection.cursor(factory=QmarkCachingCursor))
+
+
+class QmarkCachingCursor(SQLiteCursorWrapper):
+    """Django's SQLite cursor with its format-to-qmark conversion cached (sql_cursor)."""
+
+    def convert_query(self, query: str, *, param_names: Any = None) -> str:
+        if param_names is not None:
+            return super().convert_query(query, param_names=param_names)
+        converted = _QMARK_QUERIES.get(query)
+        if converted is None:
+            if len(_QMARK_QUERIES) >= MAX_QMARK_QUERIES:  # statements of many shapes: start over
+                _QMARK_QUERIES.clear()
+            converted = _QMARK_QUERIES[query] = super().convert_query(query)
+        return converted
+
+
+# Statement text -> its qmark form (a dict read and write are atomic under the GIL).
+_QMARK_QUERIES: dict[str, str] = {}
+MAX_QMARK_QUERIES = 1000
 
 
 # A count of executions psycopg would never reach: only statement_cursor's statements,

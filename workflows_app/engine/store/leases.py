@@ -34,6 +34,7 @@ from .dialect import (
     measure_clock_offset,
     retry_while_locked,
     skip_rows_being_claimed,
+    sql_cursor,
     statement_cursor,
     writes_in_one_statement,
 )
@@ -209,7 +210,7 @@ def _claim(
             ]
         )
         started: list[tuple[int, int, list[History]]] = []
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             for (pk, old_token, status, run_count, compensating), token in zip(
                 rows, lease_tokens(len(rows)), strict=True
             ):

@@ -24,7 +24,7 @@ from .. import clock
 from ..errors import (
     InstanceNotFound,
 )
-from .dialect import db_time, json_placeholder, lock_rows
+from .dialect import db_time, json_placeholder, lock_rows, sql_cursor
 
 INSTANCE_TABLE = Instance._meta.db_table
 
@@ -91,7 +91,7 @@ class LoadedRun:
 
 def allocate_history(pk: int, count: int) -> int:
     """Reserve `count` sequence numbers for instance pk; returns the first. Locks the row."""
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s WHERE id = %s RETURNING history_seq",
             [count, pk],
@@ -118,7 +118,7 @@ def insert_history(pk: int, first_seq: int, records: Sequence[History], now: dat
             json.dumps(r.data, separators=(",", ":")),
             r.actor,
         ]
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) VALUES "
             + ", ".join([row] * len(records)),
@@ -142,7 +142,7 @@ def append_histories(records: dict[int, History], now: datetime) -> None:
     if not records:
         return
     pks = sorted(records)
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + 1 "
             f"WHERE id IN ({', '.join(['%s'] * len(pks))}) RETURNING id, history_seq",
@@ -171,7 +171,7 @@ def close_open_steps(pk: int | Sequence[int], now: datetime) -> None:
     if not pks:
         return
     name, message = FINISHED_BEFORE_STEP
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
             "last_error_name = %s, last_error_message = %s "

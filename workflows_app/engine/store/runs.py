@@ -36,6 +36,7 @@ from .dialect import (
     lock_rows,
     merge_json_sql,
     retry_while_locked,
+    sql_cursor,
     statement_cursor,
     typed_placeholders,
     writes_in_one_statement,
@@ -117,7 +118,7 @@ def fence(
         params.append(step_seq)
     if progress:
         sets += ", unproductive_claims = 0"
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {INSTANCE_TABLE} SET {sets} WHERE id = %s AND lease_token = %s RETURNING status, history_seq",
             [*params, pk, token],
@@ -249,7 +250,7 @@ def _write_step(
         if not taken:
             raise LeaseLost(f"event #{consume_event} was consumed by another run")
     step.instance_id = pk
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(UPSERT_STEP_SQL, _step_values(pk, step))
     insert_history(pk, first_seq, history, now)
     if error is not None:
@@ -513,7 +514,7 @@ def _finish_rows(
 ) -> bool:
     """finish's writes, inside the caller's transaction; the first statement is the fence."""
     name, message, stack = error
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, status = %s, "
             "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
@@ -545,7 +546,7 @@ def _finish_rows(
         wake_parent(parent_id, parent_step, now)
     expiry = retention.expires_at(status, success_ms, error_ms, limits, now)
     if expiry is not None:
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             cursor.execute(
                 f"UPDATE {INSTANCE_TABLE} SET expires_at = %s WHERE id = %s",
                 [db_time(expiry), pk],
@@ -719,7 +720,7 @@ def merge_attributes(pk: int, token: str, attributes: dict[str, Any]) -> None:
     after a crash before the step's checkpoint writes the same values again."""
     with transaction.atomic():
         fence(pk, token, clock.now(), 0, None)
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             cursor.execute(
                 f"UPDATE {INSTANCE_TABLE} SET attributes = {merge_json_sql('attributes')} "
                 "WHERE id = %s",
