@@ -460,3 +460,38 @@ async def test_a_background_flush_runs_one_at_a_time_and_flush_now_waits_for_it(
     finally:
         release.set()
         worker.db.close()
+
+
+def test_the_first_worker_of_a_process_tunes_the_garbage_collector_once(monkeypatch):
+    """Freeze what is alive and collect the youngest generation less often; once per
+    process, never over a larger threshold, never with the collector off."""
+    import gc
+
+    from workflows_app.engine import worker
+
+    saved = gc.get_threshold()
+    try:
+        monkeypatch.setattr(worker, "_gc_tuned", False)
+        gc.set_threshold(700, 10, 10)
+        worker.tune_garbage_collector()
+        assert gc.get_threshold() == (worker.GC_FIRST_GENERATION, 10, 10)
+        assert gc.get_freeze_count() > 0
+        gc.set_threshold(700, 10, 10)
+        worker.tune_garbage_collector()  # done already in this process
+        assert gc.get_threshold() == (700, 10, 10)
+
+        monkeypatch.setattr(worker, "_gc_tuned", False)
+        gc.set_threshold(worker.GC_FIRST_GENERATION * 2, 5, 5)
+        worker.tune_garbage_collector()
+        assert gc.get_threshold() == (worker.GC_FIRST_GENERATION * 2, 5, 5)
+
+        monkeypatch.setattr(worker, "_gc_tuned", False)
+        gc.set_threshold(700, 10, 10)
+        gc.disable()
+        try:
+            worker.tune_garbage_collector()
+        finally:
+            gc.enable()
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*saved)

@@ -269,6 +269,9 @@ WFDASH = {
     # PostgreSQL: the engine's hot statements are prepared on each connection (planned
     # once, not per call). Off for a pooler that cannot keep prepared statements.
     "PG_PREPARE": env_bool("WFDASH_PG_PREPARE", True),
+    # The first worker of a process freezes what is alive and collects the youngest
+    # generation less often (engine/worker.py, tune_garbage_collector). Off: left alone.
+    "GC_TUNING": env_bool("WFDASH_GC_TUNING", True),
     "GROUP_COMMIT": env_bool(
         "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
     ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import queue
@@ -326,6 +327,32 @@ def notify_local(kind: str = "wake", pk: int | None = None) -> None:
         worker.hint(kind, pk)
 
 
+# Allocations of container objects between two collections of the youngest generation.
+GC_FIRST_GENERATION = 50_000
+_gc_tuned = False
+
+
+def tune_garbage_collector() -> None:
+    """Once per process, when its first worker starts: collect, then freeze what is alive
+    (modules, Django, the registered workflows: never garbage, no longer walked by every
+    full collection), and collect the youngest generation every GC_FIRST_GENERATION
+    allocations instead of Python's 700 or 2,000 (a run allocates thousands of objects,
+    nearly all freed by reference counting). 6-16 % less CPU per instance in a herd of
+    timers, 3-9 % per step on SQLite (docs/performance.md). Left alone when the process
+    turned the collector off or set a larger threshold; WFDASH["GC_TUNING"] = False
+    leaves it alone altogether."""
+    global _gc_tuned
+    with _local_lock:
+        if _gc_tuned or not gc.isenabled():
+            return
+        _gc_tuned = True
+    gc.collect()
+    gc.freeze()
+    first, *older = gc.get_threshold()
+    if first < GC_FIRST_GENERATION:
+        gc.set_threshold(GC_FIRST_GENERATION, *older)
+
+
 def db_threads_default() -> int:
     # SQLite has one writer at a time: one thread avoids lock contention altogether.
     return 1 if connection.vendor == "sqlite" else 4
@@ -411,6 +438,8 @@ class Worker:
             raise
         with _local_lock:
             _local_workers.add(self)
+        if engine_settings().get("GC_TUNING", True):
+            tune_garbage_collector()
         self._unsubscribe_clock = clock.on_clock_moved(lambda: self.hint("clock"))
 
     async def _prepare(self) -> None:
