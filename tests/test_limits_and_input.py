@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -20,6 +21,7 @@ from workflows_app.engine.errors import (
     UnknownWorkflow,
     WorkflowError,
 )
+from workflows_app.engine.step import StepFailed
 from workflows_app.models import HistoryRecord, InboxEvent, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -315,3 +317,28 @@ def test_list_pages_with_a_cursor_and_filters(waiter):
         waiter.list(status="bogus")
     with pytest.raises(InvalidInput, match="invalid cursor"):
         waiter.list(cursor="!!!")
+
+
+def test_steps_without_options_take_the_workflows_defaults_and_others_their_own(registered):
+    """The defaults are read once a run; a step's own retries never leak into them."""
+    attempts: dict[str, int] = {}
+
+    def failing(name):
+        def fail():
+            attempts[name] = attempts.get(name, 0) + 1
+            raise RuntimeError(name)
+
+        return fail
+
+    @register("default-config", limits={"default_retry_limit": 1, "default_retry_delay": 0})
+    class DefaultConfig(WorkflowEntrypoint):
+        async def run(self, event, step):
+            for name, retries in (("a", None), ("b", {"limit": 3, "delay": 0}), ("c", None)):
+                with contextlib.suppress(StepFailed):
+                    await step.do(name, failing(name), retries=retries)
+            return "done"
+
+    inst = get_workflow("default-config").create()
+    testing.run_until_idle()
+    assert inst.status().output == "done"
+    assert attempts == {"a": 2, "b": 4, "c": 2}

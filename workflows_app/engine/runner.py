@@ -138,6 +138,7 @@ class Run:
         self.step_threads = step_threads
         self.hooks = hooks
         self.limits = definition.limits()
+        self.default_step_config: tuple[Any, int] | None = None  # see Step._step_config
         # An end joins the group commit unless it has a parent to lock and wake, a queue to
         # promote (flow control), or the group pipelines single statements (PostgreSQL).
         self.end_in_group = (

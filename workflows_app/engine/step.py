@@ -389,6 +389,16 @@ class Step:
     def _step_config(
         self, name: str, retries: dict[str, Any] | None, timeout: Any
     ) -> tuple[RetryPolicy, int]:
+        if retries is None and timeout is None:  # the workflow's defaults: read once a run
+            run = self._run
+            if run.default_step_config is None:
+                run.default_step_config = self._read_step_config(name, None, None)
+            return run.default_step_config
+        return self._read_step_config(name, retries, timeout)
+
+    def _read_step_config(
+        self, name: str, retries: dict[str, Any] | None, timeout: Any
+    ) -> tuple[RetryPolicy, int]:
         limits = self._run.limits
         retries = dict(retries or {})
         unknown = set(retries) - {"limit", "delay", "backoff"}
