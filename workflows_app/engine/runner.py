@@ -16,8 +16,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -96,9 +95,39 @@ class Inbox:
 
 
 class Activity:
+    """A branch of the run at work (a step, a sleep, a wait), for `async with run.activity()`:
+    work cannot start while a pause is pending. A class, not an async generator context
+    manager: every step enters one, and an async generator costs its creation, the loop's
+    first-iteration hook (a weak set) and its closing."""
+
+    __slots__ = ("blocked", "run")
+
     def __init__(self, run: Run) -> None:
         self.run = run
         self.blocked = False
+
+    async def __aenter__(self) -> Activity:
+        run = self.run
+        if run.abort_reason is not None:
+            raise RunAborted(run.abort_reason)
+        run.in_flight += 1
+        if run.holding or (run.compensating and not run.unwinding):
+            try:
+                await self.block()
+            except BaseException:
+                self._leave()
+                raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if not self.blocked:
+            run = self.run
+            run.in_flight -= 1
+            if run._quiescent():  # the last branch at work stopped: the run may park
+                run.changed.set()
 
     async def block(
         self, *, wake_at: datetime | None = None, event_type: str | None = None
@@ -568,22 +597,9 @@ class Run:
             record.after = self._after.get(name, "")
         return record
 
-    @asynccontextmanager
-    async def activity(self) -> AsyncIterator[Activity]:
-        """Mark a branch as doing work; work cannot start while a pause is pending."""
-        if self.abort_reason is not None:
-            raise RunAborted(self.abort_reason)
-        activity = Activity(self)
-        self.in_flight += 1
-        try:
-            if self.holding or (self.compensating and not self.unwinding):
-                await activity.block()
-            yield activity
-        finally:
-            if not activity.blocked:
-                self.in_flight -= 1
-                if self._quiescent():  # the last branch at work stopped: the run may park
-                    self.changed.set()
+    def activity(self) -> Activity:
+        """Mark a branch as doing work (async with); see Activity."""
+        return Activity(self)
 
     async def write(
         self,
