@@ -287,8 +287,14 @@ def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_wa
     assert statements[0].startswith("WITH new AS (INSERT"), statements
     writes = [sql for sql in statements[1:] if sql.startswith(("INSERT", "UPDATE", "WITH"))]
     assert all(sql.startswith("INSERT INTO workflows_app_span") for sql in writes), statements
+    made = first.row(refresh=False)  # as create() returned it, before any read
     row = first.row()
+    assert made is not row
     assert (row.status, row.params_json, row.idempotency_key) == ("running", '{"n":1}', "key-1")
+    # The statement returns the id only; the row built for it is the row stored.
+    assert not made._state.adding and made._state.db == "default"
+    fields = [f.attname for f in Instance._meta.concrete_fields]
+    assert [getattr(made, f) for f in fields] == [getattr(row, f) for f in fields]
     assert list(HistoryRecord.objects.filter(instance=row).values_list("sequence", "type")) == [
         (1, "instance.created")
     ]

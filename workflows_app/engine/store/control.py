@@ -58,7 +58,6 @@ from .records import (
     clear_lease,
     close_open_steps,
     locked_instance,
-    models_from_rows,
     wake_parent,
 )
 from .search import ATTRIBUTE_TABLE, index_attributes
@@ -606,17 +605,20 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
         returned = cursor.fetchone()
     if returned is None:
         return None
-    (created,) = models_from_rows(Instance, [returned[:-1]])
-    return created
+    # Every column came from this row (none has a database default): only the id is new.
+    # Reading the whole row back and loading its twenty-odd columns was a sixth of a create.
+    row.pk = returned[0]
+    row._state.adding = False
+    row._state.db = connection.alias
+    return row
 
 
 @functools.cache
 def _create_sql(columns: tuple[str, ...], attribute_count: int) -> str:
     """The statement of _create_at_once for one shape (cached per shape)."""
-    every = ", ".join(f.column for f in Instance._meta.concrete_fields)
     parts = [
         f"new AS (INSERT INTO {INSTANCE_TABLE} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING {every})",
+        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING id)",
         f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
         "SELECT id, 1, %s, 'instance.created', CAST(%s AS jsonb), %s FROM new)",
     ]
@@ -627,7 +629,7 @@ def _create_sql(columns: tuple[str, ...], attribute_count: int) -> str:
             f"SELECT new.id, a.key, a.value FROM new, (VALUES {pairs}) AS a(key, value))"
         )
     parts.append("hint AS (SELECT pg_notify(%s, 'created ' || id) FROM new)")
-    return f"WITH {', '.join(parts)} SELECT new.*, (SELECT count(*) FROM hint) FROM new"
+    return f"WITH {', '.join(parts)} SELECT new.id, (SELECT count(*) FROM hint) FROM new"
 
 
 # --- children ---------------------------------------------------------------------------
