@@ -742,3 +742,35 @@ def test_the_stores_raw_sql_cursor_converts_placeholders_as_django_does():
             assert ours == cursor.fetchone() == (1, "x%", "a%s")
     if connection.vendor == "sqlite":
         assert dialect._QMARK_QUERIES[query] == "SELECT ?, ? || '%', 'a%s'"
+
+
+def test_a_plain_create_writes_its_row_record_and_attributes_and_a_taken_id_or_key_is_told(
+    registered,
+):
+    """The short create (raw SQL, no ORM insert) on either database: the row it hands back
+    is the row stored; a taken id raises, a used idempotency key returns its instance."""
+    from workflows_app.engine.errors import InstanceAlreadyExists
+
+    @register("plain-create")
+    class PlainCreate(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    workflow = get_workflow("plain-create")
+    first = workflow.create(id="p-1", params={"n": 1}, idempotency_key="k-1")
+    made = first.row(refresh=False)
+    stored = first.row()
+    fields = [f.attname for f in Instance._meta.concrete_fields]
+    assert [getattr(made, f) for f in fields] == [getattr(stored, f) for f in fields]
+    assert not made._state.adding
+    assert [
+        (h.sequence, h.type, h.data) for h in HistoryRecord.objects.filter(instance=stored)
+    ] == [(1, "instance.created", {"version": 1, "status": "running"})]
+    with pytest.raises(InstanceAlreadyExists, match="p-1"):
+        workflow.create(id="p-1", params={"n": 2})
+    assert workflow.create(id="p-2", idempotency_key="k-1").id == "p-1"
+    tagged = workflow.create(id="p-3", attributes={"customer": "acme"})
+    assert [i.id for i in workflow.list(attributes={"customer": "acme"}).instances] == [tagged.id]
+    assert Instance.objects.filter(workflow="plain-create").count() == 2
+    testing.run_until_idle()
+    assert first.status().output == {"n": 1}
