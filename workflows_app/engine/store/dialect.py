@@ -16,7 +16,14 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, connection
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    connections,
+)
 from django.db.backends.sqlite3.base import SQLiteCursorWrapper
 
 from .. import clock
@@ -93,24 +100,27 @@ def statement_cursor() -> Any:
     """
     # With queries logged (DEBUG, CaptureQueriesContext) Django's cursor, whose log shows
     # the SQL: a prepared statement's text is not kept by psycopg once it is prepared.
-    if connection.vendor != "postgresql" or not prepares_statements() or connection.queries_logged:
-        return sql_cursor()
-    connection.ensure_connection()
-    conn = connection.connection
+    db = connections[DEFAULT_DB_ALIAS]  # once: each `connection.x` is a look-up of its own
+    if db.vendor != "postgresql" or not prepares_statements() or db.queries_logged:
+        return sql_cursor(db)
+    db.ensure_connection()
+    conn = db.connection
     if conn.prepare_threshold is None:  # Django turns preparing off; on, by request only
         conn.prepare_threshold = ONLY_WHEN_ASKED
-    return connection.make_cursor(PreparingCursor(conn))
+    return db.make_cursor(PreparingCursor(conn))
 
 
-def sql_cursor() -> Any:
+def sql_cursor(db: Any = None) -> Any:
     """Django's cursor, for the store's raw SQL. SQLite: its `%s` to `?` conversion is
     cached per statement text; Django runs a regular expression over the whole statement
     on every execute, a sixth of the engine's database thread per step (the checkpoint's
-    upsert alone is 600 characters). With queries logged, Django's own debug cursor."""
-    if connection.vendor != "sqlite" or connection.queries_logged:
-        return connection.cursor()
-    connection.ensure_connection()
-    return connection.make_cursor(connection.connection.cursor(factory=QmarkCachingCursor))
+    upsert alone is 600 characters). With queries logged, Django's own debug cursor.
+    db: the default connection, when the caller has it already."""
+    db = db or connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "sqlite" or db.queries_logged:
+        return db.cursor()
+    db.ensure_connection()
+    return db.make_cursor(db.connection.cursor(factory=QmarkCachingCursor))
 
 
 class QmarkCachingCursor(SQLiteCursorWrapper):
