@@ -218,3 +218,41 @@ def test_no_step_starts_before_the_checkpoint_of_the_step_before_it_has_landed(r
     testing.run_until_idle()
     assert inst.status().status == "complete"
     assert sorted(seen) == [("b", "complete"), ("c", "complete")]
+
+
+def test_a_claim_ends_no_sleep_of_a_version_its_worker_cannot_run(registered):
+    """A worker without the instance's version parks it with a reason; its claim must not
+    end the sleep, or the worker that runs it later replays a finished sleep and its span
+    is never made. The worker that has the version ends it and reports it once."""
+    from workflows_app.engine import registry
+
+    def define(version: int) -> None:
+        @register("versioned-sleeper", version=version)
+        class Sleeper(WorkflowEntrypoint):
+            async def run(self, event, step):
+                await step.sleep("nap", "1 second")
+                return f"v{version}"
+
+    define(1)
+    with testing.fake_clock() as clock:
+        inst = get_workflow("versioned-sleeper").create()
+        testing.run_until_idle()
+        registry.unregister("versioned-sleeper", 1)
+        define(2)
+        clock.advance("1 second")
+        testing.run_until_idle()
+        status = inst.status()
+        assert status.status == "waiting" and "not registered" in status.waiting_reason
+        nap = StepRecord.objects.get(instance__instance_id=inst.id, name="nap")
+        assert nap.status == "waiting"
+        assert not HistoryRecord.objects.filter(
+            instance__instance_id=inst.id, type="sleep.completed"
+        ).exists()
+        define(1)  # a deploy brings version 1 back
+        testing.run_until_idle()
+    assert inst.status().output == "v1"
+    types = list(
+        HistoryRecord.objects.filter(instance__instance_id=inst.id).values_list("type", flat=True)
+    )
+    assert types.count("sleep.completed") == 1
+    assert Span.objects.filter(trace_id=inst.row().trace_id, name="sleep nap").count() == 1

@@ -564,7 +564,10 @@ class Worker:
             self._admission_checked_at = time.monotonic()
             workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
             _, self.next_admission_at = store.admit_due(workflows)
-        result = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude)
+        # The claim ends the due sleeps of the versions this worker runs only: another's
+        # instance is parked here with a reason, and the worker with its version ends them.
+        versions = {(d.name, d.version) for d in registry.all_definitions()}
+        result = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude, versions)
         claimed = result.runs
         self.next_timer_known = result.looked_for_next_wake
         if result.looked_for_next_wake:  # PostgreSQL: read in the claim's own round trip

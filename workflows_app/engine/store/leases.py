@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -140,13 +141,21 @@ class Claimed(NamedTuple):
 
 
 def claim_and_load(
-    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int] = ()
+    worker_id: str,
+    limit: int,
+    lease_seconds: float,
+    exclude: Iterable[int] = (),
+    versions: Collection[tuple[str, int]] | None = None,
 ) -> Claimed:
     """claim_runnable, then load_runs of what was claimed: one trip to the database thread.
-    On PostgreSQL the next timer (next_wake_at) is read in the same round trip."""
+    On PostgreSQL the next timer (next_wake_at) is read in the same round trip.
+
+    versions: the (workflow, version) pairs the worker can run; the claim ends the due
+    sleeps of those only (None: of every instance). Another is parked with a reason, and
+    the worker that runs it later ends its sleep and reports it (its span)."""
     if writes_in_one_statement():
-        return _claim_and_load_pipelined(worker_id, limit, lease_seconds, exclude)
-    rows = _claim(worker_id, limit, lease_seconds, exclude)
+        return _claim_and_load_pipelined(worker_id, limit, lease_seconds, exclude, versions)
+    rows = _claim(worker_id, limit, lease_seconds, exclude, versions)
     if not rows:
         return Claimed([])
     claimed = [(pk, token) for pk, token, _ in rows]
@@ -184,13 +193,17 @@ def claim_runnable(
 
 @retry_while_locked
 def _claim(
-    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int]
+    worker_id: str,
+    limit: int,
+    lease_seconds: float,
+    exclude: Iterable[int],
+    versions: Collection[tuple[str, int]] | None = None,
 ) -> list[tuple[int, str, list[str]]]:
-    """claim_runnable, with the names of the sleeps each claim ended."""
+    """claim_runnable, with the names of the sleeps each claim ended (see claim_and_load)."""
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
-        return _claim_at_once(worker_id, limit, now, lease_until, exclude)
+        return _claim_at_once(worker_id, limit, now, lease_until, exclude, versions)
     claimed: list[tuple[int, str, list[str]]] = []
     runnable = (
         Instance.objects.filter(wake_at__lte=now)
@@ -205,13 +218,19 @@ def _claim(
     with transaction.atomic():
         query = skip_rows_being_claimed(runnable)
         rows = list(
-            query.values_list("id", "lease_token", "status", "run_count", "compensate_on_cancel")[
-                :limit
-            ]
+            query.values_list(
+                "id",
+                "lease_token",
+                "status",
+                "run_count",
+                "compensate_on_cancel",
+                "workflow",
+                "version",
+            )[:limit]
         )
         started: list[tuple[int, int, list[History]]] = []
         with sql_cursor() as cursor:
-            for (pk, old_token, status, run_count, compensating), token in zip(
+            for (pk, old_token, status, run_count, compensating, *version), token in zip(
                 rows, lease_tokens(len(rows)), strict=True
             ):
                 if compensating:
@@ -244,7 +263,9 @@ def _claim(
                 records = [History("run.started", data)]
                 slept = (
                     _end_due_sleeps(cursor, pk, now)
-                    if new_status == Status.RUNNING and not compensating
+                    if new_status == Status.RUNNING
+                    and not compensating
+                    and (versions is None or tuple(version) in versions)
                     else []
                 )
                 records += [History("sleep.completed", {"step": name}) for name in slept]
@@ -293,7 +314,8 @@ def _end_due_sleeps(cursor: Any, pk: int, now: datetime) -> list[str]:
 # run again, as a step whose checkpoint was lost is run again.
 CLAIM_SQL = f"""
 WITH picked AS (
-    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel
+    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
+        workflow, version
     FROM {INSTANCE_TABLE}
     WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
       AND id <> ALL(CAST(%(exclude)s AS bigint[]))
@@ -306,6 +328,8 @@ WITH picked AS (
     WHERE s.instance_id = p.id AND p.old_status IN (%(waiting)s, %(running)s)
       AND NOT p.compensate_on_cancel AND s.kind IN (%(sleep)s, %(sleep_until)s)
       AND s.status = %(waiting)s AND s.wake_at <= %(now)s
+      AND (CAST(%(versions)s AS jsonb) IS NULL OR p.workflow || '@' || p.version IN (
+          SELECT jsonb_array_elements_text(CAST(%(versions)s AS jsonb))))
     RETURNING s.instance_id, s.name, s.seq
 ), numbered AS (
     SELECT p.*, row_number() OVER () AS n,
@@ -357,9 +381,18 @@ def lease_tokens(count: int) -> list[str]:
 
 
 def _claim_params(
-    worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
+    worker_id: str,
+    limit: int,
+    now: datetime,
+    lease_until: datetime,
+    exclude: Iterable[int],
+    versions: Collection[tuple[str, int]] | None,
 ) -> dict[str, Any]:
     return {
+        # "workflow@version" of each version whose sleeps the claim may end (None: all).
+        "versions": None
+        if versions is None
+        else json.dumps(sorted(f"{name}@{version}" for name, version in versions)),
         "now": db_time(now),
         "lease_until": db_time(lease_until),
         "exclude": array_literal(exclude),
@@ -376,21 +409,32 @@ def _claim_params(
 
 
 def _claim_at_once(
-    worker_id: str, limit: int, now: datetime, lease_until: datetime, exclude: Iterable[int]
+    worker_id: str,
+    limit: int,
+    now: datetime,
+    lease_until: datetime,
+    exclude: Iterable[int],
+    versions: Collection[tuple[str, int]] | None,
 ) -> list[tuple[int, str, list[str]]]:
+    params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
     with statement_cursor() as cursor:
-        cursor.execute(CLAIM_SQL, _claim_params(worker_id, limit, now, lease_until, exclude))
+        cursor.execute(CLAIM_SQL, params)
         return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
 
 
 def _claim_and_load_pipelined(
-    worker_id: str, limit: int, lease_seconds: float, exclude: Iterable[int]
+    worker_id: str,
+    limit: int,
+    lease_seconds: float,
+    exclude: Iterable[int],
+    versions: Collection[tuple[str, int]] | None,
 ) -> list[tuple[int, str, LoadedRun | None]]:
     """claim_and_load in one round trip (PostgreSQL): the claim, then the reads of what it
     claimed (rows, checkpoints, events of waiting steps), sent together in pipeline mode;
     the reads find the claimed rows by the tokens this worker chose."""
     now = clock.now()
-    params = _claim_params(worker_id, limit, now, now + timedelta(seconds=lease_seconds), exclude)
+    lease_until = now + timedelta(seconds=lease_seconds)
+    params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
     reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
     connection.ensure_connection()
     with connection.connection.pipeline():
