@@ -203,7 +203,7 @@ def _claim(
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
-        return _claim_at_once(worker_id, limit, now, lease_until, exclude, versions)
+        return _claim_at_once(_claim_params(worker_id, limit, now, lease_until, exclude, versions))
     claimed: list[tuple[int, str, list[str]]] = []
     runnable = (
         Instance.objects.filter(wake_at__lte=now)
@@ -408,15 +408,8 @@ def _claim_params(
     }
 
 
-def _claim_at_once(
-    worker_id: str,
-    limit: int,
-    now: datetime,
-    lease_until: datetime,
-    exclude: Iterable[int],
-    versions: Collection[tuple[str, int]] | None,
-) -> list[tuple[int, str, list[str]]]:
-    params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
+def _claim_at_once(params: dict[str, Any]) -> list[tuple[int, str, list[str]]]:
+    """CLAIM_SQL alone, with _claim_params' parameters."""
     with statement_cursor() as cursor:
         cursor.execute(CLAIM_SQL, params)
         return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
