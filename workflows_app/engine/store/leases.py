@@ -230,7 +230,7 @@ def _claim(
         )
         started: list[tuple[int, int, list[History]]] = []
         with sql_cursor() as cursor:
-            for (pk, old_token, status, run_count, compensating, *version), token in zip(
+            for (pk, old_token, status, run_count, compensating, workflow, version), token in zip(
                 rows, lease_tokens(len(rows)), strict=True
             ):
                 if compensating:
@@ -265,7 +265,7 @@ def _claim(
                     _end_due_sleeps(cursor, pk, now)
                     if new_status == Status.RUNNING
                     and not compensating
-                    and (versions is None or tuple(version) in versions)
+                    and (versions is None or (workflow, version) in versions)
                     else []
                 )
                 records += [History("sleep.completed", {"step": name}) for name in slept]
