@@ -111,12 +111,14 @@ class Activity:
         if run.abort_reason is not None:
             raise RunAborted(run.abort_reason)
         run.in_flight += 1
-        if run.holding or (run.compensating and not run.unwinding):
-            try:
+        try:
+            if run.held is not None or run.landing is not None:
+                await run.land()  # before the pause check: the last checkpoint may carry one
+            if run.holding or (run.compensating and not run.unwinding):
                 await self.block()
-            except BaseException:
-                self._leave()
-                raise
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -219,6 +221,8 @@ class Run:
         self.compensating = loaded.instance.compensate_on_cancel
         self.unwinding = False
         self.behind: asyncio.Future[None] | None = None  # see write(behind=True)
+        self.held: store.StepWrite | None = None  # see write(hold=True)
+        self.landing: asyncio.Future[None] | None = None  # a held checkpoint, sent behind
 
     # --- signals from outside -------------------------------------------------------
 
@@ -461,28 +465,48 @@ class Run:
         error_record: dict[str, Any] | None = None,
     ) -> bool:
         """Finish the instance; False when the lease was lost. A plain end shares the
-        group commit with other runs' checkpoints (SQLite), one commit fewer per run."""
+        group commit with other runs' checkpoints (SQLite), one commit fewer per run. The
+        checkpoint of a step the workflow ended right after is written with the end."""
+        held, self.held = self.held, None
         try:
             await self.settle()
         except RunAborted:
             return False
+        end = store.FinishWrite(
+            self.pk, self.token, status, self.limits, output_json, error, history, error_record
+        )
+        try:
+            ended = await self._finish(end, held)
+        except DatabaseError as exc:
+            if held is None:
+                raise
+            # The step ran: its checkpoint is retried on its own (never the step), then the end.
+            try:
+                self._written(held, await self._write_again(held, exc))
+            except RunAborted:
+                return False
+            return await self._finish(end, None)
+        if ended and held is not None:
+            self._written(held, status)
+        return ended
+
+    async def _finish(self, end: store.FinishWrite, held: store.StepWrite | None) -> bool:
+        end.step = held
         if self.end_in_group:
-            end = store.FinishWrite(
-                self.pk, self.token, status, self.limits, output_json, error, history, error_record
-            )
             return bool(await self.checkpoint(end))
         return bool(
             await self.db(
                 store.finish,
-                self.pk,
-                self.token,
-                status,
-                self.limits,
-                output_json,
-                error,
-                history,
-                error_record,
+                end.pk,
+                end.token,
+                end.status,
+                end.limits,
+                end.output_json,
+                end.error,
+                end.history,
+                end.error_record,
                 self.instance.parent_id,  # a child's finish locks its parent first and wakes it
+                held,
             )
         )
 
@@ -609,10 +633,18 @@ class Run:
         progress: bool = False,
         error: dict[str, Any] | None = None,
         behind: bool = False,
+        hold: bool = False,
     ) -> None:
         """Checkpoint a step. `behind`: the run goes on while the checkpoint is written (the
         end of a sleep or a wait, which ran no user code: a crash before it lands replays
-        to the same point); every later write of the run, its park and its end wait for it."""
+        to the same point); every later write of the run, its park and its end wait for it.
+
+        `hold` (a step that ran user code): the workflow goes on until it next suspends.
+        If it has ended by then, the checkpoint is written with the instance's end (Run.end:
+        one statement instead of two); if it starts a step, a sleep or a wait first, that
+        writes the checkpoint and waits for it (land); else (it awaits something of its
+        own) the checkpoint is written behind, at the loop's next turn. Either way no more
+        work of the run starts before the checkpoint has landed."""
         if self.abort_reason is not None:
             raise RunAborted(self.abort_reason)
         write = store.StepWrite(
@@ -621,6 +653,11 @@ class Run:
         (self.compensation_checkpoints if record.kind == StepKind.COMPENSATE else self.checkpoints)[
             record.name
         ] = record
+        if hold:
+            self._send_held(for_end=False)  # a branch's earlier one
+            self.held = write
+            asyncio.get_running_loop().call_soon(self._send_held)
+            return
         if behind:
             self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
             # Retrieved here too: a refused write aborts the run, which may never settle it.
@@ -628,6 +665,35 @@ class Run:
             return
         await self.settle()
         self._written(write, await self._checkpoint_or_abort(write))
+
+    def _send_held(self, for_end: bool = True) -> None:
+        """Write the held checkpoint behind the run, unless the workflow has ended and its
+        end may take it (for_end)."""
+        write = self.held
+        if write is None or (for_end and self.task is not None and self.task.done()):
+            return
+        self.held = None
+        self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
+        self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self.landing = self.behind
+
+    async def land(self) -> None:
+        """Wait for the held checkpoint (written here if still held); RunAborted if refused.
+        Not for the writes behind sleeps and waits: work may start before those land."""
+        write = self.held
+        if write is not None:
+            self.held = None
+            await self.settle()  # the run's checkpoints land in the order they were made
+            self._written(write, await self._checkpoint_or_abort(write))
+            return
+        landing = self.landing
+        if landing is None:
+            return
+        try:
+            await asyncio.shield(landing)
+        finally:
+            if landing.done() and self.landing is landing:
+                self.landing = None
 
     async def _checkpoint_or_abort(self, write: store.StepWrite) -> str:
         try:
@@ -655,7 +721,8 @@ class Run:
         self._written(write, await self._checkpoint_or_abort(write))
 
     async def settle(self) -> None:
-        """Wait for the checkpoint written behind the run; RunAborted if it was refused."""
+        """Wait for the checkpoints written behind the run; RunAborted if one was refused."""
+        self._send_held(for_end=False)
         behind = self.behind
         if behind is None:
             return

@@ -383,6 +383,7 @@ class Step:
                 record,
                 [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
                 progress=True,
+                hold=True,
             )
             return json.loads(output_json)
 

@@ -157,9 +157,12 @@ class FinishWrite:
     error: tuple[str, str, str] | None = None
     history: Sequence[History] = ()
     error_record: dict[str, Any] | None = None
+    step: StepWrite | None = None  # the run's last checkpoint, written with its end
 
     def apply(self) -> bool:
         """Inside the group's transaction; False (nothing written) when the lease is lost."""
+        if self.step is not None and not _write_held_step(self.step):
+            return False
         return _finish_rows(
             self.pk,
             self.token,
@@ -186,7 +189,15 @@ def write_steps(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | 
         f = writes[0]
         return [
             finish(
-                f.pk, f.token, f.status, f.limits, f.output_json, f.error, f.history, f.error_record
+                f.pk,
+                f.token,
+                f.status,
+                f.limits,
+                f.output_json,
+                f.error,
+                f.history,
+                f.error_record,
+                step=f.step,
             )
         ]
     if len(writes) == 1:  # no savepoint needed: a LeaseLost rolls the one write back
@@ -226,7 +237,7 @@ def write_steps(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | 
             except LeaseLost as exc:
                 results[index] = exc
     for w in writes:
-        if not isinstance(w, FinishWrite):
+        if not isinstance(w, FinishWrite) or w.step is not None:
             faults.hit("after_checkpoint")
     return [results[i] for i in range(len(writes))]
 
@@ -458,37 +469,43 @@ def finish(
     history: Sequence[History] = (),
     error_record: dict[str, Any] | None = None,
     parent_pk: int | None = None,
+    step: StepWrite | None = None,
 ) -> bool:
     """End the instance (complete, errored, terminated), free its place, start queued ones.
 
     A child wakes its parent in the same transaction; parent_pk (the child's parent, when
     the caller knows it) is locked first, the order every parent-and-child change keeps.
+    `step`: the run's last checkpoint, not written yet (Run.write's hold), goes with the
+    end: in its one statement (PostgreSQL) or its transaction.
     """
     now = clock.now()
     name, message, stack = error or ("", "", "")
-    if (
-        writes_in_one_statement()
-        and parent_pk is None
-        and not limits.flow_controlled
-        and _finish_at_once(
-            pk,
-            token,
-            status,
-            limits,
-            now,
-            output_json,
-            (name, message, stack),
-            history,
-            error_record,
-        )
+    at_once = writes_in_one_statement() and parent_pk is None and not limits.flow_controlled
+    if at_once and step is not None:
+        faults.hit("before_checkpoint")
+    if at_once and _finish_at_once(
+        pk,
+        token,
+        status,
+        limits,
+        now,
+        output_json,
+        (name, message, stack),
+        history,
+        error_record,
+        step,
     ):
+        if step is not None:
+            faults.hit("after_checkpoint")
         return True
     # Under flow control the finish and the promotion of the queue share a transaction;
     # a child's finish wakes its parent in it. (Also the answer when the lease is lost.)
     with transaction.atomic():
         if parent_pk is not None:  # issue 15 (children): parent before child
             list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
-        return _finish_rows(
+        if step is not None and not _write_held_step(step):
+            return False
+        finished = _finish_rows(
             pk,
             token,
             status,
@@ -499,6 +516,18 @@ def finish(
             history,
             error_record,
         )
+    if finished and step is not None:
+        faults.hit("after_checkpoint")
+    return finished
+
+
+def _write_held_step(w: StepWrite) -> bool:
+    """A run's held checkpoint in its end's transaction; False when the lease is lost."""
+    try:
+        _write_step(w.pk, w.token, w.step, w.history, w.consume_event, w.progress, w.error)
+    except LeaseLost:
+        return False
+    return True
 
 
 def _finish_rows(
@@ -560,8 +589,20 @@ def _finish_rows(
 
 
 @functools.cache
-def _finish_sql(history_count: int, with_error: bool, own_retention: str) -> str:
-    """The statement of _finish_at_once for one shape (cached per shape)."""
+def _finish_sql(
+    history_count: int,
+    with_error: bool,
+    own_retention: str,
+    step: tuple[bool, bool] | None = None,
+) -> str:
+    """The statement of _finish_at_once for one shape (cached per shape). `step`: the held
+    checkpoint's shape (whether it sets step_seq, whether it counts as progress), upserted
+    FROM done and left out of the steps the end closes; its history comes first."""
+    extra_sets = ""
+    if step is not None and step[0]:
+        extra_sets += ", step_seq = %s"
+    if step is not None and step[1]:
+        extra_sets += ", unproductive_claims = 0"
     parts = [
         f"done AS (UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + %s, updated_at = %s, "
         "status = %s, output_json = %s, error_name = %s, error_message = %s, error_stack = %s, "
@@ -571,12 +612,22 @@ def _finish_sql(history_count: int, with_error: bool, own_retention: str) -> str
         # default (settings, then the limit); 0 keeps it for ever; at most LATEST_INSTANT.
         f"expires_at = CASE WHEN COALESCE({own_retention}, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
         f"+ make_interval(secs => LEAST(COALESCE({own_retention}, %s), 1e15) / 1000.0), "
-        "CAST(%s AS timestamptz)) ELSE expires_at END "
+        f"CAST(%s AS timestamptz)) ELSE expires_at END{extra_sets} "
         "WHERE id = %s AND lease_token = %s AND parent_id IS NULL RETURNING history_seq)",
         f"closed AS (UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
         "last_error_name = %s, last_error_message = %s "
-        "WHERE instance_id = %s AND status IN (%s, %s, %s) AND EXISTS (SELECT 1 FROM done))",
+        "WHERE instance_id = %s AND status IN (%s, %s, %s) "
+        # Two parts of one statement must not both change a row: the held step is its own.
+        + ("AND NOT (kind = %s AND name = %s) " if step is not None else "")
+        + "AND EXISTS (SELECT 1 FROM done))",
     ]
+    if step is not None:
+        parts.append(
+            f"step AS (INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) "
+            f"SELECT {', '.join(typed_placeholders(StepRecord, STEP_COLUMNS))} FROM done "
+            + UPSERT_STEP_SQL[UPSERT_STEP_SQL.index("ON CONFLICT") :]
+            + ")"
+        )
     if history_count:
         rows = ", ".join(f"({n}, %s, %s, %s)" for n in range(1, history_count + 1))
         parts.append(
@@ -604,14 +655,26 @@ def _finish_at_once(
     error: tuple[str, str, str],
     history: Sequence[History],
     error_record: dict[str, Any] | None,
+    step: StepWrite | None = None,
 ) -> bool:
     """finish as one autocommit statement (PostgreSQL), for workflows without a queue;
-    False, writing nothing, for a lost lease or a child (whose parent must wake with it)."""
+    False, writing nothing, for a lost lease or a child (whose parent must wake with it).
+    `step`: a held checkpoint (no event to consume, no error record) written in it too."""
     when = db_time(now)
     default = retention.retention_ms(status, None, None, limits)
+    shape = None
+    if step is not None:
+        assert step.consume_event is None and step.error is None, "only plain checkpoints are held"
+        shape = (step.step.seq is not None, step.progress)
+        history = [*step.history, *history]
     params: list[Any] = [len(history), when, status, output_json, *error, when]
-    params += [default, when, default, db_time(LATEST_INSTANT), pk, token]
+    params += [default, when, default, db_time(LATEST_INSTANT)]
+    if step is not None and step.step.seq is not None:
+        params.append(step.step.seq)
+    params += [pk, token]
     params += [StepStatus.FAILED, when, *FINISHED_BEFORE_STEP, pk, *OPEN_STEP_STATUSES]
+    if step is not None:
+        params += [step.step.kind, step.step.name, *_step_values(pk, step.step)]
     if history:
         params += [pk, when]
         for record in history:
@@ -620,8 +683,10 @@ def _finish_at_once(
         params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
     with statement_cursor() as cursor:
         own = "retention_ms" if status == Status.COMPLETE else "retention_error_ms"
-        cursor.execute(_finish_sql(len(history), error_record is not None, own), params)
+        cursor.execute(_finish_sql(len(history), error_record is not None, own, shape), params)
         row = cursor.fetchone()
+    if row is not None and step is not None:
+        step.step.instance_id = pk
     return row is not None
 
 
