@@ -744,6 +744,28 @@ def test_the_stores_raw_sql_cursor_converts_placeholders_as_django_does():
         assert dialect._QMARK_QUERIES[query] == "SELECT ?, ? || '%', 'a%s'"
 
 
+def test_the_hot_statements_conversion_is_cached_whatever_their_size(settings):
+    """statement_cursor (PostgreSQL): psycopg's `%s` to `$n` conversion is cached per text
+    even for a statement over psycopg's own limits (4,096 bytes, 50 parameters), and a
+    statement from the cache binds as psycopg binds it uncached."""
+    from django.db import connection
+
+    from workflows_app.engine.store import dialect
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: the cursor of SQLite is Django's (see the test above)")
+    settings.WFDASH = {**getattr(settings, "WFDASH", {}), "PG_PREPARE": True}
+    values = list(range(60))
+    padding = " " * 4100  # over psycopg's length limit too
+    query = "SELECT " + ", ".join(["%s + 1"] * len(values)) + ", '%%s'" + padding
+    for _ in range(2):  # converted, then from the cache
+        with dialect.statement_cursor() as cursor:
+            cursor.execute(query, values)
+            assert cursor.fetchone() == (*(v + 1 for v in values), "%s")
+    converted = dialect._PG_QUERIES[(query, connection.connection.info.encoding)]
+    assert converted[0].startswith(b"SELECT $1 + 1, $2 + 1")
+
+
 def test_a_plain_create_writes_its_row_record_and_attributes_and_a_taken_id_or_key_is_told(
     registered,
 ):
