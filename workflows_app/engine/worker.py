@@ -864,10 +864,13 @@ class Worker:
             while True:
                 await self.release_pending()
                 await self.fire_due_schedules()
-                runs += await self.claim_and_start()
+                started = await self.claim_and_start()
+                runs += started
                 if await self.maintain_once(force=True):
                     continue  # a bulk batch may have made instances runnable
                 if not self.tasks:
+                    if started:  # all ended meanwhile: their places are free, claim again
+                        continue
                     await self.flush_now()
                     return  # nothing claimable now and nothing running: idle
                 await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
