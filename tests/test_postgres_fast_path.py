@@ -403,3 +403,21 @@ def test_a_claim_commits_without_waiting_for_the_flush_and_only_the_claim_does(r
         assert synchronous_commit() == "off"
     assert synchronous_commit() == "on"
     assert Instance.objects.get(instance_id="async-claim").lease_owner == "probe"
+
+
+def test_a_pipeline_whose_connection_the_server_ends_raises_djangos_error(registered):
+    """The pipelined claim and group commit meet a terminated backend as Django's
+    OperationalError, which runs retry and the worker releases leases for (psycopg's own,
+    raised at the pipeline's exit, is neither: instances stayed leased until their leases
+    ran out)."""
+    postgres_only()
+    from django.db import OperationalError
+
+    from workflows_app.engine.store import dialect
+
+    try:
+        with pytest.raises(OperationalError) as raised, dialect.pipeline():
+            dialect.statement_cursor().execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        assert store.transient(raised.value)
+    finally:
+        connection.close()

@@ -7,10 +7,11 @@ rows other workers are claiming and may drop idle connections.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -181,6 +182,18 @@ class PreparingCursor(psycopg.Cursor):
 
     def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
         return super().execute(query, params, **{**options, "prepare": True})
+
+
+@contextlib.contextmanager
+def pipeline() -> Iterator[None]:
+    """psycopg's pipeline mode on Django's connection, its errors raised as Django's: the
+    pipeline's exit sends and reads the statements outside any cursor's error wrapper, and
+    a driver error is neither a DatabaseError the runs retry nor one the worker releases
+    the lease for (a terminated backend then left instances leased until their leases ran
+    out)."""
+    connection.ensure_connection()
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        yield
 
 
 def prepares_statements() -> bool:

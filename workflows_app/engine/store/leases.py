@@ -33,6 +33,7 @@ from .dialect import (
     from_db_time,
     lock_rows,
     measure_clock_offset,
+    pipeline,
     retry_while_locked,
     skip_rows_being_claimed,
     sql_cursor,
@@ -429,8 +430,7 @@ def _claim_and_load_pipelined(
     lease_until = now + timedelta(seconds=lease_seconds)
     params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
     reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
-    connection.ensure_connection()
-    with connection.connection.pipeline():
+    with pipeline():
         claim = statement_cursor()
         claim.execute(CLAIM_SQL, params)
         cursors = []
