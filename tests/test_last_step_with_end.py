@@ -130,3 +130,98 @@ def test_a_step_held_while_the_workflow_awaits_something_else_is_written_meanwhi
     assert inst.status().output is True
     assert calls == {"first": 1}
     assert StepRecord.objects.get(instance__instance_id=inst.id, name="first").status == "complete"
+
+
+def test_a_group_of_ends_is_written_together_each_fenced_by_its_own_lease(registered):
+    """write_steps with several ends (the group commit): each end lands or is refused on its
+    own lease; a held step, an error record and the history go with their end. On
+    PostgreSQL the ends are one statement."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from workflows_app.engine import registry, retention
+    from workflows_app.engine.step import new_step_record
+    from workflows_app.engine.store import FinishWrite, History, StepWrite
+    from workflows_app.models import ErrorRecord, StepKind
+
+    @register("group-ends")
+    class GroupEnds(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("only", counted("only", 1))
+
+    handles = [get_workflow("group-ends").create(id=f"end-{n}") for n in range(5)]
+    pks = [h.row().pk for h in handles]
+    leases = {pk: token for pk, token, _ in store.claim_and_load("group", 10, 30).runs}
+    assert set(leases) == set(pks)
+    limits = registry.find_definition("group-ends", 1).limits()
+    held = new_step_record("only", StepKind.DO, "complete", 1)
+    held.output_json, held.attempts, held.after = "1", 1, ""
+    held_history = [History("step.started", {"step": "only"}), History("step.completed", {})]
+    checkpoint = new_step_record("only", StepKind.DO, "complete", 1)
+    checkpoint.output_json, checkpoint.attempts, checkpoint.after = "4", 1, ""
+    writes = [
+        FinishWrite(
+            pks[0],
+            leases[pks[0]],
+            "complete",
+            limits,
+            "1",
+            history=[History("instance.completed")],
+            step=StepWrite(pks[0], leases[pks[0]], held, held_history, progress=True),
+        ),
+        FinishWrite(pks[1], leases[pks[1]], "complete", limits, '"plain"'),
+        FinishWrite(
+            pks[2],
+            leases[pks[2]],
+            "errored",
+            limits,
+            error=("Boom", "it broke", ""),
+            history=[History("instance.errored", {"error": {"name": "Boom"}})],
+            error_record={"workflow": "group-ends", "source": "workflow.instance", "name": "Boom"},
+        ),
+        FinishWrite(pks[3], "not-its-lease", "complete", limits, '"never"'),
+        # A checkpoint in the same group: the group locks every row in instance order.
+        StepWrite(pks[4], leases[pks[4]], checkpoint, [History("step.completed", {})]),
+    ]
+    with CaptureQueriesContext(connection) as queries:
+        assert store.write_steps(writes) == [True, True, True, False, "running"]
+    if connection.vendor == "postgresql":
+        statements = [q["sql"] for q in queries.captured_queries]
+        assert sum(sql.startswith("WITH r AS MATERIALIZED") for sql in statements) == 1
+    rows = {h.id: h.row() for h in handles}
+    assert [rows[f"end-{n}"].status for n in range(4)] == [
+        "complete",
+        "complete",
+        "errored",
+        "running",
+    ]
+    assert rows["end-0"].output == 1 and rows["end-1"].output == "plain"
+    assert rows["end-3"].lease_token == leases[pks[3]]  # refused: still its run's
+    assert all(rows[f"end-{n}"].lease_token is None for n in range(3))
+    for n, status in enumerate(["complete", "complete", "errored"]):  # as a lone end sets it
+        kept_for = retention.retention_ms(status, None, None, limits)
+        assert (rows[f"end-{n}"].expires_at is not None) == (kept_for > 0)
+    assert rows["end-0"].step_seq == 1 and rows["end-0"].unproductive_claims == 0
+    only = StepRecord.objects.get(instance_id=pks[0], name="only")
+    assert (only.status, only.output, only.attempts) == ("complete", 1, 1)
+    assert [t for _, t in history("end-0")] == [
+        "instance.created",
+        "run.started",
+        "step.started",
+        "step.completed",
+        "instance.completed",
+    ]
+    assert [t for _, t in history("end-2")] == [
+        "instance.created",
+        "run.started",
+        "instance.errored",
+    ]
+    assert [t for _, t in history("end-3")] == ["instance.created", "run.started"]
+    assert StepRecord.objects.get(instance_id=pks[4], name="only").output == 4
+    assert [t for _, t in history("end-4")] == ["instance.created", "run.started", "step.completed"]
+    for n in range(5):
+        sequences = [seq for seq, _ in history(f"end-{n}")]
+        assert sequences == list(range(1, len(sequences) + 1))
+    error = ErrorRecord.objects.get(instance_id=pks[2])
+    assert (error.name, error.source, error.workflow) == ("Boom", "workflow.instance", "group-ends")
+    assert not ErrorRecord.objects.filter(instance_id__in=[pks[0], pks[1], pks[3]]).exists()

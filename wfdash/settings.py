@@ -262,17 +262,16 @@ WFDASH = {
     # the fleet-wide database gauges. Bound to METRICS_ADDR: loopback unless set.
     "METRICS_PORT": int(os.environ.get("WFDASH_METRICS_PORT") or 0) or None,
     "METRICS_ADDR": os.environ.get("WFDASH_METRICS_ADDR", "127.0.0.1"),
-    # Checkpoints of concurrent runs share one transaction (group commit). Default: on for
-    # SQLite (one writer: fewer commits and thread hops, ~1.7x faster per step); off for
-    # PostgreSQL, whose parallel connections already overlap commits (on, its group is
-    # pipelined; a group cut by a dropped connection is written again, not re-run).
+    # Checkpoints and ends of concurrent runs share one transaction (group commit). On by
+    # default. SQLite: one writer, fewer commits and thread hops (~1.7x faster per step).
+    # PostgreSQL: the group's checkpoints are pipelined and its ends are one statement
+    # (per step 0.66 -> 0.44 ms, a herd's CPU per instance -30 %); a group cut by a dropped
+    # connection is written again by each run, never re-run.
     # PostgreSQL: the engine's hot statements are prepared on each connection (planned
     # once, not per call). Off for a pooler that cannot keep prepared statements.
     "PG_PREPARE": env_bool("WFDASH_PG_PREPARE", True),
     # The first worker of a process freezes what is alive and collects the youngest
     # generation less often (engine/worker.py, tune_garbage_collector). Off: left alone.
     "GC_TUNING": env_bool("WFDASH_GC_TUNING", True),
-    "GROUP_COMMIT": env_bool(
-        "WFDASH_GROUP_COMMIT", DATABASES["default"]["ENGINE"].endswith("sqlite3")
-    ),
+    "GROUP_COMMIT": env_bool("WFDASH_GROUP_COMMIT", True),
 }

@@ -56,7 +56,6 @@ from .step import (
     new_step_record,
 )
 from .store import History, LeaseLost
-from .store.dialect import writes_in_one_statement
 
 log = logging.getLogger("workflows_app.engine")
 
@@ -170,13 +169,12 @@ class Run:
         self.hooks = hooks
         self.limits = definition.limits()
         self.default_step_config: tuple[Any, int] | None = None  # see Step._step_config
-        # An end joins the group commit unless it has a parent to lock and wake, a queue to
-        # promote (flow control), or the group pipelines single statements (PostgreSQL).
+        # An end joins the group commit unless it has a parent to lock and wake or a queue
+        # to promote (flow control).
         self.end_in_group = (
             checkpoint is not None
             and loaded.instance.parent_id is None
             and not self.limits.flow_controlled
-            and not writes_in_one_statement()
         )
         self.checkpoints = loaded.steps
         self.sleeps_ended = loaded.sleeps_ended  # see Step._sleep

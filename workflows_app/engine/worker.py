@@ -415,7 +415,7 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
-        if engine_settings().get("GROUP_COMMIT", connection.vendor == "sqlite"):
+        if engine_settings().get("GROUP_COMMIT", True):
             self.group_commit = GroupCommit(self.db)
         self.step_threads = StepThreads("wfdash-step")
         try:

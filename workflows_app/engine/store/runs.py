@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Min
 
 from ...models import (
@@ -35,6 +35,7 @@ from .dialect import (
     db_time,
     lock_rows,
     merge_json_sql,
+    pipeline,
     retry_while_locked,
     sql_cursor,
     statement_cursor,
@@ -182,8 +183,8 @@ def write_steps(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | 
 
     Each write is fenced on its own, so a run that lost its lease gets its LeaseLost back
     (an end gets False) while the others commit. Rows are locked in instance order, so two
-    concurrent group commits can never deadlock on each other. Ends come only where
-    writes are not one statement each (SQLite): the PostgreSQL group pipelines steps.
+    concurrent group commits can never deadlock on each other. On PostgreSQL the group's
+    checkpoints are pipelined and its ends go in one statement (_write_pipelined).
     """
     if len(writes) == 1 and isinstance(writes[0], FinishWrite):
         f = writes[0]
@@ -215,7 +216,7 @@ def write_steps(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | 
         faults.hit("after_checkpoint")
         return [status]
     if writes_in_one_statement():
-        return _write_pipelined(writes)  # type: ignore[arg-type]  # steps only (see above)
+        return _write_pipelined(writes)
     close_if_dropped()
     results: dict[int, str | bool | LeaseLost] = {}
     with transaction.atomic():
@@ -402,30 +403,52 @@ def _write_at_once(w: StepWrite) -> str:
     return outcome
 
 
-def _write_pipelined(writes: Sequence[StepWrite]) -> list[str | LeaseLost]:
+LOCK_IN_ORDER_SQL = (
+    f"SELECT id FROM {INSTANCE_TABLE} WHERE id = ANY(CAST(%s AS bigint[])) "
+    "ORDER BY id FOR NO KEY UPDATE"
+)
+
+
+def _write_pipelined(writes: Sequence[StepWrite | FinishWrite]) -> list[str | bool | LeaseLost]:
     """A group commit on PostgreSQL: the checkpoints' statements go down the wire at once
-    (psycopg's pipeline mode) in one transaction, so N checkpoints cost two round trips
-    and one commit. A fenced-out write matches nothing and fails no other; an error fails
-    the group, and each run then writes its checkpoint again (Run._write_again), never
-    running its step again."""
+    (psycopg's pipeline mode) in one transaction, with the ends among them in one more
+    statement (_finish_many_sql), so N writes cost two round trips and one commit. A
+    fenced-out write matches nothing and fails no other; an error fails the group, and
+    each run then writes its checkpoint again (Run._write_again), never running its step
+    again."""
     now = clock.now()
-    order = sorted(range(len(writes)), key=lambda i: writes[i].pk)  # lock order: no deadlock
-    statements = {i: _checkpoint_statement(writes[i], now) for i in order}
+    steps = [i for i, w in enumerate(writes) if isinstance(w, StepWrite)]
+    steps.sort(key=lambda i: writes[i].pk)  # lock order: no deadlock
+    ends = [i for i, w in enumerate(writes) if isinstance(w, FinishWrite)]
+    statements = {i: _checkpoint_statement(writes[i], now) for i in steps}  # type: ignore[arg-type]
+    checkpoints = sum(1 for w in writes if isinstance(w, StepWrite) or w.step is not None)
     close_if_dropped()
     with transaction.atomic():
-        for _ in writes:
+        for _ in range(checkpoints):
             faults.hit("before_checkpoint")
-        connection.ensure_connection()
         cursors = {}
-        with connection.connection.pipeline():
-            for i in order:
+        with pipeline():
+            if steps and ends:  # every row locked in instance order first (see write_steps)
+                statement_cursor().execute(LOCK_IN_ORDER_SQL, [sorted(w.pk for w in writes)])
+            for i in steps:
                 cursor = statement_cursor()  # Django's wrapper: counted, logged like any
                 cursor.execute(*statements[i])
                 cursors[i] = cursor
-        results = [
-            _checkpoint_outcome(writes[i], cursors[i].fetchone()) for i in range(len(writes))
-        ]
-    for _ in writes:
+            if ends:
+                finished = statement_cursor()
+                ended = [writes[i] for i in ends]
+                finished.execute(_finish_many_sql(), _finish_many_params(ended, now))  # type: ignore[arg-type]
+        results: list[str | bool | LeaseLost] = [False] * len(writes)
+        for i in steps:
+            results[i] = _checkpoint_outcome(writes[i], cursors[i].fetchone())  # type: ignore[arg-type]
+        if ends:
+            done = {pk for (pk,) in finished.fetchall()}
+            for i in ends:
+                end = writes[i]
+                results[i] = end.pk in done
+                if results[i] and end.step is not None:  # type: ignore[union-attr]
+                    end.step.step.instance_id = end.pk  # type: ignore[union-attr]
+    for _ in range(checkpoints):
         faults.hit("after_checkpoint")
     return results
 
@@ -643,6 +666,103 @@ def _finish_sql(
             f"SELECT {', '.join(typed_placeholders(ErrorRecord, columns))} FROM done)"
         )
     return "WITH " + ", ".join(parts) + " SELECT history_seq FROM done"
+
+
+# The ends of a group commit (PostgreSQL) in one statement: each row of the JSON parameter
+# is one run's end (_finish_many_params), fenced by its lease as _finish_sql's one is.
+# Rows are locked in id order first, as every group commit locks them (no deadlock).
+@functools.cache
+def _finish_many_sql() -> str:
+    own = "CASE WHEN r.status = %(complete)s THEN i.retention_ms ELSE i.retention_error_ms END"
+    step_columns = ", ".join(f"(x).{c}" for c in STEP_COLUMNS[1:])
+    error_columns = ", ".join(f"(e).{c}" for c in ERROR_COLUMNS)
+    return (
+        "WITH r AS MATERIALIZED (SELECT * FROM json_to_recordset(CAST(%(rows)s AS json)) AS r("
+        "pk bigint, token text, status text, output text, error_name text, error_message text, "
+        "error_stack text, hcount int, default_ms double precision, step_seq int, "
+        "progress boolean, step json, history json, error json)), "
+        f"locked AS (SELECT i.id FROM {INSTANCE_TABLE} i JOIN r ON r.pk = i.id "
+        "AND i.lease_token = r.token AND i.parent_id IS NULL ORDER BY i.id FOR NO KEY UPDATE OF i), "
+        f"done AS (UPDATE {INSTANCE_TABLE} i SET history_seq = i.history_seq + r.hcount, "
+        "updated_at = %(now)s, status = r.status, output_json = r.output, "
+        "error_name = r.error_name, error_message = r.error_message, error_stack = r.error_stack, "
+        "finished_at = %(now)s, compensate_on_cancel = false, wake_at = NULL, waiting_reason = '', "
+        "lease_token = NULL, lease_owner = '', lease_expires_at = NULL, "
+        f"expires_at = CASE WHEN COALESCE({own}, r.default_ms) > 0 THEN LEAST("
+        f"CAST(%(now)s AS timestamptz) + make_interval(secs => LEAST(COALESCE({own}, r.default_ms), "
+        "1e15) / 1000.0), CAST(%(latest)s AS timestamptz)) ELSE i.expires_at END, "
+        "step_seq = COALESCE(r.step_seq, i.step_seq), "
+        "unproductive_claims = CASE WHEN r.progress THEN 0 ELSE i.unproductive_claims END "
+        "FROM r WHERE i.id = r.pk AND i.id IN (SELECT id FROM locked) "
+        "RETURNING i.id, i.history_seq), "
+        f"closed AS (UPDATE {STEP_TABLE} s SET status = %(failed)s, wake_at = NULL, "
+        "completed_at = %(now)s, last_error_name = %(closed_name)s, "
+        "last_error_message = %(closed_message)s FROM done d JOIN r ON r.pk = d.id "
+        "WHERE s.instance_id = d.id AND s.status IN (%(waiting)s, %(retrying)s, %(running)s) "
+        "AND NOT (r.step IS NOT NULL AND s.kind = r.step->>'kind' AND s.name = r.step->>'name')), "
+        f"step AS (INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) "
+        f"SELECT d.id, {step_columns} FROM done d JOIN r ON r.pk = d.id, "
+        f"LATERAL (SELECT json_populate_record(NULL::{STEP_TABLE}, r.step) AS x) AS p "
+        "WHERE r.step IS NOT NULL "
+        + UPSERT_STEP_SQL[UPSERT_STEP_SQL.index("ON CONFLICT") :]
+        + "), "
+        f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
+        "SELECT d.id, d.history_seq - r.hcount + h.n, %(now)s, h.type, CAST(h.data AS jsonb), h.actor "
+        "FROM done d JOIN r ON r.pk = d.id, ROWS FROM (json_to_recordset(r.history) "
+        "AS (type text, data json, actor text)) WITH ORDINALITY AS h(type, data, actor, n)), "
+        f"error AS (INSERT INTO {ERROR_TABLE} (instance_id, created_at, {', '.join(ERROR_COLUMNS)}) "
+        f"SELECT d.id, %(now)s, {error_columns} FROM done d JOIN r ON r.pk = d.id, "
+        f"LATERAL (SELECT json_populate_record(NULL::{ERROR_TABLE}, r.error) AS e) AS p "
+        "WHERE r.error IS NOT NULL) "
+        "SELECT id FROM done"
+    )
+
+
+def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str, Any]:
+    rows = []
+    for end in ends:
+        history = list(end.history)
+        row: dict[str, Any] = {"pk": end.pk, "token": end.token, "status": end.status}
+        row["output"] = end.output_json
+        row["error_name"], row["error_message"], row["error_stack"] = end.error or ("", "", "")
+        row["default_ms"] = retention.retention_ms(end.status, None, None, end.limits)
+        held = end.step
+        if held is not None:
+            assert held.consume_event is None and held.error is None, "only plain ones are held"
+            history = [*held.history, *history]
+            record = held.step
+            row["step_seq"], row["progress"] = record.seq, held.progress
+            row["step"] = dict(zip(STEP_COLUMNS, _json_values(_step_values(end.pk, record))))
+        row["hcount"] = len(history)
+        row["history"] = [{"type": h.type, "data": h.data, "actor": h.actor} for h in history]
+        if end.error_record is not None:
+            row["error"] = {
+                f.column: end.error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS
+            }
+        rows.append(row)
+    name, message = FINISHED_BEFORE_STEP
+    return {
+        "rows": json.dumps(rows, separators=(",", ":"), default=_json_default),
+        "now": db_time(now),
+        "latest": db_time(LATEST_INSTANT),
+        "complete": Status.COMPLETE,
+        "failed": StepStatus.FAILED,
+        "closed_name": name,
+        "closed_message": message,
+        "waiting": StepStatus.WAITING,
+        "retrying": StepStatus.RETRYING,
+        "running": StepStatus.RUNNING,
+    }
+
+
+def _json_values(values: Sequence[Any]) -> list[Any]:
+    return [v.isoformat() if isinstance(v, datetime) else v for v in values]
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _finish_at_once(
