@@ -421,3 +421,61 @@ def test_a_pipeline_whose_connection_the_server_ends_raises_djangos_error(regist
         assert store.transient(raised.value)
     finally:
         connection.close()
+
+
+def _generic_plan(sql: str, params: dict) -> str:
+    """EXPLAIN of the generic plan of a statement of the engine, with these parameters."""
+    from psycopg import ClientCursor
+    from psycopg._queries import PostgresQuery
+    from psycopg.adapt import Transformer
+
+    connection.ensure_connection()
+    conn = connection.connection
+    query = PostgresQuery(Transformer(conn))
+    query.convert(sql, params)
+    literals = ClientCursor(conn)
+    args = ", ".join(literals.mogrify("%s", [params[name]]) for name in query._order)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute("PREPARE engine_statement AS " + query.query.decode())
+        cursor.execute(f"EXPLAIN (COSTS OFF) EXECUTE engine_statement({args})")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute("DEALLOCATE engine_statement")
+    return plan
+
+
+def test_the_engines_statements_keep_their_generic_plans_and_those_read_by_index(registered):
+    """The engine's connections keep the plan made once (plan_cache_mode): after ANALYZE
+    the server had planned the claim anew on every call. And the generic plans of the
+    claim and of a group's ends find instances by id, never by reading the table (their
+    joins scanned every instance once the table had statistics)."""
+    postgres_only()
+    from workflows_app.engine.store import dialect, leases, runs
+
+    with dialect.statement_cursor() as cursor:
+        cursor.execute("SHOW plan_cache_mode")
+        assert cursor.fetchone() == ("force_generic_plan",)
+    Instance.objects.bulk_create(
+        Instance(
+            workflow="plans",
+            instance_id=f"p-{n}",
+            version=1,
+            trace_id=f"{n:032x}",
+            created_at=clock.now(),
+            updated_at=clock.now(),
+        )
+        for n in range(3000)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE workflows_app_instance")
+    now = clock.now()
+    claim = _generic_plan(
+        leases.CLAIM_SQL, leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
+    )
+    ends = _generic_plan(
+        runs._finish_many_sql(),
+        {**runs._finish_many_params([], now), "rows": '[{"pk": 1, "token": "t"}]'},
+    )
+    for plan in (claim, ends):
+        assert "Seq Scan on workflows_app_instance" not in plan, plan
+        assert "Index Cond: (parent_id IS NULL)" not in plan, plan

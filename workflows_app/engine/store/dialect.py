@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -109,7 +110,20 @@ def statement_cursor() -> Any:
     conn = db.connection
     if conn.prepare_threshold is None:  # Django turns preparing off; on, by request only
         conn.prepare_threshold = ONLY_WHEN_ASKED
+    if conn not in _GENERIC_PLANS and conn.autocommit and conn.info.transaction_status == IDLE:
+        # The plan made once is kept: without this the server may plan a statement anew on
+        # every call whenever its generic plan looks dearer than the plans made for the
+        # values at hand. Once the tables had statistics the claim was planned on every
+        # call (0.49 ms, a tenth of an event's latency). Only prepared statements (the
+        # engine's) are concerned; Django's are not prepared.
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        _GENERIC_PLANS.add(conn)
     return db.make_cursor(PreparingCursor(conn))
+
+
+# Connections whose session keeps generic plans (statement_cursor).
+_GENERIC_PLANS: weakref.WeakSet[Any] = weakref.WeakSet()
+IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 def sql_cursor(db: Any = None) -> Any:

@@ -350,7 +350,7 @@ WITH picked AS (
         waiting_reason = '',
         run_count = i.run_count + 1,
         history_seq = i.history_seq + 1 + p.slept
-    FROM numbered AS p WHERE i.id = p.id
+    FROM numbered AS p WHERE i.id = p.id AND i.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING i.id, i.lease_token, i.history_seq - p.slept AS started_seq, i.run_count,
         p.old_status
 ), started AS (

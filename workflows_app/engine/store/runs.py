@@ -681,8 +681,12 @@ def _finish_many_sql() -> str:
         "pk bigint, token text, status text, output text, error_name text, error_message text, "
         "error_stack text, hcount int, default_ms double precision, step_seq int, "
         "progress boolean, step json, history json, error json)), "
+        # "= ANY(ARRAY(...))": the generic plan looks the rows up by id whatever its guess
+        # of the batch's size (a join scanned every instance without a parent). No test
+        # of parent_id: a child's end never joins a group (Run.end_in_group).
         f"locked AS (SELECT i.id FROM {INSTANCE_TABLE} i JOIN r ON r.pk = i.id "
-        "AND i.lease_token = r.token AND i.parent_id IS NULL ORDER BY i.id FOR NO KEY UPDATE OF i), "
+        "WHERE i.id = ANY(ARRAY(SELECT pk FROM r)) AND i.lease_token = r.token "
+        "ORDER BY i.id FOR NO KEY UPDATE OF i), "
         f"done AS (UPDATE {INSTANCE_TABLE} i SET history_seq = i.history_seq + r.hcount, "
         "updated_at = %(now)s, status = r.status, output_json = r.output, "
         "error_name = r.error_name, error_message = r.error_message, error_stack = r.error_stack, "
@@ -693,7 +697,7 @@ def _finish_many_sql() -> str:
         "1e15) / 1000.0), CAST(%(latest)s AS timestamptz)) ELSE i.expires_at END, "
         "step_seq = COALESCE(r.step_seq, i.step_seq), "
         "unproductive_claims = CASE WHEN r.progress THEN 0 ELSE i.unproductive_claims END "
-        "FROM r WHERE i.id = r.pk AND i.id IN (SELECT id FROM locked) "
+        "FROM r WHERE i.id = r.pk AND i.id = ANY(ARRAY(SELECT id FROM locked)) "
         "RETURNING i.id, i.history_seq), "
         f"closed AS (UPDATE {STEP_TABLE} s SET status = %(failed)s, wake_at = NULL, "
         "completed_at = %(now)s, last_error_name = %(closed_name)s, "
