@@ -332,17 +332,37 @@ def admit_due(workflows: Sequence[tuple[str, Limits]]) -> tuple[list[int], datet
     """
     now = clock.now()
     limits_by_name = dict(workflows)
+    first = _first_admit_at(list(limits_by_name))
+    if first is None or first > now:
+        return [], first
     timed = Instance.objects.filter(
         status=Status.QUEUED, admit_at__isnull=False, workflow__in=list(limits_by_name)
     )
-    first = timed.aggregate(m=Min("admit_at"))["m"]
-    if first is None or first > now:
-        return [], first
     admitted: list[int] = []
     for name in set(timed.filter(admit_at__lte=now).values_list("workflow", flat=True)):
         with transaction.atomic():
             admitted += promote_queued(name, limits_by_name[name], now)
     return admitted, timed.aggregate(m=Min("admit_at"))["m"]
+
+
+def _first_admit_at(names: list[str]) -> datetime | None:
+    """The earliest admit_at among these workflows' queued instances: admit_due's look at
+    every claim after a create. Raw and prepared on PostgreSQL: the ORM's query was
+    planned on every call (0.26 ms)."""
+    if not names:
+        return None
+    if connection.vendor == "postgresql":
+        where, params = "workflow = ANY(CAST(%s AS text[]))", [Status.QUEUED, names]
+    else:
+        where, params = f"workflow IN ({', '.join(['%s'] * len(names))})", [Status.QUEUED, *names]
+    with statement_cursor() as cursor:
+        cursor.execute(
+            f"SELECT MIN(admit_at) FROM {INSTANCE_TABLE} WHERE status = %s "
+            f"AND admit_at IS NOT NULL AND {where}",
+            params,
+        )
+        (first,) = cursor.fetchone()
+    return from_db_time(first)
 
 
 @retry_while_locked
