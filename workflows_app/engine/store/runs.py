@@ -501,23 +501,12 @@ def finish(
     `step`: the run's last checkpoint, not written yet (Run.write's hold), goes with the
     end: in its one statement (PostgreSQL) or its transaction.
     """
-    now = clock.now()
-    name, message, stack = error or ("", "", "")
+    # What both ways of finishing write, in _finish_rows' order.
+    end = (pk, token, status, limits, clock.now(), output_json, error or ("", "", ""))
     at_once = writes_in_one_statement() and parent_pk is None and not limits.flow_controlled
     if at_once and step is not None:
         faults.hit("before_checkpoint")
-    if at_once and _finish_at_once(
-        pk,
-        token,
-        status,
-        limits,
-        now,
-        output_json,
-        (name, message, stack),
-        history,
-        error_record,
-        step,
-    ):
+    if at_once and _finish_at_once(*end, history, error_record, step):
         if step is not None:
             faults.hit("after_checkpoint")
         return True
@@ -528,17 +517,7 @@ def finish(
             list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
         if step is not None and not _write_held_step(step):
             return False
-        finished = _finish_rows(
-            pk,
-            token,
-            status,
-            limits,
-            now,
-            output_json,
-            (name, message, stack),
-            history,
-            error_record,
-        )
+        finished = _finish_rows(*end, history, error_record)
     if finished and step is not None:
         faults.hit("after_checkpoint")
     return finished
