@@ -471,10 +471,18 @@ class Run:
         except RunAborted:
             return False
         end = store.FinishWrite(
-            self.pk, self.token, status, self.limits, output_json, error, history, error_record
+            self.pk,
+            self.token,
+            status,
+            self.limits,
+            output_json,
+            error,
+            history,
+            error_record,
+            held,
         )
         try:
-            ended = await self._finish(end, held)
+            ended = await self._finish(end)
         except DatabaseError as exc:
             if held is None:
                 raise
@@ -483,13 +491,13 @@ class Run:
                 self._written(held, await self._write_again(held, exc))
             except RunAborted:
                 return False
-            return await self._finish(end, None)
+            end.step = None
+            return await self._finish(end)
         if ended and held is not None:
             self._written(held, status)
         return ended
 
-    async def _finish(self, end: store.FinishWrite, held: store.StepWrite | None) -> bool:
-        end.step = held
+    async def _finish(self, end: store.FinishWrite) -> bool:
         if self.end_in_group:
             return bool(await self.checkpoint(end))
         return bool(
@@ -504,7 +512,7 @@ class Run:
                 end.history,
                 end.error_record,
                 self.instance.parent_id,  # a child's finish locks its parent first and wakes it
-                held,
+                end.step,
             )
         )
 
@@ -657,12 +665,19 @@ class Run:
             asyncio.get_running_loop().call_soon(self._send_held)
             return
         if behind:
-            self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
-            # Retrieved here too: a refused write aborts the run, which may never settle it.
-            self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self._send_behind(write)
             return
-        await self.settle()
+        await self._write_now(write)
+
+    async def _write_now(self, write: store.StepWrite) -> None:
+        await self.settle()  # the run's checkpoints land in the order they were made
         self._written(write, await self._checkpoint_or_abort(write))
+
+    def _send_behind(self, write: store.StepWrite) -> asyncio.Future[None]:
+        self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
+        # Retrieved here too: a refused write aborts the run, which may never settle it.
+        self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return self.behind
 
     def _send_held(self, for_end: bool = True) -> None:
         """Write the held checkpoint behind the run, unless the workflow has ended and its
@@ -671,9 +686,7 @@ class Run:
         if write is None or (for_end and self.task is not None and self.task.done()):
             return
         self.held = None
-        self.behind = asyncio.ensure_future(self._write_behind(self.behind, write))
-        self.behind.add_done_callback(lambda done: done.cancelled() or done.exception())
-        self.landing = self.behind
+        self.landing = self._send_behind(write)
 
     async def land(self) -> None:
         """Wait for the held checkpoint (written here if still held); RunAborted if refused.
@@ -681,8 +694,7 @@ class Run:
         write = self.held
         if write is not None:
             self.held = None
-            await self.settle()  # the run's checkpoints land in the order they were made
-            self._written(write, await self._checkpoint_or_abort(write))
+            await self._write_now(write)
             return
         landing = self.landing
         if landing is None:

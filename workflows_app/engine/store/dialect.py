@@ -145,17 +145,25 @@ class QmarkCachingCursor(SQLiteCursorWrapper):
     def convert_query(self, query: str, *, param_names: Any = None) -> str:
         if param_names is not None:
             return super().convert_query(query, param_names=param_names)
-        converted = _QMARK_QUERIES.get(query)
-        if converted is None:
-            if len(_QMARK_QUERIES) >= MAX_QMARK_QUERIES:  # statements of many shapes: start over
-                _QMARK_QUERIES.clear()
-            converted = _QMARK_QUERIES[query] = super().convert_query(query)
-        return converted
+        return cached(
+            _QMARK_QUERIES, query, lambda: super(QmarkCachingCursor, self).convert_query(query)
+        )
 
 
-# Statement text -> its qmark form (a dict read and write are atomic under the GIL).
+# Statement text -> its qmark form.
 _QMARK_QUERIES: dict[str, str] = {}
-MAX_QMARK_QUERIES = 1000
+MAX_CACHED_STATEMENTS = 1000
+
+
+def cached(cache: dict[Any, Any], key: Any, convert: Callable[[], Any]) -> Any:
+    """A statement's conversion from a bounded cache (a dict read and write are atomic
+    under the GIL); statements of many shapes only start it over."""
+    converted = cache.get(key)
+    if converted is None:
+        if len(cache) >= MAX_CACHED_STATEMENTS:
+            cache.clear()
+        converted = cache[key] = convert()
+    return converted
 
 
 # A count of executions psycopg would never reach: only statement_cursor's statements,
@@ -174,13 +182,11 @@ class ConvertOnceQuery(PostgresQuery):
         if vars is None or not isinstance(query, str):
             return super().convert(query, vars)
         encoding = self._tx.encoding
-        key = (query, encoding)
-        converted = _PG_QUERIES.get(key)
-        if converted is None:
-            if len(_PG_QUERIES) >= MAX_QMARK_QUERIES:  # statements of many shapes: start over
-                _PG_QUERIES.clear()
-            converted = _PG_QUERIES[key] = _query2pg_nocache(query.encode(encoding), encoding)
-        self.query, self._want_formats, self._order, self._parts = converted
+        self.query, self._want_formats, self._order, self._parts = cached(
+            _PG_QUERIES,
+            (query, encoding),
+            lambda: _query2pg_nocache(query.encode(encoding), encoding),
+        )
         self.dump(vars)
 
 

@@ -715,7 +715,7 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
             history = [*held.history, *history]
             record = held.step
             row["step_seq"], row["progress"] = record.seq, held.progress
-            row["step"] = dict(zip(STEP_COLUMNS, _json_values(_step_values(end.pk, record))))
+            row["step"] = dict(zip(STEP_COLUMNS, _step_values(end.pk, record)))
         row["hcount"] = len(history)
         row["history"] = [{"type": h.type, "data": h.data, "actor": h.actor} for h in history]
         if end.error_record is not None:
@@ -736,10 +736,6 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
         "retrying": StepStatus.RETRYING,
         "running": StepStatus.RUNNING,
     }
-
-
-def _json_values(values: Sequence[Any]) -> list[Any]:
-    return [v.isoformat() if isinstance(v, datetime) else v for v in values]
 
 
 def _json_default(value: Any) -> Any:
