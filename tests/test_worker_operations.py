@@ -104,6 +104,48 @@ def test_a_full_worker_with_due_instances_waiting_does_not_spin(
     serving.result(30)
 
 
+def test_a_run_whose_end_waits_for_its_group_commit_frees_its_place(
+    registered, loop_thread, monkeypatch, settings
+):
+    """A worker's place is held while a run's code runs, not while its end waits for the
+    group's commit: with one place, a second instance starts before the first's end lands,
+    and both complete once it does."""
+    settings.WFDASH = {**settings.WFDASH, "GROUP_COMMIT": True}
+    end_started, land = threading.Event(), threading.Event()
+
+    @register("ends-in-group")
+    class EndsInGroup(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("one", lambda: "done")
+
+    real = store.write_steps
+
+    def gated(writes):
+        if any(isinstance(w, store.FinishWrite) for w in writes) and not land.is_set():
+            end_started.set()
+            land.wait(20)
+        return real(writes)
+
+    monkeypatch.setattr(store, "write_steps", gated)
+    wf = get_workflow("ends-in-group")
+    first, second = wf.create(id="first"), wf.create(id="second")
+    worker = new_worker(concurrency=1, db_threads=2)
+    try:
+        loop_thread.call(worker.start())
+        assert loop_thread.call(worker.claim_and_start()) == 1
+        assert end_started.wait(20)  # the first run's end is in the database thread
+        assert worker.group_commit.ending == 1 and worker.free_slots() == 1
+        assert first.status().status == "running"  # its end has not landed
+        assert loop_thread.call(worker.claim_and_start()) == 1
+        assert set(worker.tasks) == {first.row().pk, second.row().pk}
+        land.set()
+        loop_thread.call(worker.run_until_idle(timeout=20))
+        assert (first.status().status, second.status().status) == ("complete", "complete")
+    finally:
+        land.set()
+        loop_thread.call(worker.stop(grace_seconds=0))
+
+
 # --- 2. hung sync steps -------------------------------------------------------------------
 
 

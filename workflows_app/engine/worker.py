@@ -267,19 +267,30 @@ class GroupCommit:
 
     MAX_BATCH = 100
 
-    def __init__(self, db: ConnectionThreads) -> None:
+    def __init__(self, db: ConnectionThreads, on_end: Callable[[], None] | None = None) -> None:
         self.db = db
         self.pending: list[tuple[store.StepWrite | store.FinishWrite, asyncio.Future[Any]]] = []
         self.flushing: set[asyncio.Task[None]] = (
             set()
         )  # referenced: a task may not vanish mid-flush
+        # Runs whose end is queued or being written: their code is done, their slot free.
+        self.ending = 0
+        self.on_end = on_end
 
     async def __call__(self, write: store.StepWrite | store.FinishWrite) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending.append((write, future))
         if len(self.flushing) < self.db.threads:
             self.flushing.add(asyncio.ensure_future(self._flush()))
-        return await future
+        if not isinstance(write, store.FinishWrite):
+            return await future
+        self.ending += 1
+        if self.on_end is not None:
+            self.on_end()
+        try:
+            return await future
+        finally:
+            self.ending -= 1
 
     async def _flush(self) -> None:
         try:
@@ -326,6 +337,9 @@ def notify_local(kind: str = "wake", pk: int | None = None) -> None:
     for worker in workers:
         worker.hint(kind, pk)
 
+
+# Runs held at most, ending ones included, per place of concurrency (Worker.free_slots).
+ENDING_FACTOR = 4
 
 # Allocations of container objects between two collections of the youngest generation.
 GC_FIRST_GENERATION = 50_000
@@ -416,7 +430,7 @@ class Worker:
         self._wake = asyncio.Event()
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         if engine_settings().get("GROUP_COMMIT", True):
-            self.group_commit = GroupCommit(self.db)
+            self.group_commit = GroupCommit(self.db, self._wake.set)
         self.step_threads = StepThreads("wfdash-step")
         try:
             for attempt in range(STARTUP_ATTEMPTS):
@@ -534,9 +548,20 @@ class Worker:
             )
         return len(fired)
 
+    def free_slots(self) -> int:
+        """Runs this worker may start now. A run whose end is only waiting for its group's
+        commit holds no slot: its code is done, and the next claim goes in its place
+        (a herd of timers claims while the ends before it commit). At most ENDING_FACTOR
+        times `concurrency` runs are held in all."""
+        ending = self.group_commit.ending if self.group_commit is not None else 0
+        running = len(self.tasks) - ending
+        return max(
+            0, min(self.concurrency - running, ENDING_FACTOR * self.concurrency - len(self.tasks))
+        )
+
     async def claim_and_start(self) -> int:
         """Claim as many runnable instances as there are free slots and start running them."""
-        free = self.concurrency - len(self.tasks)
+        free = self.free_slots()
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
@@ -805,7 +830,7 @@ class Worker:
                     await self.release_pending()
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
-                    full = len(self.tasks) >= self.concurrency
+                    full = self.free_slots() <= 0
                     # Claim again at once only if the claim was cut short by the free places
                     # while places remain (more is due than it took).
                     more_due = started and not self.claimed_all_due
