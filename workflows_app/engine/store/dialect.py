@@ -234,6 +234,13 @@ def typed_placeholders(model: Any, columns: Sequence[str]) -> list[str]:
     return [f"CAST(%s AS {fields[c].db_type(connection)})" for c in columns]
 
 
+def recordset_columns(model: Any, columns: Sequence[str]) -> str:
+    """The column definition list of json_to_recordset for these columns of a model's
+    table: each as its column's type."""
+    fields = {f.column: f for f in model._meta.concrete_fields}
+    return ", ".join(f"{c} {fields[c].db_type(connection)}" for c in columns)
+
+
 def transient(error: BaseException | None) -> bool:
     """No error, or one a new connection may not meet again (restart, dropped connection)."""
     return error is None or isinstance(error, (OperationalError, InterfaceError))

@@ -332,10 +332,14 @@ WITH picked AS (
       AND (CAST(%(versions)s AS jsonb) IS NULL OR p.workflow || '@' || p.version IN (
           SELECT jsonb_array_elements_text(CAST(%(versions)s AS jsonb))))
     RETURNING s.instance_id, s.name, s.seq
+), ended_by AS (
+    SELECT instance_id, count(*) AS slept, array_agg(name ORDER BY seq, name) AS names
+    FROM ended GROUP BY instance_id
 ), numbered AS (
-    SELECT p.*, row_number() OVER () AS n,
-        (SELECT count(*) FROM ended AS e WHERE e.instance_id = p.id) AS slept
-    FROM picked AS p
+    -- Joined, not a count per row: that walked `ended` once per picked row.
+    SELECT p.*, row_number() OVER () AS n, COALESCE(e.slept, 0) AS slept,
+        COALESCE(e.names, CAST('{{}}' AS text[])) AS names
+    FROM picked AS p LEFT JOIN ended_by AS e ON e.instance_id = p.id
 ), claimed AS (
     UPDATE {INSTANCE_TABLE} AS i SET
         lease_owner = %(worker)s,
@@ -352,7 +356,7 @@ WITH picked AS (
         history_seq = i.history_seq + 1 + p.slept
     FROM numbered AS p WHERE i.id = p.id AND i.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING i.id, i.lease_token, i.history_seq - p.slept AS started_seq, i.run_count,
-        p.old_status
+        p.old_status, p.names
 ), started AS (
     INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
     SELECT id, started_seq, %(now)s, 'run.started',
@@ -360,15 +364,13 @@ WITH picked AS (
     FROM claimed
 ), slept_history AS (
     INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
-    SELECT e.instance_id,
-        c.started_seq + row_number() OVER (PARTITION BY e.instance_id ORDER BY e.seq, e.name),
-        %(now)s, 'sleep.completed', jsonb_build_object('step', e.name), ''
-    FROM ended AS e JOIN claimed AS c ON c.id = e.instance_id
+    SELECT c.id, c.started_seq + u.n, %(now)s, 'sleep.completed',
+        jsonb_build_object('step', u.name), ''
+    FROM claimed AS c, unnest(c.names) WITH ORDINALITY AS u(name, n)
 ), async_commit AS (
     SELECT set_config('synchronous_commit', 'off', true) AS setting
 )
-SELECT c.id, c.lease_token,
-    ARRAY(SELECT e.name FROM ended AS e WHERE e.instance_id = c.id) AS slept
+SELECT c.id, c.lease_token, c.names AS slept
 FROM claimed AS c, async_commit
 """
 

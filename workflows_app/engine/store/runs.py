@@ -36,6 +36,7 @@ from .dialect import (
     lock_rows,
     merge_json_sql,
     pipeline,
+    recordset_columns,
     retry_while_locked,
     sql_cursor,
     statement_cursor,
@@ -653,13 +654,16 @@ def _finish_sql(
 @functools.cache
 def _finish_many_sql() -> str:
     own = "CASE WHEN r.status = %(complete)s THEN i.retention_ms ELSE i.retention_error_ms END"
-    step_columns = ", ".join(f"(x).{c}" for c in STEP_COLUMNS[1:])
+    step_columns = ", ".join(f"x.{c}" for c in STEP_COLUMNS)
     error_columns = ", ".join(f"(e).{c}" for c in ERROR_COLUMNS)
     return (
         "WITH r AS MATERIALIZED (SELECT * FROM json_to_recordset(CAST(%(rows)s AS json)) AS r("
         "pk bigint, token text, status text, output text, error_name text, error_message text, "
         "error_stack text, hcount int, default_ms double precision, step_seq int, "
-        "progress boolean, step json, history json, error json)), "
+        "progress boolean, step_kind text, step_name text, history json, error json)), "
+        # The held steps as typed columns: json_populate_record per row cost ~0.09 ms each.
+        f"held AS MATERIALIZED (SELECT * FROM json_to_recordset(CAST(%(steps)s AS json)) AS x("
+        f"{recordset_columns(StepRecord, STEP_COLUMNS)})), "
         # "= ANY(ARRAY(...))": the generic plan looks the rows up by id whatever its guess
         # of the batch's size (a join scanned every instance without a parent). No test
         # of parent_id: a child's end never joins a group (Run.end_in_group).
@@ -682,11 +686,9 @@ def _finish_many_sql() -> str:
         "completed_at = %(now)s, last_error_name = %(closed_name)s, "
         "last_error_message = %(closed_message)s FROM done d JOIN r ON r.pk = d.id "
         "WHERE s.instance_id = d.id AND s.status IN (%(waiting)s, %(retrying)s, %(running)s) "
-        "AND NOT (r.step IS NOT NULL AND s.kind = r.step->>'kind' AND s.name = r.step->>'name')), "
+        "AND NOT (r.step_kind IS NOT NULL AND s.kind = r.step_kind AND s.name = r.step_name)), "
         f"step AS (INSERT INTO {STEP_TABLE} ({', '.join(STEP_COLUMNS)}) "
-        f"SELECT d.id, {step_columns} FROM done d JOIN r ON r.pk = d.id, "
-        f"LATERAL (SELECT json_populate_record(NULL::{STEP_TABLE}, r.step) AS x) AS p "
-        "WHERE r.step IS NOT NULL "
+        f"SELECT {step_columns} FROM held x JOIN done d ON d.id = x.instance_id "
         + UPSERT_STEP_SQL[UPSERT_STEP_SQL.index("ON CONFLICT") :]
         + "), "
         f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
@@ -702,7 +704,7 @@ def _finish_many_sql() -> str:
 
 
 def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str, Any]:
-    rows = []
+    rows, steps = [], []
     for end in ends:
         history = list(end.history)
         row: dict[str, Any] = {"pk": end.pk, "token": end.token, "status": end.status}
@@ -715,7 +717,8 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
             history = [*held.history, *history]
             record = held.step
             row["step_seq"], row["progress"] = record.seq, held.progress
-            row["step"] = dict(zip(STEP_COLUMNS, _step_values(end.pk, record)))
+            row["step_kind"], row["step_name"] = record.kind, record.name
+            steps.append(dict(zip(STEP_COLUMNS, _step_values(end.pk, record))))
         row["hcount"] = len(history)
         row["history"] = [{"type": h.type, "data": h.data, "actor": h.actor} for h in history]
         if end.error_record is not None:
@@ -726,6 +729,7 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
     name, message = FINISHED_BEFORE_STEP
     return {
         "rows": json.dumps(rows, separators=(",", ":"), default=_json_default),
+        "steps": json.dumps(steps, separators=(",", ":"), default=_json_default),
         "now": db_time(now),
         "latest": db_time(LATEST_INSTANT),
         "complete": Status.COMPLETE,
