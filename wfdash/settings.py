@@ -245,7 +245,7 @@ TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
 WFDASH = {
     "LIMITS": {},
     "LEASE_SECONDS": float(os.environ.get("WFDASH_LEASE_SECONDS", "30")),
-    "WORKER_CONCURRENCY": int(os.environ.get("WFDASH_WORKER_CONCURRENCY", "50")),
+    "WORKER_CONCURRENCY": int(os.environ.get("WFDASH_WORKER_CONCURRENCY", "200")),
     # Run the engine inside the ASGI process (runserver). Off by default when Redis is
     # configured: then `manage.py runworker workflows` processes run it.
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),

@@ -385,7 +385,7 @@ class Worker:
     ) -> None:
         conf = engine_settings()
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.concurrency = concurrency or int(conf.get("WORKER_CONCURRENCY", 50))
+        self.concurrency = concurrency or int(conf.get("WORKER_CONCURRENCY", 200))
         self.lease_seconds = lease_seconds or float(conf.get("LEASE_SECONDS", 30))
         self.poll_seconds = poll_seconds or float(conf.get("POLL_SECONDS", 5))
         self.db_threads = db_threads or db_threads_default()
