@@ -333,6 +333,13 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
     assert [e.payload_json for e in loaded.events["go"][0]] == ['{"n":1}']
     assert loaded.steps["wait"].status == "waiting"
     assert store.load_runs([pk])[pk].instance.attributes == {"customer": "acme"}
+    # Timestamps are parsed by psycopg's C loader, not Django's: the same aware UTC instants.
+    row = Instance.objects.get(pk=pk)
+    for field in ("created_at", "updated_at", "started_at", "wake_at", "lease_expires_at"):
+        loaded_value, orm_value = getattr(loaded.instance, field), getattr(row, field)
+        assert loaded_value == orm_value and loaded_value.utcoffset() == timedelta(0), field
+    step_row = row.steps.get(name="wait")
+    assert loaded.steps["wait"].started_at == step_row.started_at
 
 
 def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):

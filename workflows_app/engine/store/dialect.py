@@ -28,6 +28,7 @@ from django.db import (
 )
 from django.db.backends.sqlite3.base import SQLiteCursorWrapper
 from psycopg._queries import PostgresQuery, _query2pg_nocache
+from psycopg.types.datetime import TimestamptzLoader
 
 from .. import clock
 
@@ -199,6 +200,13 @@ class PreparingCursor(psycopg.Cursor):
     its conversion cached (ConvertOnceQuery)."""
 
     _query_cls = ConvertOnceQuery
+
+    def __init__(self, connection: Any) -> None:
+        super().__init__(connection)
+        # psycopg's own loader, which it swaps for its C one: Django's (a Python subclass,
+        # for the time zone) parsed each timestamp in Python, 4 us against 0.3 (a claim
+        # loads a dozen per instance). The session's zone is UTC: the same datetimes.
+        self.adapters.register_loader("timestamptz", TimestamptzLoader)
 
     def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
         return super().execute(query, params, **{**options, "prepare": True})
