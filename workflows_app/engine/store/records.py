@@ -104,24 +104,22 @@ def allocate_history(pk: int, count: int) -> int:
 
 def insert_history(pk: int, first_seq: int, records: Sequence[History], now: datetime) -> None:
     """One multi-row INSERT: history is written on every checkpoint, so it skips the ORM."""
-    if not records:
+    insert_history_rows([(pk, first_seq + i, r) for i, r in enumerate(records)], now)
+
+
+def insert_history_rows(rows: Sequence[tuple[int, int, History]], now: datetime) -> None:
+    """(instance, sequence, record) rows of any instances in one multi-row INSERT."""
+    if not rows:
         return
     row = f"(%s, %s, %s, %s, {json_placeholder()}, %s)"
     params: list[Any] = []
     created = db_time(now)
-    for i, r in enumerate(records):
-        params += [
-            pk,
-            first_seq + i,
-            created,
-            r.type,
-            json.dumps(r.data, separators=(",", ":")),
-            r.actor,
-        ]
+    for pk, seq, r in rows:
+        params += [pk, seq, created, r.type, json.dumps(r.data, separators=(",", ":")), r.actor]
     with sql_cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) VALUES "
-            + ", ".join([row] * len(records)),
+            + ", ".join([row] * len(rows)),
             params,
         )
 
