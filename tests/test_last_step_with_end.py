@@ -185,9 +185,12 @@ def test_a_group_of_ends_is_written_together_each_fenced_by_its_own_lease(regist
     ]
     with CaptureQueriesContext(connection) as queries:
         assert store.write_steps(writes) == [True, True, True, False, "running"]
+    statements = [q["sql"] for q in queries.captured_queries]
     if connection.vendor == "postgresql":
-        statements = [q["sql"] for q in queries.captured_queries]
         assert sum(sql.startswith("WITH r AS MATERIALIZED") for sql in statements) == 1
+    else:  # SQLite: one fenced UPDATE ends them all, and one INSERT writes their history
+        assert sum("finished_at" in sql and "json_each" in sql for sql in statements) == 1
+        assert sum("INSERT INTO workflows_app_historyrecord" in sql for sql in statements) == 2
     rows = {h.id: h.row() for h in handles}
     assert [rows[f"end-{n}"].status for n in range(4)] == [
         "complete",
