@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Coroutine
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -144,6 +145,69 @@ def test_a_run_whose_end_waits_for_its_group_commit_frees_its_place(
     finally:
         land.set()
         loop_thread.call(worker.stop(grace_seconds=0))
+
+
+def test_a_serving_worker_looks_for_work_after_a_run_only_when_something_may_be_due(
+    registered, loop_thread, monkeypatch, settings
+):
+    """A run that completes, or parks until after the loop's wait, makes no claim: each such
+    claim was a round trip an event sent meanwhile waited behind. A run parked until before
+    the loop's wait ends wakes it, and the loop then waits until exactly that time."""
+    from workflows_app import testing
+
+    # One hint per change (PostgreSQL's NOTIFY would hint this process's changes twice).
+    settings.WFDASH = {**settings.WFDASH, "WAKE_NOTIFY": False}
+
+    @register("done-at-once")
+    class DoneAtOnce(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("one", lambda: 1)
+
+    @register("naps")
+    class Naps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", event.payload["nap"])
+            return "rested"
+
+    claims = []
+    real = store.claim_and_load
+    monkeypatch.setattr(store, "claim_and_load", lambda *a, **k: claims.append(1) or real(*a, **k))
+    with testing.fake_clock() as clock:
+        worker = new_worker(poll_seconds=3600)
+        stop = asyncio.Event()
+        serving = loop_thread.spawn(worker.serve(stop))
+        try:
+
+            def idle() -> bool:
+                return worker._waiting_until is not None and not worker.tasks
+
+            wait_until(idle, 20, "the worker to go idle")
+            before = len(claims)
+            done = get_workflow("done-at-once").create(id="d1")
+            wait_until(lambda: done.status().status == "complete" and idle(), 20, "d1 to complete")
+            assert len(claims) - before == 1  # the create's hint; its end adds none
+
+            before = len(claims)
+            late = get_workflow("naps").create(id="late", params={"nap": "2 hours"})
+            wait_until(lambda: late.status().status == "waiting" and idle(), 20, "late to park")
+            assert len(claims) - before == 1  # parked past the hour the loop waits: no look
+            soon = get_workflow("naps").create(id="soon", params={"nap": "10 minutes"})
+            wake_at = soon.row().created_at + timedelta(minutes=10)
+            wait_until(
+                lambda: (
+                    soon.status().status == "waiting"
+                    and idle()
+                    and worker._waiting_until <= wake_at + timedelta(seconds=1)
+                ),
+                20,
+                "the loop to wait only until soon's nap ends",
+            )
+            clock.advance(timedelta(minutes=10, seconds=1))
+            wait_until(lambda: soon.status().status == "complete", 20, "soon to complete")
+            assert late.status().status == "waiting"
+        finally:
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+            serving.result(30)
 
 
 # --- 2. hung sync steps -------------------------------------------------------------------

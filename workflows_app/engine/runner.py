@@ -171,6 +171,9 @@ class Run:
         self.default_step_config: tuple[Any, int] | None = None  # see Step._step_config
         # An end joins the group commit unless it has a parent to lock and wake or a queue
         # to promote (flow control).
+        # When a run that parked made the instance due next (None: when told): its
+        # worker need not look for work because of it until then.
+        self.parked_until: datetime | None = None
         self.end_in_group = (
             checkpoint is not None
             and loaded.instance.parent_id is None
@@ -370,7 +373,7 @@ class Run:
     async def _park(self) -> str:
         try:
             await self.settle()
-            status = await self.db(
+            status, self.parked_until = await self.db(
                 store.park,
                 self.pk,
                 self.token,

@@ -338,6 +338,10 @@ def notify_local(kind: str = "wake", pk: int | None = None) -> None:
         worker.hint(kind, pk)
 
 
+# Run outcomes after which nothing of the instance is due (Worker._nothing_due_from).
+FINISHED_OUTCOMES = frozenset({Status.COMPLETE, Status.ERRORED, Status.TERMINATED})
+PARKED_OUTCOMES = frozenset({Status.WAITING, Status.PAUSED, Status.COMPENSATING})
+
 # Runs held at most, ending ones included, per place of concurrency (Worker.free_slots).
 ENDING_FACTOR = 4
 
@@ -422,6 +426,8 @@ class Worker:
         self.next_timer: datetime | None = None
         self.next_timer_known = False  # the last claim's trip read next_timer
         self._ticks_looked_up = -float("inf")
+        self._full = False  # the serve loop waits for a place to claim more
+        self._waiting_until: datetime | None = None  # engine time its idle wait ends
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -430,7 +436,7 @@ class Worker:
         self._wake = asyncio.Event()
         self.db = ConnectionThreads(self.db_threads, "wfdash-db")
         if engine_settings().get("GROUP_COMMIT", True):
-            self.group_commit = GroupCommit(self.db, self._wake.set)
+            self.group_commit = GroupCommit(self.db, self._place_freed)
         self.step_threads = StepThreads("wfdash-step")
         try:
             for attempt in range(STARTUP_ATTEMPTS):
@@ -608,13 +614,34 @@ class Worker:
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
         self.tasks.pop(pk, None)
         self.tokens.pop(pk, None)
-        self.runs.pop(pk, None)
+        run = self.runs.pop(pk, None)
+        outcome = None if task.cancelled() or task.exception() else task.result()
         if self.hooks is not None and not task.cancelled():
             try:
                 self.hooks.run_finished(pk, task.result())
             except Exception:
                 log.exception("hook run_finished failed for instance #%s", pk)
-        if self._wake is not None:
+        if self._wake is None:
+            return
+        if self._full or not self._nothing_due_from(outcome, run):
+            self._wake.set()
+        else:  # as the woken loop would: now and then, and when going idle
+            self.flush_in_background(force=not self.tasks)
+
+    def _nothing_due_from(self, outcome: str | None, run: Run | None) -> bool:
+        """Whether a run's outcome leaves the serve loop nothing to look for before it
+        wakes anyway: an instance that ended, or one parked until after the loop's wait
+        (or until told: an event, a resume). Each needless look was a claim's round trip,
+        and an event sent meanwhile waited behind it."""
+        if outcome in FINISHED_OUTCOMES:
+            return True
+        if outcome not in PARKED_OUTCOMES or run is None or self._waiting_until is None:
+            return False
+        return run.parked_until is None or run.parked_until >= self._waiting_until
+
+    def _place_freed(self) -> None:
+        """A run's end went to the group commit: a worker waiting for a place claims."""
+        if self._full and self._wake is not None:
             self._wake.set()
 
     async def maintain_once(self, force: bool = False) -> bool:
@@ -830,7 +857,7 @@ class Worker:
                     await self.release_pending()
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
-                    full = self.free_slots() <= 0
+                    full = self._full = self.free_slots() <= 0
                     # Claim again at once only if the claim was cut short by the free places
                     # while places remain (more is due than it took).
                     more_due = started and not self.claimed_all_due
@@ -863,7 +890,9 @@ class Worker:
                 waiters = [asyncio.ensure_future(self._wake.wait())]
                 if stop is not None:
                     waiters.append(asyncio.ensure_future(stop.wait()))
+                self._waiting_until = clock.now() + timedelta(seconds=timeout)
                 await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                self._waiting_until = None
                 for waiter in waiters:
                     waiter.cancel()
         finally:

@@ -855,7 +855,7 @@ def park(
     awaited_types: Sequence[str],
     reason: str = "",
     events_seen: int = 0,
-) -> str:
+) -> tuple[str, datetime | None]:
     """Free the worker: store when the instance is due next and release the lease.
 
     The wake time is read from the step rows (sleep ends, retry times, event timeouts), so
@@ -863,6 +863,7 @@ def park(
     arrived during the run (id above events_seen) makes the instance due at once: no
     wake-up is lost. The row, not the run, says whether a pause holds: a run that stopped
     early (for a pause resumed meanwhile, or its worker shutting down) is due at once.
+    Returns the new status and when the instance is due next (None: when told).
     """
     now = clock.now()
     with transaction.atomic():
@@ -899,7 +900,7 @@ def park(
         )
         if new_status == Status.PAUSED:
             append_history(pk, [History("instance.paused", {"at": "step boundary"})], now)
-    return new_status
+    return new_status, wake_at
 
 
 @retry_while_locked
