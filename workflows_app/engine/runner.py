@@ -169,11 +169,11 @@ class Run:
         self.hooks = hooks
         self.limits = definition.limits()
         self.default_step_config: tuple[Any, int] | None = None  # see Step._step_config
-        # An end joins the group commit unless it has a parent to lock and wake or a queue
-        # to promote (flow control).
         # When a run that parked made the instance due next (None: when told): its
         # worker need not look for work because of it until then.
         self.parked_until: datetime | None = None
+        # An end joins the group commit unless it has a parent to lock and wake or a queue
+        # to promote (flow control).
         self.end_in_group = (
             checkpoint is not None
             and loaded.instance.parent_id is None

@@ -243,8 +243,8 @@ def _lease_rows(
 ) -> list[tuple[int, str, list[str]]]:
     """The claim's writes on SQLite, a few statements for the whole batch (CLAIM_SQL's
     parts on PostgreSQL): lease the rows picked and start their runs, end their due
-    sleeps, write their run.started and sleep.completed records. A statement per row
-    made a claim of 200 hold SQLite's write lock three times as long."""
+    sleeps, write their run.started and sleep.completed records. Statements per row held
+    SQLite's write lock longer (a claim of ~110 with its load: 24 ms, now 18)."""
     tokens = dict(zip((row[0] for row in rows), lease_tokens(len(rows)), strict=True))
     leases, previous, runnable = [], {}, set()
     for pk, old_token, status, run_count, compensating, workflow, version in rows:
