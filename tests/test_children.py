@@ -262,3 +262,30 @@ def test_wf_status_names_the_parent_and_the_children():
     call_command("wf", "status", "cli-p:ship", stdout=out)
     assert "parent:   order/cli-p (step 'ship')" in out.getvalue()
     assert parent.children()[0].id == "cli-p:ship"
+
+
+def test_a_serving_worker_resumes_the_parent_as_soon_as_its_child_ends():
+    """The child's end makes its parent due without a hint: the worker that ran the child
+    looks for work at once (its next look would otherwise be an hour away)."""
+    import asyncio
+
+    from tests.polling import wait_until
+    from tests.test_worker_operations import LoopThread, new_worker
+
+    loop_thread = LoopThread()
+    worker = new_worker(poll_seconds=3600)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        parent = get_workflow("order").create(id="o9", params={"order": 9, "wait": True})
+        wait_until(lambda: parent.children(), 20, "the child to start")
+        (child,) = parent.children()
+        wait_until(lambda: parent.row().lease_token is None, 20, "the parent to park")
+        wait_until(lambda: child.status().status == "waiting", 20, "the child to park")
+        child.send_event("dispatched")  # the child ends in a run of its own
+        wait_until(lambda: parent.status().status == "complete", 20, "the parent to complete")
+        assert parent.status().output["shipped"] == {"shipped": 9}
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+        loop_thread.close()

@@ -630,11 +630,11 @@ class Worker:
 
     def _nothing_due_from(self, outcome: str | None, run: Run | None) -> bool:
         """Whether a run's outcome leaves the serve loop nothing to look for before it
-        wakes anyway: an instance that ended, or one parked until after the loop's wait
-        (or until told: an event, a resume). Each needless look was a claim's round trip,
+        wakes anyway: an instance without a parent that ended, or one parked until after
+        the loop's wait (or until told: an event, a resume). Each needless look was a claim's round trip,
         and an event sent meanwhile waited behind it."""
-        if outcome in FINISHED_OUTCOMES:
-            return True
+        if outcome in FINISHED_OUTCOMES:  # a child's end made its parent due, unhinted
+            return run is not None and run.instance.parent_id is None
         if outcome not in PARKED_OUTCOMES or run is None or self._waiting_until is None:
             return False
         return run.parked_until is None or run.parked_until >= self._waiting_until
