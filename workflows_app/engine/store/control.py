@@ -342,7 +342,7 @@ def admit_due(workflows: Sequence[tuple[str, Limits]]) -> tuple[list[int], datet
     for name in set(timed.filter(admit_at__lte=now).values_list("workflow", flat=True)):
         with transaction.atomic():
             admitted += promote_queued(name, limits_by_name[name], now)
-    return admitted, timed.aggregate(m=Min("admit_at"))["m"]
+    return admitted, _first_admit_at(list(limits_by_name))
 
 
 def _first_admit_at(names: list[str]) -> datetime | None:
