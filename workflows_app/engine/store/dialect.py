@@ -72,9 +72,15 @@ def time_adapter(db: Any) -> Callable[[datetime], Any]:
     """db_time bound to a connection, for many values at once (span storage). SQLite in
     UTC (the default, which from_db_time assumes too): the naive UTC text Django would
     store, without its conversion (a quarter of a span row's cost in a herd of timers)."""
-    if db.vendor == "sqlite" and str(db.timezone) == "UTC":
+    if utc_text_times(db):
         return lambda instant: str(instant.astimezone(UTC).replace(tzinfo=None))
     return db.ops.adapt_datetimefield_value
+
+
+def utc_text_times(db: Any) -> bool:
+    """SQLite in UTC (the default): datetime columns hold naive UTC text, which
+    from_db_time reads and time_adapter writes without Django's conversions."""
+    return db.vendor == "sqlite" and str(db.timezone) == "UTC"
 
 
 def from_db_time(value: Any) -> datetime | None:

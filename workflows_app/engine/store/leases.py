@@ -60,36 +60,15 @@ EVENTS_PER_LOAD = 100  # buffered events read with a load, per instance loaded
 
 def load_runs(pks: Sequence[int]) -> dict[int, LoadedRun]:
     """Several instances with all their checkpoints, and the oldest buffered events of the
-    types their waiting steps wait for: three queries at most, bounded whatever is buffered.
+    types their waiting steps wait for: three queries, bounded whatever is buffered.
     Other events are read when a wait asks for them (unconsumed_events)."""
-    if writes_in_one_statement():
-        ids = list(pks)
-        with statement_cursor() as cursor:
-            rows = []
-            for sql, params in _load_statements(ids, EVENTS_PER_LOAD * len(ids)):
-                cursor.execute(sql, params)
-                rows.append(cursor.fetchall())
-        instances, steps, events = (models_from_rows(m, r) for m, r in zip(LOADED_MODELS, rows))
-        return _assemble(instances, steps, events, len(instances))
-    instances = list(Instance.objects.filter(id__in=list(pks)))
-    steps = list(StepRecord.objects.filter(instance_id__in=[i.pk for i in instances]))
-    awaited = {
-        (s.instance_id, s.event_type)
-        for s in steps
-        if s.kind == StepKind.WAIT_FOR_EVENT and s.status == StepStatus.WAITING
-    }
-    limit = EVENTS_PER_LOAD * len(instances)
-    events = (
-        list(
-            InboxEvent.objects.filter(
-                instance_id__in={pk for pk, _ in awaited},
-                type__in={t for _, t in awaited},
-                consumed_at__isnull=True,
-            ).order_by("id")[:limit]
-        )
-        if awaited
-        else []
-    )
+    ids = list(pks)
+    with statement_cursor() as cursor:
+        rows = []
+        for sql, params in _load_statements(ids, EVENTS_PER_LOAD * len(ids)):
+            cursor.execute(sql, params)
+            rows.append(cursor.fetchall())
+    instances, steps, events = (models_from_rows(m, r) for m, r in zip(LOADED_MODELS, rows))
     return _assemble(instances, steps, events, len(instances))
 
 
@@ -487,38 +466,49 @@ def _mark_sleeps_ended(loaded: dict[int, LoadedRun], ended: dict[int, Sequence[s
 LOADED_MODELS = (Instance, StepRecord, InboxEvent)
 
 
-def _columns(model: Any, alias: str) -> str:
-    return ", ".join(f'{alias}."{f.column}"' for f in model._meta.concrete_fields)
+def _columns(model: Any, alias: str, postgres: bool) -> str:
+    """A model's columns in field order. SQLite: datetimes as their text, which
+    models_from_rows reads in C (as declared columns, the driver parsed each one with
+    Django's regular expression)."""
+    return ", ".join(
+        f'{alias}."{f.column}"'
+        if postgres or f.get_internal_type() != "DateTimeField"
+        else f'CAST({alias}."{f.column}" AS TEXT)'
+        for f in model._meta.concrete_fields
+    )
 
 
 def _load_statements(
     keys: Sequence[Any] | str, events_limit: int, by_token: bool = False
 ) -> list[tuple[str, list[Any]]]:
-    """load_runs' three reads as SQL (PostgreSQL), by instance id or by lease token (the
-    reads pipelined after a claim): building them with the ORM cost more than running them
-    (0.7 of 1.1 ms per read here)."""
-    instances, steps, events = _load_sql(by_token)
-    keys = keys if isinstance(keys, str) else array_literal(keys)
+    """load_runs' three reads as SQL, by instance id or by lease token (PostgreSQL: the
+    reads pipelined after a claim): building them with the ORM cost more than running
+    them (0.7 of 1.1 ms per read on PostgreSQL here)."""
+    postgres = connection.vendor == "postgresql"
+    instances, steps, events = _load_sql(by_token, postgres)
+    if not isinstance(keys, str):
+        keys = array_literal(keys) if postgres else json.dumps(list(keys))
     waiting = [StepKind.WAIT_FOR_EVENT, StepStatus.WAITING, events_limit]
     return [(instances, [keys]), (steps, [keys]), (events, [keys, *waiting])]
 
 
 @functools.cache
-def _load_sql(by_token: bool) -> tuple[str, str, str]:
+def _load_sql(by_token: bool, postgres: bool = True) -> tuple[str, str, str]:
     # "= ANY(array)", not "IN (subquery)": the statements are prepared, and the generic
     # plan of the IN form hash-joined a sequential scan of every step row (3.6 ms per
     # claim in a herd of 10,000 timers); an array is looked up in the index whatever the
-    # plan.
-    ids = (
-        f"ANY(ARRAY(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(CAST(%s AS text[]))))"
-        if by_token
-        else "ANY(CAST(%s AS bigint[]))"
-    )
-    instance_key = "lease_token = ANY(CAST(%s AS text[]))" if by_token else f"id = {ids}"
+    # plan. SQLite: the ids as one JSON list.
+    if not postgres:
+        ids = "IN (SELECT value FROM json_each(%s))"
+    elif by_token:
+        ids = f"= ANY(ARRAY(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(CAST(%s AS text[]))))"
+    else:
+        ids = "= ANY(CAST(%s AS bigint[]))"
+    instance_key = "lease_token = ANY(CAST(%s AS text[]))" if by_token else f"id {ids}"
     return (
-        f"SELECT {_columns(Instance, 'i')} FROM {INSTANCE_TABLE} i WHERE i.{instance_key}",
-        f"SELECT {_columns(StepRecord, 's')} FROM {STEP_TABLE} s WHERE s.instance_id = {ids}",
-        f"SELECT {_columns(InboxEvent, 'e')} FROM {INBOX_TABLE} e WHERE e.instance_id = {ids} "
+        f"SELECT {_columns(Instance, 'i', postgres)} FROM {INSTANCE_TABLE} i WHERE i.{instance_key}",
+        f"SELECT {_columns(StepRecord, 's', postgres)} FROM {STEP_TABLE} s WHERE s.instance_id {ids}",
+        f"SELECT {_columns(InboxEvent, 'e', postgres)} FROM {INBOX_TABLE} e WHERE e.instance_id {ids} "
         "AND e.consumed_at IS NULL AND EXISTS (SELECT 1 FROM "
         f"{STEP_TABLE} w WHERE w.instance_id = e.instance_id AND w.event_type = e.type "
         "AND w.kind = %s AND w.status = %s) ORDER BY e.id LIMIT %s",
