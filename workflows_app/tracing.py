@@ -16,7 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from contextlib import nullcontext
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -109,16 +109,23 @@ class InstanceTraceIds(IdGenerator):
                     self.known.move_to_end(trace_id)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _when(nanoseconds: int | None) -> datetime:
-    return datetime.fromtimestamp((nanoseconds or 0) / 1e9, tz=UTC)
+    """A span's time (integer nanoseconds) as an aware UTC datetime, to the microsecond
+    below (exact: through a float the last digit could round up)."""
+    return EPOCH + timedelta(microseconds=(nanoseconds or 0) // 1000)
+
+
+def _attributes(attributes: Any) -> dict[str, Any]:
+    """An SDK span's, event's or link's attributes as a plain dict. The SDK cleaned them
+    on the way in (str, bool, int, float, or a tuple of those: all JSON already), and
+    its mapping copies to a dict in C; read key by key it cost a tenth of a stored row."""
+    if not attributes:
+        return {}
+    copied = attributes.copy() if hasattr(attributes, "copy") else attributes
+    return copied if type(copied) is dict else dict(copied)
 
 
 def _json_list(values: list[Any]) -> str:
@@ -205,12 +212,12 @@ class DatabaseSpanProcessor(SpanProcessor):
 
     @staticmethod
     def _row(span: ReadableSpan, postgres: bool, when: Any) -> tuple[Any, ...]:
-        attributes = {k: _jsonable(v) for k, v in (span.attributes or {}).items()}
+        attributes = _attributes(span.attributes)
         events = [
             {
                 "name": e.name,
                 "time": _when(e.timestamp).isoformat(),
-                "attributes": {k: _jsonable(v) for k, v in (e.attributes or {}).items()},
+                "attributes": _attributes(e.attributes),
             }
             for e in span.events
         ]
@@ -218,20 +225,21 @@ class DatabaseSpanProcessor(SpanProcessor):
             {
                 "trace_id": format(link.context.trace_id, "032x"),
                 "span_id": format(link.context.span_id, "016x"),
-                "attributes": dict(link.attributes or {}),
+                "attributes": _attributes(link.attributes),
             }
             for link in span.links
         ]
+        context, parent, status = span.context, span.parent, span.status
         return (
-            format(span.context.trace_id, "032x"),
-            format(span.context.span_id, "016x"),
-            format(span.parent.span_id, "016x") if span.parent else "",
+            format(context.trace_id, "032x"),
+            format(context.span_id, "016x"),
+            format(parent.span_id, "016x") if parent else "",
             span.name[:300],
             span.kind.name,
             when(_when(span.start_time)),
             when(_when(span.end_time)),
-            span.status.status_code.name,
-            span.status.description or "",
+            status.status_code.name,
+            status.description or "",
             *(
                 (attributes, events, links)
                 if postgres

@@ -9,7 +9,7 @@ processes, so their spans are created when they end, with the stored start time.
 from __future__ import annotations
 
 import contextvars
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -41,8 +41,13 @@ def set_enabled(enabled: bool) -> None:
     _tracer = None
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def ns(instant: datetime) -> int:
-    return int(instant.timestamp() * 1_000_000_000)
+    """An aware datetime as OpenTelemetry's integer nanoseconds, exactly (through a float
+    timestamp a microsecond could be lost)."""
+    return (instant - EPOCH) // timedelta(microseconds=1) * 1000
 
 
 def span_ids(span: Span | None) -> tuple[str, str]:
