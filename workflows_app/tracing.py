@@ -16,7 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from contextlib import nullcontext
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -109,13 +109,14 @@ class InstanceTraceIds(IdGenerator):
                     self.known.move_to_end(trace_id)
 
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
 def _when(nanoseconds: int | None) -> datetime:
     """A span's time (integer nanoseconds) as an aware UTC datetime, to the microsecond
     below (exact: through a float the last digit could round up)."""
-    return EPOCH + timedelta(microseconds=(nanoseconds or 0) // 1000)
+    return engine_spans.EPOCH + timedelta(microseconds=(nanoseconds or 0) // 1000)
+
+
+def _iso_time(nanoseconds: int) -> str:
+    return _when(nanoseconds).isoformat()
 
 
 def _attributes(attributes: Any) -> dict[str, Any]:
@@ -128,8 +129,11 @@ def _attributes(attributes: Any) -> dict[str, Any]:
     return copied if type(copied) is dict else dict(copied)
 
 
+_json = json.JSONEncoder().encode  # json.dumps with its defaults, without its argument checks
+
+
 def _json_list(values: list[Any]) -> str:
-    return json.dumps(values) if values else "[]"  # most spans have no events nor links
+    return _json(values) if values else "[]"  # most spans have no events nor links
 
 
 class DatabaseSpanProcessor(SpanProcessor):
@@ -176,7 +180,7 @@ class DatabaseSpanProcessor(SpanProcessor):
     def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:
         from django.db import connection, transaction
 
-        from .engine.store.dialect import sql_cursor, statement_cursor, time_adapter
+        from .engine.store.dialect import ns_time_adapter, sql_cursor, statement_cursor
 
         # Each row finds its instance by trace id inside the INSERT and RETURNING says which
         # it found: one statement (and, alone, one commit) instead of a read, a write and a
@@ -184,7 +188,7 @@ class DatabaseSpanProcessor(SpanProcessor):
         postgres = connection.vendor == "postgresql"
         # (trace id, span id, parent, name, kind, start, end, status, message, attributes,
         # events, links) of each span, in order; on SQLite the last three as JSON text.
-        when = datetime.isoformat if postgres else time_adapter(connection)
+        when = _iso_time if postgres else ns_time_adapter(connection)
         rows = [self._row(span, postgres, when) for span in batch]
         found: dict[str, int | None] = {}
         insert, head, one_row = _span_sql()
@@ -236,14 +240,14 @@ class DatabaseSpanProcessor(SpanProcessor):
             format(parent.span_id, "016x") if parent else "",
             span.name[:300],
             span.kind.name,
-            when(_when(span.start_time)),
-            when(_when(span.end_time)),
+            when(span.start_time or 0),
+            when(span.end_time or 0),
             status.status_code.name,
             status.description or "",
             *(
                 (attributes, events, links)
                 if postgres
-                else (json.dumps(attributes), _json_list(events), _json_list(links))
+                else (_json(attributes), _json_list(events), _json_list(links))
             ),
         )
 
