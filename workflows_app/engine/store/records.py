@@ -34,6 +34,9 @@ from .dialect import (
     utc_text_times,
 )
 
+# json.dumps with options builds an encoder per call: a third of encoding a small record.
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+
 INSTANCE_TABLE = Instance._meta.db_table
 
 
@@ -123,7 +126,7 @@ def insert_history_rows(rows: Sequence[tuple[int, int, History]], now: datetime)
     params: list[Any] = []
     created = db_time(now)
     for pk, seq, r in rows:
-        params += [pk, seq, created, r.type, json.dumps(r.data, separators=(",", ":")), r.actor]
+        params += [pk, seq, created, r.type, compact_json(r.data), r.actor]
     with sql_cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) VALUES "

@@ -55,6 +55,7 @@ from .records import (
     LeaseLost,
     append_history,
     close_open_steps,
+    compact_json,
     insert_history,
     insert_history_rows,
     wake_parent,
@@ -423,7 +424,7 @@ def _checkpoint_statement(w: StepWrite, now: datetime) -> tuple[str, list[Any]]:
     if w.history:
         params += [w.pk, db_time(now)]
         for record in w.history:
-            params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
+            params += [record.type, compact_json(record.data), record.actor]
     if w.error is not None:
         params += [
             w.pk,
@@ -835,7 +836,7 @@ def _finish_at_once(
     if history:
         params += [pk, when]
         for record in history:
-            params += [record.type, json.dumps(record.data, separators=(",", ":")), record.actor]
+            params += [record.type, compact_json(record.data), record.actor]
     if error_record is not None:
         params += [pk, when, *(error_record.get(f.name, f.get_default()) for f in ERROR_FIELDS)]
     with statement_cursor() as cursor:
