@@ -300,3 +300,33 @@ def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_span
     assert stored == [("create traced-create", inst.row().pk)]
     tracing.flush_spans()
     assert not Span.objects.filter(name="project request").exists()  # not an instance's span
+
+
+def test_a_span_whose_attributes_json_cannot_say_as_they_are_is_stored_with_its_batch(registered):
+    """bytes, a NaN and a NUL character (PostgreSQL's jsonb and text take none) in a user
+    span's attributes, name and event: stored as text, and the engine's own spans flushed
+    in the same batch are stored too."""
+
+    @register("odd-attributes")
+    class OddAttributes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def work():
+                with trace.get_tracer("user.code").start_as_current_span("odd\x00name") as span:
+                    span.set_attributes(
+                        {"raw": b"\xffok", "ratio": float("nan"), "nul": "a\x00b", "n": 7}
+                    )
+                    span.add_event("seen", {"far": float("inf")})
+                return "ok"
+
+            return await step.do("work", work)
+
+    inst = get_workflow("odd-attributes").create(id="odd")
+    testing.run_until_idle()
+    assert inst.status().output == "ok"
+    tracing.flush_spans()
+    rows = {row.name: row for row in Span.objects.filter(trace_id=inst.row().trace_id)}
+    assert {"workflow odd-attributes", "step work", "odd\ufffdname"} <= set(rows)
+    odd = rows["odd\ufffdname"]
+    assert odd.attributes == {"raw": "\ufffdok", "ratio": "nan", "nul": "a\ufffdb", "n": 7}
+    assert [(e["name"], e["attributes"]) for e in odd.events] == [("seen", {"far": "inf"})]
+    assert odd.instance_id == inst.row().pk

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -121,15 +122,58 @@ def _iso_time(nanoseconds: int) -> str:
 
 def _attributes(attributes: Any) -> dict[str, Any]:
     """An SDK span's, event's or link's attributes as a plain dict. The SDK cleaned them
-    on the way in (str, bool, int, float, or a tuple of those: all JSON already), and
-    its mapping copies to a dict in C; read key by key it cost a tenth of a stored row."""
+    on the way in, and its mapping copies to a dict in C; read key by key it cost a
+    tenth of a stored row. Values JSON has no type for are _json's to encode."""
     if not attributes:
         return {}
     copied = attributes.copy() if hasattr(attributes, "copy") else attributes
     return copied if type(copied) is dict else dict(copied)
 
 
-_json = json.JSONEncoder().encode  # json.dumps with its defaults, without its argument checks
+def _json_fallback(value: Any) -> Any:
+    """What JSON cannot say of an attribute value: bytes as text (invalid UTF-8 replaced),
+    anything else as its str()."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+# A cleaned attribute value is a str, bool, int, float, None, bytes, or a sequence or a
+# mapping of those. Prebuilt: json.dumps with options builds an encoder per call.
+_ENCODE = json.JSONEncoder(default=_json_fallback, allow_nan=False).encode
+_ENCODE_COMPACT = json.JSONEncoder(
+    separators=(",", ":"), default=_json_fallback, allow_nan=False
+).encode
+
+
+def _json(value: Any, encode: Any = _ENCODE) -> str:
+    """JSON text of span data that both databases store: a NaN or an infinity (no JSON
+    number) and a NUL character (PostgreSQL's text and jsonb take none) are written as
+    text; one such value must not lose the spans stored with it."""
+    try:
+        text = encode(value)
+    except ValueError:
+        return encode(_storable(value))
+    return encode(_storable(value)) if "\\u0000" in text else text
+
+
+def _text(value: str) -> str:
+    """A span's name or status message as both databases store text (no NUL)."""
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, (bytes, bytearray)):
+        return _storable(_json_fallback(value))
+    if isinstance(value, dict):
+        return {str(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_storable(v) for v in value]
+    return value
 
 
 def _json_list(values: list[Any]) -> str:
@@ -196,7 +240,7 @@ class DatabaseSpanProcessor(SpanProcessor):
             # One statement of one shape whatever the batch: prepared once per connection,
             # its text never rebuilt nor parsed again.
             keys = ("t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
-            batch_json = json.dumps([dict(zip(keys, row)) for row in rows], separators=(",", ":"))
+            batch_json = _json([dict(zip(keys, row)) for row in rows], _ENCODE_COMPACT)
             with statement_cursor() as cursor:
                 cursor.execute(insert, [batch_json])
                 found.update(cursor.fetchall())
@@ -238,12 +282,12 @@ class DatabaseSpanProcessor(SpanProcessor):
             format(context.trace_id, "032x"),
             format(context.span_id, "016x"),
             format(parent.span_id, "016x") if parent else "",
-            span.name[:300],
+            _text(span.name[:300]),
             span.kind.name,
             when(span.start_time or 0),
             when(span.end_time or 0),
             status.status_code.name,
-            status.description or "",
+            _text(status.description or ""),
             *(
                 (attributes, events, links)
                 if postgres
