@@ -104,10 +104,13 @@ def sse_latency(n: int) -> Figures:
         assert response.status == 200, response.read()[:500]
 
         def read_stream() -> None:
-            for raw in response.fp:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("data: ") and '"type":"event.sent"' in line:
-                    received.put(time.time())
+            try:
+                for raw in response.fp:
+                    line = raw.decode().rstrip("\n")
+                    if line.startswith("data: ") and '"type":"event.sent"' in line:
+                        received.put(time.time())
+            except (ValueError, OSError):
+                pass  # conn.close() below ended the stream under this read
 
         threading.Thread(target=read_stream, daemon=True).start()
         latencies = []
