@@ -47,6 +47,7 @@ QUICK_FANOUT = {"sockets": 50, "changes": 6, "burst": 50, "rate_n": 100, "rate_s
 REQUIRED_KEYS = [
     "db",
     "baseline_commit_ms",
+    "baseline_cpu_unit_us",
     "per_step_ms",
     "per_step_ms_untraced",
     "per_step_ratio",
@@ -103,6 +104,9 @@ PER_COMMIT_MS = {
     "attr_list_none_ms",
 }
 # Figures in operations per second: shown as commits of the baseline per operation.
+# Milliseconds of CPU: shown in CPU units as well (baseline_cpu_unit_us, the same run).
+PER_CPU_UNIT = {"herd_cpu_ms_per_instance"}
+
 PER_SECOND = {
     "one_step_per_s",
     "one_step_per_s_concurrent",
@@ -188,8 +192,12 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def vs_baseline(key: str, value: Any, base_ms: float | None) -> str:
-    if not base_ms or not isinstance(value, (int, float)):
+def vs_baseline(key: str, value: Any, base_ms: float | None, cpu_us: float | None) -> str:
+    if not isinstance(value, (int, float)):
+        return ""
+    if key in PER_CPU_UNIT:
+        return f"{value * 1000 / cpu_us:,.1f} CPU units" if cpu_us else ""
+    if not base_ms:
         return ""
     if key in PER_COMMIT_MS:
         return f"{value / base_ms:,.1f} commits"
@@ -300,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     width = max([len(k) for _, k, _ in rows] + [10])
     print(f"{'measurement':<14} {'figure':<{width}} {'value':>14}  vs baseline")
     print("-" * (width + 45))
+    cpu = results.get("baseline_cpu_unit_us")
     for name, key, value in rows:
-        print(f"{name:<14} {key:<{width}} {fmt(value):>14}  {vs_baseline(key, value, base)}")
+        print(f"{name:<14} {key:<{width}} {fmt(value):>14}  {vs_baseline(key, value, base, cpu)}")
     print("-" * (width + 45))
     print(json.dumps(results, default=str))
     return 1 if failures else 0

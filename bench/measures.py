@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import statistics
 import threading
 import time
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -154,7 +155,30 @@ def baseline(batches: int, per_batch: int) -> Figures:
                     conn.commit()
                 per_commit_ms.append((time.perf_counter() - t0) * 1000 / per_batch)
     ms = statistics.median(per_commit_ms)
-    return {"baseline_commit_ms": ms, "baseline_commits_per_s": 1000 / ms}
+    return {
+        "baseline_commit_ms": ms,
+        "baseline_commits_per_s": 1000 / ms,
+        "baseline_cpu_unit_us": cpu_unit_us(),
+    }
+
+
+def cpu_unit_us(repeats: int = 15, units: int = 2000) -> float:
+    """This machine's Python speed at this moment, in microseconds per unit of a fixed
+    slice of the kind of work the engine's process does (a dict, its JSON, a hex id, a
+    datetime's text), in this thread's CPU time as the CPU figures are; the median of
+    several runs. CPU figures are shown in these units as well: this machine's speed
+    moves by a third within an hour, and the ratio says whether a figure moved or the
+    machine did."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for i in range(units):
+            attributes = {"workflow.name": "bench", "workflow.instance_id": f"i-{i}", "run": i}
+            json.dumps(attributes, separators=(",", ":"))
+            format(i * 2654435761, "032x")
+            datetime.now(UTC).isoformat()
+        times.append((time.thread_time() - t0) * 1e6 / units)
+    return statistics.median(times)
 
 
 # --- 2. per-step overhead --------------------------------------------------------------

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = [
     "db",
     "baseline_commit_ms",
+    "baseline_cpu_unit_us",
     "per_step_ms",
     "per_step_ms_untraced",
     "per_step_ratio",
@@ -33,6 +34,7 @@ KEYS = [
 ]
 MEASURED = [
     "baseline_commit_ms",
+    "baseline_cpu_unit_us",
     "per_step_ms",
     "per_step_ms_untraced",
     "per_step_ratio",
