@@ -125,8 +125,8 @@ def baseline(batches: int, per_batch: int) -> Figures:
         conn = sqlite3.connect(
             settings.DATABASES["default"]["NAME"], isolation_level=None, timeout=30
         )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        pragmas = settings.DATABASES["default"].get("OPTIONS", {}).get("init_command", "")
+        conn.executescript(pragmas)  # the engine's own connection settings (WAL, ...)
         conn.execute("CREATE TABLE IF NOT EXISTS bench_baseline (id INTEGER PRIMARY KEY, v TEXT)")
         try:
             for _ in range(batches):
