@@ -234,7 +234,10 @@ class InstanceAttribute(models.Model):
     and true stay three values while 1 and 1.0 are one, as the JSON filter had them.
     """
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="attribute_rows")
+    # No index of its own: the unique (instance, key) starts with it (one index less to write per row).
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="attribute_rows", db_index=False
+    )
     key = models.CharField(max_length=64)
     value = models.TextField()
 
@@ -313,7 +316,10 @@ class StepStatus(models.TextChoices):
 class StepRecord(models.Model):
     """One step of one instance, keyed by name: its checkpoint and its attempt record."""
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: step_kind_name_per_instance starts with it (one index less to write per row).
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="steps", db_index=False
+    )
     name = models.CharField(max_length=300)
     kind = models.CharField(max_length=16, choices=StepKind.choices)
     # Order the steps started in; restart(from_step) drops this step and every later one.
@@ -419,7 +425,10 @@ class InboxEvent(models.Model):
 class HistoryRecord(models.Model):
     """Append-only, gap-free per-instance log of everything that happened to it."""
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="history")
+    # No index of its own: history_seq_per_instance starts with it (one index less to write per row).
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="history", db_index=False
+    )
     sequence = models.PositiveIntegerField()
     created_at = models.DateTimeField()
     type = models.CharField(max_length=40)
@@ -459,7 +468,10 @@ class HistorySubscriber(models.Model):
     they stream and delete their row when they stop; a crashed one's row just expires.
     """
 
-    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="+")
+    # No index of its own: history_subscriber starts with it (one index less to write per row).
+    instance = models.ForeignKey(
+        Instance, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
     expires_at = models.DateTimeField()
 
     class Meta:
@@ -474,8 +486,14 @@ class HistorySubscriber(models.Model):
 class Span(models.Model):
     """A finished OpenTelemetry span, stored for the dashboard's trace waterfall."""
 
+    # No index of its own: span_instance starts with it (one index less to write per row).
     instance = models.ForeignKey(
-        Instance, on_delete=models.CASCADE, related_name="spans", null=True, blank=True
+        Instance,
+        on_delete=models.CASCADE,
+        related_name="spans",
+        null=True,
+        blank=True,
+        db_index=False,
     )
     trace_id = models.CharField(max_length=32)
     span_id = models.CharField(max_length=16)
@@ -583,7 +601,8 @@ class BulkJob(models.Model):
 class BulkJobItem(models.Model):
     """One instance a bulk job matched at its start (its pk: the instance may be deleted)."""
 
-    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="items")
+    # No index of its own: the unique (job, instance_pk) starts with it (one index less to write per row).
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="items", db_index=False)
     instance_pk = models.BigIntegerField()
 
     class Meta:
