@@ -1,4 +1,5 @@
-"""The migrations: they match the models, and 0012 drops only indexes others cover."""
+"""The migrations: they match the models; 0012 drops only indexes others cover; 0013
+leaves room in the instance table's pages (PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,22 @@ def test_0012_leaves_an_index_that_starts_with_each_dropped_foreign_key_and_reve
     finally:
         migrate()
     assert ("instance_id",) not in indexed_columns(StepRecord)
+
+
+def test_0013_leaves_room_in_the_instance_pages_for_updates_beside_the_row_on_postgresql():
+    """A checkpoint's update of its instance row touches no indexed column: with room in
+    the page PostgreSQL writes it beside the old version without an entry per index."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: SQLite has no fill factor")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reloptions FROM pg_class WHERE relname = 'workflows_app_instance'")
+        assert cursor.fetchone()[0] == ["fillfactor=75"]
+    migrate([("workflows_app", "0012_fk_indexes_covered")])
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT reloptions FROM pg_class WHERE relname = 'workflows_app_instance'"
+            )
+            assert cursor.fetchone()[0] is None
+    finally:
+        migrate()
