@@ -17,7 +17,6 @@ import os
 import threading
 from collections import OrderedDict
 from contextlib import nullcontext
-from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -110,14 +109,8 @@ class InstanceTraceIds(IdGenerator):
                     self.known.move_to_end(trace_id)
 
 
-def _when(nanoseconds: int | None) -> datetime:
-    """A span's time (integer nanoseconds) as an aware UTC datetime, to the microsecond
-    below (exact: through a float the last digit could round up)."""
-    return engine_spans.EPOCH + timedelta(microseconds=(nanoseconds or 0) // 1000)
-
-
 def _iso_time(nanoseconds: int) -> str:
-    return _when(nanoseconds).isoformat()
+    return engine_spans.instant(nanoseconds).isoformat()
 
 
 def _attributes(attributes: Any) -> dict[str, Any]:
@@ -264,7 +257,7 @@ class DatabaseSpanProcessor(SpanProcessor):
         events = [
             {
                 "name": e.name,
-                "time": _when(e.timestamp).isoformat(),
+                "time": _iso_time(e.timestamp),
                 "attributes": _attributes(e.attributes),
             }
             for e in span.events

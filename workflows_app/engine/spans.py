@@ -50,6 +50,12 @@ def ns(instant: datetime) -> int:
     return (instant - EPOCH) // timedelta(microseconds=1) * 1000
 
 
+def instant(nanoseconds: int | None) -> datetime:
+    """ns() undone: OpenTelemetry's integer nanoseconds as an aware UTC datetime, to the
+    microsecond below (exactly: through a float the last digit could round up)."""
+    return EPOCH + timedelta(microseconds=(nanoseconds or 0) // 1000)
+
+
 def span_ids(span: Span | None) -> tuple[str, str]:
     """(trace id, span id) as hex, or empty strings for a non-recording span."""
     if span is None:

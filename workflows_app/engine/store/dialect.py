@@ -31,6 +31,7 @@ from psycopg._queries import PostgresQuery, _query2pg_nocache
 from psycopg.types.datetime import TimestamptzLoader
 
 from .. import clock
+from ..spans import instant
 
 LOCKED_RETRIES = 3
 # Printable ASCII without quote or backslash: JSON writes such a string the same everywhere.
@@ -68,7 +69,6 @@ def db_time(value: datetime | None) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 NAIVE_EPOCH = datetime(1970, 1, 1)
 
 
@@ -81,7 +81,7 @@ def ns_time_adapter(db: Any) -> Callable[[int], Any]:
     if utc_text_times(db):
         return lambda ns: str(NAIVE_EPOCH + timedelta(microseconds=ns // 1000))
     adapt = db.ops.adapt_datetimefield_value
-    return lambda ns: adapt(EPOCH + timedelta(microseconds=ns // 1000))
+    return lambda ns: adapt(instant(ns))
 
 
 def utc_text_times(db: Any) -> bool:
