@@ -7,28 +7,29 @@ whole table (history, steps, spans) to drop an index."""
 import django.db.models.deletion
 from django.db import migrations, models
 
-# (table, column, the index Django made for the foreign key: the same name on SQLite and
-# PostgreSQL)
+# (model, foreign key, the model it points to, the field's other options): the index
+# Django made for each is named the same on SQLite and PostgreSQL.
 COVERED = [
-    ("workflows_app_bulkjobitem", "job_id", "workflows_app_bulkjobitem_job_id_866f2ba8"),
+    ("bulkjobitem", "job", "bulkjob", {"related_name": "items"}, "866f2ba8"),
+    ("historyrecord", "instance", "instance", {"related_name": "history"}, "a57f3eb8"),
+    ("historysubscriber", "instance", "instance", {"related_name": "+"}, "40f89799"),
+    ("instanceattribute", "instance", "instance", {"related_name": "attribute_rows"}, "a696ec6f"),
     (
-        "workflows_app_historyrecord",
-        "instance_id",
-        "workflows_app_historyrecord_instance_id_a57f3eb8",
+        "span",
+        "instance",
+        "instance",
+        {"related_name": "spans", "null": True, "blank": True},
+        "22347d3d",
     ),
-    (
-        "workflows_app_historysubscriber",
-        "instance_id",
-        "workflows_app_historysubscriber_instance_id_40f89799",
-    ),
-    (
-        "workflows_app_instanceattribute",
-        "instance_id",
-        "workflows_app_instanceattribute_instance_id_a696ec6f",
-    ),
-    ("workflows_app_span", "instance_id", "workflows_app_span_instance_id_22347d3d"),
-    ("workflows_app_steprecord", "instance_id", "workflows_app_steprecord_instance_id_e739e859"),
+    ("steprecord", "instance", "instance", {"related_name": "steps"}, "e739e859"),
 ]
+
+
+def index_sql(model: str, field: str, suffix: str) -> tuple[str, str]:
+    """(drop, re-create) of the index Django named <table>_<column>_<suffix>."""
+    table, column = f"workflows_app_{model}", f"{field}_id"
+    index = f"{table}_{column}_{suffix}"
+    return f'DROP INDEX IF EXISTS "{index}"', f'CREATE INDEX "{index}" ON "{table}" ("{column}")'
 
 
 class Migration(migrations.Migration):
@@ -39,75 +40,21 @@ class Migration(migrations.Migration):
     operations = [
         migrations.SeparateDatabaseAndState(
             database_operations=[
-                migrations.RunSQL(
-                    f'DROP INDEX IF EXISTS "{index}"',
-                    reverse_sql=f'CREATE INDEX "{index}" ON "{table}" ("{column}")',
-                )
-                for table, column, index in COVERED
+                migrations.RunSQL(*index_sql(model, field, suffix))
+                for model, field, _, _, suffix in COVERED
             ],
             state_operations=[
                 migrations.AlterField(
-                    model_name="bulkjobitem",
-                    name="job",
+                    model_name=model,
+                    name=field,
                     field=models.ForeignKey(
                         db_index=False,
                         on_delete=django.db.models.deletion.CASCADE,
-                        related_name="items",
-                        to="workflows_app.bulkjob",
+                        to=f"workflows_app.{target}",
+                        **options,
                     ),
-                ),
-                migrations.AlterField(
-                    model_name="historyrecord",
-                    name="instance",
-                    field=models.ForeignKey(
-                        db_index=False,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="history",
-                        to="workflows_app.instance",
-                    ),
-                ),
-                migrations.AlterField(
-                    model_name="historysubscriber",
-                    name="instance",
-                    field=models.ForeignKey(
-                        db_index=False,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="+",
-                        to="workflows_app.instance",
-                    ),
-                ),
-                migrations.AlterField(
-                    model_name="instanceattribute",
-                    name="instance",
-                    field=models.ForeignKey(
-                        db_index=False,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="attribute_rows",
-                        to="workflows_app.instance",
-                    ),
-                ),
-                migrations.AlterField(
-                    model_name="span",
-                    name="instance",
-                    field=models.ForeignKey(
-                        blank=True,
-                        db_index=False,
-                        null=True,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="spans",
-                        to="workflows_app.instance",
-                    ),
-                ),
-                migrations.AlterField(
-                    model_name="steprecord",
-                    name="instance",
-                    field=models.ForeignKey(
-                        db_index=False,
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="steps",
-                        to="workflows_app.instance",
-                    ),
-                ),
+                )
+                for model, field, target, options, _ in COVERED
             ],
         ),
     ]
