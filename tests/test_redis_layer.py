@@ -111,3 +111,61 @@ async def test_updates_are_sent_only_to_groups_that_a_socket_joined(redis_layer)
     received = [await asyncio.wait_for(redis_layer.receive(channel), 5) for _ in range(5)]
     assert [m["pk"] for m in received] == [0, 10, 20, 30, 40]
     assert live._sender.skipped - skipped_before == 50
+
+
+@needs_redis
+async def test_updates_put_one_at_a_time_are_gathered_into_one_look_up(redis_layer, monkeypatch):
+    """A run's updates come a few at a time over a few milliseconds; the sender waits for
+    the rest of a burst (GATHER_SECONDS, here long enough to hold the whole test) and asks
+    Redis which of their groups anyone joined once, not once per update. A flush does not
+    wait for the window."""
+    import secrets
+
+    from workflows_app import live
+
+    loop = asyncio.get_running_loop()
+    run = secrets.token_hex(4)
+    channel = await redis_layer.new_channel()
+    watched = f"wfdash.instance.gathered-{run}"
+    await redis_layer.group_add(watched, channel)
+    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
+    assert await loop.run_in_executor(None, live.flush)
+    look_ups: list[list[str | None]] = []
+    ask = live.Sender._groups_with_members
+
+    async def counted(self, groups):
+        look_ups.append(groups)
+        return await ask(self, groups)
+
+    monkeypatch.setattr(live.Sender, "_groups_with_members", counted)
+    monkeypatch.setattr(live.Sender, "GATHER_SECONDS", 60.0)
+    for n in range(5):
+        live._background_send(watched, {"type": "wf.step", "pk": n})
+        await asyncio.sleep(0.01)  # each put finds the sender idle, not sending
+    started = time.monotonic()
+    assert await loop.run_in_executor(None, live.flush, 10)
+    assert time.monotonic() - started < 10
+    assert look_ups == [[watched]]
+    received = [await asyncio.wait_for(redis_layer.receive(channel), 5) for _ in range(5)]
+    assert [m["pk"] for m in received] == [0, 1, 2, 3, 4]
+
+
+@needs_redis
+async def test_a_hint_ends_the_gathering_of_updates_at_once(redis_layer, monkeypatch):
+    """Hints wake workers: one never waits behind dashboard updates that are gathering."""
+    import secrets
+
+    from workflows_app import live
+
+    loop = asyncio.get_running_loop()
+    run = secrets.token_hex(4)
+    channel = await redis_layer.new_channel()
+    watched = f"wfdash.instance.hurried-{run}"
+    await redis_layer.group_add(watched, channel)
+    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
+    assert await loop.run_in_executor(None, live.flush)
+    monkeypatch.setattr(live.Sender, "GATHER_SECONDS", 60.0)
+    live._background_send(watched, {"type": "wf.step", "pk": 1})
+    live._background_send(live.WORKERS_GROUP, {"type": "wf.hint", "kind": "wake", "pk": None})
+    # No flush: only the hint can end the 60-second gathering within these 10 seconds.
+    assert (await asyncio.wait_for(redis_layer.receive(channel), 10))["pk"] == 1

@@ -252,11 +252,17 @@ class Sender:
     dashboard updates must not delay them. Dashboard updates are sent in order per group,
     several groups at a time; when more than MAX_UPDATES wait, the oldest are dropped
     (live updates are lossy by design: a dashboard resyncs from the database).
+
+    Updates that find the sender idle wait GATHER_SECONDS for the rest of their burst: a
+    run's updates come a few at a time over a few milliseconds (claim, step, end, spans),
+    and each batch costs a Redis look-up of its groups (see _groups_with_members). Hints
+    and a flush never wait.
     """
 
     MAX_UPDATES = 10_000
     PARALLEL_GROUPS = 8
     CHUNK = 200
+    GATHER_SECONDS = 0.005
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -270,7 +276,9 @@ class Sender:
         self.full_warned_at = -float("inf")  # time.monotonic() of the last ChannelFull warning
         self.skipped = 0  # updates not sent: nobody had joined their group
         self.incoming: deque[tuple[str, dict[str, Any]]] = deque()  # put, not yet pulled
-        self.pulling = False  # a _pull is scheduled on the sender's loop
+        self.pulling = False  # a _pull is scheduled on the sender's loop, or gathering
+        self.gathering = False  # updates are waiting for the rest of their burst
+        self.hurry = asyncio.Event()  # a hint or a flush: gathering ends at once
         threading.Thread(
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
@@ -280,22 +288,26 @@ class Sender:
         """From any thread. The sender's loop is woken once per burst, not per message
         (each wake is a write to its self-pipe and a turn of its loop)."""
         self.incoming.append((group, message))
-        if not self.pulling:
+        if not self.pulling or group == WORKERS_GROUP:
             self.pulling = True
             self.loop.call_soon_threadsafe(self._pull)
 
     def _pull(self) -> None:
-        self.pulling = False  # before draining: a message put after this wakes it again
+        # Before draining: a message put after this wakes the loop again, unless updates
+        # are gathering (the gathering's end pulls them).
+        self.pulling = self.gathering
         while self.incoming:
             group, message = self.incoming.popleft()
             if group == WORKERS_GROUP:
                 self.hints.put(message)
+                self.hurry.set()
             else:
                 self.updates.append((group, message))
         self.idle.clear()
         self.wake.set()
 
     async def drained(self) -> None:
+        self.hurry.set()
         if self.incoming:  # put by a thread whose wake-up is not scheduled yet
             self._pull()
         await self.idle.wait()
@@ -311,6 +323,8 @@ class Sender:
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if self.updates and not self.hints:
+                await self._gather()
             while self.hints or self.updates:
                 if self.hints:
                     for group, message in _coalesce(self.hints.take()):
@@ -326,7 +340,19 @@ class Sender:
                     *(send_in_order(g, ms) for g, ms in by_group.items() if g in joined)
                 )
             if not self.wake.is_set():
+                self.hurry.clear()  # a hint's or a flush's hurry is over
                 self.idle.set()
+
+    async def _gather(self) -> None:
+        """Let the rest of a burst of updates arrive, unless a hint or a flush hurries."""
+        self.gathering = True
+        try:
+            await asyncio.wait_for(self.hurry.wait(), self.GATHER_SECONDS)
+        except TimeoutError:
+            pass
+        finally:
+            self.gathering = False
+        self._pull()  # what was put meanwhile without waking this loop
 
     async def _groups_with_members(self, groups: list[str | None]) -> set[str | None]:
         """The groups (None: the engine channel) that some socket's process has joined,
