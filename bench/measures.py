@@ -327,6 +327,31 @@ def event_latency(n: int) -> Figures:
     }
 
 
+def start_latency(n: int) -> Figures:
+    """create() → the instance's first step starts, one at a time, with a serving in-process
+    worker (the create's hint, the claim with its look at the queues, the run's start)."""
+    binding = get_workflow("bench-sched")
+    latencies: list[float] = []
+    with ServingWorker() as w:
+        prefix = _prefix("start")
+        for i in range(n):
+            iid = f"{prefix}-{i}"
+            arrived = threading.Event()
+            wf.MARK_WAITERS[iid] = arrived
+            t0 = time.perf_counter()
+            binding.create(id=iid)
+            if not arrived.wait(30):
+                raise TimeoutError(f"{iid}: its first step did not run")
+            latencies.append((wf.MARKS[iid] - t0) * 1000)
+            wf.MARK_WAITERS.pop(iid, None)
+            if not w.hooks.wait_for("complete", i + 1, timeout=30):
+                raise TimeoutError(f"{iid} did not complete")
+    return {
+        "start_latency_p50_ms": _pct(latencies, 50),
+        "start_latency_p95_ms": _pct(latencies, 95),
+    }
+
+
 def event_latency_worker(n: int, via: str = "redis") -> Figures:
     """The same through a separate `runworker workflows` process, hinted through Redis
     (needs REDIS_URL) or, via="notify", through PostgreSQL's NOTIFY (the worker has no Redis)."""
