@@ -372,6 +372,28 @@ def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
     assert sum("MIN(wake_at)" in q["sql"] for q in queries.captured_queries) == 1
 
 
+def test_a_claim_after_a_hint_reads_when_a_queue_admits_next_in_its_own_round_trip(registered):
+    """admit_due's look after a create's hint (is a debounce or rate window over, and when
+    is the next?) goes down the claim's pipeline, not in a trip of its own before it."""
+    postgres_only()
+    from tests.test_flow_control import register_gated
+
+    register_gated("fast-path-debounced")
+    with testing.fake_clock():
+        queued = get_workflow("fast-path-debounced").create(debounce_key="k", debounce="1 minute")
+        get_workflow("fleet-waiter").create(id="plain")
+        with CaptureQueriesContext(connection) as queries:
+            claimed = store.claim_and_load(
+                "probe", 5, 30, admission=["fast-path-debounced", "fleet-waiter"]
+            )
+        assert [loaded.instance.instance_id for _, _, loaded in claimed.runs] == ["plain"]
+        assert claimed.first_admit_at == queued.row().admit_at is not None
+        assert sum("MIN(admit_at)" in q["sql"] for q in queries.captured_queries) == 1
+        with CaptureQueriesContext(connection) as queries:
+            store.claim_and_load("probe", 5, 30)
+        assert not any("MIN(admit_at)" in q["sql"] for q in queries.captured_queries)
+
+
 def test_the_engine_prepares_its_hot_statements_once_per_connection(registered, settings):
     """The claim, its reads and the next-timer read are planned once per connection (the
     instance table's planning cost more than running them); WFDASH_PG_PREPARE=0 turns it

@@ -588,17 +588,26 @@ class Worker:
         one trip to a database thread. Remembers when admission is due next."""
         due = self.next_admission_at is not None and self.next_admission_at <= clock.now()
         checked_long_ago = time.monotonic() - self._admission_checked_at >= self.poll_seconds
-        if self._admission_stale or due or checked_long_ago:
+        look = self._admission_stale or checked_long_ago
+        if look or due:
             # Only when something may have changed (a hint: a create, the clock moved),
             # a known admit_at came, or a poll interval passed: not on every claim.
             self._admission_stale = False
             self._admission_checked_at = time.monotonic()
-            workflows = [(d.name, d.limits()) for d in registry.all_definitions()]
-            _, self.next_admission_at = store.admit_due(workflows)
+        if due:  # admitted first: what starts is claimed in this trip
+            _, self.next_admission_at = store.admit_due(self._admission_limits())
         # The claim ends the due sleeps of the versions this worker runs only: another's
         # instance is parked here with a reason, and the worker with its version ends them.
+        # A look at the queues after a hint goes with it: is anything due, and when next?
         versions = {(d.name, d.version) for d in registry.all_definitions()}
-        result = store.claim_and_load(self.worker_id, free, self.lease_seconds, exclude, versions)
+        names = sorted({name for name, _ in versions}) if look and not due else []
+        result = store.claim_and_load(
+            self.worker_id, free, self.lease_seconds, exclude, versions, names
+        )
+        if names:
+            self.next_admission_at = result.first_admit_at
+            if result.first_admit_at is not None and result.first_admit_at <= clock.now():
+                self._admit_after_claim()
         claimed = result.runs
         self.next_timer_known = result.looked_for_next_wake
         if result.looked_for_next_wake:  # PostgreSQL: read in the claim's own round trip
@@ -610,6 +619,20 @@ class Worker:
             self.next_timer = store.next_wake_at()
             self.next_timer_known = True
         return claimed
+
+    @staticmethod
+    def _admission_limits() -> list[tuple[str, Any]]:
+        return [(d.name, d.limits()) for d in registry.all_definitions()]
+
+    def _admit_after_claim(self) -> None:
+        """admit_due once a claim is taken: what starts is hinted, and claimed next. A
+        failure must not lose the claims (they would wait out their leases): the next
+        claim looks again."""
+        try:
+            _, self.next_admission_at = store.admit_due(self._admission_limits())
+        except DatabaseError:
+            log.warning("could not admit queued instances; trying again", exc_info=True)
+            self._admission_stale = True
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
         self.tasks.pop(pk, None)
