@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
@@ -9,6 +10,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -302,6 +304,20 @@ def admission(n: int) -> Figures:
 # --- 4. event latency ------------------------------------------------------------------
 
 
+def _ms_until_marked(iid: str, action: Callable[[], Any]) -> float:
+    """Milliseconds from calling action() until instance iid's marking step runs."""
+    arrived = threading.Event()
+    wf.MARK_WAITERS[iid] = arrived
+    try:
+        t0 = time.perf_counter()
+        action()
+        if not arrived.wait(30):
+            raise TimeoutError(f"{iid}: its marking step did not run")
+        return (wf.MARKS[iid] - t0) * 1000
+    finally:
+        wf.MARK_WAITERS.pop(iid, None)
+
+
 def event_latency(n: int) -> Figures:
     """send_event → the step after wait_for_event starts, with a serving in-process worker."""
     binding = get_workflow("bench-event")
@@ -313,14 +329,7 @@ def event_latency(n: int) -> Figures:
             handle = binding.create(id=iid)
             if not w.hooks.wait_for("waiting", i + 1, timeout=30):
                 raise TimeoutError(f"{iid} did not park")
-            arrived = threading.Event()
-            wf.MARK_WAITERS[iid] = arrived
-            t0 = time.perf_counter()
-            handle.send_event("go")
-            if not arrived.wait(30):
-                raise TimeoutError(f"{iid}: the step after the wait did not run")
-            latencies.append((wf.MARKS[iid] - t0) * 1000)
-            wf.MARK_WAITERS.pop(iid, None)
+            latencies.append(_ms_until_marked(iid, functools.partial(handle.send_event, "go")))
     return {
         "event_latency_p50_ms": _pct(latencies, 50),
         "event_latency_p95_ms": _pct(latencies, 95),
@@ -336,14 +345,7 @@ def start_latency(n: int) -> Figures:
         prefix = _prefix("start")
         for i in range(n):
             iid = f"{prefix}-{i}"
-            arrived = threading.Event()
-            wf.MARK_WAITERS[iid] = arrived
-            t0 = time.perf_counter()
-            binding.create(id=iid)
-            if not arrived.wait(30):
-                raise TimeoutError(f"{iid}: its first step did not run")
-            latencies.append((wf.MARKS[iid] - t0) * 1000)
-            wf.MARK_WAITERS.pop(iid, None)
+            latencies.append(_ms_until_marked(iid, functools.partial(binding.create, id=iid)))
             if not w.hooks.wait_for("complete", i + 1, timeout=30):
                 raise TimeoutError(f"{iid} did not complete")
     return {

@@ -21,6 +21,21 @@ def redis_layer(settings):
     channel_layers.backends.clear()
 
 
+async def watched_group(redis_layer, label: str) -> tuple[str, str]:
+    """A channel joined to a fresh instance group, and the sender started and idle."""
+    import secrets
+
+    from workflows_app import live
+
+    run = secrets.token_hex(4)
+    channel = await redis_layer.new_channel()
+    watched = f"wfdash.instance.{label}-{run}"
+    await redis_layer.group_add(watched, channel)
+    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
+    assert await asyncio.get_running_loop().run_in_executor(None, live.flush)
+    return channel, watched
+
+
 @needs_redis
 async def test_a_cancelled_receive_stops_and_loses_no_message(redis_layer):
     # redis-py swallows a cancellation landing mid-BZPOPMIN; channels_redis then popped
@@ -119,17 +134,10 @@ async def test_updates_put_one_at_a_time_are_gathered_into_one_look_up(redis_lay
     the rest of a burst (GATHER_SECONDS, here long enough to hold the whole test) and asks
     Redis which of their groups anyone joined once, not once per update. A flush does not
     wait for the window."""
-    import secrets
-
     from workflows_app import live
 
     loop = asyncio.get_running_loop()
-    run = secrets.token_hex(4)
-    channel = await redis_layer.new_channel()
-    watched = f"wfdash.instance.gathered-{run}"
-    await redis_layer.group_add(watched, channel)
-    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
-    assert await loop.run_in_executor(None, live.flush)
+    channel, watched = await watched_group(redis_layer, "gathered")
     look_ups: list[list[str | None]] = []
     ask = live.Sender._groups_with_members
 
@@ -153,17 +161,9 @@ async def test_updates_put_one_at_a_time_are_gathered_into_one_look_up(redis_lay
 @needs_redis
 async def test_a_hint_ends_the_gathering_of_updates_at_once(redis_layer, monkeypatch):
     """Hints wake workers: one never waits behind dashboard updates that are gathering."""
-    import secrets
-
     from workflows_app import live
 
-    loop = asyncio.get_running_loop()
-    run = secrets.token_hex(4)
-    channel = await redis_layer.new_channel()
-    watched = f"wfdash.instance.hurried-{run}"
-    await redis_layer.group_add(watched, channel)
-    live._background_send(f"wfdash.instance.warm-{run}", {"type": "wf.step", "pk": 0})
-    assert await loop.run_in_executor(None, live.flush)
+    channel, watched = await watched_group(redis_layer, "hurried")
     monkeypatch.setattr(live.Sender, "GATHER_SECONDS", 60.0)
     live._background_send(watched, {"type": "wf.step", "pk": 1})
     live._background_send(live.WORKERS_GROUP, {"type": "wf.hint", "kind": "wake", "pk": None})
