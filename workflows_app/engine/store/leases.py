@@ -319,7 +319,7 @@ def _end_due_sleeps(cursor: Any, pks: Sequence[int], now: datetime) -> dict[int,
 # writes afterwards is a synchronous commit, and a flush of its WAL flushes the claim's
 # before it. Until then the lost claim leaves the instance as it was: unleased, due, and
 # run again, as a step whose checkpoint was lost is run again.
-CLAIM_SQL = f"""
+_CLAIM_TEMPLATE = f"""
 WITH picked AS (
     SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
         workflow, version
@@ -344,7 +344,7 @@ WITH picked AS (
 ), numbered AS (
     -- Joined, not a count per row: that walked `ended` once per picked row.
     SELECT p.*, row_number() OVER () AS n, COALESCE(e.slept, 0) AS slept,
-        COALESCE(e.names, CAST('{{}}' AS text[])) AS names
+        COALESCE(e.names, CAST('{{{{}}}}' AS text[])) AS names
     FROM picked AS p LEFT JOIN ended_by AS e ON e.instance_id = p.id
 ), claimed AS (
     UPDATE {INSTANCE_TABLE} AS i SET
@@ -362,7 +362,7 @@ WITH picked AS (
         history_seq = i.history_seq + 1 + p.slept
     FROM numbered AS p WHERE i.id = p.id AND i.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING i.id, i.lease_token, i.history_seq - p.slept AS started_seq, i.run_count,
-        p.old_status, p.names
+        p.old_status, p.names{{returned_rows}}
 ), started AS (
     INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor)
     SELECT id, started_seq, %(now)s, 'run.started',
@@ -376,9 +376,25 @@ WITH picked AS (
 ), async_commit AS (
     SELECT set_config('synchronous_commit', 'off', true) AS setting
 )
-SELECT c.id, c.lease_token, c.names AS slept
+SELECT c.id, c.lease_token, c.names AS slept{{selected_rows}}
 FROM claimed AS c, async_commit
 """
+
+
+def _claim_sql(with_rows: bool) -> str:
+    """CLAIM_SQL, or (with_rows) CLAIM_SQL that also returns each claimed instance's row as
+    its update left it, every column in field order after (id, token, slept): the
+    pipelined claim then needs no read of its own for them (a statement and half a
+    millisecond of the server's time per claim)."""
+    columns = [f.column for f in Instance._meta.concrete_fields] if with_rows else []
+    return _CLAIM_TEMPLATE.format(
+        returned_rows="".join(f', i."{c}" AS "row_{c}"' for c in columns),
+        selected_rows="".join(f', c."row_{c}"' for c in columns),
+    )
+
+
+CLAIM_SQL = _claim_sql(False)
+CLAIM_WITH_ROWS_SQL = _claim_sql(True)
 
 
 def lease_tokens(count: int) -> list[str]:
@@ -438,10 +454,11 @@ def _claim_and_load_pipelined(
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
-    reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
+    # The claim returns its rows; the checkpoints and events are read after it.
+    _, *reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
     with pipeline():
         claim = statement_cursor()
-        claim.execute(CLAIM_SQL, params)
+        claim.execute(CLAIM_WITH_ROWS_SQL, params)
         cursors = []
         for sql, read_params in reads:
             cursor = statement_cursor()
@@ -457,20 +474,21 @@ def _claim_and_load_pipelined(
             admit = statement_cursor()
             admit.execute(*first_admit_statement(admission))
     rows = claim.fetchall()
-    claimed = [(pk, token) for pk, token, _ in rows]
+    claimed = [(pk, token) for pk, token, *_ in rows]
     next_wake = from_db_time(timer.fetchone()[0])
     first_admit_at = from_db_time(admit.fetchone()[0]) if admission else None
     try:
         faults.hit("after_claim")
-        instances, steps, events = (
+        instances = models_from_rows(Instance, [row[3:] for row in rows])
+        steps, events = (
             models_from_rows(model, cursor.fetchall())
-            for model, cursor in zip(LOADED_MODELS, cursors)
+            for model, cursor in zip((StepRecord, InboxEvent), cursors)
         )
         loaded = _assemble(instances, steps, events, limit)
     except DatabaseError:
         _release_after_failed_load(claimed)
         raise
-    _mark_sleeps_ended(loaded, {pk: slept for pk, _, slept in rows if slept})
+    _mark_sleeps_ended(loaded, {pk: slept for pk, _, slept, *_ in rows if slept})
     return Claimed(
         [(pk, token, loaded.get(pk)) for pk, token in claimed], next_wake, True, first_admit_at
     )
