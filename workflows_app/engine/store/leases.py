@@ -448,13 +448,13 @@ def _claim_and_load_pipelined(
     versions: Collection[tuple[str, int]] | None,
     admission: Sequence[str] = (),
 ) -> Claimed:
-    """claim_and_load in one round trip (PostgreSQL): the claim, then the reads of what it
-    claimed (rows, checkpoints, events of waiting steps), sent together in pipeline mode;
-    the reads find the claimed rows by the tokens this worker chose."""
+    """claim_and_load in one round trip (PostgreSQL): the claim, which returns the claimed
+    rows, then the reads of their checkpoints and the events of their waiting steps, sent
+    together in pipeline mode; the reads find the claimed rows by the tokens this worker
+    chose."""
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
-    # The claim returns its rows; the checkpoints and events are read after it.
     _, *reads = _load_statements(params["tokens"], EVENTS_PER_LOAD * limit, by_token=True)
     with pipeline():
         claim = statement_cursor()
