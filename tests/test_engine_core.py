@@ -362,6 +362,45 @@ def test_wait_for_event_parks_and_the_event_resumes_it(registered):
     assert inst.pending_events() == []
 
 
+def send_null_once_the_wait_is_parked() -> str:
+    """A step of "self-sent": once the other branch's wait is written (it looked for an
+    event and found none), send the event it waits for to this instance."""
+    from tests.polling import wait_until
+
+    ctx = current_step()
+    assert ctx is not None
+    wait_until(
+        lambda: StepRecord.objects.filter(
+            instance__instance_id=ctx.instance_id, name="wait", status="waiting"
+        ).exists(),
+        30,
+        "the wait's record",
+    )
+    get_workflow("self-sent").get(ctx.instance_id).send_event("null", {"n": 1})
+    return "sent"
+
+
+def test_an_event_sent_after_the_wait_looked_but_before_the_run_parked_wakes_it(registered):
+    """The park sees an awaited event the run did not read (it came while the run went
+    on) and makes the instance due at once: the wait gets it in the next run. Its type is
+    "null", which a PostgreSQL array written as text would read as NULL and miss."""
+
+    @register("self-sent")
+    class SelfSent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def waiter():
+                return (await step.wait_for_event("wait", type="null", timeout="1 hour")).payload
+
+            return await asyncio.gather(
+                waiter(), step.do("send", send_null_once_the_wait_is_parked)
+            )
+
+    inst = get_workflow("self-sent").create()
+    testing.run_until_idle()
+    assert inst.status().output == [{"n": 1}, "sent"]
+    assert [h.type for h in inst.history()].count("run.started") == 2
+
+
 def test_an_event_sent_before_the_wait_is_consumed_by_it(registered):
     @register("early")
     class Early(WorkflowEntrypoint):

@@ -3,6 +3,7 @@ through LISTEN/NOTIFY between processes; the database's clock for leases and tim
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from datetime import datetime, timedelta
@@ -67,6 +68,35 @@ def test_each_checkpoint_claim_and_finish_is_one_statement_and_the_history_is_wh
     types = [t for _, t in seqs]
     assert types.count("run.started") == 1 and types.count("step.completed") == 5
     assert types[-1] == "instance.completed"
+
+
+def test_a_park_is_one_statement_and_keeps_the_first_wake_time(registered):
+    """A run that parks (a wait, a sleep) frees its lease, stores its status and the
+    first wake time of its steps in one statement, not a transaction of six trips."""
+    postgres_only()
+
+    @register("fast-path-park")
+    class Parks(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await asyncio.gather(
+                step.wait_for_event("wait", type="go", timeout="2 hours"),
+                step.sleep("nap", "1 hour"),
+            )
+
+    inst = get_workflow("fast-path-park").create(id="parks")
+    with testing.QueryCounter() as queries:
+        testing.run_until_idle()
+    row = inst.row()
+    assert (row.status, row.lease_token, row.lease_owner) == ("waiting", None, "")
+    nap = row.steps.get(name="nap")
+    assert row.wake_at == nap.wake_at < row.steps.get(name="wait").wake_at
+    parks = [s for s in queries.statements if s.lstrip().startswith("WITH due AS")]
+    assert len(parks) == 1
+    assert not any(
+        "MIN(" in s and "workflows_app_steprecord" in s
+        for s in queries.statements
+        if s not in parks
+    )
 
 
 def test_a_notify_wakes_a_worker_in_another_process_without_redis(workers):
