@@ -345,7 +345,8 @@ def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_wa
 
 
 def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
-    """The claim's load and the one-statement create read raw rows, on both databases:
+    """The claim's load, a wait's first look for events and the one-statement create read
+    raw rows, on both databases:
     every column comes back as an ORM read gives it (JSON through the field's own
     conversion; timestamps parsed in C, by psycopg or from SQLite's text, as the same
     aware UTC instants)."""
@@ -368,6 +369,7 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
         (loaded.instance, row),
         (loaded.steps["wait"], row.steps.get(name="wait")),
         (loaded.events["go"][0][0], row.events.get()),
+        (store.unconsumed_events(pk, "go", 0, 10)[0], row.events.get()),
     ]
     for read, orm in pairs:
         for field in type(orm)._meta.concrete_fields:

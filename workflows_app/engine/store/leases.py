@@ -103,11 +103,21 @@ def _assemble(
 
 
 def unconsumed_events(pk: int, event_type: str, after_id: int, limit: int) -> list[InboxEvent]:
-    """The oldest unconsumed events of a type sent to an instance, past after_id."""
-    return list(
-        InboxEvent.objects.filter(
-            instance_id=pk, type=event_type, consumed_at__isnull=True, id__gt=after_id
-        ).order_by("id")[:limit]
+    """The oldest unconsumed events of a type sent to an instance, past after_id (a wait's
+    first look: raw and prepared, as the claim's reads; the ORM built and the server
+    planned it every time)."""
+    postgres = connection.vendor == "postgresql"
+    with statement_cursor() as cursor:
+        cursor.execute(_unconsumed_sql(postgres), [pk, event_type, after_id, limit])
+        return models_from_rows(InboxEvent, cursor.fetchall())
+
+
+@functools.cache
+def _unconsumed_sql(postgres: bool) -> str:
+    return (
+        f"SELECT {_columns(InboxEvent, 'e', postgres)} FROM {INBOX_TABLE} e "
+        "WHERE e.instance_id = %s AND e.type = %s AND e.consumed_at IS NULL AND e.id > %s "
+        "ORDER BY e.id LIMIT %s"
     )
 
 
