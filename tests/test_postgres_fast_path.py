@@ -346,10 +346,9 @@ def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_wa
 
 def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
     """The claim's load, a wait's first look for events and the one-statement create read
-    raw rows, on both databases:
-    every column comes back as an ORM read gives it (JSON through the field's own
-    conversion; timestamps parsed in C, by psycopg or from SQLite's text, as the same
-    aware UTC instants)."""
+    raw rows, on both databases: every column comes back as an ORM read gives it (JSON
+    through the field's own conversion; timestamps parsed in C, by psycopg or from
+    SQLite's text, as the same aware UTC instants)."""
 
     @register("fast-path-rows")
     class Waits(WorkflowEntrypoint):
