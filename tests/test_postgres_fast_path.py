@@ -70,9 +70,10 @@ def test_each_checkpoint_claim_and_finish_is_one_statement_and_the_history_is_wh
     assert types[-1] == "instance.completed"
 
 
-def test_a_park_is_one_statement_and_keeps_the_first_wake_time(registered):
+def test_a_park_is_one_statement_after_its_lock_and_keeps_the_first_wake_time(registered):
     """A run that parks (a wait, a sleep) frees its lease, stores its status and the
-    first wake time of its steps in one statement, not a transaction of six trips."""
+    first wake time of its steps in one statement after the row's lock, not in a
+    transaction of six trips."""
     postgres_only()
 
     @register("fast-path-park")
@@ -97,6 +98,71 @@ def test_a_park_is_one_statement_and_keeps_the_first_wake_time(registered):
         for s in queries.statements
         if s not in parks
     )
+
+
+def test_an_event_sent_while_the_park_waits_for_the_row_is_not_lost(registered):
+    """A send_event holds the instance row until it commits. A park that waited for the
+    row must see its event and leave the instance due at once: a look at the events in
+    the same statement as the wait would read what was committed before it, miss the
+    event and write the wait's timeout over the send's wake-up."""
+    postgres_only()
+    import threading
+
+    from django.db import connections
+
+    from workflows_app.engine.store import runs
+
+    @register("fast-path-park-race")
+    class Waits(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("wait", type="go", timeout="1 hour")).payload
+
+    inst = get_workflow("fast-path-park-race").create(id="race")
+    testing.run_until_idle()
+    pk = inst.row().pk
+    Instance.objects.filter(pk=pk).update(wake_at=clock.now())
+    [(_, token, _)] = store.claim_and_load("probe", 5, 30).runs
+    sent, release = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def send_and_hold() -> None:  # the row stays locked until release
+        try:
+            with transaction.atomic():
+                inst.send_event("go", {"n": 1})
+                sent.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    def park() -> None:
+        try:
+            outcome["parked"] = runs.park(pk, token, False, ["go"], "", 0)
+        finally:
+            connections.close_all()
+
+    sender = threading.Thread(target=send_and_hold)
+    sender.start()
+    assert sent.wait(30)
+    parker = threading.Thread(target=park)
+    parker.start()
+
+    def park_waits_for_the_row() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+            return cursor.fetchone()[0] > 0
+
+    wait_until(park_waits_for_the_row, 30, "the park waiting for the instance row")
+    release.set()
+    sender.join(30)
+    parker.join(30)
+    status, wake_at = outcome["parked"]
+    assert status == "waiting"
+    assert wake_at is not None and wake_at <= clock.now()  # due at once: the event wakes it
+    testing.run_until_idle()
+    assert inst.status().output == {"n": 1}
 
 
 def test_a_notify_wakes_a_worker_in_another_process_without_redis(workers):

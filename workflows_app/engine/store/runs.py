@@ -920,29 +920,37 @@ def _park_at_once(
     events_seen: int,
     now: datetime,
 ) -> tuple[str, datetime | None] | None:
-    """park as one autocommit statement (PostgreSQL): the fence, the wake time read from
-    the steps, the look for an unseen event and the release in one round trip instead of
-    six (BEGIN, four statements, COMMIT). None, with nothing written, when the lease is
-    lost or a pause holds (the row's status is waitingForPause or paused)."""
-    with statement_cursor() as cursor:
-        cursor.execute(
-            PARK_SQL,
-            {
-                "pk": pk,
-                "token": token,
-                "now": db_time(now),
-                "due_now": pause,
-                # A list, not array_literal: an event type "null" would read as NULL.
-                "types": list(awaited_types),
-                "seen": events_seen,
-                "reason": reason,
-                "waiting": Status.WAITING,
-                "compensating": Status.COMPENSATING,
-                "held": array_literal([Status.WAITING_FOR_PAUSE, Status.PAUSED]),
-                "step_waiting": StepStatus.WAITING,
-                "step_retrying": StepStatus.RETRYING,
-            },
-        )
+    """park in two statements sent at once (PostgreSQL): the row locked, then the fence,
+    the wake time read from the steps, the look for an unseen event and the release in
+    one; two round trips with the commit instead of six. None, with nothing written, when
+    the lease is lost or a pause holds (the row's status is waitingForPause or paused).
+
+    The lock comes first, in a statement of its own: a statement reads what was committed
+    when it began, so an event sent while the park waited for the row (a send_event holds
+    it until it commits) would be missed by a look in the same statement, and the send's
+    wake-up overwritten by the park's wake time."""
+    with transaction.atomic():
+        with pipeline():
+            statement_cursor().execute(LOCK_IN_ORDER_SQL, [[pk]])
+            cursor = statement_cursor()
+            cursor.execute(
+                PARK_SQL,
+                {
+                    "pk": pk,
+                    "token": token,
+                    "now": db_time(now),
+                    "due_now": pause,
+                    # A list, not array_literal: an event type "null" would read as NULL.
+                    "types": list(awaited_types),
+                    "seen": events_seen,
+                    "reason": reason,
+                    "waiting": Status.WAITING,
+                    "compensating": Status.COMPENSATING,
+                    "held": array_literal([Status.WAITING_FOR_PAUSE, Status.PAUSED]),
+                    "step_waiting": StepStatus.WAITING,
+                    "step_retrying": StepStatus.RETRYING,
+                },
+            )
         row = cursor.fetchone()
     return None if row is None else (row[0], from_db_time(row[1]))
 
