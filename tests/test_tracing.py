@@ -330,3 +330,31 @@ def test_a_span_whose_attributes_json_cannot_say_as_they_are_is_stored_with_its_
     assert odd.attributes == {"raw": "\ufffdok", "ratio": "nan", "nul": "a\ufffdb", "n": 7}
     assert [(e["name"], e["attributes"]) for e in odd.events] == [("seen", {"far": "inf"})]
     assert odd.instance_id == inst.row().pk
+
+
+def test_one_flush_stores_each_span_with_its_own_instance_or_none(registered, monkeypatch):
+    """Spans of several instances in one flush, their look-up split in chunks of two traces,
+    and the span of an instance deleted meanwhile: each row names its instance (or none),
+    and what flush returns says the same."""
+    from workflows_app.engine import spans as engine_spans
+
+    @register("many-traces")
+    class ManyTraces(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    monkeypatch.setattr(tracing, "LOOKUP_TRACES", 2)
+    tracing.flush_spans()  # the creates' spans: this flush holds only the spans below
+    rows = [get_workflow("many-traces").create(id=f"mt{i}").row() for i in range(5)]
+    gone = rows.pop()
+    gone.delete()
+    for row in [*rows, gone, rows[0]]:
+        engine_spans.start_workflow_span(row.trace_id, "many-traces", {}).end()
+    stored = tracing.flush_spans()
+    expected = [row.pk for row in rows] + [None, rows[0].pk]
+    assert [s.instance_id for s in stored] == expected
+    assert [s.trace_id for s in stored] == [row.trace_id for row in [*rows, gone, rows[0]]]
+    in_db = dict(
+        Span.objects.filter(name="workflow many-traces").values_list("span_id", "instance")
+    )
+    assert [in_db[s.span_id] for s in stored] == expected

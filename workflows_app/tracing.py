@@ -16,7 +16,6 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -32,7 +31,7 @@ log = logging.getLogger("workflows_app.tracing")
 MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rather than grow memory
 
 
-FLUSH_ROWS = 500  # spans per INSERT statement (SQLite allows 32,766 parameters)
+LOOKUP_TRACES = 500  # trace ids per look-up of their instances (SQLite allows 32,766 parameters)
 
 SPAN_COLUMNS = (
     "instance_id, trace_id, span_id, parent_span_id, name, kind, start_time, end_time, "
@@ -42,23 +41,29 @@ SPAN_COLUMNS = (
 
 @functools.cache
 def _span_sql() -> tuple[str, str, str]:
-    """(PostgreSQL's INSERT, SQLite's INSERT head and one row of VALUES) for stored spans."""
+    """(PostgreSQL's INSERT, SQLite's look-up of instances by trace id, SQLite's INSERT of
+    one row) for stored spans."""
     from .models import Instance, Span
 
-    table = Span._meta.db_table
-    instance = f"(SELECT id FROM {Instance._meta.db_table} WHERE trace_id = {{}} LIMIT 1)"
+    table, instances = Span._meta.db_table, Instance._meta.db_table
     # The batch is one JSON parameter (encoded in C, parsed by the server): psycopg dumps
     # a list parameter element by element in Python, which cost 15 % of the engine's
     # database threads in a herd of timers.
     postgres = (
-        f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT {instance.format('r.t')}, r.t, r.s, r.p, "
+        f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT "
+        f"(SELECT id FROM {instances} WHERE trace_id = r.t LIMIT 1), r.t, r.s, r.p, "
         "r.n, r.k, r.st, r.e, r.c, r.m, r.a, r.ev, r.l "
         "FROM json_to_recordset(CAST(%s AS json)) AS r(t text, s text, p text, n text, k text, "
         "st timestamptz, e timestamptz, c text, m text, a jsonb, ev jsonb, l jsonb) "
         "RETURNING span_id, instance_id"
     )
-    row = f"({instance.format('%s')}, {', '.join(['%s'] * 12)})"
-    return postgres, f"INSERT INTO {table} ({SPAN_COLUMNS}) VALUES ", row
+    # SQLite: one statement of one row, run for the whole batch (executemany), after one
+    # look-up of the batch's instances; a VALUES list of the batch's length was a
+    # statement of new text for each batch size (parsed, and its %s converted, anew):
+    # 28 against 10 µs a row (docs/performance.md, twelfth round).
+    lookup = f"SELECT trace_id, id FROM {instances} WHERE trace_id IN "
+    row = f"INSERT INTO {table} ({SPAN_COLUMNS}) VALUES ({', '.join(['%s'] * 13)})"
+    return postgres, lookup, row
 
 
 class StoredSpan(NamedTuple):
@@ -219,37 +224,34 @@ class DatabaseSpanProcessor(SpanProcessor):
 
         from .engine.store.dialect import ns_time_adapter, sql_cursor, statement_cursor
 
-        # Each row finds its instance by trace id inside the INSERT and RETURNING says which
-        # it found: one statement (and, alone, one commit) instead of a read, a write and a
-        # commit. (The engine's claim needs RETURNING on SQLite as well: 3.35 or later.)
         postgres = connection.vendor == "postgresql"
         # (trace id, span id, parent, name, kind, start, end, status, message, attributes,
         # events, links) of each span, in order; on SQLite the last three as JSON text.
         when = _iso_time if postgres else ns_time_adapter(connection)
         rows = [self._row(span, postgres, when) for span in batch]
-        found: dict[str, int | None] = {}
-        insert, head, one_row = _span_sql()
+        insert, lookup, insert_one = _span_sql()
         if postgres:
-            # One statement of one shape whatever the batch: prepared once per connection,
-            # its text never rebuilt nor parsed again.
+            # Each row finds its instance by trace id inside the INSERT and RETURNING says
+            # which it found. One statement of one shape whatever the batch: prepared once
+            # per connection, its text never rebuilt nor parsed again.
             keys = ("t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
             batch_json = _json([dict(zip(keys, row)) for row in rows], _ENCODE_COMPACT)
             with statement_cursor() as cursor:
                 cursor.execute(insert, [batch_json])
-                found.update(cursor.fetchall())
-        else:
-            several = len(rows) > FLUSH_ROWS
-            with transaction.atomic() if several else nullcontext(), sql_cursor() as cursor:
-                for start in range(0, len(rows), FLUSH_ROWS):
-                    chunk = rows[start : start + FLUSH_ROWS]
-                    cursor.execute(
-                        head
-                        + ", ".join([one_row] * len(chunk))
-                        + " RETURNING span_id, instance_id",
-                        [v for row in chunk for v in (row[0], *row)],
-                    )
-                    found.update(cursor.fetchall())
-        return [StoredSpan(found.get(row[1]), row[0], row[1], row[3], row[7]) for row in rows]
+                by_span: dict[str, int | None] = dict(cursor.fetchall())
+            return [StoredSpan(by_span.get(r[1]), r[0], r[1], r[3], r[7]) for r in rows]
+        # SQLite: the transaction is IMMEDIATE (settings), so no instance the look-up found
+        # can go before the rows naming it are written (a deferred one that lost the race
+        # fails as busy: the batch is queued again, nothing half-stored).
+        by_trace: dict[str, int] = {}
+        traces = list(dict.fromkeys(row[0] for row in rows))
+        with transaction.atomic(), sql_cursor() as cursor:
+            for start in range(0, len(traces), LOOKUP_TRACES):
+                chunk = traces[start : start + LOOKUP_TRACES]
+                cursor.execute(lookup + f"({', '.join(['%s'] * len(chunk))})", chunk)
+                by_trace.update(cursor.fetchall())
+            cursor.executemany(insert_one, [(by_trace.get(row[0]), *row) for row in rows])
+        return [StoredSpan(by_trace.get(r[0]), r[0], r[1], r[3], r[7]) for r in rows]
 
     @staticmethod
     def _row(span: ReadableSpan, postgres: bool, when: Any) -> tuple[Any, ...]:
