@@ -460,6 +460,10 @@ class EngineHooks:
         self.step_written(run, record, ())
 
     def step_written(self, run: Any, record: Any, history: Any) -> None:
+        if history:  # history subscriptions (client.subscribe) in this process
+            result_waiters.wake(run.pk)
+        if nobody_listens():
+            return
         step = {
             "name": record.name,
             "kind": record.kind,
@@ -470,8 +474,6 @@ class EngineHooks:
             instance_group(run.pk),
             {"type": "wf.step", "pk": run.pk, "step": step, "history": len(history or ())},
         )
-        if history:  # history subscriptions (client.subscribe) in this process
-            result_waiters.wake(run.pk)
         if run not in self._announced:
             self._announced.add(run)
             publish_overview(
@@ -500,8 +502,10 @@ class EngineHooks:
         """In the engine's database thread: store queued spans and announce them."""
         from .tracing import flush_spans
 
-        for span in flush_spans():
-            self.span_stored(span)
+        stored = flush_spans()
+        if stored and not nobody_listens():
+            for span in stored:
+                self.span_stored(span)
 
     def maintain(self) -> bool:
         """In the engine's database thread: one batch of a bulk job, if any is waiting."""
@@ -511,6 +515,8 @@ class EngineHooks:
 
     def run_finished(self, pk: int, outcome: str) -> None:
         result_waiters.wake(pk)
+        if nobody_listens():
+            return
         message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}
         publish(instance_group(pk), message)
         publish_overview(message)
@@ -534,6 +540,18 @@ def bind_socket_loop() -> None:
     """Called by dashboard consumers on connect: remember the loop their groups live in."""
     global _socket_loop
     _socket_loop = asyncio.get_running_loop()
+
+
+def nobody_listens() -> bool:
+    """No message can reach a listener: there is no channel layer, or it is the in-memory
+    one in a process where no dashboard socket has connected. The engine's hooks then
+    build no messages (nine for each instance a herd of timers wakes)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return True
+    if not isinstance(layer, InMemoryChannelLayer):
+        return False
+    return _socket_loop is None or _socket_loop.is_closed()
 
 
 def publish(group: str, message: dict[str, Any]) -> None:
