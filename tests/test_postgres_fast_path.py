@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
@@ -18,7 +19,7 @@ from tests.test_fleet import needs_redis, redis_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, clock, register, store
-from workflows_app.models import HistoryRecord, Instance
+from workflows_app.models import HistoryRecord, Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -443,6 +444,21 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
             if isinstance(value, datetime):
                 assert value.utcoffset() == timedelta(0), field.name
     assert loaded.instance.lease_expires_at is not None  # a datetime was compared, not None
+    for read, orm in pairs:  # made without Model.__init__: as loaded by the ORM all the same
+        assert read._state.adding is False and read._state.db == orm._state.db
+    assert loaded.steps["wait"].instance == row  # the foreign key reads as the ORM's
+
+    seen: list[StepRecord] = []
+
+    def saw(sender, instance, **kwargs):
+        seen.append(instance)
+
+    post_init.connect(saw, sender=StepRecord)  # a project listening: from_db, signals and all
+    try:
+        reloaded = store.load_runs([pk])[pk]
+    finally:
+        post_init.disconnect(saw, sender=StepRecord)
+    assert seen == [reloaded.steps["wait"]] and seen[0] is reloaded.steps["wait"]
 
 
 def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
