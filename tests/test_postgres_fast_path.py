@@ -461,6 +461,29 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
     assert seen == [reloaded.steps["wait"]] and seen[0] is reloaded.steps["wait"]
 
 
+def test_a_new_step_record_is_what_the_model_itself_makes():
+    """new_step_record builds the object without Model.__init__: every field as the
+    model's own constructor gives it, unsaved; with a post_init receiver, the constructor."""
+    from workflows_app.engine.step import new_step_record
+
+    made = new_step_record("s", "do", "running", 3)
+    orm = StepRecord(name="s", kind="do", status="running", seq=3, started_at=made.started_at)
+    for field in StepRecord._meta.concrete_fields:
+        assert getattr(made, field.attname) == getattr(orm, field.attname), field.name
+    assert made._state.adding is True and made._state.db is None and made.pk is None
+    seen: list[StepRecord] = []
+
+    def saw(sender, instance, **kwargs):
+        seen.append(instance)
+
+    post_init.connect(saw, sender=StepRecord)
+    try:
+        signalled = new_step_record("t", "do", "running", 4)
+    finally:
+        post_init.disconnect(saw, sender=StepRecord)
+    assert seen == [signalled] and seen[0] is signalled
+
+
 def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
     """The worker's idle wait needs the next timer: read beside the claim in one pipeline,
     not in a trip of its own while the claimed runs start."""

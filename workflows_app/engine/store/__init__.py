@@ -52,7 +52,7 @@ from .leases import (
     release,
     unconsumed_events,
 )
-from .records import History, LeaseLost, LoadedRun, NewInstance, append_history
+from .records import History, LeaseLost, LoadedRun, NewInstance, append_history, model_object
 from .runs import (
     FinishWrite,
     StepWrite,
@@ -100,6 +100,7 @@ __all__ = [
     "load_runs",
     "measure_clock_offset",
     "merge_attributes",
+    "model_object",
     "next_wake_at",
     "order_by_id",
     "park",
