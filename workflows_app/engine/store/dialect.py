@@ -79,20 +79,24 @@ def ns_time_adapter(db: Any) -> Callable[[int], Any]:
     text Django would store, with no aware datetime made and converted (those were a
     quarter of a span row's cost in a herd of timers)."""
     if utc_text_times(db):
-        seconds_text: dict[int, str] = {}
-
-        def utc_text(ns: int) -> str:
-            # A flush's spans share few seconds: each second's text is made once (a span
-            # row's two times were a fifth of its cost in a herd of timers).
-            seconds, micro = divmod(ns // 1000, 1_000_000)
-            head = seconds_text.get(seconds)
-            if head is None:
-                head = seconds_text[seconds] = str(NAIVE_EPOCH + timedelta(seconds=seconds))
-            return f"{head}.{micro:06d}" if micro else head
-
-        return utc_text
+        return utc_text_maker()
     adapt = db.ops.adapt_datetimefield_value
     return lambda ns: adapt(instant(ns))
+
+
+def utc_text_maker() -> Callable[[int], str]:
+    """ns_time_adapter's SQLite text: a flush's spans share few seconds, so each second's
+    text is made once (a span row's two times were a fifth of its cost in a herd)."""
+    seconds_text: dict[int, str] = {}
+
+    def utc_text(ns: int) -> str:
+        seconds, micro = divmod(ns // 1000, 1_000_000)
+        head = seconds_text.get(seconds)
+        if head is None:
+            head = seconds_text[seconds] = str(NAIVE_EPOCH + timedelta(seconds=seconds))
+        return f"{head}.{micro:06d}" if micro else head
+
+    return utc_text
 
 
 def utc_text_times(db: Any) -> bool:
