@@ -169,3 +169,53 @@ async def test_a_hint_ends_the_gathering_of_updates_at_once(redis_layer, monkeyp
     live._background_send(live.WORKERS_GROUP, {"type": "wf.hint", "kind": "wake", "pk": None})
     # No flush: only the hint can end the 60-second gathering within these 10 seconds.
     assert (await asyncio.wait_for(redis_layer.receive(channel), 10))["pk"] == 1
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_layer):
+    """A woken timer stores three spans in one flush; its page reads its whole detail on
+    any of them, so the page's group gets one span message, not three."""
+    from asgiref.sync import sync_to_async
+
+    from workflows_app import live
+    from workflows_app.engine import WorkflowEntrypoint, register
+    from workflows_app.engine import spans as engine_spans
+
+    @register("span-messages")
+    class SpanMessages(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    from workflows_app.client import get_workflow
+
+    row = await sync_to_async(lambda: get_workflow("span-messages").create(id="sm").row())()
+    channel = await redis_layer.new_channel()
+    group = live.instance_group(row.pk)
+    await redis_layer.group_add(group, channel)
+    loop = asyncio.get_running_loop()
+
+    async def until_sentinel() -> list[dict]:
+        """What the group received before a sentinel sent now (messages keep their order)."""
+        live._background_send(group, {"type": "wf.sentinel", "pk": row.pk})
+        assert await loop.run_in_executor(None, live.flush)
+        received = []
+        while (message := await asyncio.wait_for(redis_layer.receive(channel), 5))[
+            "type"
+        ] != "wf.sentinel":
+            received.append(message)
+        return received
+
+    await loop.run_in_executor(None, live.EngineHooks().flush)  # spans queued before
+    await until_sentinel()
+    root = engine_spans.start_workflow_span(row.trace_id, "span-messages", {})
+    engine_spans.finished_span(
+        root, "sleep nap", engine_spans.instant(0), engine_spans.instant(0), {}
+    )
+    with engine_spans.child_span(root, "step s", {}):
+        pass
+    root.end()
+    await loop.run_in_executor(None, live.EngineHooks().flush)
+    received = await until_sentinel()
+    assert [m["type"] for m in received] == ["wf.span"]
+    assert received[0]["name"] == "workflow span-messages"  # the flush's last of that instance

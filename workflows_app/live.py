@@ -499,12 +499,14 @@ class EngineHooks:
         )
 
     def flush(self) -> None:
-        """In the engine's database thread: store queued spans and announce them."""
+        """In the engine's database thread: store queued spans and announce them, once
+        per instance a flush (its page reads its detail again whatever the span: three
+        messages for a woken timer's three spans were two too many)."""
         from .tracing import flush_spans
 
         stored = flush_spans()
         if stored and not nobody_listens():
-            for span in stored:
+            for span in {span.instance_id: span for span in stored}.values():
                 self.span_stored(span)
 
     def maintain(self) -> bool:
