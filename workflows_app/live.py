@@ -565,15 +565,14 @@ def publish(group: str, message: dict[str, Any]) -> None:
     is only safe in the loop its consumers run in, so the send is scheduled there; if no
     dashboard socket ever connected in this process, nobody can be listening.
     """
-    layer = get_channel_layer()
-    if layer is None:
+    if nobody_listens():
         return
+    layer = get_channel_layer()
     if not isinstance(layer, InMemoryChannelLayer):
         _background_send(group, message)
         return
     target = _socket_loop
-    if target is None or target.is_closed():
-        return
+    assert target is not None  # nobody_listens() said a socket's loop is bound and open
     current = running_loop()
 
     async def send() -> None:
