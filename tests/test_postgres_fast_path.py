@@ -594,8 +594,8 @@ def test_a_pipeline_whose_connection_the_server_ends_raises_djangos_error(regist
         connection.close()
 
 
-def _generic_plan(sql: str, params: dict) -> str:
-    """EXPLAIN of the generic plan of a statement of the engine, with these parameters."""
+def _server_side(sql: str, params: dict) -> tuple[str, str]:
+    """A statement of the engine with $n placeholders, and its parameters as literals."""
     from psycopg import ClientCursor
     from psycopg._queries import PostgresQuery
     from psycopg.adapt import Transformer
@@ -606,13 +606,69 @@ def _generic_plan(sql: str, params: dict) -> str:
     query.convert(sql, params)
     literals = ClientCursor(conn)
     args = ", ".join(literals.mogrify("%s", [params[name]]) for name in query._order)
+    return query.query.decode(), args
+
+
+def _explain_execute(cursor, name: str, args: str) -> str:
+    cursor.execute(f"EXPLAIN (COSTS OFF) EXECUTE {name}({args})")
+    return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def _generic_plan(sql: str, params: dict) -> str:
+    """EXPLAIN of the generic plan of a statement of the engine, with these parameters."""
+    statement, args = _server_side(sql, params)
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        cursor.execute("PREPARE engine_statement AS " + query.query.decode())
-        cursor.execute(f"EXPLAIN (COSTS OFF) EXECUTE engine_statement({args})")
-        plan = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute("PREPARE engine_statement AS " + statement)
+        plan = _explain_execute(cursor, "engine_statement", args)
         cursor.execute("DEALLOCATE engine_statement")
     return plan
+
+
+def test_a_claim_plan_kept_since_the_table_was_empty_is_made_anew_once_it_grows(
+    registered, monkeypatch
+):
+    """A connection keeps its claim's plan; one made while the instance table was empty
+    reads the whole table, and kept it until autovacuum's next analysis (a minute or
+    more). The workers' look at the tables' growth analyzes the grown table, and the
+    server plans the kept statement again, by index; a table that has not grown since is
+    left alone."""
+    postgres_only()
+    from workflows_app.engine.store import leases, plans
+
+    monkeypatch.setattr(plans, "_asked_at_pages", {})
+    now = clock.now()
+    statement, args = _server_side(
+        leases.CLAIM_SQL, leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
+    )
+    table_scan = "Seq Scan on workflows_app_instance"
+    with connection.cursor() as cursor:
+        # Only this test analyzes the table meanwhile.
+        cursor.execute("ALTER TABLE workflows_app_instance SET (autovacuum_enabled = false)")
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        cursor.execute("PREPARE kept_claim AS " + statement)
+        try:
+            assert not Instance.objects.exists()
+            assert table_scan in _explain_execute(cursor, "kept_claim", args)
+            Instance.objects.bulk_create(
+                Instance(
+                    workflow="growth",
+                    instance_id=f"g-{n}",
+                    version=1,
+                    trace_id=f"{n:032x}",
+                    created_at=now,
+                    updated_at=now,
+                )
+                for n in range(3000)
+            )
+            assert table_scan in _explain_execute(cursor, "kept_claim", args)  # still kept
+            assert "workflows_app_instance" in store.analyze_grown_tables()
+            assert table_scan not in _explain_execute(cursor, "kept_claim", args)
+            assert "workflows_app_instance" not in store.analyze_grown_tables()
+        finally:
+            cursor.execute("DEALLOCATE kept_claim")
+            cursor.execute("RESET plan_cache_mode")
+            cursor.execute("ALTER TABLE workflows_app_instance RESET (autovacuum_enabled)")
 
 
 def test_the_engines_statements_keep_their_generic_plans_and_those_read_by_index(registered):

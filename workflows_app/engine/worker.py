@@ -407,6 +407,7 @@ class Worker:
         self._flushing: asyncio.Future[None] | None = None  # see flush_in_background
         self._flush_again = False
         self._next_maintain = 0.0  # time.monotonic() of the next look for background work
+        self._next_plan_check = 0.0  # time.monotonic() of the next look at the tables' growth
         # Finished instances past their retention are deleted this often (engine clock; 0: only
         # by `wf prune`), a batch at a time between runs.
         self.prune_seconds = float(conf.get("PRUNE_SECONDS", 300))
@@ -682,6 +683,16 @@ class Worker:
         self._next_maintain = now if did else now + self.poll_seconds
         return did
 
+    async def refresh_plans_once(self) -> None:
+        """At most every PLAN_CHECK_SECONDS: analyze a hot table that outgrew the plans
+        kept for it (store.plans), while the growth is under way, not a minute later."""
+        now = time.monotonic()
+        if now < self._next_plan_check or self._stopping:
+            return
+        self._next_plan_check = now + store.plans.PLAN_CHECK_SECONDS
+        assert self.db is not None
+        await self.db(store.analyze_grown_tables)
+
     async def prune_once(self) -> int:
         """When due, delete one batch of finished instances past their retention (the same
         store.prune as `wf prune`); returns how many. A full batch makes it due again at once."""
@@ -880,6 +891,7 @@ class Worker:
                     await self.release_pending()
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
+                    await self.refresh_plans_once()
                     full = self._full = self.free_slots() <= 0
                     # Claim again at once only if the claim was cut short by the free places
                     # while places remain (more is due than it took).

@@ -5,6 +5,7 @@
 - control: admission (the queue under max_concurrent_instances) and operator actions;
 - catalog: the version catalog, pruning and deleting;
 - bulk: bulk jobs' snapshots, batches and progress;
+- plans: PostgreSQL's kept plans re-made as the tables grow;
 - dialect: every SQLite/PostgreSQL difference; records: what they share.
 
 The functions are synchronous and each is one transaction; the engine calls them from its
@@ -13,7 +14,7 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import bulk, control, dialect, schedules
+from . import bulk, control, dialect, plans, schedules
 from .catalog import (
     VERSION_MISSING,
     delete_instances,
@@ -52,6 +53,7 @@ from .leases import (
     release,
     unconsumed_events,
 )
+from .plans import analyze_grown_tables
 from .records import History, LeaseLost, LoadedRun, NewInstance, append_history, model_object
 from .runs import (
     FinishWrite,
@@ -77,6 +79,7 @@ __all__ = [
     "StepWrite",
     "WakeListener",
     "admit_due",
+    "analyze_grown_tables",
     "append_history",
     "begin_compensation",
     "bulk",
@@ -106,6 +109,7 @@ __all__ = [
     "park",
     "park_unrunnable",
     "pause",
+    "plans",
     "promote_all_queued",
     "promote_queued",
     "prunable",
