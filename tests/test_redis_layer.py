@@ -206,6 +206,7 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
             received.append(message)
         return received
 
+    await live.mark_pages_open(redis_layer)  # as the page's hub would
     await loop.run_in_executor(None, live.EngineHooks().flush)  # spans queued before
     await until_sentinel()
     root = engine_spans.start_workflow_span(row.trace_id, "span-messages", {})
@@ -219,3 +220,91 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     received = await until_sentinel()
     assert [m["type"] for m in received] == ["wf.span"]
     assert received[0]["name"] == "workflow span-messages"  # the flush's last of that instance
+
+
+async def _until_sentinel(redis_layer, channel: str, group: str) -> list[dict]:
+    """What the group received before a sentinel sent now, past every gate (in order)."""
+    from workflows_app import live
+
+    live._background_send(group, {"type": "wf.sentinel", "pk": 0})
+    assert await asyncio.get_running_loop().run_in_executor(None, live.flush)
+    received = []
+    while (message := await asyncio.wait_for(redis_layer.receive(channel), 5))[
+        "type"
+    ] != "wf.sentinel":
+        received.append(message)
+    return received
+
+
+@needs_redis
+async def test_page_messages_are_not_built_while_no_page_is_open_in_any_process(
+    redis_layer, monkeypatch
+):
+    """Hubs keep a key in Redis while they serve a socket. Where a look found none, the
+    engine's page messages are not built or sent; a page opening is heard at once in its
+    own process, and an absence seen is trusted only for PAGES_TRUST_SECONDS."""
+    import secrets
+
+    from workflows_app import live
+
+    pk = 10**9 + secrets.randbelow(10**9)
+    channel = await redis_layer.new_channel()
+    group = live.instance_group(pk)
+    await redis_layer.group_add(group, channel)
+    redis, key = live._pages_store(redis_layer)
+    await redis.delete(key)
+    await live.look_for_pages(redis_layer)
+    assert live.no_page_open()
+    hooks = live.EngineHooks()
+    hooks.run_finished(pk, "complete")
+    live.instance_changed("event", pk)
+    assert await _until_sentinel(redis_layer, channel, group) == []
+
+    assert await live.mark_pages_open(redis_layer)  # it was absent
+    assert not live.no_page_open() and await redis.exists(key)
+    hooks.run_finished(pk, "complete")
+    assert [m["kind"] for m in await _until_sentinel(redis_layer, channel, group)] == ["complete"]
+    assert not await live.mark_pages_open(redis_layer)  # present: nobody missed anything
+
+    await redis.delete(key)
+    await live.look_for_pages(redis_layer)
+    assert live.no_page_open()
+    monkeypatch.setattr(live, "PAGES_TRUST_SECONDS", 0.0)  # the look is out of date
+    assert not live.no_page_open()
+    hooks.run_finished(pk, "errored")
+    assert [m["kind"] for m in await _until_sentinel(redis_layer, channel, group)] == ["errored"]
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+async def test_a_hub_that_finds_no_page_open_sends_its_sockets_their_snapshots_again(
+    redis_layer, monkeypatch
+):
+    """Processes that saw no page open may have dropped messages for up to
+    PAGES_TRUST_SECONDS after a hub set the key: the hub resends its sockets their
+    snapshots once that time has passed."""
+    from workflows_app import fanout, live
+
+    monkeypatch.setattr(live, "PAGES_TRUST_SECONDS", 0.05)
+    monkeypatch.setattr(fanout, "PAGES_RESYNC_MARGIN_SECONDS", 0.0)
+    redis, key = live._pages_store(redis_layer)
+    await redis.delete(key)
+
+    class Page:
+        def __init__(self) -> None:
+            self.resynced = asyncio.Event()
+
+        async def deliver(self, seq: int, text: str) -> None:
+            pass
+
+        async def resync(self) -> None:
+            self.resynced.set()
+
+    page = Page()
+    hub = fanout.hub()
+    await hub.subscribe(page, fanout.instance_stream(1))
+    try:
+        assert await redis.exists(key)
+        await asyncio.wait_for(page.resynced.wait(), 10)
+    finally:
+        await hub.unsubscribe(page, fanout.instance_stream(1))

@@ -58,6 +58,9 @@ GAP_SECONDS = 10.0  # how long an id the tail skipped is looked for (PostgreSQL 
 # transactions out of id order: a lower id can become visible after a higher one)
 MAX_GAPS = 1000
 HEARTBEAT_SECONDS = 5.0
+# A resync after live.PAGES_TRUST_SECONDS waits this much more for messages sent just
+# before that time ran out (a sender gathers them for 5 ms).
+PAGES_RESYNC_MARGIN_SECONDS = 0.5
 REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
 MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
 RETRY_SECONDS = 1.0  # after a failed read (database restarting)
@@ -86,6 +89,9 @@ def bulk_job_stream(pk: int) -> str:
 
 class Subscriber(Protocol):
     async def deliver(self, seq: int, text: str) -> None: ...
+
+    async def resync(self) -> None:
+        """Send the page its whole state again (a fresh snapshot)."""
 
 
 # The hub's reads run in one thread that keeps its database connection open: asgiref's
@@ -164,6 +170,7 @@ class Hub:
         # job pk -> (its progress JSON as last sent, done): a finished job is not read again
         self.bulk_pushed: dict[int, tuple[str, bool]] = {}
         self.tasks: list[asyncio.Task[None]] = []
+        self.resyncing: asyncio.Task[None] | None = None  # see keep_pages_open
         self.channel: str | None = None
         self.joined: set[str] = set()
         self.after = 0  # the tail's position: the highest history id seen
@@ -240,6 +247,8 @@ class Hub:
                 await self.join(live.OVERVIEW_GROUP)
                 self.tail_seconds = TAIL_SECONDS
                 self.hears_every_change = True
+            else:
+                await self.keep_pages_open(starting=True)
         self.after = await self.read(latest_history_id)
         self.tasks = [
             asyncio.ensure_future(loop())
@@ -253,8 +262,32 @@ class Hub:
             )
         ]
 
+    async def keep_pages_open(self, starting: bool = False) -> None:
+        """Over Redis: keep live.PAGES_KEY alive while this hub serves sockets. When other
+        processes may have seen no page open (this hub starts, or the key had expired),
+        they may have dropped their messages of the last live.PAGES_TRUST_SECONDS: every
+        socket here is sent its snapshot again once those seconds have passed."""
+        try:
+            absent = await live.mark_pages_open(get_channel_layer())
+        except Exception:
+            log.warning("could not mark the dashboard open in Redis", exc_info=True)
+            return
+        if (absent or starting) and (self.resyncing is None or self.resyncing.done()):
+            self.resyncing = asyncio.ensure_future(self.resync_later())
+
+    async def resync_later(self) -> None:
+        await asyncio.sleep(live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS)
+        for subscribers in list(self.streams.values()):
+            for subscriber in list(subscribers):
+                try:
+                    await subscriber.resync()
+                except Exception:  # a socket closing meanwhile
+                    log.debug("could not resync a socket", exc_info=True)
+
     async def stop(self) -> None:
         self.running = False
+        if self.resyncing is not None:
+            self.resyncing.cancel()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -495,6 +528,8 @@ class Hub:
                 for subscriber in list(subscribers):
                     with contextlib.suppress(Exception):
                         await subscriber.deliver(seq, text)
+            if not self.hears_every_change:
+                await self.keep_pages_open()
             if time.monotonic() - rejoined > REJOIN_SECONDS:
                 rejoined = time.monotonic()
                 for group in list(self.joined):

@@ -127,7 +127,8 @@ def bulk_job_group(pk: int) -> str:
 
 def bulk_job_progressed(pk: int) -> None:
     """A batch of a bulk job committed: pages following the job read its progress now."""
-    publish(bulk_job_group(pk), {"type": "wf.bulk", "pk": pk})
+    if not no_page_open():
+        publish(bulk_job_group(pk), {"type": "wf.bulk", "pk": pk})
 
 
 def is_in_process(layer: Any) -> bool:
@@ -141,6 +142,84 @@ def _cross_process_layer() -> Any:
     if layer is None or is_in_process(layer):
         return None
     return layer
+
+
+# Whether a dashboard page is open anywhere, over a cross-process layer (Redis). Each
+# process's fan-out hub keeps PAGES_KEY alive while it serves a socket; a process that
+# publishes looks at the key every PAGES_LOOK_SECONDS (in its Sender's loop) and, while it
+# is absent, builds no page messages: with no page open, a busy worker's updates cost it a
+# Redis look-up per burst and its sender thread's time, for nobody. An absence is trusted
+# for PAGES_TRUST_SECONDS from the start of the look that found it, never longer (a look
+# that stalls means: publish), so a page that opens meanwhile misses at most that much;
+# its hub sends its sockets their snapshots again once that has passed (fanout.Hub).
+PAGES_KEY = "wfdash.pages-open"
+PAGES_TTL_SECONDS = 15  # the hubs set it again every fanout.HEARTBEAT_SECONDS
+PAGES_LOOK_SECONDS = 0.5
+PAGES_TRUST_SECONDS = 1.0
+
+
+class OpenPages:
+    """This process's latest look at PAGES_KEY."""
+
+    def __init__(self) -> None:
+        self.absent_since: float | None = None  # time.monotonic() a look that found none began
+        self.marked_at = -float("inf")  # time.monotonic() a hub here last set the key
+
+    def none(self) -> bool:
+        began = self.absent_since
+        return began is not None and time.monotonic() - began < PAGES_TRUST_SECONDS
+
+    def looked(self, began: float, found: bool) -> None:
+        """A look that began before a hub here set the key says nothing of now."""
+        if found or began < self.marked_at:
+            self.absent_since = None
+        else:
+            self.absent_since = began
+
+
+open_pages = OpenPages()
+
+
+def _pages_store(layer: Any) -> tuple[Any, str] | None:
+    """The Redis connection PAGES_KEY lives on (the layer's first host) and the key, or
+    None for a layer that is not channels_redis's (its pages are assumed open)."""
+    if layer is None or is_in_process(layer) or not hasattr(layer, "connection"):
+        return None
+    return layer.connection(0), f"{getattr(layer, 'prefix', 'asgi')}:{PAGES_KEY}"
+
+
+async def mark_pages_open(layer: Any) -> bool:
+    """Say that a page is open in this process (a hub, while it serves sockets); True if
+    the key was absent: other processes may have dropped their messages until now."""
+    found = _pages_store(layer)
+    if found is None:
+        return False
+    redis, key = found
+    open_pages.marked_at = time.monotonic()
+    open_pages.absent_since = None
+    return await redis.set(key, b"1", ex=PAGES_TTL_SECONDS, get=True) is None
+
+
+async def look_for_pages(layer: Any) -> None:
+    """One look at PAGES_KEY, for open_pages; a failed look counts as a page open."""
+    found = _pages_store(layer)
+    if found is None:
+        return
+    redis, key = found
+    began = time.monotonic()
+    try:
+        present = bool(await redis.exists(key))
+    except Exception:
+        log.debug("could not look for open pages; publishing", exc_info=True)
+        present = True
+    open_pages.looked(began, present)
+
+
+def no_page_open() -> bool:
+    """No dashboard page can hear of a change: nobody_listens(), or over Redis no process
+    had a page open at this process's latest look (PAGES_KEY). Page messages only: a
+    logout's message to a session's sockets is sent whatever the look said."""
+    return nobody_listens() or open_pages.none()
 
 
 def publish_overview(message: dict[str, Any]) -> None:
@@ -159,7 +238,7 @@ def instance_changed(
     hint goes through the channel layer."""
     notify_local(kind, pk)
     result_waiters.wake(pk)
-    if pk is not None:
+    if pk is not None and not no_page_open():
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
         publish_overview(message)
@@ -283,6 +362,7 @@ class Sender:
             target=self.loop.run_forever, name="wfdash-live-sender", daemon=True
         ).start()
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
+        asyncio.run_coroutine_threadsafe(self._look_for_pages(), self.loop)
 
     def put(self, group: str, message: dict[str, Any]) -> None:
         """From any thread. The sender's loop is woken once per burst, not per message
@@ -342,6 +422,12 @@ class Sender:
             if not self.wake.is_set():
                 self.hurry.clear()  # a hint's or a flush's hurry is over
                 self.idle.set()
+
+    async def _look_for_pages(self) -> None:
+        """Keep open_pages current for this process (see PAGES_KEY)."""
+        while _pages_store(get_channel_layer()) is not None:
+            await look_for_pages(get_channel_layer())
+            await asyncio.sleep(PAGES_LOOK_SECONDS)
 
     async def _gather(self) -> None:
         """Let the rest of a burst of updates arrive, unless a hint or a flush hurries."""
@@ -462,7 +548,7 @@ class EngineHooks:
     def step_written(self, run: Any, record: Any, history: Any) -> None:
         if history:  # history subscriptions (client.subscribe) in this process
             result_waiters.wake(run.pk)
-        if nobody_listens():
+        if no_page_open():
             return
         step = {
             "name": record.name,
@@ -486,6 +572,8 @@ class EngineHooks:
             )
 
     def attempt_failed(self, run: Any, record: Any, exc: BaseException) -> None:
+        if no_page_open():
+            return
         publish(
             instance_group(run.pk),
             {
@@ -505,7 +593,7 @@ class EngineHooks:
         from .tracing import flush_spans
 
         stored = flush_spans()
-        if stored and not nobody_listens():
+        if stored and not no_page_open():
             for span in {span.instance_id: span for span in stored}.values():
                 self.span_stored(span)
 
@@ -517,7 +605,7 @@ class EngineHooks:
 
     def run_finished(self, pk: int, outcome: str) -> None:
         result_waiters.wake(pk)
-        if nobody_listens():
+        if no_page_open():
             return
         message = {"type": "wf.instance", "pk": pk, "workflow": None, "kind": outcome}
         publish(instance_group(pk), message)
