@@ -260,11 +260,11 @@ async def test_page_messages_are_not_built_while_no_page_is_open_in_any_process(
     live.instance_changed("event", pk)
     assert await _until_sentinel(redis_layer, channel, group) == []
 
-    assert await live.mark_pages_open(redis_layer)  # it was absent
+    assert await live.mark_pages_open(redis_layer) is None  # it was absent
     assert not live.no_page_open() and await redis.exists(key)
     hooks.run_finished(pk, "complete")
     assert [m["kind"] for m in await _until_sentinel(redis_layer, channel, group)] == ["complete"]
-    assert not await live.mark_pages_open(redis_layer)  # present: nobody missed anything
+    assert 0 <= await live.mark_pages_open(redis_layer) < 5  # open for that long
 
     await redis.delete(key)
     await live.look_for_pages(redis_layer)
@@ -308,3 +308,14 @@ async def test_a_hub_that_finds_no_page_open_sends_its_sockets_their_snapshots_a
         await asyncio.wait_for(page.resynced.wait(), 10)
     finally:
         await hub.unsubscribe(page, fanout.instance_stream(1))
+
+    # Pages open elsewhere for a minute: nothing was dropped, no snapshot is resent.
+    (seconds, micros) = await redis.time()
+    await redis.set(key, seconds * 1000 + micros // 1000 - 60_000, ex=15)
+    later = Page()
+    await hub.subscribe(later, fanout.instance_stream(2))
+    try:
+        assert hub.resyncing is None or hub.resyncing.done()
+        assert await redis.ttl(key) > 10  # renewed
+    finally:
+        await hub.unsubscribe(later, fanout.instance_stream(2))

@@ -180,13 +180,21 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.handle_client(content)
 
     async def resync(self) -> None:
-        """The page noticed a gap in the stream's numbers: send it a fresh snapshot."""
-        if self.hub is None:
-            return
+        """A fresh snapshot: the page noticed a gap in the stream's numbers, or its hub
+        learnt that messages may have been dropped. Messages the hub delivers while it is
+        read wait and follow it, as on connect (sent before it, the snapshot's older
+        number made the page see a gap and ask again)."""
+        if self.hub is None or self.backlog is not None:
+            return  # a snapshot is being read already
+        self.backlog = []
         seq = self.hub.seq(self.stream())
         snapshot = await self.snapshot()
         if snapshot is not None:
-            await self.send_json({**snapshot, "seq": seq})
+            await self.send_snapshot(snapshot, seq)
+            return
+        backlog, self.backlog = self.backlog, None
+        for _, text in backlog:
+            await self.send_text(text)
 
     async def handle_client(self, content: dict[str, Any]) -> None:
         await self.reject("unsupported message")

@@ -248,7 +248,7 @@ class Hub:
                 self.tail_seconds = TAIL_SECONDS
                 self.hears_every_change = True
             else:
-                await self.keep_pages_open(starting=True)
+                await self.keep_pages_open()
         self.after = await self.read(latest_history_id)
         self.tasks = [
             asyncio.ensure_future(loop())
@@ -262,17 +262,20 @@ class Hub:
             )
         ]
 
-    async def keep_pages_open(self, starting: bool = False) -> None:
-        """Over Redis: keep live.PAGES_KEY alive while this hub serves sockets. When other
-        processes may have seen no page open (this hub starts, or the key had expired),
-        they may have dropped their messages of the last live.PAGES_TRUST_SECONDS: every
-        socket here is sent its snapshot again once those seconds have passed."""
+    async def keep_pages_open(self) -> None:
+        """Over Redis: keep live.PAGES_KEY alive while this hub serves sockets. If pages
+        were not open somewhere for the last live.PAGES_TRUST_SECONDS (and a margin), other
+        processes may have dropped messages meanwhile: every socket here is sent its
+        snapshot again once those seconds have passed."""
         try:
-            absent = await live.mark_pages_open(get_channel_layer())
+            open_for = await live.mark_pages_open(get_channel_layer())
         except Exception:
             log.warning("could not mark the dashboard open in Redis", exc_info=True)
             return
-        if (absent or starting) and (self.resyncing is None or self.resyncing.done()):
+        recently = (
+            open_for is None or open_for < live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS
+        )
+        if recently and (self.resyncing is None or self.resyncing.done()):
             self.resyncing = asyncio.ensure_future(self.resync_later())
 
     async def resync_later(self) -> None:
