@@ -407,7 +407,8 @@ class Worker:
         self._flushing: asyncio.Future[None] | None = None  # see flush_in_background
         self._flush_again = False
         self._next_maintain = 0.0  # time.monotonic() of the next look for background work
-        self._next_plan_check = 0.0  # time.monotonic() of the next look at the tables' growth
+        # time.monotonic() of the next look at the tables' growth (SQLite keeps no plans).
+        self._next_plan_check = 0.0 if connection.vendor == "postgresql" else float("inf")
         # Finished instances past their retention are deleted this often (engine clock; 0: only
         # by `wf prune`), a batch at a time between runs.
         self.prune_seconds = float(conf.get("PRUNE_SECONDS", 300))
