@@ -594,6 +594,22 @@ def test_a_pipeline_whose_connection_the_server_ends_raises_djangos_error(regist
         connection.close()
 
 
+def _bulk_instances(workflow: str, count: int) -> None:
+    """count bare instances of a workflow in one insert (a table to plan against)."""
+    now = clock.now()
+    Instance.objects.bulk_create(
+        Instance(
+            workflow=workflow,
+            instance_id=f"{workflow}-{n}",
+            version=1,
+            trace_id=f"{n:032x}",
+            created_at=now,
+            updated_at=now,
+        )
+        for n in range(count)
+    )
+
+
 def _server_side(sql: str, params: dict) -> tuple[str, str]:
     """A statement of the engine with $n placeholders, and its parameters as literals."""
     from psycopg import ClientCursor
@@ -652,17 +668,7 @@ def test_a_claim_plan_kept_since_the_table_was_empty_is_made_anew_once_it_grows(
         cursor.execute("PREPARE kept_claim AS " + statement)
         try:
             assert table_scan in _explain_execute(cursor, "kept_claim", args)
-            Instance.objects.bulk_create(
-                Instance(
-                    workflow="growth",
-                    instance_id=f"g-{n}",
-                    version=1,
-                    trace_id=f"{n:032x}",
-                    created_at=now,
-                    updated_at=now,
-                )
-                for n in range(3000)
-            )
+            _bulk_instances("growth", 3000)
             assert table_scan in _explain_execute(cursor, "kept_claim", args)  # still kept
             assert "workflows_app_instance" in store.analyze_grown_tables()
             assert table_scan not in _explain_execute(cursor, "kept_claim", args)
@@ -684,17 +690,7 @@ def test_the_engines_statements_keep_their_generic_plans_and_those_read_by_index
     with dialect.statement_cursor() as cursor:
         cursor.execute("SHOW plan_cache_mode")
         assert cursor.fetchone() == ("force_generic_plan",)
-    Instance.objects.bulk_create(
-        Instance(
-            workflow="plans",
-            instance_id=f"p-{n}",
-            version=1,
-            trace_id=f"{n:032x}",
-            created_at=clock.now(),
-            updated_at=clock.now(),
-        )
-        for n in range(3000)
-    )
+    _bulk_instances("plans", 3000)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE workflows_app_instance")
     now = clock.now()

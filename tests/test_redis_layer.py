@@ -36,6 +36,20 @@ async def watched_group(redis_layer, label: str) -> tuple[str, str]:
     return channel, watched
 
 
+async def _until_sentinel(redis_layer, channel: str, group: str) -> list[dict]:
+    """What the group received before a sentinel sent now, past every gate (in order)."""
+    from workflows_app import live
+
+    live._background_send(group, {"type": "wf.sentinel", "pk": 0})
+    assert await asyncio.get_running_loop().run_in_executor(None, live.flush)
+    received = []
+    while (message := await asyncio.wait_for(redis_layer.receive(channel), 5))[
+        "type"
+    ] != "wf.sentinel":
+        received.append(message)
+    return received
+
+
 @needs_redis
 async def test_a_cancelled_receive_stops_and_loses_no_message(redis_layer):
     # redis-py swallows a cancellation landing mid-BZPOPMIN; channels_redis then popped
@@ -194,21 +208,9 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     group = live.instance_group(row.pk)
     await redis_layer.group_add(group, channel)
     loop = asyncio.get_running_loop()
-
-    async def until_sentinel() -> list[dict]:
-        """What the group received before a sentinel sent now (messages keep their order)."""
-        live._background_send(group, {"type": "wf.sentinel", "pk": row.pk})
-        assert await loop.run_in_executor(None, live.flush)
-        received = []
-        while (message := await asyncio.wait_for(redis_layer.receive(channel), 5))[
-            "type"
-        ] != "wf.sentinel":
-            received.append(message)
-        return received
-
     await live.mark_pages_open(redis_layer)  # as the page's hub would
     await loop.run_in_executor(None, live.EngineHooks().flush)  # spans queued before
-    await until_sentinel()
+    await _until_sentinel(redis_layer, channel, group)
     root = engine_spans.start_workflow_span(row.trace_id, "span-messages", {})
     engine_spans.finished_span(
         root, "sleep nap", engine_spans.instant(0), engine_spans.instant(0), {}
@@ -217,23 +219,9 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
         pass
     root.end()
     await loop.run_in_executor(None, live.EngineHooks().flush)
-    received = await until_sentinel()
+    received = await _until_sentinel(redis_layer, channel, group)
     assert [m["type"] for m in received] == ["wf.span"]
     assert received[0]["name"] == "workflow span-messages"  # the flush's last of that instance
-
-
-async def _until_sentinel(redis_layer, channel: str, group: str) -> list[dict]:
-    """What the group received before a sentinel sent now, past every gate (in order)."""
-    from workflows_app import live
-
-    live._background_send(group, {"type": "wf.sentinel", "pk": 0})
-    assert await asyncio.get_running_loop().run_in_executor(None, live.flush)
-    received = []
-    while (message := await asyncio.wait_for(redis_layer.receive(channel), 5))[
-        "type"
-    ] != "wf.sentinel":
-        received.append(message)
-    return received
 
 
 @needs_redis
