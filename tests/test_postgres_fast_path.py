@@ -704,3 +704,36 @@ def test_the_engines_statements_keep_their_generic_plans_and_those_read_by_index
     for plan in (claim, ends):
         assert "Seq Scan on workflows_app_instance" not in plan, plan
         assert "Index Cond: (parent_id IS NULL)" not in plan, plan
+
+
+async def test_a_worker_looks_at_the_tables_growth_between_claims_every_few_seconds(
+    registered, monkeypatch
+):
+    """The serve loop's look (Worker.refresh_plans_once) analyzes the grown instance table
+    in a database thread, then not again before PLAN_CHECK_SECONDS have passed."""
+    from asgiref.sync import sync_to_async
+
+    from workflows_app.engine.store import plans
+    from workflows_app.engine.worker import ConnectionThreads, Worker
+
+    postgres_only()
+    monkeypatch.setattr(plans, "_asked_at_pages", {})
+    analyzed: list[list[str]] = []
+
+    def counted() -> list[str]:
+        analyzed.append(plans.analyze_grown_tables())
+        return analyzed[-1]
+
+    monkeypatch.setattr(store, "analyze_grown_tables", counted)
+    await sync_to_async(_bulk_instances)("looked-at", 3000)
+    worker = Worker()
+    worker.db = ConnectionThreads(1, "test-plans")
+    try:
+        await worker.refresh_plans_once()
+        await worker.refresh_plans_once()  # within PLAN_CHECK_SECONDS: no look
+        assert len(analyzed) == 1 and "workflows_app_instance" in analyzed[0]
+        worker._next_plan_check = 0.0  # the seconds have passed
+        await worker.refresh_plans_once()
+        assert analyzed[1] == []  # not grown since
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, worker.db.close)
