@@ -248,11 +248,13 @@ async def test_page_messages_are_not_built_while_no_page_is_open_in_any_process(
     live.instance_changed("event", pk)
     assert await _until_sentinel(redis_layer, channel, group) == []
 
-    assert await live.mark_pages_open(redis_layer) is None  # it was absent
+    made, age = await live.mark_pages_open(redis_layer)
+    assert age == 0  # it was absent: made now
     assert not live.no_page_open() and await redis.exists(key)
     hooks.run_finished(pk, "complete")
     assert [m["kind"] for m in await _until_sentinel(redis_layer, channel, group)] == ["complete"]
-    assert 0 <= await live.mark_pages_open(redis_layer) < 5  # open for that long
+    made_again, age = await live.mark_pages_open(redis_layer)
+    assert made_again == made and 0 <= age < 5  # open since then
 
     await redis.delete(key)
     await live.look_for_pages(redis_layer)
@@ -305,5 +307,14 @@ async def test_a_hub_that_finds_no_page_open_sends_its_sockets_their_snapshots_a
     try:
         assert hub.resyncing is None or hub.resyncing.done()
         assert await redis.ttl(key) > 10  # renewed
+
+        # Redis lost the key and another process's hub made it again, seconds before this
+        # hub's next mark: a key this hub has not seen, older than the trust, still
+        # means messages were dropped, and its pages are resynced.
+        await redis.delete(key)
+        (seconds, micros) = await redis.time()
+        await redis.set(key, seconds * 1000 + micros // 1000 - 4_000, ex=15)
+        await hub.keep_pages_open()
+        await asyncio.wait_for(later.resynced.wait(), 10)
     finally:
         await hub.unsubscribe(later, fanout.instance_stream(2))

@@ -187,14 +187,17 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if self.hub is None or self.backlog is not None:
             return  # a snapshot is being read already
         self.backlog = []
-        seq = self.hub.seq(self.stream())
-        snapshot = await self.snapshot()
+        snapshot = None
+        try:
+            seq = self.hub.seq(self.stream())
+            snapshot = await self.snapshot()
+        finally:
+            if snapshot is None:  # gone, or the read failed: what was held goes on as is
+                backlog, self.backlog = self.backlog, None
+                for _, text in backlog:
+                    await self.send_text(text)
         if snapshot is not None:
             await self.send_snapshot(snapshot, seq)
-            return
-        backlog, self.backlog = self.backlog, None
-        for _, text in backlog:
-            await self.send_text(text)
 
     async def handle_client(self, content: dict[str, Any]) -> None:
         await self.reject("unsupported message")

@@ -61,6 +61,7 @@ HEARTBEAT_SECONDS = 5.0
 # A resync after live.PAGES_TRUST_SECONDS waits this much more for messages sent just
 # before that time ran out (a sender gathers them for 5 ms).
 PAGES_RESYNC_MARGIN_SECONDS = 0.5
+PAGES_MARK_TIMEOUT_SECONDS = 2.0  # a hung Redis does not hold up a socket's connect
 REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
 MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
 RETRY_SECONDS = 1.0  # after a failed read (database restarting)
@@ -79,8 +80,11 @@ OVERVIEW_STREAM = "overview"
 T = TypeVar("T")
 
 
+INSTANCE_STREAM_PREFIX = "instance."
+
+
 def instance_stream(pk: int) -> str:
-    return f"instance.{pk}"
+    return f"{INSTANCE_STREAM_PREFIX}{pk}"
 
 
 def bulk_job_stream(pk: int) -> str:
@@ -170,7 +174,11 @@ class Hub:
         # job pk -> (its progress JSON as last sent, done): a finished job is not read again
         self.bulk_pushed: dict[int, tuple[str, bool]] = {}
         self.tasks: list[asyncio.Task[None]] = []
-        self.resyncing: asyncio.Task[None] | None = None  # see keep_pages_open
+        # See keep_pages_open: the key's making time last seen, a failed mark, a resync.
+        self.pages_made: int | None = None
+        self.pages_unsure = False
+        self.resync_pending = False
+        self.resyncing: asyncio.Task[None] | None = None
         self.channel: str | None = None
         self.joined: set[str] = set()
         self.after = 0  # the tail's position: the highest history id seen
@@ -214,8 +222,8 @@ class Hub:
 
     @staticmethod
     def group_of(stream: str) -> str | None:
-        if stream.startswith("instance."):
-            return live.instance_group(int(stream.removeprefix("instance.")))
+        if stream.startswith(INSTANCE_STREAM_PREFIX):
+            return live.instance_group(int(stream.removeprefix(INSTANCE_STREAM_PREFIX)))
         if stream.startswith("bulk."):
             return live.bulk_job_group(int(stream.removeprefix("bulk.")))
         return None
@@ -263,32 +271,51 @@ class Hub:
         ]
 
     async def keep_pages_open(self) -> None:
-        """Over Redis: keep live.PAGES_KEY alive while this hub serves sockets. If pages
-        were not open somewhere for the last live.PAGES_TRUST_SECONDS (and a margin), other
-        processes may have dropped messages meanwhile: every socket here is sent its
-        snapshot again once those seconds have passed."""
+        """Over Redis: keep live.PAGES_KEY alive while this hub serves sockets. Other
+        processes may have dropped page messages until live.PAGES_TRUST_SECONDS after the
+        key was made: if it was made since this hub last saw it (it had expired, or Redis
+        lost it), or at its first mark less than those seconds (and a margin) ago, or if a
+        mark failed, every instance page here is sent its snapshot again once they pass."""
         try:
-            open_for = await live.mark_pages_open(get_channel_layer())
+            marked = await asyncio.wait_for(
+                live.mark_pages_open(get_channel_layer()), PAGES_MARK_TIMEOUT_SECONDS
+            )
         except Exception:
             log.warning("could not mark the dashboard open in Redis", exc_info=True)
+            self.pages_unsure = True  # the key may have been made without our hearing it
             return
-        recently = (
-            open_for is None or open_for < live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS
-        )
-        if recently and (self.resyncing is None or self.resyncing.done()):
-            self.resyncing = asyncio.ensure_future(self.resync_later())
+        if marked is None:
+            return
+        made, age = marked
+        if self.pages_made is None:
+            dropped = age < live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS
+        else:
+            dropped = made != self.pages_made
+        self.pages_made = made
+        if dropped or self.pages_unsure:
+            self.pages_unsure = False
+            self.resync_pending = True
+            if self.resyncing is None or self.resyncing.done():
+                self.resyncing = asyncio.ensure_future(self.resync_later())
 
     async def resync_later(self) -> None:
-        await asyncio.sleep(live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS)
-        for subscribers in list(self.streams.values()):
-            for subscriber in list(subscribers):
-                try:
-                    await subscriber.resync()
-                except Exception:  # a socket closing meanwhile
-                    log.debug("could not resync a socket", exc_info=True)
+        """Instance pages only: over Redis the lists and the overview come from the tail,
+        and bulk jobs are read on a timer, whatever the engine's messages did."""
+        while self.resync_pending:
+            self.resync_pending = False  # a mark that finds a new key meanwhile: again
+            await asyncio.sleep(live.PAGES_TRUST_SECONDS + PAGES_RESYNC_MARGIN_SECONDS)
+            for stream, subscribers in list(self.streams.items()):
+                if not stream.startswith(INSTANCE_STREAM_PREFIX):
+                    continue
+                for subscriber in list(subscribers):
+                    try:
+                        await subscriber.resync()
+                    except Exception:  # a socket closing meanwhile
+                        log.debug("could not resync a socket", exc_info=True)
 
     async def stop(self) -> None:
         self.running = False
+        self.pages_made = None  # a hub started again judges the key by its age
         if self.resyncing is not None:
             self.resyncing.cancel()
         for task in self.tasks:

@@ -188,33 +188,33 @@ def _pages_store(layer: Any) -> tuple[Any, str] | None:
     return layer.connection(0), f"{getattr(layer, 'prefix', 'asgi')}:{PAGES_KEY}"
 
 
-async def mark_pages_open(layer: Any) -> float | None:
+async def mark_pages_open(layer: Any) -> tuple[int, float] | None:
     """Say that a page is open in this process (a hub, while it serves sockets). Returns
-    how long pages have been open without a break, in seconds by Redis's clock (the key
-    holds when it was made), or None if the key was absent: other processes may have
-    dropped their messages until PAGES_TRUST_SECONDS after it was made."""
+    when the key was made (Redis's clock, in milliseconds: pages have been open somewhere
+    without a break since) and its age in seconds; None for a layer without the key.
+    Other processes may have dropped messages until PAGES_TRUST_SECONDS after it was made."""
     found = _pages_store(layer)
     if found is None:
-        return float("inf")
+        return None
     redis, key = found
     open_pages.marked_at = time.monotonic()
     open_pages.absent_since = None
-    age_ms = await redis.eval(MARK_PAGES_OPEN, 1, key, PAGES_TTL_SECONDS)
-    return None if int(age_ms) < 0 else int(age_ms) / 1000
+    made, now = await redis.eval(MARK_PAGES_OPEN, 1, key, PAGES_TTL_SECONDS)
+    return int(made), (int(now) - int(made)) / 1000
 
 
-# PAGES_KEY made with Redis's time in milliseconds, or its expiry renewed: returns its age
-# in milliseconds, or -1 if it was made now.
+# PAGES_KEY made with Redis's time in milliseconds, or its expiry renewed: returns when it
+# was made and Redis's time now.
 MARK_PAGES_OPEN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local made = tonumber(redis.call('GET', KEYS[1]))
 if made then
     redis.call('EXPIRE', KEYS[1], ARGV[1])
-    return now - made
+    return {made, now}
 end
 redis.call('SET', KEYS[1], now, 'EX', ARGV[1])
-return -1
+return {now, now}
 """
 
 

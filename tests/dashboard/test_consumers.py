@@ -424,3 +424,36 @@ async def test_a_run_that_parks_without_a_history_row_still_reaches_list_pages(
     await asyncio.sleep(0)
     assert pk not in hub.following  # settled: no longer read again
     await communicator.disconnect()
+
+
+async def test_a_resync_whose_read_fails_passes_on_what_the_hub_delivered_meanwhile():
+    """A resync holds the hub's messages while its snapshot is read; if the read fails
+    (the database fails over), they go on as they came and later ones follow, rather
+    than being held for the socket's life."""
+    from django.db import DatabaseError
+
+    from workflows_app.consumers import DashboardConsumer
+
+    class Hub:
+        def seq(self, stream: str) -> int:
+            return 7
+
+    class Page(DashboardConsumer):
+        def __init__(self) -> None:
+            self.hub, self.backlog, self.sent = Hub(), None, []
+
+        def stream(self) -> str:
+            return "instance.1"
+
+        async def snapshot(self) -> dict[str, Any] | None:
+            await self.deliver(8, "held while reading")
+            raise DatabaseError("the database failed over")
+
+        async def send_text(self, text: str) -> None:
+            self.sent.append(text)
+
+    page = Page()
+    with pytest.raises(DatabaseError):
+        await page.resync()
+    await page.deliver(9, "after")
+    assert page.sent == ["held while reading", "after"]

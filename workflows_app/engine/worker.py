@@ -692,7 +692,10 @@ class Worker:
             return
         self._next_plan_check = now + store.plans.PLAN_CHECK_SECONDS
         assert self.db is not None
-        await self.db(store.analyze_grown_tables)
+        try:
+            await self.db(store.analyze_grown_tables)
+        except DatabaseError:  # not this loop pass's claim: it goes on
+            log.warning("worker %s: could not look at the tables' growth", self.worker_id)
 
     async def prune_once(self) -> int:
         """When due, delete one batch of finished instances past their retention (the same

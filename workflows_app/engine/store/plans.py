@@ -46,6 +46,9 @@ def analyze_grown_tables() -> list[str]:
             ["{" + ",".join(HOT_TABLES) + "}"],
         )
         sizes = cursor.fetchall()
+    for name, _, pages in sizes:
+        if pages < _asked_at_pages.get(name, 0):  # emptied since (a TRUNCATE): start over
+            del _asked_at_pages[name]
     grown = [
         name
         for name, analyzed_pages, pages in sizes
