@@ -62,6 +62,7 @@ HEARTBEAT_SECONDS = 5.0
 # before that time ran out (a sender gathers them for 5 ms).
 PAGES_RESYNC_MARGIN_SECONDS = 0.5
 PAGES_MARK_TIMEOUT_SECONDS = 2.0  # a hung Redis does not hold up a socket's connect
+PAGES_MADE_UNKNOWN = -1  # no key is made at this time: the next mark finds another
 REJOIN_SECONDS = 60.0  # group memberships are renewed: both layers expire them
 MAX_REMEMBERED = 20_000  # instances whose last pushed state is kept, to skip repeats
 RETRY_SECONDS = 1.0  # after a failed read (database restarting)
@@ -174,9 +175,9 @@ class Hub:
         # job pk -> (its progress JSON as last sent, done): a finished job is not read again
         self.bulk_pushed: dict[int, tuple[str, bool]] = {}
         self.tasks: list[asyncio.Task[None]] = []
-        # See keep_pages_open: the key's making time last seen, a failed mark, a resync.
+        # See keep_pages_open: the key's making time last seen (None before the first
+        # mark, PAGES_MADE_UNKNOWN after a failed one), a resync to run.
         self.pages_made: int | None = None
-        self.pages_unsure = False
         self.resync_pending = False
         self.resyncing: asyncio.Task[None] | None = None
         self.channel: str | None = None
@@ -282,7 +283,7 @@ class Hub:
             )
         except Exception:
             log.warning("could not mark the dashboard open in Redis", exc_info=True)
-            self.pages_unsure = True  # the key may have been made without our hearing it
+            self.pages_made = PAGES_MADE_UNKNOWN  # made without our hearing it, maybe
             return
         if marked is None:
             return
@@ -292,8 +293,7 @@ class Hub:
         else:
             dropped = made != self.pages_made
         self.pages_made = made
-        if dropped or self.pages_unsure:
-            self.pages_unsure = False
+        if dropped:
             self.resync_pending = True
             if self.resyncing is None or self.resyncing.done():
                 self.resyncing = asyncio.ensure_future(self.resync_later())

@@ -218,11 +218,12 @@ return {now, now}
 """
 
 
-async def look_for_pages(layer: Any) -> None:
-    """One look at PAGES_KEY, for open_pages; a failed look counts as a page open."""
+async def look_for_pages(layer: Any) -> bool:
+    """One look at PAGES_KEY, for open_pages; a failed look counts as a page open.
+    False if the layer has no such key (there is nothing to look at, ever)."""
     found = _pages_store(layer)
     if found is None:
-        return
+        return False
     redis, key = found
     began = time.monotonic()
     try:
@@ -231,6 +232,7 @@ async def look_for_pages(layer: Any) -> None:
         log.debug("could not look for open pages; publishing", exc_info=True)
         present = True
     open_pages.looked(began, present)
+    return True
 
 
 def no_page_open() -> bool:
@@ -443,8 +445,7 @@ class Sender:
 
     async def _look_for_pages(self) -> None:
         """Keep open_pages current for this process (see PAGES_KEY)."""
-        while _pages_store(get_channel_layer()) is not None:
-            await look_for_pages(get_channel_layer())
+        while await look_for_pages(get_channel_layer()):
             await asyncio.sleep(PAGES_LOOK_SECONDS)
 
     async def _gather(self) -> None:

@@ -46,17 +46,14 @@ def analyze_grown_tables() -> list[str]:
             ["{" + ",".join(HOT_TABLES) + "}"],
         )
         sizes = cursor.fetchall()
-    for name, _, pages in sizes:
-        if pages < _asked_at_pages.get(name, 0):  # emptied since (a TRUNCATE): start over
-            del _asked_at_pages[name]
-    grown = [
-        name
-        for name, analyzed_pages, pages in sizes
-        if pages >= max(GROWN_PAGES, GROWTH * max(analyzed_pages, _asked_at_pages.get(name, 0)))
-    ]
-    for name, _, pages in sizes:
-        if name in grown:
+    grown = []
+    for name, analyzed_pages, pages in sizes:
+        asked = _asked_at_pages.get(name, 0)
+        if asked > pages:  # emptied since (a TRUNCATE): start over
+            asked = 0
+        if pages >= max(GROWN_PAGES, GROWTH * max(analyzed_pages, asked)):
             _asked_at_pages[name] = pages
+            grown.append(name)
     analyzed = []
     for name in grown:
         try:
