@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from django.db import connection, transaction
@@ -459,6 +459,31 @@ def test_rows_read_as_sql_come_back_as_the_orm_would_give_them(registered):
     finally:
         post_init.disconnect(saw, sender=StepRecord)
     assert seen == [reloaded.steps["wait"]] and seen[0] is reloaded.steps["wait"]
+
+
+def test_datetimes_written_by_raw_sql_are_what_the_orm_writes_and_read_back_the_same():
+    """db_time's short way (aware UTC on SQLite in UTC) writes Django's own text, and
+    from_db_time reads SQLite's text back as the same instant, aware in UTC."""
+    from zoneinfo import ZoneInfo
+
+    from workflows_app.engine.store.dialect import db_time, from_db_time
+
+    now = datetime.now(UTC)
+    values = [
+        now,
+        now.replace(microsecond=0),
+        datetime(1999, 1, 2, 3, 4, 5, 6, tzinfo=UTC),
+        now.astimezone(timezone(timedelta(hours=-5))),
+        now.astimezone(ZoneInfo("UTC")),
+    ]
+    for value in values:
+        written = db_time(value)
+        assert written == connection.ops.adapt_datetimefield_value(value), value
+        read = from_db_time(written)  # SQLite: text; PostgreSQL: the driver's datetime
+        assert read == value, value
+        if isinstance(written, str):
+            assert read.tzinfo is UTC, value
+    assert db_time(None) is None and from_db_time(None) is None
 
 
 def test_a_new_step_record_is_what_the_model_itself_makes():
