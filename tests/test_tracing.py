@@ -369,3 +369,18 @@ def test_span_times_are_written_as_the_text_sqlite_stores():
     base = 1_764_990_000 * 10**9
     for ns in [base, base + 1_000, base + 999_999_999, base + 10**9, 0, -1_500_000_000, base]:
         assert text(ns) == str(NAIVE_EPOCH + timedelta(microseconds=ns // 1000)), ns
+
+
+def test_instance_trace_ids_begin_with_their_creation_time_and_end_random(registered):
+    """Ordered by creation, the index of instances' trace ids grows at its end; the low 80
+    bits (what samplers and the W3C random flag read) are random."""
+    workflow = traced_workflow()
+    with testing.fake_clock(datetime(2026, 3, 1, tzinfo=UTC)) as clock:
+        first = workflow.create(id="t-1").row()
+        clock.advance("1 second")
+        later = [workflow.create(id=f"t-{n}").row() for n in range(2, 6)]
+    for row in (first, *later):
+        assert int(row.trace_id[:12], 16) == int(row.created_at.timestamp() * 1000), row.trace_id
+        assert len(row.trace_id) == 32 and int(row.trace_id, 16)
+    assert all(first.trace_id < row.trace_id for row in later)
+    assert len({row.trace_id[12:] for row in (first, *later)}) == 5  # same instant, not same id

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -27,7 +26,7 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, lifecycle, retention
+from .. import clock, lifecycle, retention, spans
 from ..attributes import index_text
 from ..errors import (
     InstanceAlreadyExists,
@@ -577,7 +576,7 @@ def _new_row(
         retention_error_ms=item.retention_error_ms,
         attributes=item.attributes,
         history_seq=1,
-        trace_id=uuid.uuid4().hex,
+        trace_id=spans.new_trace_id(now),
         priority=item.priority,
         concurrency_key=item.concurrency_key,
         debounce_key=item.debounce_key,
