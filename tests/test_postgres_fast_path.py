@@ -509,6 +509,48 @@ def test_a_new_step_record_is_what_the_model_itself_makes():
     assert seen == [signalled] and seen[0] is signalled
 
 
+def test_a_new_instance_row_and_its_insert_values_are_what_django_makes_of_them():
+    """new_model_object makes what Instance(**values) makes (a callable default made anew
+    for each object), and the create's column writers give what get_db_prep_save gives,
+    for every column, on both databases (PostgreSQL's typed integers included)."""
+    from zoneinfo import ZoneInfo
+
+    from workflows_app.engine.store import control, new_model_object
+
+    now = datetime.now(UTC)
+    given = {
+        "workflow": "w",
+        "instance_id": "i-1",
+        "version": 3,
+        "status": "running",
+        "params_json": "{}",
+        "created_at": now,
+        "updated_at": now.astimezone(ZoneInfo("Europe/Paris")),
+        "wake_at": now.astimezone(timezone(timedelta(hours=-5))),
+        "started_at": None,
+        "history_seq": 1,
+        "compensate_on_cancel": True,
+        "priority": 7,
+        "parent_id": None,
+        "retention_ms": 10**12,
+    }
+    made, orm = new_model_object(Instance, dict(given)), Instance(**given)
+    for field in Instance._meta.concrete_fields:
+        assert getattr(made, field.attname) == getattr(orm, field.attname), field.name
+    assert made._state.adding is True and made._state.db is None and made.pk is None
+    other = new_model_object(Instance, {"workflow": "w"})
+    assert other.attributes == {} and other.attributes is not made.attributes
+    made.attributes = {"customer": "acme", "tier": 2}
+
+    columns, writers = control._instance_columns()
+    fields = [f for f in Instance._meta.concrete_fields if not f.primary_key]
+    assert columns == tuple(f.column for f in fields)
+    for field, write in zip(fields, writers, strict=True):
+        expected = field.get_db_prep_save(field.pre_save(made, True), connection)
+        written = write(made, connection)
+        assert repr(written) == repr(expected) and type(written) is type(expected), field.name
+
+
 def test_the_claim_reads_the_next_timer_in_its_own_round_trip(registered):
     """The worker's idle wait needs the next timer: read beside the claim in one pipeline,
     not in a trip of its own while the claimed runs start."""

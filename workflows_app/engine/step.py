@@ -53,7 +53,7 @@ from .limits import (
     error_name,
     payload_for_history,
 )
-from .store import History, NewInstance, model_object
+from .store import History, NewInstance, new_model_object
 
 if TYPE_CHECKING:
     from .runner import Run
@@ -842,25 +842,8 @@ def _event_from_json(text: str | None) -> Event:
 
 
 def new_step_record(name: str, kind: str, status: str, seq: int) -> StepRecord:
-    """A new, unsaved StepRecord. Its values go by position, in the model's field order:
-    Model.__init__ with keywords looked up every field's default one by one (10 µs a step,
-    a twelfth of the engine's time per step on SQLite)."""
-    defaults, names, position = _step_record_template()
-    values = list(defaults)
-    values[position["name"]] = name
-    values[position["kind"]] = kind
-    values[position["status"]] = status
-    values[position["seq"]] = seq
-    values[position["started_at"]] = clock.now()
-    return model_object(StepRecord, names, values, None)
-
-
-@functools.cache
-def _step_record_template() -> tuple[tuple[Any, ...], list[str], dict[str, int]]:
-    """Every field's default (constants: shared safely by every record), the fields'
-    attnames in order, and each one's position."""
-    fields = StepRecord._meta.concrete_fields
-    defaults = tuple(field.get_default() for field in fields)
-    assert all(isinstance(d, (str, int, bool, type(None))) for d in defaults), defaults
-    names = [field.attname for field in fields]
-    return defaults, names, {name: index for index, name in enumerate(names)}
+    """A new, unsaved StepRecord (new_model_object: Model.__init__ with keywords looked up
+    every field's default one by one, 10 µs a step, a twelfth of the engine's time per
+    step on SQLite)."""
+    given = {"name": name, "kind": kind, "status": status, "seq": seq, "started_at": clock.now()}
+    return new_model_object(StepRecord, given)

@@ -54,7 +54,15 @@ from .leases import (
     unconsumed_events,
 )
 from .plans import analyze_grown_tables
-from .records import History, LeaseLost, LoadedRun, NewInstance, append_history, model_object
+from .records import (
+    History,
+    LeaseLost,
+    LoadedRun,
+    NewInstance,
+    append_history,
+    model_object,
+    new_model_object,
+)
 from .runs import (
     FinishWrite,
     StepWrite,
@@ -104,6 +112,7 @@ __all__ = [
     "measure_clock_offset",
     "merge_attributes",
     "model_object",
+    "new_model_object",
     "next_wake_at",
     "order_by_id",
     "park",

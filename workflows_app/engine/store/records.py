@@ -246,6 +246,37 @@ def model_object(model: Any, names: Sequence[str], values: Sequence[Any], db: st
     return made
 
 
+def new_model_object(model: Any, given: dict[str, Any]) -> Any:
+    """A new, unsaved model object: the given values (by attname), every other field at
+    its default. What model(**given) makes, without Model.__init__'s look-up of each
+    field's default by keyword (an instance row 47 against 12 µs, docs/performance.md)."""
+    names, position, defaults, fresh = _model_template(model)
+    values = list(defaults)
+    for index, model_field in fresh:  # a callable default (dict, list) is made anew each time
+        if model_field.attname not in given:
+            values[index] = model_field.get_default()
+    for name, value in given.items():
+        values[position[name]] = value
+    return model_object(model, names, values, None)
+
+
+@functools.cache
+def _model_template(
+    model: Any,
+) -> tuple[list[str], dict[str, int], tuple[Any, ...], list[tuple[int, Any]]]:
+    """A model's attnames in field order, their positions, each field's default, and the
+    fields whose default is a callable."""
+    fields = model._meta.concrete_fields
+    names = [field.attname for field in fields]
+    fresh = [(i, f) for i, f in enumerate(fields) if f.has_default() and callable(f.default)]
+    return (
+        names,
+        {name: index for index, name in enumerate(names)},
+        tuple(field.get_default() for field in fields),
+        fresh,
+    )
+
+
 @functools.cache
 def _readers(
     model: Any, vendor: str, utc_text: bool
