@@ -367,6 +367,36 @@ def test_a_herd_of_timers_due_at_one_instant_is_claimed_in_batches_and_each_run_
     assert started == 2 * herd  # the first run, and one after the wake: nobody ran twice
 
 
+def test_a_claims_lease_tokens_are_its_random_base_and_a_count_and_its_loads_find_them(
+    registered,
+):
+    """One random base a claim (not one random token per run it might take), the n-th run
+    claimed holding base + n: unique within and across claims; the claim's pipelined
+    loads find its rows by the same tokens, made in SQL (PostgreSQL)."""
+
+    @register("fast-path-tokens")
+    class Waits(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("wait", type="go")).payload
+
+    workflow = get_workflow("fast-path-tokens")
+    for n in range(5):
+        workflow.create(id=f"tok-{n}")
+    first = store.claim_and_load("probe", 3, 30).runs
+    second = store.claim_and_load("probe", 10, 30).runs
+    assert (len(first), len(second)) == (3, 2)
+    for claim in (first, second):
+        tokens = sorted(token for _, token, _ in claim)
+        base = tokens[0][:24]
+        assert tokens == [f"{base}{n:08x}" for n in range(1, len(claim) + 1)]
+        assert all(int(token, 16) and len(token) == 32 for token in tokens)
+        for pk, token, loaded in claim:  # the loads found each claimed row by its token
+            assert loaded is not None and loaded.instance.pk == pk
+            assert loaded.instance.lease_token == token and "wait" not in loaded.steps
+    assert first[0][1][:24] != second[0][1][:24]
+    assert store.heartbeat([token for _, token, _ in first + second], 30) == set()
+
+
 def test_a_create_is_one_statement_and_a_taken_id_or_key_still_takes_the_long_way(registered):
     postgres_only()
     from workflows_app.engine.errors import InstanceAlreadyExists
