@@ -282,6 +282,37 @@ def test_a_worker_whose_host_clock_runs_an_hour_ahead_does_not_wake_a_sleep_earl
     assert abs(clock.now() - database_now()) < timedelta(seconds=5)
 
 
+class SlowReadingHostClock(clock.RealClock):
+    """A host whose reads of its own clock straddle a round trip of 100 ms: each read
+    before the database's answer says 50 ms earlier than it is, each after 50 ms later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def host_now(self) -> datetime:
+        self.reads += 1
+        shift = timedelta(milliseconds=-50 if self.reads % 2 else 50)
+        return super().host_now() + shift
+
+
+def test_a_new_measurement_of_the_offset_that_agrees_with_the_last_leaves_the_clock_alone():
+    """Within half a round trip the measurement cannot tell offsets apart: the clock keeps
+    its offset (no step back from jitter); one beyond it is corrected."""
+    postgres_only()
+    host = SlowReadingHostClock()
+    clock.set_clock(host)
+    host.offset = timedelta(milliseconds=30)  # within 50 ms of the true offset (about 0)
+    store.measure_clock_offset(force=True)
+    assert host.offset == timedelta(milliseconds=30)
+    host.offset = timedelta(milliseconds=-30)
+    store.measure_clock_offset(force=True)
+    assert host.offset == timedelta(milliseconds=-30)
+    host.offset = timedelta(milliseconds=200)  # the measurement shows it wrong
+    store.measure_clock_offset(force=True)
+    assert abs(host.offset) < timedelta(milliseconds=40), host.offset
+
+
 def test_a_worker_whose_host_clock_runs_an_hour_behind_writes_leases_that_are_not_over(registered):
     postgres_only()
 

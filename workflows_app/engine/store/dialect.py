@@ -375,7 +375,11 @@ def measure_clock_offset(force: bool = False) -> None:
     """PostgreSQL: set the real clock's offset from the database's clock (see RealClock).
 
     One round trip, at most once a minute unless forced; the database's time is taken
-    as that of the middle of the round trip.
+    as that of the middle of the round trip. The offset stays as it is when it agrees
+    with the measurement (within half the round trip, where the database's time may have
+    been read): a measurement's jitter, tens of milliseconds on a loaded host, must not
+    move the clock back, or an instance made due a moment ago would not be due for as
+    long (a worker started then found nothing to run).
     """
     real = clock.get_clock()
     if connection.vendor != "postgresql" or not isinstance(real, clock.RealClock):
@@ -391,7 +395,9 @@ def measure_clock_offset(force: bool = False) -> None:
         cursor.execute("SELECT clock_timestamp()")
         (database_now,) = cursor.fetchone()
     after = real.host_now()
-    real.offset = database_now - (before + (after - before) / 2)
+    measured = database_now - (before + (after - before) / 2)
+    if abs(measured - real.offset) > (after - before) / 2:
+        real.offset = measured
 
 
 def measure_clock_offset_on_connect(sender: Any, connection: Any, **kwargs: Any) -> None:
