@@ -329,6 +329,11 @@ def _end_due_sleeps(cursor: Any, pks: Sequence[int], now: datetime) -> dict[int,
 # writes afterwards is a synchronous commit, and a flush of its WAL flushes the claim's
 # before it. Until then the lost claim leaves the instance as it was: unleased, due, and
 # run again, as a step whose checkpoint was lost is run again.
+def lease_token_sql(base: str, n: str) -> str:
+    """SQL of a claim's n-th lease token from its base (see lease_token_base)."""
+    return f"CAST({base} AS text) || lpad(to_hex({n}), 8, '0')"
+
+
 _CLAIM_TEMPLATE = f"""
 WITH picked AS (
     SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
@@ -359,7 +364,7 @@ WITH picked AS (
 ), claimed AS (
     UPDATE {INSTANCE_TABLE} AS i SET
         lease_owner = %(worker)s,
-        lease_token = CAST(%(token_base)s AS text) || lpad(to_hex(p.n), 8, '0'),
+        lease_token = {lease_token_sql("%(token_base)s", "p.n")},
         lease_expires_at = %(lease_until)s,
         unproductive_claims = CASE WHEN p.slept > 0 THEN 0
             ELSE i.unproductive_claims + CASE WHEN p.old_token IS NULL THEN 0 ELSE 1 END END,
@@ -418,7 +423,7 @@ def lease_token_base() -> str:
 
 def lease_tokens(count: int) -> list[str]:
     """count lease tokens of one claim (SQLite's: the PostgreSQL claim makes them in SQL,
-    CLAIM_SQL's lease_token and _load_sql's token list, the same way)."""
+    lease_token_sql, the same way)."""
     base = lease_token_base()
     return [f"{base}{n:08x}" for n in range(1, count + 1)]
 
@@ -563,9 +568,7 @@ def _load_sql(by_token: bool, postgres: bool = True) -> tuple[str, str, str]:
         ids = "IN (SELECT value FROM json_each(%s))"
     elif by_token:
         # The claim's tokens (lease_token_base), made here as the claim makes them.
-        tokens = (
-            "SELECT CAST(%s AS text) || lpad(to_hex(n), 8, '0') FROM generate_series(1, %s) AS n"
-        )
+        tokens = f"SELECT {lease_token_sql('%s', 'n')} FROM generate_series(1, %s) AS n"
         ids = f"= ANY(ARRAY(SELECT id FROM {INSTANCE_TABLE} WHERE lease_token = ANY(ARRAY({tokens}))))"
     else:
         ids = "= ANY(CAST(%s AS bigint[]))"
