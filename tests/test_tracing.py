@@ -384,3 +384,37 @@ def test_instance_trace_ids_begin_with_their_creation_time_and_end_random(regist
         assert len(row.trace_id) == 32 and int(row.trace_id, 16)
     assert all(first.trace_id < row.trace_id for row in later)
     assert len({row.trace_id[12:] for row in (first, *later)}) == 5  # same instant, not same id
+
+
+def test_span_times_are_stored_to_the_microsecond_from_1970_to_the_year_9999(registered):
+    """A span's start and end as stored, at the bounds of what a datetime holds and between
+    (PostgreSQL is sent integer microseconds: through a double, the year 9999 lost some)."""
+    from workflows_app.engine import spans as engine_spans
+
+    @register("far-times")
+    class FarTimes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    row = get_workflow("far-times").create(id="far").row()
+    tracing.flush_spans()
+    times = [
+        datetime(1970, 1, 1, 0, 0, 0, 1, tzinfo=UTC),
+        datetime(2026, 5, 28, 20, 26, 40, 123457, tzinfo=UTC),
+        datetime(2255, 6, 5, 23, 47, 34, 740993, tzinfo=UTC),  # 2**53 µs after the epoch
+        datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+    ]
+    root = engine_spans.start_workflow_span(row.trace_id, "far-times", {})
+    for n, at in enumerate(times):
+        engine_spans.finished_span(root, f"at {n}", at, at, {})
+    root.end()
+    tracing.flush_spans()
+    stored = dict(
+        Span.objects.filter(trace_id=row.trace_id, name__startswith="at ").values_list(
+            "name", "start_time"
+        )
+    )
+    assert stored == {f"at {n}": at for n, at in enumerate(times)}
+    assert set(
+        Span.objects.filter(name__startswith="at ").values_list("start_time", "end_time")
+    ) == {(at, at) for at in times}

@@ -39,6 +39,19 @@ SPAN_COLUMNS = (
 )
 
 
+# A span's start and end go to PostgreSQL as integer microseconds since the epoch: their
+# ISO text cost 2.6 µs each to make, half of a row's cost (the server parses it too).
+# Whole seconds and the rest apart: an interval times a number goes through a double.
+_MICROS_TO_TIME = (
+    "(TIMESTAMPTZ 'epoch' + {0} / 1000000 * INTERVAL '1 second'"
+    " + {0} %% 1000000 * INTERVAL '1 microsecond')"
+)
+
+
+def _micros(nanoseconds: int) -> int:
+    return nanoseconds // 1000
+
+
 @functools.cache
 def _span_sql() -> tuple[str, str, str]:
     """(PostgreSQL's INSERT, SQLite's look-up of instances by trace id, SQLite's INSERT of
@@ -52,9 +65,10 @@ def _span_sql() -> tuple[str, str, str]:
     postgres = (
         f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT "
         f"(SELECT id FROM {instances} WHERE trace_id = r.t LIMIT 1), r.t, r.s, r.p, "
-        "r.n, r.k, r.st, r.e, r.c, r.m, r.a, r.ev, r.l "
+        f"r.n, r.k, {_MICROS_TO_TIME.format('r.st')}, {_MICROS_TO_TIME.format('r.e')}, "
+        "r.c, r.m, r.a, r.ev, r.l "
         "FROM json_to_recordset(CAST(%s AS json)) AS r(t text, s text, p text, n text, k text, "
-        "st timestamptz, e timestamptz, c text, m text, a jsonb, ev jsonb, l jsonb) "
+        "st bigint, e bigint, c text, m text, a jsonb, ev jsonb, l jsonb) "
         "RETURNING span_id, instance_id"
     )
     # SQLite: one statement of one row, run for the whole batch (executemany), after one
@@ -227,7 +241,7 @@ class DatabaseSpanProcessor(SpanProcessor):
         postgres = connection.vendor == "postgresql"
         # (trace id, span id, parent, name, kind, start, end, status, message, attributes,
         # events, links) of each span, in order; on SQLite the last three as JSON text.
-        when = _iso_time if postgres else ns_time_adapter(connection)
+        when = _micros if postgres else ns_time_adapter(connection)
         rows = [self._row(span, postgres, when) for span in batch]
         insert, lookup, insert_one = _span_sql()
         if postgres:
