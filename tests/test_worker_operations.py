@@ -538,6 +538,57 @@ async def test_database_threads_answer_each_call_and_cancel_the_queued_ones_at_c
         release.set()
 
 
+async def test_a_free_database_thread_takes_claims_and_heartbeats_first():
+    """Calls queued behind a busy thread: those of the FIRST lane (claims, heartbeats) run
+    before the NORMAL ones (checkpoints, span stores) queued earlier; within a lane, in
+    the order they came. The worker sends its claims and heartbeats in the FIRST lane."""
+    from workflows_app.engine.worker import ConnectionThreads
+
+    threads = ConnectionThreads(1, "test-db-lanes")
+    release, started = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        started.set()
+        assert release.wait(30)
+
+    try:
+        busy = asyncio.ensure_future(threads(hold))
+        await asyncio.sleep(0)
+        assert started.wait(10)
+        calls = [
+            asyncio.ensure_future(threads(order.append, "write 1")),
+            asyncio.ensure_future(threads.in_lane(threads.FIRST, order.append, "claim")),
+            asyncio.ensure_future(threads(order.append, "spans")),
+            asyncio.ensure_future(threads.in_lane(threads.FIRST, order.append, "heartbeat")),
+            asyncio.ensure_future(threads.in_lane(threads.NORMAL, order.append, "write 2")),
+        ]
+        await asyncio.sleep(0)  # all handed to the queue while the one thread is busy
+        release.set()
+        await asyncio.gather(busy, *calls)
+        assert order == ["claim", "heartbeat", "write 1", "spans", "write 2"]
+    finally:
+        release.set()
+        threads.close()
+
+    worker = Worker(hooks=None)
+    lanes: list[tuple[int, str]] = []
+
+    class Recording:
+        async def in_lane(self, lane, fn, *args):
+            lanes.append((lane, getattr(fn, "__name__", "")))
+            return [] if fn.__name__ == "_admit_then_claim" else set()
+
+    worker.db = Recording()
+    worker.tokens = {1: "token"}
+    await worker.claim_and_start()
+    await worker.heartbeat_once()
+    assert lanes == [
+        (ConnectionThreads.FIRST, "_admit_then_claim"),
+        (ConnectionThreads.FIRST, "heartbeat"),
+    ]
+
+
 async def test_a_background_flush_runs_one_at_a_time_and_flush_now_waits_for_it():
     """The serve loop stores spans without waiting (an event sent meanwhile is claimed at
     once); a forced flush asked for during one runs after it; flush_now returns only when

@@ -8,6 +8,7 @@ sent, resume) only save latency: the database is the truth and a slow poll is th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import gc
@@ -68,11 +69,20 @@ class ConnectionThreads:
     in a herd of timers.
     """
 
+    # Lanes, taken in this order by the next free thread. A claim (new work for the event
+    # loop) and a heartbeat (a lease running out) go ahead of the checkpoints and span
+    # stores queued before them: in a herd of timers all four threads were often busy,
+    # and a claim queued behind their backlog left the loop idle. The serve loop has one
+    # claim out at a time, so the calls behind them are never starved.
+    FIRST, NORMAL = 0, 1
+
     def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any] | None] = (
-            queue.SimpleQueue()
-        )
+        # One token in _ready per job in a lane: a thread woken by a token takes the job
+        # of the first lane that has one (deque appends and pops are atomic).
+        self._lanes: tuple[collections.deque[tuple[Callable[..., Any], tuple[Any, ...], Any]], ...]
+        self._lanes = (collections.deque(), collections.deque())
+        self._ready: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._busy: set[int] = set()
         self._connections: dict[int, list[Any]] = {}
@@ -80,11 +90,17 @@ class ConnectionThreads:
         for number in range(threads):
             threading.Thread(target=self._serve, name=f"{name}_{number}", daemon=True).start()
 
+    def _take(self) -> tuple[Callable[..., Any], tuple[Any, ...], Any] | None:
+        for lane in self._lanes:
+            with contextlib.suppress(IndexError):
+                return lane.popleft()
+        return None  # close() took the jobs not started
+
     def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
+        while self._ready.get():
+            job = self._take()
             if job is None:
-                return
+                continue
             fn, args, deliver = job
             try:
                 result = self._call(fn, *args)
@@ -93,11 +109,14 @@ class ConnectionThreads:
             else:
                 deliver(result, None)
 
-    def _put(self, fn: Callable[..., Any], args: tuple[Any, ...], deliver: Any) -> None:
+    def _put(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], deliver: Any, lane: int = NORMAL
+    ) -> None:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine's database threads are closed")
-            self._jobs.put((fn, args, deliver))
+            self._lanes[lane].append((fn, args, deliver))
+            self._ready.put(True)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         ident = threading.get_ident()
@@ -135,6 +154,10 @@ class ConnectionThreads:
         return future
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.in_lane(self.NORMAL, fn, *args)
+
+    async def in_lane(self, lane: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in a database thread, taken in `lane`'s turn (FIRST, then NORMAL)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -142,7 +165,7 @@ class ConnectionThreads:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, result, error)
 
-        self._put(fn, args, deliver)
+        self._put(fn, args, deliver, lane)
         return await future
 
     def close(self) -> None:
@@ -150,13 +173,8 @@ class ConnectionThreads:
         let the threads go (a busy one leaves when its call returns)."""
         with self._lock:
             self._closing = True
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job[2](None, asyncio.CancelledError())
+            while (job := self._take()) is not None:
+                job[2](None, asyncio.CancelledError())
             idle = [conns for ident, conns in self._connections.items() if ident not in self._busy]
         for conns in idle:
             for conn in conns:
@@ -166,7 +184,7 @@ class ConnectionThreads:
                 finally:
                     conn.dec_thread_sharing()
         for _ in range(self.threads):
-            self._jobs.put(None)
+            self._ready.put(False)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -573,7 +591,9 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        claimed = await self.db(self._admit_then_claim, free, list(self.tasks))
+        claimed = await self.db.in_lane(
+            ConnectionThreads.FIRST, self._admit_then_claim, free, list(self.tasks)
+        )
         self.claimed_all_due = len(claimed) < free
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
@@ -716,7 +736,9 @@ class Worker:
         """Extend our leases; abort the runs whose lease another worker took."""
         assert self.db is not None
         tokens = dict(self.tokens)
-        lost = await self.db(store.heartbeat, list(tokens.values()), self.lease_seconds)
+        lost = await self.db.in_lane(
+            ConnectionThreads.FIRST, store.heartbeat, list(tokens.values()), self.lease_seconds
+        )
         for token in lost:
             # By token, not by instance: while the heartbeat was in flight the instance may
             # have parked and been claimed again here, and that new run's lease is fine.
