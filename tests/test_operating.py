@@ -262,6 +262,30 @@ def test_spans_stored_before_their_instance_go_with_it_found_without_a_trace_ind
     assert list(Span.objects.filter(instance__isnull=True)) == [other]
 
 
+def test_an_instance_s_children_are_found_through_the_per_step_index(tagged):
+    """No index of instances' trace ids nor of the parent key alone (each insert and
+    indexed update of an instance wrote into both): children are looked up by parent
+    through instance_child_per_step, and a deleted parent lets its children go."""
+    with connection.cursor() as cursor:
+        indexes = connection.introspection.get_constraints(cursor, Instance._meta.db_table)
+    on = {tuple(c["columns"]) for c in indexes.values() if c["index"] or c["unique"]}
+    assert ("trace_id",) not in on and ("parent_id",) not in on
+    parent = tagged.create(id="parent")
+    children = [tagged.create(id=f"child-{n}") for n in range(2)]
+    for n, child in enumerate(children):
+        Instance.objects.filter(pk=child.row().pk).update(
+            parent_id=parent.row().pk, parent_step=f"start {n}"
+        )
+    assert "instance_child_per_step" in explain(
+        Instance.objects.filter(parent_id=parent.row().pk).values_list("id")
+    )
+    parent.send_event("go", "fail")
+    testing.run_until_idle()
+    parent.delete()
+    left = Instance.objects.filter(instance_id__startswith="child-").values_list("parent_id")
+    assert list(left) == [(None,), (None,)]
+
+
 def test_delete_batch_is_all_or_nothing(tagged):
     for n in range(3):
         tagged.create(id=f"d{n}")

@@ -211,7 +211,7 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     await live.mark_pages_open(redis_layer)  # as the page's hub would
     await loop.run_in_executor(None, live.EngineHooks().flush)  # spans queued before
     await _until_sentinel(redis_layer, channel, group)
-    root = engine_spans.start_workflow_span(row.trace_id, "span-messages", {})
+    root = engine_spans.start_workflow_span(row.trace_id, row.pk, "span-messages", {})
     engine_spans.finished_span(
         root, "sleep nap", engine_spans.instant(0), engine_spans.instant(0), {}
     )

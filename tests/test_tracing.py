@@ -333,7 +333,7 @@ def test_a_span_whose_attributes_json_cannot_say_as_they_are_is_stored_with_its_
 
 
 def test_one_flush_stores_each_span_with_its_own_instance_or_none(registered, monkeypatch):
-    """Spans of several instances in one flush, their look-up split in chunks of two traces,
+    """Spans of several instances in one flush, their look-up split in chunks of two keys,
     and the span of an instance deleted meanwhile: each row names its instance (or none),
     and what flush returns says the same."""
     from workflows_app.engine import spans as engine_spans
@@ -343,13 +343,14 @@ def test_one_flush_stores_each_span_with_its_own_instance_or_none(registered, mo
         async def run(self, event, step):
             return "ok"
 
-    monkeypatch.setattr(tracing, "LOOKUP_TRACES", 2)
+    monkeypatch.setattr(tracing, "LOOKUP_INSTANCES", 2)
     tracing.flush_spans()  # the creates' spans: this flush holds only the spans below
     rows = [get_workflow("many-traces").create(id=f"mt{i}").row() for i in range(5)]
+    traces = [(row.trace_id, row.pk) for row in rows]
     gone = rows.pop()
-    gone.delete()
-    for row in [*rows, gone, rows[0]]:
-        engine_spans.start_workflow_span(row.trace_id, "many-traces", {}).end()
+    gone.delete()  # its key stays in the list: its spans come as a run's would
+    for trace_id, pk in [*traces, traces[0]]:
+        engine_spans.start_workflow_span(trace_id, pk, "many-traces", {}).end()
     stored = tracing.flush_spans()
     expected = [row.pk for row in rows] + [None, rows[0].pk]
     assert [s.instance_id for s in stored] == expected
@@ -404,7 +405,7 @@ def test_span_times_are_stored_to_the_microsecond_from_1970_to_the_year_9999(reg
         datetime(2255, 6, 5, 23, 47, 34, 740993, tzinfo=UTC),  # 2**53 µs after the epoch
         datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
     ]
-    root = engine_spans.start_workflow_span(row.trace_id, "far-times", {})
+    root = engine_spans.start_workflow_span(row.trace_id, row.pk, "far-times", {})
     for n, at in enumerate(times):
         engine_spans.finished_span(root, f"at {n}", at, at, {})
     root.end()

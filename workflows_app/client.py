@@ -241,7 +241,11 @@ class WorkflowBinding:
         for instance, is_new in created:
             if is_new:
                 spans.creation_span(
-                    instance.trace_id, self.name, instance.instance_id, actor=_actor(actor)
+                    instance.trace_id,
+                    instance.pk,
+                    self.name,
+                    instance.instance_id,
+                    actor=_actor(actor),
                 )
                 _after_commit("created", instance, self.name, hinted=True)  # by the store
         if not running_in_this_process():

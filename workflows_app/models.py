@@ -105,8 +105,15 @@ class Instance(models.Model):
     # A child workflow: the parent instance and the step (invoke / start) that started it;
     # parent_span is "<trace id>:<span id>" of the parent's run span that started it, linked
     # from the child's runs (the parent's run span links back to the child's creation span).
+    # No index of its own: instance_child_per_step (parent, parent_step) serves every
+    # look-up by parent, as a partial index can for "= parent".
     parent = models.ForeignKey(
-        "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="children"
+        "self",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="children",
+        db_index=False,
     )
     parent_step = models.CharField(max_length=300, blank=True)
     parent_span = models.CharField(max_length=49, blank=True)
@@ -184,8 +191,6 @@ class Instance(models.Model):
             models.Index(
                 fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)
             ),
-            # span flush: WHERE trace_id IN (...)
-            models.Index(fields=["trace_id"], name="instance_trace"),
             # dashboard search across workflows: WHERE instance_id = ? / idempotency_key = ?
             models.Index(fields=["instance_id"], name="instance_public_id"),
             models.Index(

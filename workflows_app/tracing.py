@@ -31,7 +31,7 @@ log = logging.getLogger("workflows_app.tracing")
 MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rather than grow memory
 
 
-LOOKUP_TRACES = 500  # trace ids per look-up of their instances (SQLite allows 32,766 parameters)
+LOOKUP_INSTANCES = 500  # keys per look-up of the instances still there (SQLite: 32,766 parameters)
 
 SPAN_COLUMNS = (
     "instance_id, trace_id, span_id, parent_span_id, name, kind, start_time, end_time, "
@@ -54,8 +54,10 @@ def _micros(nanoseconds: int) -> int:
 
 @functools.cache
 def _span_sql() -> tuple[str, str, str]:
-    """(PostgreSQL's INSERT, SQLite's look-up of instances by trace id, SQLite's INSERT of
-    one row) for stored spans."""
+    """(PostgreSQL's INSERT, SQLite's look-up of the instances still there, SQLite's
+    INSERT of one row) for stored spans. Each span comes with its instance's key (the
+    trace id generator knows it): no index of the instances' trace ids is read, nor
+    written by each insert and indexed update of an instance row."""
     from .models import Instance, Span
 
     table, instances = Span._meta.db_table, Instance._meta.db_table
@@ -64,18 +66,18 @@ def _span_sql() -> tuple[str, str, str]:
     # database threads in a herd of timers.
     postgres = (
         f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT "
-        f"(SELECT id FROM {instances} WHERE trace_id = r.t LIMIT 1), r.t, r.s, r.p, "
+        f"(SELECT id FROM {instances} WHERE id = r.i), r.t, r.s, r.p, "
         f"r.n, r.k, {_MICROS_TO_TIME.format('r.st')}, {_MICROS_TO_TIME.format('r.e')}, "
         "r.c, r.m, r.a, r.ev, r.l "
-        "FROM json_to_recordset(CAST(%s AS json)) AS r(t text, s text, p text, n text, k text, "
-        "st bigint, e bigint, c text, m text, a jsonb, ev jsonb, l jsonb) "
+        "FROM json_to_recordset(CAST(%s AS json)) AS r(i bigint, t text, s text, p text, "
+        "n text, k text, st bigint, e bigint, c text, m text, a jsonb, ev jsonb, l jsonb) "
         "RETURNING span_id, instance_id"
     )
     # SQLite: one statement of one row, run for the whole batch (executemany), after one
     # look-up of the batch's instances; a VALUES list of the batch's length was a
     # statement of new text for each batch size (parsed, and its %s converted, anew):
     # 28 against 10 µs a row (docs/performance.md, twelfth round).
-    lookup = f"SELECT trace_id, id FROM {instances} WHERE trace_id IN "
+    lookup = f"SELECT id FROM {instances} WHERE id IN "
     row = f"INSERT INTO {table} ({SPAN_COLUMNS}) VALUES ({', '.join(['%s'] * 13)})"
     return postgres, lookup, row
 
@@ -94,12 +96,13 @@ MAX_KNOWN_TRACES = 100_000
 class InstanceTraceIds(IdGenerator):
     """Root spans of a run take the instance's trace id: one trace per instance.
 
-    It remembers (boundedly) which trace ids belong to instances, so the database keeps
-    the spans of workflow instances and not every span the project's own code makes.
+    It remembers (boundedly) which trace ids belong to instances, and which instance's
+    each is, so the database keeps the spans of workflow instances and not every span
+    the project's own code makes, and stores each with its instance's key.
     """
 
     def __init__(self, fallback: IdGenerator | None = None) -> None:
-        self.known: OrderedDict[int, None] = OrderedDict()
+        self.known: OrderedDict[int, int] = OrderedDict()  # trace id -> instance pk
         self._lock = threading.Lock()
         self.fallback = fallback or RandomIdGenerator()
 
@@ -107,18 +110,20 @@ class InstanceTraceIds(IdGenerator):
         return self.fallback.generate_span_id()
 
     def generate_trace_id(self) -> int:
-        forced = engine_spans.forced_trace_id.get()
+        forced = engine_spans.forced_trace.get()
         if not forced:
             return self.fallback.generate_trace_id()
+        trace_id, instance_pk = forced
         with self._lock:
-            self.known[forced] = None
-            self.known.move_to_end(forced)
+            self.known[trace_id] = instance_pk
+            self.known.move_to_end(trace_id)
             if len(self.known) > MAX_KNOWN_TRACES:
                 self.known.popitem(last=False)
-        return forced
+        return trace_id
 
-    def is_instance_trace(self, trace_id: int) -> bool:
-        return trace_id in self.known
+    def instance_of(self, trace_id: int) -> int | None:
+        """The key of the instance whose trace this is; None: not an instance's trace."""
+        return self.known.get(trace_id)
 
     def touch(self, trace_id: int) -> None:
         """A span of an instance's trace started: keep the trace among the recent ones."""
@@ -196,7 +201,7 @@ class DatabaseSpanProcessor(SpanProcessor):
     """Queues finished spans; flush() writes them in one bulk insert."""
 
     def __init__(self, trace_ids: InstanceTraceIds) -> None:
-        self._queue: list[ReadableSpan] = []
+        self._queue: list[tuple[ReadableSpan, int]] = []  # each with its instance's key
         self._lock = threading.Lock()
         self.trace_ids = trace_ids
         self.dropped = 0
@@ -205,13 +210,14 @@ class DatabaseSpanProcessor(SpanProcessor):
         self.trace_ids.touch(span.context.trace_id)  # a long run's trace is not forgotten
 
     def on_end(self, span: ReadableSpan) -> None:
-        if not self.trace_ids.is_instance_trace(span.context.trace_id):
+        instance_pk = self.trace_ids.instance_of(span.context.trace_id)
+        if instance_pk is None:
             return  # not a workflow instance's span: exported, if at all, by the project's own set-up
         with self._lock:
             if len(self._queue) >= MAX_QUEUED_SPANS:
                 self.dropped += 1
                 return
-            self._queue.append(span)
+            self._queue.append((span, instance_pk))
 
     def pending(self) -> int:
         return len(self._queue)
@@ -233,42 +239,45 @@ class DatabaseSpanProcessor(SpanProcessor):
             self.dropped += len(batch)  # would fail again (an instance deleted meanwhile, bad data)
             raise
 
-    def _store(self, batch: list[ReadableSpan]) -> list[StoredSpan]:
+    def _store(self, batch: list[tuple[ReadableSpan, int]]) -> list[StoredSpan]:
         from django.db import connection, transaction
 
         from .engine.store.dialect import ns_time_adapter, sql_cursor, statement_cursor
 
         postgres = connection.vendor == "postgresql"
-        # (trace id, span id, parent, name, kind, start, end, status, message, attributes,
-        # events, links) of each span, in order; on SQLite the last three as JSON text.
+        # (instance key, trace id, span id, parent, name, kind, start, end, status, message,
+        # attributes, events, links) of each span, in order; on SQLite the last three as
+        # JSON text.
         when = _micros if postgres else ns_time_adapter(connection)
-        rows = [self._row(span, postgres, when) for span in batch]
+        rows = [self._row(span, pk, postgres, when) for span, pk in batch]
         insert, lookup, insert_one = _span_sql()
         if postgres:
-            # Each row finds its instance by trace id inside the INSERT and RETURNING says
-            # which it found. One statement of one shape whatever the batch: prepared once
-            # per connection, its text never rebuilt nor parsed again.
-            keys = ("t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
+            # Each row looks its instance up by key inside the INSERT (NULL if it was
+            # deleted meanwhile) and RETURNING says which it found. One statement of one
+            # shape whatever the batch: prepared once per connection, its text never
+            # rebuilt nor parsed again.
+            keys = ("i", "t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
             batch_json = _json([dict(zip(keys, row)) for row in rows], _ENCODE_COMPACT)
             with statement_cursor() as cursor:
                 cursor.execute(insert, [batch_json])
                 by_span: dict[str, int | None] = dict(cursor.fetchall())
-            return [StoredSpan(by_span.get(r[1]), r[0], r[1], r[3], r[7]) for r in rows]
+            return [StoredSpan(by_span.get(r[2]), r[1], r[2], r[4], r[8]) for r in rows]
         # SQLite: the transaction is IMMEDIATE (settings), so no instance the look-up found
         # can go before the rows naming it are written (a deferred one that lost the race
         # fails as busy: the batch is queued again, nothing half-stored).
-        by_trace: dict[str, int] = {}
-        traces = list(dict.fromkeys(row[0] for row in rows))
+        there: set[int] = set()
+        pks = list(dict.fromkeys(row[0] for row in rows))
         with transaction.atomic(), sql_cursor() as cursor:
-            for start in range(0, len(traces), LOOKUP_TRACES):
-                chunk = traces[start : start + LOOKUP_TRACES]
+            for start in range(0, len(pks), LOOKUP_INSTANCES):
+                chunk = pks[start : start + LOOKUP_INSTANCES]
                 cursor.execute(lookup + f"({', '.join(['%s'] * len(chunk))})", chunk)
-                by_trace.update(cursor.fetchall())
-            cursor.executemany(insert_one, [(by_trace.get(row[0]), *row) for row in rows])
-        return [StoredSpan(by_trace.get(r[0]), r[0], r[1], r[3], r[7]) for r in rows]
+                there.update(pk for (pk,) in cursor.fetchall())
+            rows = [(row[0] if row[0] in there else None, *row[1:]) for row in rows]
+            cursor.executemany(insert_one, rows)
+        return [StoredSpan(r[0], r[1], r[2], r[4], r[8]) for r in rows]
 
     @staticmethod
-    def _row(span: ReadableSpan, postgres: bool, when: Any) -> tuple[Any, ...]:
+    def _row(span: ReadableSpan, instance_pk: int, postgres: bool, when: Any) -> tuple[Any, ...]:
         attributes = _attributes(span.attributes)
         events = [
             {
@@ -288,6 +297,7 @@ class DatabaseSpanProcessor(SpanProcessor):
         ]
         context, parent, status = span.context, span.parent, span.status
         return (
+            instance_pk,
             format(context.trace_id, "032x"),
             format(context.span_id, "016x"),
             format(parent.span_id, "016x") if parent else "",
@@ -304,7 +314,7 @@ class DatabaseSpanProcessor(SpanProcessor):
             ),
         )
 
-    def _requeue(self, batch: list[ReadableSpan]) -> None:
+    def _requeue(self, batch: list[tuple[ReadableSpan, int]]) -> None:
         with self._lock:
             room = max(0, MAX_QUEUED_SPANS - len(self._queue))
             self.dropped += max(0, len(batch) - room)

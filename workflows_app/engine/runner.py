@@ -266,6 +266,7 @@ class Run:
         )
         self.span = spans.start_workflow_span(
             inst.trace_id,
+            inst.pk,
             self.definition.name,
             {
                 "workflow.name": self.definition.name,

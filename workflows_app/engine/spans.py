@@ -2,7 +2,7 @@
 
 One trace per instance: every run's `workflow <name>` span is a root span whose trace id
 is the instance's stored trace id (the id generator in workflows_app.tracing reads
-`forced_trace_id`). Sleeps and event waits can last a year, across many runs and
+`forced_trace`, and remembers which instance the trace is of). Sleeps and event waits can last a year, across many runs and
 processes, so their spans are created when they end, with the stored start time.
 """
 
@@ -17,10 +17,16 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-# Read by the tracer provider's id generator: the trace id of the span about to start.
-forced_trace_id: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "wfdash_trace_id", default=None
+# Read by the tracer provider's id generator: the trace id of the span about to start, and
+# the primary key of the instance whose trace it is (span storage needs no look-up by it).
+forced_trace: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "wfdash_trace", default=None
 )
+
+
+def _forced(trace_id_hex: str, instance_pk: int) -> tuple[int, int] | None:
+    return (int(trace_id_hex, 16), instance_pk) if trace_id_hex else None
+
 
 _tracer: trace.Tracer | None = None
 _enabled = True
@@ -79,11 +85,11 @@ def span_ids(span: Span | None) -> tuple[str, str]:
 
 
 def start_workflow_span(
-    trace_id_hex: str, name: str, attributes: dict[str, Any], linked: str = ""
+    trace_id_hex: str, instance_pk: int, name: str, attributes: dict[str, Any], linked: str = ""
 ) -> Span:
     """linked: "<trace id>:<span id>" of the span that caused this instance (a child's
     parent): its own trace stays one per instance, with a link to the parent's."""
-    token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
+    token = forced_trace.set(_forced(trace_id_hex, instance_pk))
     try:
         return tracer().start_span(
             f"workflow {name}",
@@ -93,7 +99,7 @@ def start_workflow_span(
             links=span_links(linked),
         )
     finally:
-        forced_trace_id.reset(token)
+        forced_trace.reset(token)
 
 
 def span_links(linked: str, role: str = "parent") -> list[trace.Link]:
@@ -190,12 +196,14 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
     span.set_status(Status(StatusCode.ERROR, message or (str(exc) if exc is not None else "")))
 
 
-def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "") -> str:
+def creation_span(
+    trace_id_hex: str, instance_pk: int, name: str, instance_id: str, actor: str = ""
+) -> str:
     """`create <name>` in the instance's trace, linked to the caller's span (a request);
     returns "<trace id>:<span id>" of it, for a parent's step to link to its child."""
     caller = trace.get_current_span().get_span_context()
     links = [trace.Link(caller)] if caller.is_valid else []
-    token = forced_trace_id.set(int(trace_id_hex, 16) if trace_id_hex else None)
+    token = forced_trace.set(_forced(trace_id_hex, instance_pk))
     try:
         span = tracer().start_span(
             f"create {name}",
@@ -209,7 +217,7 @@ def creation_span(trace_id_hex: str, name: str, instance_id: str, actor: str = "
             },
         )
     finally:
-        forced_trace_id.reset(token)
+        forced_trace.reset(token)
     span.end()
     trace_hex, span_hex = span_ids(span)
     return f"{trace_hex}:{span_hex}" if span_hex else ""

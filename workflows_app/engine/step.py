@@ -718,7 +718,7 @@ class Step:
         )
         if created:  # in the parent's context: the creation span links to the parent's span
             created_span = spans.creation_span(
-                child.trace_id, definition.name, child.instance_id, actor
+                child.trace_id, child.pk, definition.name, child.instance_id, actor
             )
             spans.link_child(run.span, created_span, child.instance_id)
         return child

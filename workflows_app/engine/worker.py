@@ -568,6 +568,7 @@ class Worker:
         for started in fired:
             spans.creation_span(
                 started.trace_id,
+                started.instance_pk,
                 started.workflow,
                 started.instance_id,
                 actor=f"{store.schedules.DECLARED_ACTOR}:{started.schedule}",
