@@ -2,8 +2,9 @@
 
 One trace per instance: every run's `workflow <name>` span is a root span whose trace id
 is the instance's stored trace id (the id generator in workflows_app.tracing reads
-`forced_trace`, and remembers which instance the trace is of). Sleeps and event waits can last a year, across many runs and
-processes, so their spans are created when they end, with the stored start time.
+`forced_trace`, and remembers which instance the trace is of). Sleeps and event waits
+can last a year, across many runs and processes, so their spans are created when they
+end, with the stored start time.
 """
 
 from __future__ import annotations
