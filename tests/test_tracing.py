@@ -419,3 +419,39 @@ def test_span_times_are_stored_to_the_microsecond_from_1970_to_the_year_9999(reg
     assert set(
         Span.objects.filter(name__startswith="at ").values_list("start_time", "end_time")
     ) == {(at, at) for at in times}
+
+
+def test_a_rolled_back_create_s_span_is_not_stored_with_the_instance_that_took_its_key(
+    registered, monkeypatch
+):
+    """A create's span is queued for an engine running here to store; if the create's
+    transaction rolls back, the next instance may get the same key (SQLite hands the id
+    out again). The span is stored with no instance, not with that other instance."""
+    from django.db import connection, transaction
+
+    from workflows_app import client
+
+    @register("rolled-back")
+    class RolledBack(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    monkeypatch.setattr(client, "running_in_this_process", lambda: True)  # it flushes later
+    tracing.flush_spans()
+    with pytest.raises(RuntimeError, match="roll back"), transaction.atomic():
+        gone = get_workflow("rolled-back").create(id="gone").row()
+        raise RuntimeError("roll back")
+    kept = get_workflow("rolled-back").create(id="kept").row()
+    if connection.vendor == "sqlite":
+        assert kept.pk == gone.pk  # the key the span was queued with now names another
+    stored = {span.trace_id: span.instance_id for span in tracing.flush_spans()}
+    assert stored == {gone.trace_id: None, kept.trace_id: kept.pk}
+    assert Span.objects.get(trace_id=gone.trace_id).instance_id is None
+
+
+def test_a_trace_id_of_zeros_is_no_trace_id_and_the_run_s_span_gets_a_valid_one(registered):
+    from workflows_app.engine import spans as engine_spans
+
+    span = engine_spans.start_workflow_span("0" * 32, 1, "zeros", {})
+    span.end()
+    assert span.get_span_context().is_valid and span.get_span_context().trace_id != 0

@@ -57,7 +57,10 @@ def _span_sql() -> tuple[str, str, str]:
     """(PostgreSQL's INSERT, SQLite's look-up of the instances still there, SQLite's
     INSERT of one row) for stored spans. Each span comes with its instance's key (the
     trace id generator knows it): no index of the instances' trace ids is read, nor
-    written by each insert and indexed update of an instance row."""
+    written by each insert and indexed update of an instance row. The key is taken only
+    if that row still has the span's trace: a create rolled back after its span was
+    queued may have left its key to the next instance (SQLite hands a rolled-back id out
+    again)."""
     from .models import Instance, Span
 
     table, instances = Span._meta.db_table, Instance._meta.db_table
@@ -66,7 +69,7 @@ def _span_sql() -> tuple[str, str, str]:
     # database threads in a herd of timers.
     postgres = (
         f"INSERT INTO {table} ({SPAN_COLUMNS}) SELECT "
-        f"(SELECT id FROM {instances} WHERE id = r.i), r.t, r.s, r.p, "
+        f"(SELECT id FROM {instances} WHERE id = r.i AND trace_id = r.t), r.t, r.s, r.p, "
         f"r.n, r.k, {_MICROS_TO_TIME.format('r.st')}, {_MICROS_TO_TIME.format('r.e')}, "
         "r.c, r.m, r.a, r.ev, r.l "
         "FROM json_to_recordset(CAST(%s AS json)) AS r(i bigint, t text, s text, p text, "
@@ -77,7 +80,7 @@ def _span_sql() -> tuple[str, str, str]:
     # look-up of the batch's instances; a VALUES list of the batch's length was a
     # statement of new text for each batch size (parsed, and its %s converted, anew):
     # 28 against 10 µs a row (docs/performance.md, twelfth round).
-    lookup = f"SELECT id FROM {instances} WHERE id IN "
+    lookup = f"SELECT id, trace_id FROM {instances} WHERE id IN "
     row = f"INSERT INTO {table} ({SPAN_COLUMNS}) VALUES ({', '.join(['%s'] * 13)})"
     return postgres, lookup, row
 
@@ -253,7 +256,8 @@ class DatabaseSpanProcessor(SpanProcessor):
         insert, lookup, insert_one = _span_sql()
         if postgres:
             # Each row looks its instance up by key inside the INSERT (NULL if it was
-            # deleted meanwhile) and RETURNING says which it found. One statement of one
+            # deleted meanwhile, or the key is another trace's) and RETURNING says which it
+            # found. One statement of one
             # shape whatever the batch: prepared once per connection, its text never
             # rebuilt nor parsed again.
             keys = ("i", "t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
@@ -265,14 +269,14 @@ class DatabaseSpanProcessor(SpanProcessor):
         # SQLite: the transaction is IMMEDIATE (settings), so no instance the look-up found
         # can go before the rows naming it are written (a deferred one that lost the race
         # fails as busy: the batch is queued again, nothing half-stored).
-        there: set[int] = set()
+        there: set[tuple[int, str]] = set()  # (key, trace id) of the instances still there
         pks = list(dict.fromkeys(row[0] for row in rows))
         with transaction.atomic(), sql_cursor() as cursor:
             for start in range(0, len(pks), LOOKUP_INSTANCES):
                 chunk = pks[start : start + LOOKUP_INSTANCES]
                 cursor.execute(lookup + f"({', '.join(['%s'] * len(chunk))})", chunk)
-                there.update(pk for (pk,) in cursor.fetchall())
-            rows = [(row[0] if row[0] in there else None, *row[1:]) for row in rows]
+                there.update(cursor.fetchall())
+            rows = [(row[0] if row[:2] in there else None, *row[1:]) for row in rows]
             cursor.executemany(insert_one, rows)
         return [StoredSpan(r[0], r[1], r[2], r[4], r[8]) for r in rows]
 

@@ -26,7 +26,8 @@ forced_trace: contextvars.ContextVar[tuple[int, int] | None] = contextvars.Conte
 
 
 def _forced(trace_id_hex: str, instance_pk: int) -> tuple[int, int] | None:
-    return (int(trace_id_hex, 16), instance_pk) if trace_id_hex else None
+    trace_id = int(trace_id_hex, 16) if trace_id_hex else 0
+    return (trace_id, instance_pk) if trace_id else None  # 0 is no trace id: a random one
 
 
 _tracer: trace.Tracer | None = None
@@ -66,12 +67,12 @@ def instant(nanoseconds: int | None) -> datetime:
 
 def new_trace_id(now: datetime) -> str:
     """An instance's trace id: the milliseconds of its creation (12 hex digits), then 80
-    random bits. Ordered by creation, the instance table's index of trace ids takes new
-    entries at its end, not on a random page of it: PostgreSQL wrote 11.0-11.5 kB of WAL
-    per one-step instance with 300,000 stored, 7.6-7.7 kB with these (each update of a
-    row that moves it in other indexes adds an entry here too). The random part is what
-    trace tools read: the W3C random flag wants the rightmost 7 bytes random, ratio
-    samplers the low 64 bits."""
+    random bits. Ordered by creation, an index of trace ids takes new entries at its end,
+    not on a random page of it: PostgreSQL wrote 11.0-11.5 kB of WAL per one-step
+    instance with 300,000 stored, 7.6-7.7 kB with these, while the instance table had
+    such an index (migration 0015 dropped it; a trace store's or a project's own index
+    still gains). The random part is what trace tools read: the W3C random flag wants
+    the rightmost 7 bytes random, ratio samplers the low 64 bits."""
     return f"{ns(now) // 1_000_000:012x}{secrets.token_hex(10)}"
 
 
