@@ -539,7 +539,8 @@ def test_datetimes_written_by_raw_sql_are_what_the_orm_writes_and_read_back_the_
     ]
     for value in values:
         written = db_time(value)
-        assert written == connection.ops.adapt_datetimefield_value(value), value
+        django_writes = connection.ops.adapt_datetimefield_value(value)
+        assert written == django_writes and type(written) is type(django_writes), value
         read = from_db_time(written)  # SQLite: text; PostgreSQL: the driver's datetime
         assert read == value, value
         if isinstance(written, str):

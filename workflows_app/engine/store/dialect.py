@@ -72,8 +72,12 @@ def db_time(value: datetime | None, db: Any = None) -> Any:
     as Django writes it, without the look-ups of the connection and settings on the way
     (4.6 against 1.7 µs; a checkpoint writes three). db: the connection (default: the
     engine's, through Django's proxy)."""
-    if value is not None and value.tzinfo is UTC and writes_utc_text():
+    if value is None:
+        return None  # NULL on every backend
+    if value.tzinfo is UTC and writes_utc_text():
         return value.isoformat(" ")[:-6]  # str() of the naive UTC datetime, "+00:00" cut
+    if db is None and passes_datetimes():
+        return value  # PostgreSQL's driver takes the datetime (Django's adapt returns it)
     return (connection if db is None else db).ops.adapt_datetimefield_value(value)
 
 
@@ -83,10 +87,18 @@ def writes_utc_text() -> bool:
     return utc_text_times(connections[DEFAULT_DB_ALIAS])
 
 
+@functools.cache
+def passes_datetimes() -> bool:
+    """The engine's database takes datetimes as they are (PostgreSQL): db_time skips the
+    connection proxy's look-up, three a checkpoint (made once; see _settings_changed)."""
+    return connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+
+
 @receiver(setting_changed)
 def _settings_changed(setting: str, **_: Any) -> None:
     if setting in ("DATABASES", "TIME_ZONE", "USE_TZ"):
         writes_utc_text.cache_clear()
+        passes_datetimes.cache_clear()
 
 
 NAIVE_EPOCH = datetime(1970, 1, 1)
