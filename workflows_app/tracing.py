@@ -257,9 +257,8 @@ class DatabaseSpanProcessor(SpanProcessor):
         if postgres:
             # Each row looks its instance up by key inside the INSERT (NULL if it was
             # deleted meanwhile, or the key is another trace's) and RETURNING says which it
-            # found. One statement of one
-            # shape whatever the batch: prepared once per connection, its text never
-            # rebuilt nor parsed again.
+            # found. One statement of one shape whatever the batch: prepared once per
+            # connection, its text never rebuilt nor parsed again.
             keys = ("i", "t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
             batch_json = _json([dict(zip(keys, row)) for row in rows], _ENCODE_COMPACT)
             with statement_cursor() as cursor:

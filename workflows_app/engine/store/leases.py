@@ -320,20 +320,21 @@ def _end_due_sleeps(cursor: Any, pks: Sequence[int], now: datetime) -> dict[int,
     return {pk: [name for _, name in sorted(names)] for pk, names in ended.items()}
 
 
+def lease_token_sql(base: str, n: str) -> str:
+    """SQL of a claim's n-th lease token from its base (see lease_token_base)."""
+    return f"CAST({base} AS text) || lpad(to_hex({n}), 8, '0')"
+
+
 # claim_runnable as one autocommit statement (PostgreSQL): pick and lock the due rows,
-# end the sleeps that came due in them (`ended`), lease them under the tokens given (in
-# pick order), start their runs and write their run.started and sleep.completed records.
+# end the sleeps that came due in them (`ended`), lease them under tokens made from the
+# claim's base (the n-th picked row holds the n-th token), start their runs and write
+# their run.started and sleep.completed records.
 #
 # Its commit does not wait for the WAL flush (`async_commit`, this transaction only): a
 # claim lost in a server crash loses nothing a run did, because every checkpoint the run
 # writes afterwards is a synchronous commit, and a flush of its WAL flushes the claim's
 # before it. Until then the lost claim leaves the instance as it was: unleased, due, and
 # run again, as a step whose checkpoint was lost is run again.
-def lease_token_sql(base: str, n: str) -> str:
-    """SQL of a claim's n-th lease token from its base (see lease_token_base)."""
-    return f"CAST({base} AS text) || lpad(to_hex({n}), 8, '0')"
-
-
 _CLAIM_TEMPLATE = f"""
 WITH picked AS (
     SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
