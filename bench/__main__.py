@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import secrets
 import sys
 import time
 import traceback
@@ -246,29 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
-    os.environ["WFDASH_DEMO"] = "0"
-    os.environ.setdefault("WFDASH_LOG_LEVEL", "WARNING")
-    # Production-like: DEBUG=True wraps every query in CursorDebugWrapper (and, on SQLite,
-    # quotes its parameters with an extra round trip). Set DJANGO_DEBUG=1 to measure that.
-    os.environ.setdefault("DJANGO_DEBUG", "0")
-    # DEBUG off refuses the built-in key and empty hosts (production settings); the bench's
-    # processes share this throwaway key through the environment.
-    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-" + secrets.token_urlsafe(32))
-    os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
-    from .dbsetup import prepare_database
+    from .dbsetup import setup_django
 
-    url = prepare_database()
-
-    import django
-
-    django.setup()
-    from django.core.management import call_command
+    url = setup_django()
     from django.db import connection
 
-    from . import workflows  # noqa: F401  (registers the bench workflows)
-
-    call_command("migrate", verbosity=0)
     vendor = connection.vendor
     size = scaled(args.quick)
     steps = plan(size)

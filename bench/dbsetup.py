@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,4 +37,30 @@ def prepare_database() -> str:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(bench_db)))
         url = urlunsplit(parts._replace(path="/" + bench_db))
     os.environ["DATABASE_URL"] = url
+    return url
+
+
+def setup_django() -> str:
+    """The bench process's Django: production-like settings, the bench database fresh
+    (prepare_database), the bench workflows registered, migrated. Returns the URL."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
+    os.environ["WFDASH_DEMO"] = "0"
+    os.environ.setdefault("WFDASH_LOG_LEVEL", "WARNING")
+    # Production-like: DEBUG=True wraps every query in CursorDebugWrapper (and, on SQLite,
+    # quotes its parameters with an extra round trip). Set DJANGO_DEBUG=1 to measure that.
+    os.environ.setdefault("DJANGO_DEBUG", "0")
+    # DEBUG off refuses the built-in key and empty hosts (production settings); the bench's
+    # processes share this throwaway key through the environment.
+    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-" + secrets.token_urlsafe(32))
+    os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
+    url = prepare_database()
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from . import workflows  # noqa: F401  (registers the bench workflows)
+
+    call_command("migrate", verbosity=0)
     return url

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import os
 import pstats
-import secrets
 import threading
 import time
 from typing import Any
@@ -44,31 +42,17 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=100)
     parser.add_argument("--untraced", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "wfdash.settings")
-    os.environ["WFDASH_DEMO"] = "0"
-    os.environ.setdefault("WFDASH_LOG_LEVEL", "WARNING")
-    os.environ.setdefault("DJANGO_DEBUG", "0")
-    # DEBUG off refuses the built-in key and empty hosts (production settings); the bench's
-    # processes share this throwaway key through the environment.
-    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-" + secrets.token_urlsafe(32))
-    os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
-    from .dbsetup import prepare_database
+    from .dbsetup import setup_django
 
-    prepare_database()
-    import django
-
-    django.setup()
-    from django.core.management import call_command
+    setup_django()
 
     from workflows_app.engine import spans
     from workflows_app.engine import worker as engine_worker
     from workflows_app.testing import QueryCounter
 
-    from . import workflows  # noqa: F401
     from .inproc import run_until_idle
     from .measures import _create
 
-    call_command("migrate", verbosity=0)
     spans.set_enabled(not args.untraced)
     n, steps = args.instances, args.instances * 10
 
