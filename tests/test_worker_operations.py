@@ -440,6 +440,59 @@ def test_result_waiters_leave_nothing_behind_once_answered(registered):
     assert len(live.result_waiters) == 0
 
 
+def test_a_result_is_woken_by_the_end_and_a_history_follower_by_every_step():
+    from workflows_app import live
+
+    waiters = live.ResultWaiters()
+    with (
+        waiters.waiting(7) as result,
+        waiters.waiting(7, every_change=True) as follower,
+        waiters.waiting(8) as other,
+    ):
+        waiters.wake(7, history_only=True)  # a step's history was written
+        assert follower.is_set() and not result.is_set() and not other.is_set()
+        follower.clear()
+        waiters.wake(7)  # a change of state: the end, a pause, a terminate
+        assert follower.is_set() and result.is_set() and not other.is_set()
+    assert len(waiters) == 0
+
+
+def test_a_result_waiting_on_a_running_instance_reads_it_again_only_at_its_end(
+    registered, loop_thread, monkeypatch
+):
+    """Woken by each step's history, result() read the row once a step, in the caller's
+    thread, while the engine ran the next one (each step waited for that read)."""
+    from workflows_app.client import InstanceHandle
+
+    def pause_a_little() -> None:
+        time.sleep(0.02)  # steps far enough apart that each one's wake-up is read alone
+
+    @register("twenty-steps")
+    class TwentySteps(WorkflowEntrypoint):
+        async def run(self, event, step):
+            for n in range(20):
+                await step.do(f"s{n}", pause_a_little)
+            return "done"
+
+    handle = get_workflow("twenty-steps").create(id="twenty")
+    reads = []
+    real_row = InstanceHandle.row
+    monkeypatch.setattr(
+        InstanceHandle, "row", lambda self, *a: reads.append(1) or real_row(self, *a)
+    )
+    worker = new_worker(poll_seconds=5)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        assert handle.result(timeout=30) == "done"
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+    # Its key, the first look, the end's wake-up, and one more for each second of the
+    # run (the re-read that covers other processes); a read a step was 21 or more.
+    assert len(reads) <= 5, f"result() read the instance {len(reads)} times for 20 steps"
+
+
 def test_pending_hints_fold_wakes_into_one_and_stay_bounded():
     from workflows_app.live import PendingHints
 

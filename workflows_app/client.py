@@ -581,7 +581,7 @@ class InstanceHandle:
         live ones as they are written. Ends after the last record of a finished instance,
         or when the caller stops iterating (break, close())."""
         follower = self._follower(cursor)
-        with live.result_waiters.waiting(follower.pk) as woken:
+        with live.result_waiters.waiting(follower.pk, every_change=True) as woken:
             follower.open()
             try:
                 while True:
@@ -600,7 +600,7 @@ class InstanceHandle:
     async def asubscribe(self, cursor: int = 0) -> AsyncIterator[HistoryEntry]:
         """Async twin of subscribe(): waits without holding a thread (the SSE stream)."""
         follower = await sync_to_async(self._follower)(cursor)
-        async with live.result_waiters.awaiting(follower.pk) as woken:
+        async with live.result_waiters.awaiting(follower.pk, every_change=True) as woken:
             await sync_to_async(follower.open)()
             try:
                 while True:

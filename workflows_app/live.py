@@ -41,48 +41,60 @@ class ResultWaiters:
     """Threads blocked in InstanceHandle.result() and history subscriptions (sync or
     async), by instance: woken when it changes.
 
+    A result waits for the end only: a step's history wakes the history followers
+    (every_change) and not it. Woken at each step, a result() re-read the instance row in
+    the caller's thread while the engine ran the next step, and in a lone 10-step run each
+    step waited for that read: 0.73 ms a step on SQLite, whose commit takes 0.012.
+
     An instance's entry goes when its last waiter does, so the registry holds only the
     waits in progress, however many instances were ever waited on.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_instance: dict[int, set[threading.Event]] = {}
+        # pk -> {event: whether it is woken by every change (history), not only the end's}
+        self._by_instance: dict[int, dict[Any, bool]] = {}
+
+    def _add(self, pk: int, event: Any, every_change: bool) -> None:
+        with self._lock:
+            self._by_instance.setdefault(pk, {})[event] = every_change
+
+    def _remove(self, pk: int, event: Any) -> None:
+        with self._lock:
+            waiters = self._by_instance.get(pk, {})
+            waiters.pop(event, None)
+            if not waiters:
+                self._by_instance.pop(pk, None)
 
     @contextmanager
-    def waiting(self, pk: int) -> Iterator[threading.Event]:
+    def waiting(self, pk: int, every_change: bool = False) -> Iterator[threading.Event]:
         event = threading.Event()
-        with self._lock:
-            self._by_instance.setdefault(pk, set()).add(event)
+        self._add(pk, event, every_change)
         try:
             yield event
         finally:
-            with self._lock:
-                waiters = self._by_instance.get(pk, set())
-                waiters.discard(event)
-                if not waiters:
-                    self._by_instance.pop(pk, None)
+            self._remove(pk, event)
 
     @asynccontextmanager
-    async def awaiting(self, pk: int) -> AsyncIterator[asyncio.Event]:
+    async def awaiting(self, pk: int, every_change: bool = False) -> AsyncIterator[asyncio.Event]:
         """The async twin of waiting(): an asyncio.Event that wake() sets from any thread."""
         event = asyncio.Event()
         waker = _LoopWaker(asyncio.get_running_loop(), event)
-        with self._lock:
-            self._by_instance.setdefault(pk, set()).add(waker)  # type: ignore[arg-type]
+        self._add(pk, waker, every_change)
         try:
             yield event
         finally:
-            with self._lock:
-                waiters = self._by_instance.get(pk, set())
-                waiters.discard(waker)  # type: ignore[arg-type]
-                if not waiters:
-                    self._by_instance.pop(pk, None)
+            self._remove(pk, waker)
 
-    def wake(self, pk: int | None) -> None:
+    def wake(self, pk: int | None, history_only: bool = False) -> None:
+        """A change of the instance: every waiter hears it, or (history_only: records were
+        appended, its state did not change) only those woken by every change."""
+        if pk is None:
+            return
         with self._lock:
-            for event in self._by_instance.get(pk, set()) if pk is not None else ():
-                event.set()
+            for event, every_change in self._by_instance.get(pk, {}).items():
+                if every_change or not history_only:
+                    event.set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -566,7 +578,7 @@ class EngineHooks:
 
     def step_written(self, run: Any, record: Any, history: Any) -> None:
         if history:  # history subscriptions (client.subscribe) in this process
-            result_waiters.wake(run.pk)
+            result_waiters.wake(run.pk, history_only=True)
         if no_page_open():
             return
         step = {
