@@ -26,6 +26,7 @@ from workflows_app.testing import QueryCounter
 from . import workflows as wf
 from .inproc import ServingWorker, run_until_idle
 from .procs import WorkerProcess, rss_mb, stop_all
+from .stats import percentile
 
 Figures = dict[str, Any]
 
@@ -59,11 +60,6 @@ def _wait_count(workflow: str, prefix: str, n: int, timeout: float, every: float
             return time.perf_counter()
         time.sleep(every)
     raise TimeoutError(f"{workflow}: {_count(workflow, prefix)}/{n} complete after {timeout} s")
-
-
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
 
 
 def bulk_park(
@@ -331,8 +327,8 @@ def event_latency(n: int) -> Figures:
                 raise TimeoutError(f"{iid} did not park")
             latencies.append(_ms_until_marked(iid, functools.partial(handle.send_event, "go")))
     return {
-        "event_latency_p50_ms": _pct(latencies, 50),
-        "event_latency_p95_ms": _pct(latencies, 95),
+        "event_latency_p50_ms": percentile(latencies, 50),
+        "event_latency_p95_ms": percentile(latencies, 95),
     }
 
 
@@ -349,8 +345,8 @@ def start_latency(n: int) -> Figures:
             if not w.hooks.wait_for("complete", i + 1, timeout=30):
                 raise TimeoutError(f"{iid} did not complete")
     return {
-        "start_latency_p50_ms": _pct(latencies, 50),
-        "start_latency_p95_ms": _pct(latencies, 95),
+        "start_latency_p50_ms": percentile(latencies, 50),
+        "start_latency_p95_ms": percentile(latencies, 95),
     }
 
 
@@ -388,7 +384,7 @@ def event_latency_worker(n: int, via: str = "redis") -> Figures:
                         raise TimeoutError(f"{iid}: no mark from the worker process")
                     time.sleep(0.001)
             latencies.append((row[0] - t0) * 1000)
-    return {f"{key}_p50_ms": _pct(latencies, 50), f"{key}_p95_ms": _pct(latencies, 95)}
+    return {f"{key}_p50_ms": percentile(latencies, 50), f"{key}_p95_ms": percentile(latencies, 95)}
 
 
 # --- 5. timers -------------------------------------------------------------------------
@@ -411,8 +407,8 @@ def timer_lateness(n: int, sleep_ms: int = 100) -> Figures:
             lateness.append((wf.MARKS[iid + "@wall"] - wake_at.timestamp()) * 1000)
             wf.MARK_WAITERS.pop(iid, None)
     return {
-        "timer_lateness_p50_ms": _pct(lateness, 50),
-        "timer_lateness_p95_ms": _pct(lateness, 95),
+        "timer_lateness_p50_ms": percentile(lateness, 50),
+        "timer_lateness_p95_ms": percentile(lateness, 95),
     }
 
 
@@ -438,8 +434,8 @@ def schedule_latency(ticks: int) -> Figures:
         schedules.get(name).pause()
     latencies = [(wf.MARKS[iid + "@wall"] - at.timestamp()) * 1000 for iid, at in marked]
     return {
-        "schedule_tick_to_start_p50_ms": _pct(latencies, 50),
-        "schedule_tick_to_start_p95_ms": _pct(latencies, 95),
+        "schedule_tick_to_start_p50_ms": percentile(latencies, 50),
+        "schedule_tick_to_start_p95_ms": percentile(latencies, 95),
         "schedule_ticks": len(latencies),
     }
 

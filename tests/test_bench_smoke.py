@@ -73,3 +73,30 @@ def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
         assert isinstance(figures[key], (int, float)) and figures[key] > 0, (key, figures[key])
     assert figures["one_step_per_s"] is None  # not selected by --only
     assert "per_step_ms" in done.stdout  # the table is printed before the JSON line
+
+
+@pytest.mark.timeout(600)
+def test_the_comparison_with_dbos_runs_both_engines_and_ends_with_its_json(tmp_path: Path) -> None:
+    """`python -m bench.versus_dbos --quick --rounds 1`: each figure measured for wfdash and
+    for DBOS (a fresh SQLite file each), and wfdash's lead computed (no speed assertions)."""
+    from bench.versus_dbos import FIGURES
+
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "wfdash.settings"}
+    env.pop("DATABASE_URL", None)  # each engine gets a SQLite file of its own
+    env.pop("REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.versus_dbos", "--quick", "--rounds", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["rounds"] == 1 and figures["baseline_commit_ms"] > 0
+    for key, _ in FIGURES:
+        both = figures[key]
+        assert both["wfdash"] > 0 and both["dbos"] > 0, (key, both)
+        assert both["ahead"] > 0, (key, both)
+    assert "seq_step_ms" in done.stdout  # the table is printed before the JSON line
