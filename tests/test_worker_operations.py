@@ -440,6 +440,50 @@ def test_result_waiters_leave_nothing_behind_once_answered(registered):
     assert len(live.result_waiters) == 0
 
 
+def test_the_second_copy_of_a_creates_hint_wakes_no_claim_that_would_find_nothing(
+    registered, loop_thread
+):
+    """On PostgreSQL a create's hint reaches a worker of its own process twice: at once,
+    and through its NOTIFY, often while the claim the first copy woke is out."""
+    gate = threading.Event()
+
+    @register("held-here")
+    class HeldHere(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("hold", lambda: gate.wait(20) and "done")
+
+    pk = get_workflow("held-here").create(id="held").row().pk
+    other = get_workflow("held-here").create(id="other").row().pk
+    worker = new_worker(concurrency=1, poll_seconds=5)
+    claim = worker._admit_then_claim
+
+    def claim_then_hear_the_copy(free: int, exclude: list[int]) -> Any:
+        claimed = claim(free, exclude)
+        for taken, _, _ in claimed:  # the NOTIFY's copy arrives while the claim is out
+            worker.hint("created", taken)
+        return claimed
+
+    worker._admit_then_claim = claim_then_hear_the_copy  # type: ignore[method-assign]
+    try:
+        loop_thread.call(worker.start())
+        assert loop_thread.call(worker.claim_and_start()) == 1
+        held = next(iter(worker.tasks))
+        assert not worker._wake.is_set(), "the copy of the hint the claim answered woke the loop"
+
+        async def hear(kind: str, hinted: int) -> bool:
+            worker._wake.clear()
+            worker._on_hint(kind, hinted)
+            return worker._wake.is_set()
+
+        assert not loop_thread.call(hear("created", held))  # a late copy: it runs here
+        assert loop_thread.call(hear("created", other if held == pk else pk))  # not here
+        assert loop_thread.call(hear("event", held))  # an event may be for its next wait
+        assert loop_thread.call(hear("wake", None))
+    finally:
+        gate.set()
+        loop_thread.call(worker.stop(grace_seconds=5))
+
+
 def test_a_result_is_woken_by_the_end_and_a_history_follower_by_every_step():
     from workflows_app import live
 

@@ -356,6 +356,9 @@ def notify_local(kind: str = "wake", pk: int | None = None) -> None:
         worker.hint(kind, pk)
 
 
+# Hints that an instance became runnable: nothing more to a worker that runs it already.
+RUNNABLE_HINTS = frozenset({"created", "promoted"})
+
 # Run outcomes after which nothing of the instance is due (Worker._nothing_due_from).
 FINISHED_OUTCOMES = frozenset({Status.COMPLETE, Status.ERRORED, Status.TERMINATED})
 PARKED_OUTCOMES = frozenset({Status.WAITING, Status.PAUSED, Status.COMPENSATING})
@@ -448,6 +451,9 @@ class Worker:
         self._ticks_looked_up = -float("inf")
         self._full = False  # the serve loop waits for a place to claim more
         self._waiting_until: datetime | None = None  # engine time its idle wait ends
+        # While a claim is out: what woke the loop meanwhile, (kind, pk) of each hint and
+        # None for anything else (see _drop_wakes_the_claim_answered).
+        self._woken_during_claim: list[tuple[str, int | None] | None] | None = None
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -547,8 +553,27 @@ class Worker:
                 run.abort(kind)
             elif kind == "pause":
                 run.request_pause()
-        if self._wake is not None:
-            self._wake.set()
+        if kind in RUNNABLE_HINTS and pk in self.tasks:
+            return  # it runs here: the hint's other copy (NOTIFY or local) woke the claim
+        self._woken(kind, pk)
+
+    def _woken(self, kind: str = "", pk: int | None = None) -> None:
+        if self._wake is None:
+            return
+        if self._woken_during_claim is not None:
+            self._woken_during_claim.append((kind, pk) if kind else None)
+        self._wake.set()
+
+    def _drop_wakes_the_claim_answered(self, woken: list[tuple[str, int | None] | None]) -> None:
+        """On PostgreSQL a create's or a promotion's hint comes twice to a worker in the
+        process that made it: at once from the process, and a millisecond later through
+        its NOTIFY, often while the claim the first copy woke is out. That claim took the
+        instance, so the second wake-up would only be a claim that finds nothing (a round
+        trip, beside the new run's first step). Kept if anything else woke the loop."""
+        if self._wake is None or not self._wake.is_set() or not woken:
+            return
+        if all(w is not None and w[0] in RUNNABLE_HINTS and w[1] in self.tasks for w in woken):
+            self._wake.clear()
 
     # --- one iteration at a time -----------------------------------------------------
 
@@ -592,9 +617,13 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        claimed = await self.db.in_lane(
-            ConnectionThreads.FIRST, self._admit_then_claim, free, list(self.tasks)
-        )
+        self._woken_during_claim = woken = []
+        try:
+            claimed = await self.db.in_lane(
+                ConnectionThreads.FIRST, self._admit_then_claim, free, list(self.tasks)
+            )
+        finally:
+            self._woken_during_claim = None
         self.claimed_all_due = len(claimed) < free
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
@@ -602,6 +631,7 @@ class Worker:
             task = asyncio.ensure_future(self._execute(pk, token, loaded))
             self.tasks[pk] = task
             task.add_done_callback(functools.partial(self._run_done, pk))
+        self._drop_wakes_the_claim_answered(woken)
         return len(claimed)
 
     def _admit_then_claim(
@@ -670,7 +700,7 @@ class Worker:
         if self._wake is None:
             return
         if self._full or not self._nothing_due_from(outcome, run):
-            self._wake.set()
+            self._woken()
         else:  # as the woken loop would: now and then, and when going idle
             self.flush_in_background(force=not self.tasks)
 
@@ -687,8 +717,8 @@ class Worker:
 
     def _place_freed(self) -> None:
         """A run's end went to the group commit: a worker waiting for a place claims."""
-        if self._full and self._wake is not None:
-            self._wake.set()
+        if self._full:
+            self._woken()
 
     async def maintain_once(self, force: bool = False) -> bool:
         """One step of the app's background work (a batch of a bulk job), in a database
