@@ -42,16 +42,11 @@ MEASURED = [
 ]
 
 
-@pytest.mark.timeout(600)
-def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'bench.sqlite3'}",
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-    }
-    env.pop("REDIS_URL", None)
+def run_bench(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m <args>` from the repository's root without Redis; it must succeed."""
+    env = {k: v for k, v in env.items() if k != "REDIS_URL"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "baseline,per_step,replay"],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -59,6 +54,17 @@ def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
         timeout=540,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.timeout(600)
+def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'bench.sqlite3'}",
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+    }
+    done = run_bench(["bench", "--quick", "--only", "baseline,per_step,replay"], env)
     lines = done.stdout.strip().splitlines()
     figures = json.loads(lines[-1])
     assert isinstance(figures, dict)
@@ -83,16 +89,7 @@ def test_the_comparison_with_dbos_runs_both_engines_and_ends_with_its_json(tmp_p
 
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "wfdash.settings"}
     env.pop("DATABASE_URL", None)  # each engine gets a SQLite file of its own
-    env.pop("REDIS_URL", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.versus_dbos", "--quick", "--rounds", "1"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_bench(["bench.versus_dbos", "--quick", "--rounds", "1"], env)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["rounds"] == 1 and figures["baseline_commit_ms"] > 0
     for key, _ in FIGURES:
