@@ -58,6 +58,7 @@ from .records import (
     clear_lease,
     close_open_steps,
     insert_history,
+    insert_history_rows,
     locked_instance,
     new_model_object,
     wake_parent,
@@ -1052,13 +1053,11 @@ def send_event(
     (if any) before anything is written; it raises to refuse the payload.
     """
     now = clock.now()
-    if writes_in_one_statement():
-        sent = _send_event_at_once(
-            name, instance_id, event_type, payload_json, validate is not None, actor, now
-        )
-        if sent is not None:
-            return sent
-        # Refused, unknown, or a typed wait's schema to check first: the long way says why.
+    send = _send_event_at_once if writes_in_one_statement() else _send_event_in_raw_sql
+    sent = send(name, instance_id, event_type, payload_json, validate is not None, actor, now)
+    if sent is not None:
+        return sent
+    # Refused, unknown, or a typed wait's schema to check first: the long way says why.
     with transaction.atomic():
         inst = locked_instance(name, instance_id)
         if not lifecycle.can(lifecycle.SEND_EVENT, inst.status):
@@ -1130,6 +1129,75 @@ WITH inst AS (
 )
 SELECT (SELECT id FROM event), (SELECT id FROM due), (SELECT count(*) FROM hint)
 """
+
+
+# SQLite's send_event: SEND_EVENT_SQL's parts, in its IMMEDIATE transaction. The UPDATE
+# takes the instance if it may take the event (and no typed wait must validate it first),
+# makes it due and gives the event.sent record its sequence.
+SEND_EVENT_UPDATE_SQL = f"""
+UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + 1,
+    wake_at = CASE WHEN status IN (%(waiting)s, %(running)s) THEN %(now)s ELSE wake_at END,
+    updated_at = CASE WHEN status IN (%(waiting)s, %(running)s) THEN %(now)s ELSE updated_at END
+WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s
+  AND status IN (SELECT value FROM json_each(%(allowed)s))
+  AND NOT (%(validate)s AND EXISTS (
+    SELECT 1 FROM {STEP_TABLE} AS s WHERE s.instance_id = {INSTANCE_TABLE}.id
+      AND s.kind = %(wait_kind)s AND s.status = %(waiting_step)s AND s.event_type = %(type)s
+      AND s.event_schema_json IS NOT NULL))
+RETURNING id, history_seq
+"""
+SEND_EVENT_INSERT_SQL = (
+    f"INSERT INTO {INBOX_TABLE} (instance_id, type, payload_json, created_at, actor, "
+    "consumed_at, consumed_by) VALUES (%s, %s, %s, %s, %s, NULL, '') RETURNING id"
+)
+
+
+def _send_event_in_raw_sql(
+    name: str,
+    instance_id: str,
+    event_type: str,
+    payload_json: str,
+    validate: bool,
+    actor: str,
+    now: datetime,
+) -> InboxEvent | None:
+    """send_event on SQLite in three raw statements, or nothing written (None) when the
+    long way must say why or validate. Through the ORM (the instance locked and read, the
+    event created, the instance updated, the history's sequence allocated) a send cost
+    1.4 ms, nearly all of it building queries, where a commit costs 0.012."""
+    when = db_time(now)
+    with transaction.atomic(), sql_cursor() as cursor:
+        cursor.execute(
+            SEND_EVENT_UPDATE_SQL,
+            {
+                "workflow": name,
+                "instance_id": instance_id,
+                "allowed": json.dumps(sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT))),
+                "validate": validate,
+                "wait_kind": StepKind.WAIT_FOR_EVENT,
+                "waiting_step": StepStatus.WAITING,
+                "type": event_type,
+                "waiting": Status.WAITING,
+                "running": Status.RUNNING,
+                "now": when,
+            },
+        )
+        taken = cursor.fetchone()
+        if taken is None:
+            return None
+        pk, sequence = taken
+        cursor.execute(SEND_EVENT_INSERT_SQL, [pk, event_type, payload_json, when, actor])
+        (event_id,) = cursor.fetchone()
+        event_sent = History("event.sent", {"type": event_type, "event_id": event_id}, actor)
+        insert_history_rows([(pk, sequence, event_sent)], now)
+    return InboxEvent(
+        id=event_id,
+        instance_id=pk,
+        type=event_type,
+        payload_json=payload_json,
+        created_at=now,
+        actor=actor,
+    )
 
 
 def _send_event_at_once(
