@@ -362,6 +362,38 @@ def test_wait_for_event_parks_and_the_event_resumes_it(registered):
     assert inst.pending_events() == []
 
 
+def test_a_sent_event_is_written_without_the_orm_on_either_database(registered):
+    """PostgreSQL: one statement; SQLite: an UPDATE that takes the instance and returns the
+    record's sequence, then the event's and the record's INSERTs (the ORM's seven
+    statements cost 1.4 ms of query building a send)."""
+    from django.db import connection
+
+    @register("raw-send")
+    class Waiter(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("wait", type="go", timeout="1 hour")
+            return got.payload
+
+    inst = get_workflow("raw-send").create()
+    testing.run_until_idle()
+    pk = inst.row().pk
+    history_before = HistoryRecord.objects.filter(instance_id=pk).count()
+    connection.close()  # the counter sees the statements of connections opened under it
+    with testing.QueryCounter() as queries:
+        inst.send_event("go", {"n": 1})
+    writes = [s.lstrip().split(None, 2)[:2] for s in queries.statements]
+    writes = [w for w in writes if w[0].upper() != "BEGIN" and "clock_timestamp" not in " ".join(w)]
+    if connection.vendor == "postgresql":
+        assert [w[0] for w in writes] == ["WITH"], queries.statements
+    else:
+        assert [w[0] for w in writes] == ["UPDATE", "INSERT", "INSERT"], queries.statements
+    sent = HistoryRecord.objects.get(instance_id=pk, type="event.sent")
+    assert sent.sequence == history_before + 1 and sent.data["type"] == "go"
+    assert inst.row().wake_at is not None
+    testing.run_until_idle()
+    assert inst.status().output == {"n": 1}
+
+
 def send_null_once_the_wait_is_parked() -> str:
     """A step of "self-sent": once the other branch's wait is written (it looked for an
     event and found none), send the event it waits for to this instance."""
