@@ -1170,13 +1170,8 @@ def _send_event_in_raw_sql(
         cursor.execute(
             SEND_EVENT_UPDATE_SQL,
             {
-                "workflow": name,
-                "instance_id": instance_id,
+                **_send_params(name, instance_id, event_type, validate),
                 "allowed": json.dumps(sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT))),
-                "validate": validate,
-                "wait_kind": StepKind.WAIT_FOR_EVENT,
-                "waiting_step": StepStatus.WAITING,
-                "type": event_type,
                 "waiting": Status.WAITING,
                 "running": Status.RUNNING,
                 "now": when,
@@ -1190,14 +1185,7 @@ def _send_event_in_raw_sql(
         (event_id,) = cursor.fetchone()
         event_sent = History("event.sent", {"type": event_type, "event_id": event_id}, actor)
         insert_history_rows([(pk, sequence, event_sent)], now)
-    return InboxEvent(
-        id=event_id,
-        instance_id=pk,
-        type=event_type,
-        payload_json=payload_json,
-        created_at=now,
-        actor=actor,
-    )
+    return _sent(event_id, pk, event_type, payload_json, actor, now)
 
 
 def _send_event_at_once(
@@ -1213,13 +1201,8 @@ def _send_event_at_once(
         cursor.execute(
             SEND_EVENT_SQL,
             {
-                "workflow": name,
-                "instance_id": instance_id,
+                **_send_params(name, instance_id, event_type, validate),
                 "allowed": sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT)),
-                "validate": validate,
-                "wait_kind": StepKind.WAIT_FOR_EVENT,
-                "waiting_step": StepStatus.WAITING,
-                "type": event_type,
                 "wakes": [Status.WAITING, Status.RUNNING],
                 "now": db_time(now),
                 "payload": payload_json,
@@ -1230,6 +1213,25 @@ def _send_event_at_once(
         event_id, pk, _ = cursor.fetchone()
     if event_id is None:
         return None
+    return _sent(event_id, pk, event_type, payload_json, actor, now)
+
+
+def _send_params(name: str, instance_id: str, event_type: str, validate: bool) -> dict[str, Any]:
+    """The parameters both databases' short sends share: which instance, which type, and
+    whether a typed wait for it must send the caller the long way (to validate)."""
+    return {
+        "workflow": name,
+        "instance_id": instance_id,
+        "validate": validate,
+        "wait_kind": StepKind.WAIT_FOR_EVENT,
+        "waiting_step": StepStatus.WAITING,
+        "type": event_type,
+    }
+
+
+def _sent(
+    event_id: int, pk: int, event_type: str, payload_json: str, actor: str, now: datetime
+) -> InboxEvent:
     return InboxEvent(
         id=event_id,
         instance_id=pk,
