@@ -452,9 +452,8 @@ def test_the_second_copy_of_a_creates_hint_wakes_no_claim_that_would_find_nothin
         async def run(self, event, step):
             return await step.do("hold", lambda: gate.wait(20) and "done")
 
-    pk = get_workflow("held-here").create(id="held").row().pk
-    other = get_workflow("held-here").create(id="other").row().pk
-    worker = new_worker(concurrency=1, poll_seconds=5)
+    held = get_workflow("held-here").create(id="held").row().pk
+    worker = new_worker(concurrency=2, poll_seconds=5)
     claim = worker._admit_then_claim
 
     def claim_then_hear_the_copy(free: int, exclude: list[int]) -> Any:
@@ -464,21 +463,32 @@ def test_the_second_copy_of_a_creates_hint_wakes_no_claim_that_would_find_nothin
         return claimed
 
     worker._admit_then_claim = claim_then_hear_the_copy  # type: ignore[method-assign]
+
+    async def hear(kind: str, hinted: int | None) -> bool:
+        worker._wake.clear()
+        worker._on_hint(kind, hinted)
+        return worker._wake.is_set()
+
+    async def woken_then_claim() -> bool:
+        worker._wake.clear()
+        worker._on_hint("schedule", None)  # while the loop fired ticks, before its claim
+        assert await worker.claim_and_start() == 1
+        return worker._wake.is_set()
+
     try:
         loop_thread.call(worker.start())
         assert loop_thread.call(worker.claim_and_start()) == 1
-        held = next(iter(worker.tasks))
+        assert set(worker.tasks) == {held}
         assert not worker._wake.is_set(), "the copy of the hint the claim answered woke the loop"
-
-        async def hear(kind: str, hinted: int) -> bool:
-            worker._wake.clear()
-            worker._on_hint(kind, hinted)
-            return worker._wake.is_set()
-
         assert not loop_thread.call(hear("created", held))  # a late copy: it runs here
-        assert loop_thread.call(hear("created", other if held == pk else pk))  # not here
         assert loop_thread.call(hear("event", held))  # an event may be for its next wait
         assert loop_thread.call(hear("wake", None))
+        other = get_workflow("held-here").create(id="other").row().pk
+        assert loop_thread.call(hear("created", other))  # not here
+        # Woken before the claim went out: the copy the claim answers (of "other") does
+        # not put that wake-up to sleep with it.
+        assert loop_thread.call(woken_then_claim())
+        assert set(worker.tasks) == {held, other}
     finally:
         gate.set()
         loop_thread.call(worker.stop(grace_seconds=5))

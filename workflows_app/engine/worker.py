@@ -617,7 +617,12 @@ class Worker:
         if free <= 0 or self._stopping:
             return 0
         assert self.db is not None
-        self._woken_during_claim = woken = []
+        # Woken already (after the loop's clear, before this claim: a schedule's hint while
+        # fire_due_schedules was out): not the claim's to answer, so nothing is dropped.
+        woken: list[tuple[str, int | None] | None] = (
+            [None] if self._wake is not None and self._wake.is_set() else []
+        )
+        self._woken_during_claim = woken
         try:
             claimed = await self.db.in_lane(
                 ConnectionThreads.FIRST, self._admit_then_claim, free, list(self.tasks)
