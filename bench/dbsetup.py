@@ -7,6 +7,8 @@ import secrets
 import tempfile
 from urllib.parse import urlsplit, urlunsplit
 
+POSTGRES_SCHEMES = ("postgres://", "postgresql://", "pgsql://")
+
 
 def prepare_database() -> str:
     """Sets DATABASE_URL for this process and its worker subprocesses; returns it.
@@ -17,27 +19,28 @@ def prepare_database() -> str:
     url = os.environ.get("DATABASE_URL", "")
     if not url:
         url = f"sqlite:///{tempfile.mkdtemp(prefix='wfdash-bench-')}/bench.sqlite3"
-    elif url.startswith(("postgres://", "postgresql://", "pgsql://")):
-        import psycopg
-        from psycopg import sql
-
-        parts = urlsplit(url)
-        dbname = parts.path.lstrip("/") or "postgres"
-        bench_db = dbname if dbname.endswith("_bench") else f"{dbname}_bench"
-        admin_url = urlunsplit(parts._replace(scheme="postgresql"))
-        with psycopg.connect(
-            admin_url
-            if dbname != bench_db
-            else urlunsplit(parts._replace(scheme="postgresql", path="/postgres")),
-            autocommit=True,
-        ) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(bench_db))
-            )
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(bench_db)))
-        url = urlunsplit(parts._replace(path="/" + bench_db))
+    elif url.startswith(POSTGRES_SCHEMES):
+        dbname = urlsplit(url).path.lstrip("/") or "postgres"
+        url = fresh_database(url, dbname if dbname.endswith("_bench") else f"{dbname}_bench")
     os.environ["DATABASE_URL"] = url
     return url
+
+
+def fresh_database(url: str, name: str) -> str:
+    """The database `name` on PostgreSQL URL's server, dropped and created anew; its URL.
+    Made from URL's own database, or from `postgres` when that is the one remade."""
+    import psycopg
+    from psycopg import sql
+
+    parts = urlsplit(url)._replace(scheme="postgresql")
+    dbname = parts.path.lstrip("/") or "postgres"
+    admin = parts if dbname != name else parts._replace(path="/postgres")
+    with psycopg.connect(urlunsplit(admin), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return urlunsplit(parts._replace(path="/" + name))
 
 
 def setup_django() -> str:

@@ -33,8 +33,9 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from .dbsetup import POSTGRES_SCHEMES, fresh_database
 from .stats import percentile
 
 FULL = {"seq": 100, "batch": 200, "one_step": 2000, "event": 100, "sleep": 50}
@@ -66,8 +67,14 @@ def per_second(n: int, start: Callable[[int], Any], wait_all: Callable[[], None]
     return n / (time.perf_counter() - t0)
 
 
-def per_second_threads(n: int, start: Callable[[int], Any], wait_all: Callable[[], None]) -> float:
-    """n workflows started from THREADS threads: per second until all have ended."""
+def per_second_threads(
+    n: int,
+    start: Callable[[int], Any],
+    wait_all: Callable[[], None],
+    thread_done: Callable[[], None] = lambda: None,
+) -> float:
+    """n workflows started from THREADS threads: per second until all have ended.
+    thread_done: called in each thread once it has started its share."""
     errors: list[BaseException] = []
 
     def starter(k: int) -> None:
@@ -76,6 +83,8 @@ def per_second_threads(n: int, start: Callable[[int], Any], wait_all: Callable[[
                 start(i)
         except BaseException as exc:
             errors.append(exc)
+        finally:
+            thread_done()
 
     t0 = time.perf_counter()
     pool = [threading.Thread(target=starter, args=(k,)) for k in range(THREADS)]
@@ -131,14 +140,11 @@ def wfdash_side(size: dict[str, int]) -> dict[str, Any]:
             n, lambda i: one.create(id=f"one-{run}-{i}"), counted(w, n)
         )
 
-    def create_in_thread(i: int) -> None:
-        one.create(id=f"onec-{run}-{i}")
-        if i >= size["one_step"] - THREADS:  # each thread's last: its connection goes
-            connections.close_all()
-
     with ServingWorker() as w:
         n = size["one_step"]
-        out["one_step_conc_per_s"] = per_second_threads(n, create_in_thread, counted(w, n))
+        out["one_step_conc_per_s"] = per_second_threads(
+            n, lambda i: one.create(id=f"onec-{run}-{i}"), counted(w, n), connections.close_all
+        )
 
     event = m.event_latency(size["event"])
     out["event_p50_ms"] = event["event_latency_p50_ms"]
@@ -156,19 +162,10 @@ def dbos_database() -> str:
     """DBOS's system database: `<db>_dbos_bench` on DATABASE_URL's server, dropped and made
     anew, or a fresh SQLite file."""
     url = os.environ.get("DATABASE_URL", "")
-    if not url.startswith(("postgres://", "postgresql://", "pgsql://")):
+    if not url.startswith(POSTGRES_SCHEMES):
         return f"sqlite:///{tempfile.mkdtemp(prefix='dbos-bench-')}/dbos.sqlite3"
-    import psycopg
-    from psycopg import sql
-
-    parts = urlsplit(url)._replace(scheme="postgresql")
-    name = (parts.path.lstrip("/") or "postgres").removesuffix("_bench") + "_dbos_bench"
-    with psycopg.connect(urlunsplit(parts._replace(path="/postgres")), autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return urlunsplit(parts._replace(path="/" + name))
+    dbname = urlsplit(url).path.lstrip("/") or "postgres"
+    return fresh_database(url, dbname.removesuffix("_bench") + "_dbos_bench")
 
 
 def dbos_side(size: dict[str, int], poll_seconds: float | None = None) -> dict[str, Any]:
