@@ -362,6 +362,89 @@ def test_an_event_is_stored_made_due_recorded_and_hinted_in_one_statement(regist
     assert inst.status().output == {"n": 1}
 
 
+def test_a_send_that_waited_for_a_typed_waits_checkpoint_still_checks_its_schema(registered):
+    """The send's one statement reads the instance row as it is once locked but the steps
+    as they were when it began. A typed wait committed while it waited for the row (the
+    run's checkpoint holds it) must still refuse a payload its schema rejects and store
+    nothing: such a send takes the long way, which reads the steps after the lock."""
+    postgres_only()
+    import json
+    import threading
+
+    from django.db import connections
+
+    from workflows_app.engine.errors import EventPayloadInvalid
+    from workflows_app.models import InboxEvent, Status, StepKind, StepStatus
+
+    schema = {"type": "object", "required": ["n"]}
+
+    @register("fast-path-typed-race")
+    class TypedWait(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event("wait", type="go", timeout="1 hour", schema=schema)
+            return got.payload
+
+    inst = get_workflow("fast-path-typed-race").create(id="typed-race")
+    pk = inst.row().pk
+    written, commit = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def checkpoint_a_typed_wait() -> None:  # as a run's checkpoint: the row held till commit
+        try:
+            with transaction.atomic():
+                Instance.objects.filter(pk=pk).update(status=Status.WAITING)
+                StepRecord.objects.create(
+                    instance_id=pk,
+                    name="wait",
+                    kind=StepKind.WAIT_FOR_EVENT,
+                    seq=1,
+                    status=StepStatus.WAITING,
+                    started_at=clock.now(),
+                    event_type="go",
+                    event_schema_json=json.dumps(schema),
+                )
+                written.set()
+                commit.wait(30)
+        finally:
+            written.set()
+            connections.close_all()
+
+    def send() -> None:
+        try:
+            inst.send_event("go", {"x": 1})
+            outcome["sent"] = True
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    checkpoint = threading.Thread(target=checkpoint_a_typed_wait)
+    checkpoint.start()
+    assert written.wait(30)
+    sender = threading.Thread(target=send)
+    sender.start()
+
+    def send_waits_for_the_row() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+            return cursor.fetchone()[0] > 0
+
+    try:
+        wait_until(send_waits_for_the_row, 30, "the send waiting for the instance row")
+    finally:
+        commit.set()
+        checkpoint.join(30)
+        sender.join(30)
+    assert isinstance(outcome.get("error"), EventPayloadInvalid), outcome
+    assert not InboxEvent.objects.filter(instance_id=pk).exists()
+    assert not HistoryRecord.objects.filter(instance_id=pk, type="event.sent").exists()
+    inst.send_event("go", {"n": 1})  # a payload the schema takes is stored
+    assert InboxEvent.objects.filter(instance_id=pk).count() == 1
+
+
 def test_a_herd_of_timers_due_at_one_instant_is_claimed_in_batches_and_each_run_once(registered):
     postgres_only()
 

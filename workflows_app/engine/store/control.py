@@ -1098,14 +1098,19 @@ def send_event(
 # send_event as one autocommit statement (PostgreSQL): lock the instance, store the event,
 # make the instance due, append event.sent and notify the workers, or write nothing when
 # the instance may not take the event or a typed wait must validate it first (then the
-# caller takes the long way, which says why or validates).
+# caller takes the long way, which says why or validates). Nor when the row changed after
+# the statement's snapshot (a run's checkpoint the lock waited for): the statement reads
+# the locked row as it is now but the steps as they were, so a typed wait that checkpoint
+# committed would go unseen and its schema unchecked; the long way reads them after the lock.
 SEND_EVENT_SQL = f"""
 WITH inst AS (
-    SELECT id, status FROM {INSTANCE_TABLE}
+    SELECT id, status, xmin AS version FROM {INSTANCE_TABLE}
     WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s FOR NO KEY UPDATE
 ), ok AS (
     SELECT id, status FROM inst
-    WHERE status = ANY(%(allowed)s) AND NOT (%(validate)s AND EXISTS (
+    WHERE status = ANY(%(allowed)s)
+      AND version = (SELECT xmin FROM {INSTANCE_TABLE} AS seen WHERE seen.id = inst.id)
+      AND NOT (%(validate)s AND EXISTS (
         SELECT 1 FROM {STEP_TABLE} AS s WHERE s.instance_id = inst.id AND s.kind = %(wait_kind)s
           AND s.status = %(waiting_step)s AND s.event_type = %(type)s
           AND s.event_schema_json IS NOT NULL))
