@@ -316,6 +316,40 @@ def test_a_serving_worker_wakes_by_itself_when_a_debounce_ends(registered):
         loop_thread.close()
 
 
+def test_a_serving_worker_wakes_when_a_run_s_end_gives_the_queue_a_rate_window(registered):
+    """One place, two starts a second: a's end starts b; b's end finds the place free but
+    the window full, and gives c the window's opening as its time to start. A run's end
+    hints nothing, so the worker (its poll an hour) must hear that c has a time."""
+    import asyncio
+
+    from tests.polling import wait_until
+    from tests.test_worker_operations import LoopThread, new_worker
+
+    @register(
+        "rated-ends",
+        limits={"max_concurrent_instances": 1, "rate_limit": {"limit": 2, "period": "1 second"}},
+    )
+    class Quick(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("one", lambda: "done")
+
+    loop_thread = LoopThread()
+    worker = new_worker(worker_id="rated-ends", poll_seconds=3600)  # its hooks wake result()
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(worker.serve(stop))
+    try:
+        wait_until(lambda: worker._loop is not None, 10, "the worker to start")
+        wf = get_workflow("rated-ends")
+        _, b, c = (wf.create(id=name) for name in "abc")  # the window opens again 1 s after a's
+        assert b.result(timeout=10) == "done"
+        assert c.row().admit_at is not None  # b's end gave it the window's opening
+        wait_until(lambda: c.status().status == "complete", 10, "c, once the window opens")
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+        serving.result(30)
+        loop_thread.close()
+
+
 def test_admission_counts_the_places_held_as_the_lifecycle_rule_says(registered):
     """Admission counts places in SQL (it runs on every create); the count must be the
     lifecycle's rule: every status that holds a place, a paused instance only once started."""

@@ -318,6 +318,12 @@ def instances_promoted(pks: list[int]) -> None:
         instance_changed("promoted", pk, notified=notified)
 
 
+def queue_timed() -> None:
+    """Queued instances got a time to start (a rate window opens, a debounce ends): workers
+    read the queues again and wait for it (those that LISTEN heard it from the transaction)."""
+    instance_changed("queued", None, notified=store.workers_listen())
+
+
 def instance_terminated(pk: int) -> None:
     """An instance was terminated with its parent: a worker running it stops its run."""
     instance_changed("terminate", pk)

@@ -68,6 +68,9 @@ from .wakes import WAKE_CHANNEL, hint_workers
 
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
 on_promoted: Callable[[list[int]], None] | None = None
+# Told (after commit) that queued instances got a time to start (a rate window, a debounce):
+# workers read the queues again and wait for it. Set by the app's live layer.
+on_queue_timed: Callable[[], None] | None = None
 # Told (after commit) of a child terminated with its parent, so a worker running it stops.
 on_child_terminated: Callable[[int], None] | None = None
 
@@ -298,6 +301,12 @@ def promote_queued(
         waiting.setdefault((full, None), []).extend(undecided)
     for (reason, admit_at), pks in waiting.items():
         Instance.objects.filter(id__in=pks).update(waiting_reason=reason, admit_at=admit_at)
+    if not created and any(admit_at is not None for _, admit_at in waiting):
+        # A worker learns admission times when it reads the queues after a hint (a create
+        # sends its own); a run's end hints nothing, and the instance waited for a poll.
+        hint_workers("queued", [None])
+        if on_queue_timed is not None:
+            transaction.on_commit(on_queue_timed)
     if stopped_early or scanned >= ADMISSION_SCAN:
         # Due but not reached (a debounce that ended while no place was free): not due
         # again until a place frees up, so admit_due does not look at them over and over.
