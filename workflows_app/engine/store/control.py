@@ -195,16 +195,8 @@ class Admission:
                 None,
             )
         key = candidate.concurrency_key
-        if (
-            key is not None
-            and limits.max_concurrent_per_key is not None
-            and self.key_active.get(key, 0) >= limits.max_concurrent_per_key
-        ):
-            return (
-                False,
-                f"max_concurrent_per_key ({limits.max_concurrent_per_key}) reached for key {key!r}",
-                None,
-            )
+        if self.key_at_bound(key):
+            return False, self.key_full(key), None
         if self.rate_left is not None and self.rate_left <= 0:
             rate = limits.rate_limit
             assert rate is not None and self.rate_reopens_at is not None
@@ -222,6 +214,19 @@ class Admission:
             self.rate_left -= 1
         return True, "", None
 
+    def key_at_bound(self, key: str | None) -> bool:
+        """Whether every place of the key (max_concurrent_per_key) is taken."""
+        bound = self.limits.max_concurrent_per_key
+        return key is not None and bound is not None and self.key_active.get(key, 0) >= bound
+
+    def keys_at_bound(self) -> set[str]:
+        return {key for key in self.key_active if self.key_at_bound(key)}
+
+    def key_full(self, key: str) -> str:
+        return (
+            f"max_concurrent_per_key ({self.limits.max_concurrent_per_key}) reached for key {key!r}"
+        )
+
     @property
     def full(self) -> bool:
         """No place is left under max_concurrent_instances: nothing more starts in this pass
@@ -233,8 +238,9 @@ def _queued(name: str) -> Any:
     return Instance.objects.filter(workflow=name, status=Status.QUEUED)
 
 
-def _scan_queue(name: str) -> Iterator[list[Candidate]]:
-    """The head of the queue in admission order, a page at a time, up to ADMISSION_SCAN."""
+def _scan_queue(name: str, skip_keys: Collection[str] = ()) -> Iterator[list[Candidate]]:
+    """The head of the queue in admission order, a page at a time, up to ADMISSION_SCAN;
+    each page without the keys in skip_keys as it is then (the caller adds to it)."""
     after: tuple[int, int] | None = None
     scanned = 0
     while scanned < ADMISSION_SCAN:
@@ -242,6 +248,12 @@ def _scan_queue(name: str) -> Iterator[list[Candidate]]:
         if after is not None:
             where = " AND (priority > %s OR (priority = %s AND id > %s))"
             params += [after[0], after[0], after[1]]
+        if skip_keys:
+            where += (
+                " AND (concurrency_key IS NULL OR concurrency_key NOT IN "
+                f"({', '.join(['%s'] * len(skip_keys))}))"
+            )
+            params += sorted(skip_keys)
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT id, priority, concurrency_key, admit_at, waiting_reason "
@@ -270,67 +282,111 @@ def promote_queued(
     start (a debounce, a rate window), their admit_at: admit_due looks at them again then.
     created: instances inserted by this transaction (their history says created, not started).
     """
-    if not created and not _queued(name).exists():
-        return []
     if not created:  # a caller that inserted or requeued instances holds the lock already
+        # Before the look at the queue: a create deciding meanwhile counted this
+        # transaction's instance as holding its place and queued its own, whose row shows
+        # only once it commits, which the lock waits for.
         lock_workflow(name)
-    admission = Admission(name, limits, now)
-    admitted: list[int] = []
-    waiting: dict[tuple[str, datetime | None], list[int]] = {}
-    undecided = set(created)
-    scanned, stopped_early = 0, False
-    for page in _scan_queue(name):
-        scanned += len(page)
-        admission.learn_keys({c.concurrency_key for c in page})
-        for candidate in page:
-            assert candidate.pk is not None
-            if admission.full and (candidate.admit_at is None or candidate.admit_at <= now):
-                break  # the rest wait for a place
-            undecided.discard(candidate.pk)
-            ok, reason, admit_at = admission.decide(candidate)
-            if ok:
-                admitted.append(candidate.pk)
-            elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
-                waiting.setdefault((reason, admit_at), []).append(candidate.pk)
-        else:
-            continue
-        stopped_early = True
-        break
-    full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
-    if undecided:  # new instances behind a full queue: say why they wait
-        waiting.setdefault((full, None), []).extend(undecided)
-    for (reason, admit_at), pks in waiting.items():
-        Instance.objects.filter(id__in=pks).update(waiting_reason=reason, admit_at=admit_at)
-    if not created and any(admit_at is not None for _, admit_at in waiting):
-        # A worker learns admission times when it reads the queues after a hint (a create
-        # sends its own); a run's end hints nothing, and the instance waited for a poll.
-        hint_workers("queued", [None])
-        if on_queue_timed is not None:
-            transaction.on_commit(on_queue_timed)
-    if stopped_early or scanned >= ADMISSION_SCAN:
-        # Due but not reached (a debounce that ended while no place was free): not due
-        # again until a place frees up, so admit_due does not look at them over and over.
-        # (Every instance reached got its reason and admit_at above.)
-        _queued(name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
-            admit_at=None, waiting_reason=full
-        )
-    if admitted:
-        Instance.objects.filter(id__in=admitted, status=Status.QUEUED).update(
-            status=Status.RUNNING,
-            wake_at=now,
-            started_at=now,
-            updated_at=now,
-            admit_at=None,
-            waiting_reason="",
-        )
-        started = [pk for pk in admitted if pk not in created]
-        for pk in started:
-            append_history(pk, [History("instance.started", {"from": "queued"})], now)
-        hint_workers("promoted", started)
-        if on_promoted is not None and started:
-            callback = on_promoted
-            transaction.on_commit(lambda: callback(started))
-    return admitted
+        if not _queued(name).exists():
+            return []
+    for _ in range(ADMISSION_TRIES):
+        decided = _Decided(name, limits, now, created)
+        # Those chosen must still be queued once locked: a pause or a terminate (which
+        # take no admission lock when they free no place) may have taken one since the
+        # scan read it. Then its place goes to the next in line: decided again. (This
+        # transaction's own new rows no one else sees.)
+        others = [pk for pk in decided.admitted if pk not in created]
+        if not others:
+            break
+        queued = lock_rows(Instance.objects.filter(id__in=others, status=Status.QUEUED))
+        still = set(queued.values_list("id", flat=True))
+        if len(still) == len(others):
+            break
+        decided.admitted = [pk for pk in decided.admitted if pk in created or pk in still]
+    return decided.write(created)
+
+
+ADMISSION_TRIES = 3  # admission passes at most when instances chosen change under one
+
+
+class _Decided:
+    """One admission pass of a workflow's queue: who starts, who waits and why."""
+
+    def __init__(self, name: str, limits: Limits, now: datetime, created: Collection[int]) -> None:
+        self.name, self.limits, self.now = name, limits, now
+        admission = Admission(name, limits, now)
+        self.admitted: list[int] = []
+        self.waiting: dict[tuple[str, datetime | None], list[int]] = {}
+        undecided = set(created)
+        scanned, self.stopped_early = 0, False
+        # Keys whose places are all taken: the scan reads no more of their queue, so a
+        # long backlog of one key does not hide the instances of other keys behind it.
+        at_bound: set[str] = set()
+        for page in _scan_queue(name, at_bound):
+            scanned += len(page)
+            admission.learn_keys({c.concurrency_key for c in page})
+            for candidate in page:
+                assert candidate.pk is not None
+                if admission.full and (candidate.admit_at is None or candidate.admit_at <= now):
+                    break  # the rest wait for a place
+                undecided.discard(candidate.pk)
+                ok, reason, admit_at = admission.decide(candidate)
+                if ok:
+                    self.admitted.append(candidate.pk)
+                elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
+                    self.waiting.setdefault((reason, admit_at), []).append(candidate.pk)
+            else:
+                at_bound.update(admission.keys_at_bound())
+                continue
+            self.stopped_early = True
+            break
+        self.cut_short = self.stopped_early or scanned >= ADMISSION_SCAN
+        self.full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
+        if undecided:  # new instances not reached (a full queue, a key at its bound): why
+            keys = dict(
+                Instance.objects.filter(id__in=undecided).values_list("id", "concurrency_key")
+            )
+            for pk in undecided:
+                key = keys.get(pk)
+                reason = admission.key_full(key) if key in at_bound else self.full
+                self.waiting.setdefault((reason, None), []).append(pk)
+
+    def write(self, created: Collection[int]) -> list[int]:
+        """Store the pass: reasons and times of those that wait, the start of the others."""
+        now, admitted = self.now, self.admitted
+        for (reason, admit_at), pks in self.waiting.items():
+            Instance.objects.filter(id__in=pks).update(waiting_reason=reason, admit_at=admit_at)
+        if not created and any(admit_at is not None for _, admit_at in self.waiting):
+            # A worker learns admission times when it reads the queues after a hint (a
+            # create sends its own); a run's end hints nothing, and the instance waited
+            # for a poll.
+            hint_workers("queued", [None])
+            if on_queue_timed is not None:
+                transaction.on_commit(on_queue_timed)
+        if self.cut_short:
+            # Due but not reached (a debounce that ended while no place was free): not due
+            # again until a place frees up, so admit_due does not look at them over and
+            # over. (Every instance reached got its reason and admit_at above.)
+            _queued(self.name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
+                admit_at=None, waiting_reason=self.full
+            )
+        if admitted:
+            Instance.objects.filter(id__in=admitted).update(
+                status=Status.RUNNING,
+                wake_at=now,
+                started_at=now,
+                updated_at=now,
+                admit_at=None,
+                waiting_reason="",
+            )
+            started = [pk for pk in admitted if pk not in created]
+            for pk in started:
+                append_history(pk, [History("instance.started", {"from": "queued"})], now)
+            hint_workers("promoted", started)
+            if on_promoted is not None and started:
+                callback = on_promoted
+                transaction.on_commit(lambda: callback(started))
+        return admitted
 
 
 @retry_while_locked

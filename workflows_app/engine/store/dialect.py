@@ -40,11 +40,15 @@ LOCKED_RETRIES = 3
 
 
 def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Retry a one-transaction write that SQLite refused with "database is locked".
+    """Retry a one-transaction write that SQLite refused with "database is locked", or
+    that PostgreSQL rolled back to break a deadlock.
 
-    The refusal is definite (BEGIN IMMEDIATE did not get the lock, nothing was written),
-    so trying again is safe; each try already waited the busy timeout. Inside a caller's
-    transaction the error is the caller's to handle, as is any other database error.
+    Either refusal is definite (SQLite's BEGIN IMMEDIATE did not get the lock; PostgreSQL
+    rolled the whole transaction back), so trying again is safe; each SQLite try already
+    waited the busy timeout. A deadlock comes from two writers taking the same locks in
+    opposite orders (a debounced create takes the workflow's admission lock, then the
+    pending instance's row; a resume of that instance, the other way round). Inside a
+    caller's transaction the error is the caller's to handle, as is any other error.
     """
 
     @functools.wraps(fn)
@@ -54,8 +58,7 @@ def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args, **kwargs)
             except OperationalError as exc:
                 retry = (
-                    connection.vendor == "sqlite"
-                    and "locked" in str(exc)
+                    _refused_whole(exc)
                     and not connection.in_atomic_block
                     and attempt < LOCKED_RETRIES
                 )
@@ -64,6 +67,15 @@ def retry_while_locked(fn: Callable[..., Any]) -> Callable[..., Any]:
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+DEADLOCK_DETECTED = "40P01"  # PostgreSQL's SQLSTATE
+
+
+def _refused_whole(exc: OperationalError) -> bool:
+    if connection.vendor == "sqlite":
+        return "locked" in str(exc)
+    return getattr(exc.__cause__, "sqlstate", None) == DEADLOCK_DETECTED
 
 
 def db_time(value: datetime | None, db: Any = None) -> Any:
