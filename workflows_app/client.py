@@ -743,11 +743,10 @@ class InstanceHandle:
         status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
         if status == Status.TERMINATED:
             meters.instance_finished(self.workflow, Status.TERMINATED)
-        _after_commit(
-            "cancel" if status == Status.TERMINATED else "wake",
-            self.row(refresh=False).pk,
-            self.workflow,
-        )
+        # "cancel" either way: a worker running the instance stops its run (its step's
+        # effect would land after the cancel, unrecorded, and no compensation undo it);
+        # the hint wakes a worker to run the compensations as well.
+        _after_commit("cancel", self.row(refresh=False).pk, self.workflow)
         return status
 
     def delete(self, actor: Any = None) -> None:

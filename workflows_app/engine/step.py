@@ -37,6 +37,7 @@ from .errors import (
     InvalidInput,
     LimitExceeded,
     NonRetryableError,
+    RunAborted,
     StepOutputError,
     StepTimeout,
     WorkflowError,
@@ -710,12 +711,23 @@ class Step:
             parent_pk=run.pk,
             parent_step=name,
             parent_span=f"{trace_id}:{span_id}" if span_id else "",
+            parent_token=run.token,
         )
         actor = f"{run.definition.name}/{run.instance_id}"
         await run.settle()  # the parent's history keeps its order
-        child, created = await run.db(
-            store.start_child, definition.name, definition.version, limits, item, fallback, actor
-        )
+        try:
+            child, created = await run.db(
+                store.start_child,
+                definition.name,
+                definition.version,
+                limits,
+                item,
+                fallback,
+                actor,
+            )
+        except store.LeaseLost as exc:
+            run.abort(str(exc))
+            raise RunAborted(str(exc)) from None
         if created:  # in the parent's context: the creation span links to the parent's span
             created_span = spans.creation_span(
                 child.trace_id, child.pk, definition.name, child.instance_id, actor

@@ -52,6 +52,7 @@ from .records import (
     INSTANCE_TABLE,
     STEP_TABLE,
     History,
+    LeaseLost,
     NewInstance,
     append_histories,
     append_history,
@@ -503,15 +504,21 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
     for position, item in enumerate(items):
         if item.parent_pk is not None and position not in found:
             # Parent first (the order of every parent-and-child change); a parent that
-            # ended meanwhile (terminated while its step ran) starts no orphan.
-            status = (
+            # ended meanwhile (terminated while its step ran) starts no orphan, nor does
+            # a run that lost its lease (a cancel that compensates leaves the parent live
+            # and its children ended: one started after would outlive it).
+            status, token = (
                 lock_rows(Instance.objects.filter(id=item.parent_pk))
-                .values_list("status", flat=True)
+                .values_list("status", "lease_token")
                 .first()
-            )
+            ) or (None, None)
             if status is None or status in lifecycle.FINISHED:
                 raise InvalidTransition(
                     f"instance #{item.parent_pk} is {status or 'gone'}: it starts no child"
+                )
+            if item.parent_token is not None and token != item.parent_token:
+                raise LeaseLost(
+                    f"instance #{item.parent_pk}: lease {item.parent_token[:8]} is no longer held"
                 )
             child = Instance.objects.filter(
                 parent_id=item.parent_pk, parent_step=item.parent_step

@@ -82,6 +82,9 @@ class NewInstance:
     parent_pk: int | None = None
     parent_step: str = ""
     parent_span: str = ""
+    # The lease of the parent's run that starts it: a run that lost it (a cancel, a
+    # terminate, a restart overtook it) starts no child.
+    parent_token: str | None = None
     schedule: str = ""  # the schedule that starts it, and the tick it fires for
     scheduled_at: datetime | None = None
     retention_error_ms: int | None = None
