@@ -436,6 +436,7 @@ class Worker:
         self._next_prune: datetime | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._heartbeat: asyncio.Future[None] | None = None  # serve()'s heartbeat loop
         self._stopping = False
         self._unsubscribe_clock: Callable[[], None] | None = None
         self.db: ConnectionThreads | None = None
@@ -514,6 +515,10 @@ class Worker:
             run.abort("worker shutting down")
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=ABORT_WAIT_SECONDS)
+        # Heartbeats went on while the runs finished: a lease shorter than the grace
+        # period must not run out mid-drain (another worker would run the step again).
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for pk, token in self.tokens.items():
             # A run that did not even unwind (an async step ignoring cancellation): a drain
             # is not a crash, so its lease goes back too; its writes are fenced off.
@@ -939,7 +944,7 @@ class Worker:
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Run until `stop` is set (or stop() is called)."""
         await self.start()
-        heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         listener = None
         if store.workers_listen():
             listener = store.WakeListener(self.hint)  # hints from every process, no Redis
@@ -993,8 +998,10 @@ class Worker:
                 for waiter in waiters:
                     waiter.cancel()
         finally:
-            heartbeat.cancel()
-            await self.stop()  # first: the drain must not wait for the listener
+            try:
+                await self.stop()  # first: the drain must not wait for the listener
+            finally:
+                self._heartbeat.cancel()  # stop() ended it once the runs had (then a no-op)
             if listener is not None:
                 await asyncio.get_running_loop().run_in_executor(None, listener.stop)
 

@@ -1005,11 +1005,12 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
     """Park an instance this process cannot run (its version is not registered here)."""
     with transaction.atomic():
         try:
-            fence(pk, token, clock.now(), 0, None)
+            status, _ = fence(pk, token, clock.now(), 0, None)
         except LeaseLost:
             return
         Instance.objects.filter(id=pk).update(
-            status=Status.WAITING,
+            # A pause asked for before (its run crashed at the boundary) holds: paused.
+            status=Status.PAUSED if status == Status.WAITING_FOR_PAUSE else Status.WAITING,
             wake_at=None,
             waiting_reason=VERSION_MISSING + reason,
             lease_token=None,

@@ -1,0 +1,141 @@
+"""Deploys: a drain, a takeover by a worker without the instance's version.
+
+Each test drives real engine Workers in-process. A fleet whose processes know different
+versions is simulated by registering/unregistering versions in the (process-wide)
+registry between one worker's actions and another's, as separate processes would hold
+different registries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tests.polling import wait_until
+from tests.test_worker_operations import LoopThread, new_worker
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+ran: list[str] = []
+
+
+def define_mixed(version: int) -> None:
+    if version == 1:
+
+        @register("deploy-mixed", version=1)
+        class MixedV1(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return await step.do("which", lambda: ran.append("v1") or "v1 code")
+
+    else:
+
+        @register("deploy-mixed", version=2)
+        class MixedV2(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return await step.do("which", lambda: ran.append("v2") or "v2 code")
+
+
+# --- 2. a pause pending at a crash must survive a version park ------------------------------
+
+
+def test_a_pause_requested_before_a_crash_holds_when_a_worker_without_the_version_takes_over(
+    registered, loop_thread
+):
+    """An operator pauses an instance while its step runs (waitingForPause); the worker
+    dies (its lease runs out). A worker that lacks the instance's version claims it and
+    parks it: park_unrunnable writes status=waiting, so the pause is forgotten and, once
+    a worker with the version appears, the instance runs on instead of pausing."""
+    gate = threading.Event()
+    later: list[str] = []
+
+    @register("deploy-pause", version=1)
+    class PauseV1(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("long", lambda: gate.wait(20) and "done")
+            return await step.do("after", lambda: later.append("after") or "after")
+
+    with testing.fake_clock() as clock:
+        inst = get_workflow("deploy-pause").create(id="paused-at-crash")
+        doomed = new_worker(concurrency=2, lease_seconds=30)
+        loop_thread.call(doomed.start())
+        try:
+            assert loop_thread.call(doomed.claim_and_start()) == 1
+            inst.pause()  # the step runs: the pause waits for its boundary
+            assert inst.status().status == "waitingForPause"
+            # The worker "dies": no heartbeat, its lease runs out.
+            clock.advance("1 minute")
+
+            registry.unregister("deploy-pause", 1)  # another process, without version 1
+            other = new_worker(concurrency=2)
+            loop_thread.call(other.start())
+            loop_thread.call(other.run_until_idle(timeout=10))
+            loop_thread.call(other.stop(grace_seconds=0))
+            status = inst.status().status
+            assert status in ("paused", "waitingForPause"), (
+                f"the pause asked for before the crash was lost: the instance is {status!r}"
+            )
+        finally:
+            gate.set()
+            loop_thread.call(doomed.stop(grace_seconds=1))
+
+
+# --- 4. a drain longer than the lease: heartbeats stop before the drain ----------------------
+
+
+def test_a_draining_worker_keeps_its_leases_while_its_steps_finish(registered, loop_thread):
+    """Worker.serve cancels the heartbeat and then calls stop(), which lets running steps
+    finish for up to 10 s (+5 s abort wait). With a lease shorter than that (LEASE_SECONDS
+    is configurable; the test fleet uses 2 s) the lease runs out mid-drain: another worker
+    claims the instance and runs the same step again while the first still runs it --
+    a clean SIGTERM acting like a crash."""
+    gate = threading.Event()
+    started: list[str] = []
+
+    @register("deploy-drain")
+    class Drain(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def long():
+                started.append(threading.current_thread().name)
+                gate.wait(20)
+                return "done"
+
+            return await step.do("long", long)
+
+    inst = get_workflow("deploy-drain").create(id="drained")
+    draining = new_worker(concurrency=2, lease_seconds=0.6, poll_seconds=0.2)
+    stop = asyncio.Event()
+    serving = loop_thread.spawn(draining.serve(stop))
+    other = new_worker(concurrency=2, lease_seconds=30)
+    try:
+        wait_until(lambda: len(started) == 1, 20, "the step to start")
+        loop_thread.loop.call_soon_threadsafe(stop.set)  # SIGTERM
+        wait_until(lambda: draining._stopping, 10, "the drain to begin")
+        loop_thread.call(other.start())
+        deadline = time.monotonic() + 3  # five leases' worth, well inside the 10 s grace
+        taken = 0
+        while time.monotonic() < deadline and not taken:
+            taken = loop_thread.call(other.claim_and_start())
+            time.sleep(0.05)
+        assert not taken and len(started) == 1, (
+            f"while the draining worker still ran step 'long', its lease ran out and another "
+            f"worker claimed the instance (step started {len(started)} times)"
+        )
+    finally:
+        gate.set()
+        serving.result(30)
+        loop_thread.call(other.stop(grace_seconds=5))
+    assert inst.status().status in ("waiting", "complete")
