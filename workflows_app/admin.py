@@ -896,6 +896,10 @@ class ScheduleAdmin(admin.ModelAdmin):
             raise PermissionDenied(str(exc)) from exc
         obj.pk = Schedule.objects.get(name=created.name).pk
 
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        # A schedule starts instances: as triggering one, an instance write too.
+        return request.user.has_perm(CHANGE_INSTANCE) and super().has_add_permission(request)
+
     def has_delete_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
         return (obj is None or not obj.declared) and super().has_delete_permission(request, obj)
 

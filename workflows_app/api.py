@@ -543,7 +543,16 @@ def list_schedules(call: Call, name: str) -> JsonResponse:
     return ok([surfaces.schedule_json(s) for s in schedules.list(workflow=name)])
 
 
+def require(call: Call, permission: str) -> None:
+    """403 unless the token's user also holds `permission` (the dashboard's and the
+    admin's rule for schedules): a token never does more than its user may."""
+    refused = tokens.refusal(call.token, True, permission=permission)
+    if refused:
+        raise ApiError(403, "Forbidden", refused)
+
+
 def create_schedule(call: Call, name: str) -> JsonResponse:
+    require(call, "workflows_app.add_schedule")
     body = call.object_body({"name", "cron", "timezone", "params"})
     missing = sorted({"name", "cron"} - set(body))
     if missing:
@@ -564,6 +573,7 @@ def get_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
 
 
 def change_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    require(call, "workflows_app.change_schedule")
     paused = call.object_body({"paused"}).get("paused")
     if not isinstance(paused, bool):
         raise ApiError(
@@ -575,11 +585,13 @@ def change_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
 
 
 def delete_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    require(call, "workflows_app.delete_schedule")
     schedule_of(name, schedule).delete()
     return ok({"name": schedule, "workflow": name, "deleted": True})
 
 
 def trigger_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
+    require(call, "workflows_app.change_schedule")
     call.object_body(set())  # no options: an empty body or {}
     handle = schedule_of(name, schedule).trigger(actor=call.actor)
     return ok(surfaces.created_json(handle), status=201)

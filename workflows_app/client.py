@@ -128,6 +128,9 @@ def _actor(actor: Any) -> str:
     return str(getattr(actor, "username", actor))[:200]
 
 
+MAX_VERSION = 2**31 - 1  # the version column's range (PostgreSQL's integer)
+
+
 class WorkflowBinding:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -315,9 +318,13 @@ class WorkflowBinding:
                 f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
             )
         if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 1
+            not isinstance(version, int)
+            or isinstance(version, bool)
+            or not 1 <= version <= MAX_VERSION
         ):
-            raise errors.InvalidInput(f"version must be a positive integer, got {version!r}")
+            raise errors.InvalidInput(
+                f"version must be an integer from 1 to {MAX_VERSION}, got {version!r}"
+            )
         query = Instance.objects.filter(workflow=self.name)
         if status is not None:
             query = query.filter(status=status)

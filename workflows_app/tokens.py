@@ -189,6 +189,8 @@ def issuer_refusal(issuer: Any, user: Any) -> str | None:
         return "only a superuser may create a service token (one without a user: full access)"
     if user.is_superuser:
         return f"only a superuser may create a token for the superuser {user.get_username()!r}"
+    if not user.is_active:  # Django counts no permission of an inactive user: none to compare
+        return f"only a superuser may create a token for the inactive user {user.get_username()!r}"
     missing = sorted(user.get_all_permissions() - issuer.get_all_permissions())
     if missing:
         return (
