@@ -1,5 +1,6 @@
-"""Permissions and input found wanting by a security review: schedules through the API and
-the admin, tokens minted for an inactive user, a bulk job's version out of range."""
+"""Found wanting by a security review: schedules through the API and the admin, tokens
+minted for an inactive user, a bulk job's version out of range, values the payload codec
+did not seal (a child's params, a schedule's, a bulk send_event's payload)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from django.test import Client, override_settings
 
 from tests.dashboard.helpers import make_user
 from tests.surface_flows import SIMPLE, register_flows
-from workflows_app import tokens
+from workflows_app import testing, tokens
 from workflows_app.client import get_workflow, schedules
-from workflows_app.models import BulkJob, Schedule
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.models import BulkJob, Instance, Schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -172,3 +174,52 @@ def test_a_clerk_may_not_mint_a_write_token_for_a_deactivated_operator():
         created = api("POST", f"/api/workflows/{SIMPLE}/instances", shown_secret(response), {})
         assert created.status_code == 403, created.content[:200]
     assert not minted, "a token was minted acting as a user holding more than the clerk"
+
+
+# --- 3. the payload codec is bypassed for child params, schedule params, bulk payloads -------
+
+
+def test_child_instance_params_are_encrypted_at_rest_like_any_params(registered):
+    @register("rev-parent")
+    class Parent(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.start("child", "rev-child", params={"card": SECRET})
+            return None
+
+    @register("rev-child")
+    class Child(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return None
+
+    with with_codec():
+        get_workflow("rev-parent").create(id="p1")
+        testing.run_until_idle()
+        child = Instance.objects.get(workflow="rev-child")
+        assert child.params == {"card": SECRET}  # the engine still reads it
+        stored = raw_column(Instance._meta.db_table, "params_json", "id", child.pk)
+    assert SECRET not in stored, f"child params stored in clear: {stored}"
+
+
+def test_schedule_params_are_encrypted_at_rest():
+    with with_codec():
+        schedules.create("nightly", workflow=SIMPLE, cron="0 3 * * *", params={"card": SECRET})
+        assert schedules.get("nightly").params == {"card": SECRET}
+        stored = raw_column(Schedule._meta.db_table, "params_json", "name", "nightly")
+    assert SECRET not in stored, f"schedule params stored in clear: {stored}"
+
+
+def test_the_params_of_an_instance_a_schedule_starts_are_encrypted_at_rest():
+    with with_codec():
+        schedules.create("nightly", workflow=SIMPLE, cron="0 3 * * *", params={"card": SECRET})
+        row = schedules.get("nightly").trigger().row()
+        assert row.params == {"card": SECRET}
+        stored = raw_column(Instance._meta.db_table, "params_json", "id", row.pk)
+    assert SECRET not in stored, f"instance params stored in clear: {stored}"
+
+
+def test_a_bulk_send_event_payload_is_encrypted_at_rest():
+    with with_codec():
+        get_workflow(SIMPLE).create(id="b1")
+        get_workflow(SIMPLE).bulk("send_event", event_type="go", payload={"card": SECRET})
+        stored = raw_column(BulkJob._meta.db_table, "options", "workflow", SIMPLE)
+    assert SECRET not in stored, f"bulk event payload stored in clear: {stored}"

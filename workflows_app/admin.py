@@ -551,7 +551,7 @@ class BulkJobAdmin(ReadOnlyAdmin):
         "action",
         "workflow",
         "filter",
-        "options",
+        "shown_options",
         "matched",
         "processed",
         "applied",
@@ -563,6 +563,10 @@ class BulkJobAdmin(ReadOnlyAdmin):
         "updated_at",
         "finished_at",
     )
+
+    @admin.display(description="options")
+    def shown_options(self, obj: BulkJob) -> Any:
+        return obj.plain_options  # a send_event's payload opened from its seal
 
 
 @admin.register(WorkflowVersion)

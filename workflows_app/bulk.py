@@ -18,6 +18,7 @@ from django.db import DatabaseError, transaction
 
 from . import live
 from .client import InstanceHandle
+from .codec import open_value
 from .engine import errors, store
 from .models import BulkAction, BulkJob
 
@@ -54,7 +55,7 @@ def _delete(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
 
 
 def _send_event(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
-    h.send_event(options["event_type"], options.get("payload"), actor=actor)
+    h.send_event(options["event_type"], open_value(options.get("payload")), actor=actor)
     return True
 
 

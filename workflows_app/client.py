@@ -28,7 +28,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import QuerySet
 
 from . import live
-from .codec import seal
+from .codec import seal, seal_value
 from .converters import MAX_PK
 from .engine import errors, meters, spans, store
 from .engine.attributes import check_attributes
@@ -431,7 +431,8 @@ class WorkflowBinding:
                 limit.max_event_payload_bytes,
                 f"payload of event {event_type!r}",
             )
-            return {"event_type": event_type, "payload": payload}
+            # Sealed as a sent event's payload is: the job keeps it until every send is made.
+            return {"event_type": event_type, "payload": seal_value(payload, payload_json)}
         if action == BulkAction.RESTART:
             if from_step is not None and (not isinstance(from_step, str) or not from_step):
                 raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")
@@ -829,7 +830,7 @@ class BulkJobHandle:
     workflow = property(lambda self: self._job.workflow)
     action = property(lambda self: self._job.action)
     filter = property(lambda self: self._job.filter)
-    options = property(lambda self: self._job.options)
+    options = property(lambda self: self._job.plain_options)
     matched = property(lambda self: self._job.matched)
     processed = property(lambda self: self._job.processed)
     applied = property(lambda self: self._job.applied)

@@ -297,7 +297,7 @@ class Schedule(models.Model):
 
     @property
     def params(self) -> Any:
-        return decode_json(self.params_json)
+        return decode_stored(self.params_json)
 
 
 class StepKind(models.TextChoices):
@@ -597,6 +597,13 @@ class BulkJob(models.Model):
             ),
         ]
         ordering = ["-id"]
+
+    @property
+    def plain_options(self) -> dict[str, Any]:
+        """The options as given: a send_event's payload opened from its seal."""
+        if "payload" not in self.options:
+            return self.options
+        return {**self.options, "payload": open_value(self.options["payload"])}
 
     def __str__(self) -> str:
         return f"bulk {self.action} #{self.pk}"

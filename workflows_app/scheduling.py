@@ -19,6 +19,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 
 from . import live
+from .codec import seal
 from .engine import clock, errors, store
 from .engine.cron import check_cron, check_schedule_name, fire_times, zone
 from .engine.limits import check_size, encode_json
@@ -157,7 +158,13 @@ class Schedules:
             f"params of schedule {name!r}",
         )
         row = store.schedules.create_schedule(
-            name, definition.name, cron, timezone, params_json, _actor(actor)
+            # Sealed as any instance's params (its instances take them as stored).
+            name,
+            definition.name,
+            cron,
+            timezone,
+            seal(params_json),
+            _actor(actor),
         )
         _schedules_changed()
         return ScheduleHandle.from_row(row)

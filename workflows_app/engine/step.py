@@ -707,7 +707,7 @@ class Step:
         trace_id, span_id = spans.span_ids(run.span)
         item = NewInstance(
             readable,
-            params_json,
+            seal(params_json),
             parent_pk=run.pk,
             parent_step=name,
             parent_span=f"{trace_id}:{span_id}" if span_id else "",
