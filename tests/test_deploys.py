@@ -1,4 +1,5 @@
-"""Deploys: a drain, a takeover by a worker without the instance's version.
+"""Deploys: a drain (runworker's and the embedded worker's at SIGTERM), a takeover by a
+worker without the instance's version.
 
 Each test drives real engine Workers in-process. A fleet whose processes know different
 versions is simulated by registering/unregistering versions in the (process-wide)
@@ -9,16 +10,25 @@ different registries.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
+from tests import fleet_workflows
 from tests.polling import wait_until
 from tests.test_worker_operations import LoopThread, new_worker
+from tests.workers import ROOT, database_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,3 +149,67 @@ def test_a_draining_worker_keeps_its_leases_while_its_steps_finish(registered, l
         serving.result(30)
         loop_thread.call(other.stop(grace_seconds=5))
     assert inst.status().status in ("waiting", "complete")
+
+
+# --- 3. the embedded worker (runserver) is a worker too: SIGTERM must not strand leases ------
+
+
+EMBEDDED_BOOT = (
+    "import sys, django; django.setup(); import tests.fleet_workflows; "
+    "from django.core.management import call_command; "
+    "call_command('runserver', '--noreload', sys.argv[1])"
+)
+
+
+def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
+    """`manage.py runserver` runs the embedded worker (SPEC 4). A deploy/restart sends it
+    SIGTERM. runworker drains (Worker.stop: park at the boundary or release the lease);
+    the embedded worker is never stopped (embedded.py has no shutdown path, daphne only
+    cancels its connections' application instances), so the instance it was running stays
+    leased until the lease runs out, and the takeover counts toward the poison limit."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id="embedded-mid-step")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": database_url(),
+        "DJANGO_DEBUG": "1",
+        "WFDASH_DEMO": "0",
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "WFDASH_LEASE_SECONDS": "60",
+        "FLEET_STEP_SECONDS": "120",  # the first step outlives any drain grace
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_BOOT, f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
+            60,
+            "the embedded worker to claim the instance",
+        )
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        row = Instance.objects.get(pk=inst.row().pk)
+        log.seek(0)
+        assert row.lease_token is None, (
+            f"runserver exited ({server.returncode}) leaving instance leased to "
+            f"{row.lease_owner} until {row.lease_expires_at}: the next process waits out "
+            f"the lease. log tail: {log.read()[-800:]}"
+        )
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()

@@ -20,6 +20,7 @@ log = logging.getLogger("workflows_app.engine")
 
 _worker: Worker | None = None
 _task: asyncio.Task[None] | None = None
+_stop: asyncio.Event | None = None
 
 
 def embedded_enabled() -> bool:
@@ -28,19 +29,20 @@ def embedded_enabled() -> bool:
 
 def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:
     """Start the engine in `loop` (default: the running loop) once per process."""
-    global _worker, _task
+    global _worker, _task, _stop
     if _worker is not None or not embedded_enabled():
         return _worker
     loop = loop or asyncio.get_running_loop()
     _worker = Worker(hooks=EngineHooks())
-    _task = loop.create_task(_serve(_worker))
+    _stop = asyncio.Event()
+    _task = loop.create_task(_serve(_worker, _stop))
     log.info("embedded wfdash worker %s started", _worker.worker_id)
     return _worker
 
 
-async def _serve(worker: Worker) -> None:
+async def _serve(worker: Worker, stop: asyncio.Event) -> None:
     try:
-        await worker.serve()
+        await worker.serve(stop)
     except Exception:
         # Nothing runs from now on: say so as loudly as the log allows.
         log.critical(
@@ -50,3 +52,14 @@ async def _serve(worker: Worker) -> None:
 
 def embedded_worker() -> Worker | None:
     return _worker
+
+
+async def stop_embedded_worker() -> None:
+    """The server is shutting down (a deploy's SIGTERM): drain the embedded worker as
+    runworker drains, its runs parked at their next step boundary or their leases given
+    back, so the next process takes them at once instead of waiting out the leases (and
+    counting the takeover towards the poison limit)."""
+    if _stop is None or _task is None:
+        return
+    _stop.set()
+    await asyncio.shield(_task)

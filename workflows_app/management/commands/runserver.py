@@ -17,11 +17,18 @@ class EngineServer(Server):
         ready = kwargs.get("ready_callable")
 
         def on_ready() -> None:
-            from workflows_app.embedded import start_embedded_worker
+            from twisted.internet import defer, reactor
 
-            start_embedded_worker(
-                asyncio.get_event_loop()
-            )  # daphne's loop; runs once the reactor starts
+            from workflows_app.embedded import start_embedded_worker, stop_embedded_worker
+
+            loop = asyncio.get_event_loop()  # daphne's loop; runs once the reactor starts
+            if start_embedded_worker(loop) is not None:
+                # SIGTERM stops the reactor; it waits for this before it shuts down.
+                reactor.addSystemEventTrigger(
+                    "before",
+                    "shutdown",
+                    lambda: defer.Deferred.fromFuture(loop.create_task(stop_embedded_worker())),
+                )
             if ready:
                 ready()
 
