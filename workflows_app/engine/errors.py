@@ -102,6 +102,25 @@ class StepOutputError(WorkflowError):
     """
 
 
+class StepRaised(WorkflowError):
+    """What a step raised that the engine cannot carry as it is (SystemExit or
+    KeyboardInterrupt would stop the worker, StopIteration cannot cross a future, and a
+    CancelledError of the step's own would read as a cancel of its run): a failed attempt,
+    retried as any other, recorded under the original's name."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(safe_str(original))
+        self.error_name = type(original).__name__
+
+
+def safe_str(exc: BaseException) -> str:
+    """str(exc), or a note saying it failed: an error must be recordable whatever it is."""
+    try:
+        return str(exc)
+    except Exception as failure:
+        return f"<str() of the {type(exc).__name__} raised {type(failure).__name__}>"
+
+
 class NonRetryableError(WorkflowError):
     """Raised by user code to fail the step and the instance at once, without retries.
 

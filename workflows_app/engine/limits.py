@@ -208,7 +208,13 @@ def encode_step_output(value: Any, step_name: str, limits: Limits) -> str:
         text = encode_json(value, f'output of step "{step_name}"')
     except InvalidInput as exc:
         raise StepOutputError(str(exc)) from None
-    size = len(text.encode())
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate: no database stores it
+        raise StepOutputError(
+            f'output of step "{step_name}" is not valid Unicode text: {exc.reason} '
+            f"at position {exc.start}"
+        ) from None
     if size > limits.max_step_output_bytes:
         raise StepOutputError(
             f'output of step "{step_name}" is {size} bytes of JSON; '
@@ -273,11 +279,37 @@ def error_name(name: str) -> str:
     return name[: MAX_ERROR_NAME_LENGTH - 1] + "…"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable_text(text: str) -> str:
+    """Text both databases store: a NUL (PostgreSQL's text and jsonb take none) and a lone
+    surrogate (no UTF-8 for it) become U+FFFD."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    return _SURROGATE.sub("\ufffd", text) if not text.isascii() else text
+
+
+def storable_value(value: Any) -> Any:
+    """A JSON value whose strings (keys too) are storable_text: what jsonb takes."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k): storable_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable_value(v) for v in value]
+    return value
+
+
 def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
     """What a history record shows of an event payload, so an operator can see what was
-    received without the history growing by max_event_payload_bytes per event."""
-    encoded = payload_json.encode()
+    received without the history growing by max_event_payload_bytes per event. (A copy
+    PostgreSQL's jsonb takes: a payload with a NUL character is still delivered whole.)"""
+    encoded = payload_json.encode(errors="surrogatepass")
     if len(encoded) <= HISTORY_PAYLOAD_MAX_BYTES:
+        if "\\u0000" in payload_json or "\\ud" in payload_json:
+            payload = storable_value(payload)
+            payload_json = json.dumps(payload, separators=(",", ":"))
         return {"payload": seal_value(payload, payload_json)}
     if payload_codec() is not None:  # a preview would be the payload in clear
         return {"payload_bytes": len(encoded)}

@@ -9,6 +9,7 @@ instance in the database. Parked instances cost a row, not a coroutine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -38,6 +39,7 @@ from .errors import (
     NonRetryableError,
     RunAborted,
     StepOutputError,
+    StepRaised,
     StepTimeout,
 )
 from .limits import check_step_name, encode_step_output
@@ -784,7 +786,15 @@ class Run:
         )
         if _is_async(fn):
             # In this task, under a deadline: no extra task per step; cancelled at the timeout.
-            return await await_returned(call(), context, timeout_ms / 1000, timed_out)
+            try:
+                return await await_returned(call(), context, timeout_ms / 1000, timed_out)
+            except (SystemExit, KeyboardInterrupt) as exc:
+                raise StepRaised(exc) from exc
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if self.abort_reason is not None or task is None or task.cancelling():
+                    raise  # this run is being cancelled
+                raise StepRaised(exc) from exc  # the step's own: a failed attempt
         previous = self.abandoned.pop(record.name, None)
         if previous is not None and not previous.done():
             # The last attempt timed out but its thread still runs (it was told through
@@ -799,7 +809,16 @@ class Run:
 
         def in_thread() -> Any:
             began.append(time.monotonic())
-            return ctx.run(call)
+            try:
+                return ctx.run(call)
+            except (StopIteration, concurrent.futures.CancelledError) as exc:
+                # A future cannot carry the one (the attempt would hang), and the other
+                # would reach the loop as a cancel of this run.
+                raise StepRaised(exc) from exc
+            except Exception:
+                raise
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError
+                raise StepRaised(exc) from exc
 
         thread_future = self.step_threads.submit(in_thread)
         self.sync_attempts.add(context)
@@ -970,13 +989,15 @@ class Run:
         return record.wake_at is not None and record.wake_at <= clock.now()
 
     async def take_event(
-        self, event_type: str, schema: dict[str, Any] | None = None
+        self, event_type: str, schema: dict[str, Any] | None = None, sent_by: Any = None
     ) -> InboxEvent | None:
         """The oldest undelivered event of a type, reserved for the caller (program order).
 
         With a schema (a typed wait), events buffered before the wait whose payload does
         not match it are passed over: they stay in the inbox, never delivered to this wait.
-        Events are read EVENT_BATCH at a time and only as far as a wait needs them.
+        So are events sent after `sent_by` (the wait's deadline: one that came later did
+        not come in time, however late the run woke to see it). Events are read
+        EVENT_BATCH at a time and only as far as a wait needs them.
         """
         validator = (
             jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
@@ -986,7 +1007,10 @@ class Run:
             checked = 0
             while True:
                 for index in range(checked, len(inbox.events)):
-                    if validator is None or validator.is_valid(inbox.events[index].payload):
+                    event = inbox.events[index]
+                    if sent_by is not None and event.created_at > sent_by:
+                        continue
+                    if validator is None or validator.is_valid(event.payload):
                         return inbox.events.pop(index)
                 checked = len(inbox.events)
                 if inbox.exhausted:

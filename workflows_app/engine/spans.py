@@ -18,6 +18,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from .errors import safe_str
+
 # Read by the tracer provider's id generator: the trace id of the span about to start, and
 # the primary key of the instance whose trace it is (span storage needs no look-up by it).
 forced_trace: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
@@ -194,8 +196,11 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
     if span is None:
         return
     if exc is not None:
-        span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, message or (str(exc) if exc is not None else "")))
+        try:
+            span.record_exception(exc)
+        except Exception:  # its str() raises: the step's failure is recorded all the same
+            span.add_event("exception", {"exception.type": type(exc).__name__})
+    span.set_status(Status(StatusCode.ERROR, message or (safe_str(exc) if exc is not None else "")))
 
 
 def creation_span(

@@ -39,8 +39,10 @@ from .errors import (
     NonRetryableError,
     RunAborted,
     StepOutputError,
+    StepRaised,
     StepTimeout,
     WorkflowError,
+    safe_str,
 )
 from .limits import (
     BACKOFFS,
@@ -53,6 +55,7 @@ from .limits import (
     encode_step_output,
     error_name,
     payload_for_history,
+    storable_text,
 )
 from .store import History, NewInstance, new_model_object
 
@@ -157,14 +160,19 @@ class RetryPolicy:
 
 
 def error_fields(exc: BaseException) -> tuple[str, str, str]:
-    """(name, message, stack) of an exception, as stored and shown."""
-    if isinstance(exc, NonRetryableError):
+    """(name, message, stack) of an exception, as stored and shown: text both databases
+    store whatever the exception holds (a NUL, a lone surrogate, a str() that raises)."""
+    if isinstance(exc, (NonRetryableError, StepRaised)):
         name = exc.error_name
     elif isinstance(exc, StepFailed):
         return error_name(exc.error_name), exc.message, exc.stack
     else:
         name = type(exc).__name__
-    return error_name(name), str(exc), "".join(traceback.format_exception(exc))
+    return (
+        error_name(storable_text(name)),
+        storable_text(safe_str(exc)),
+        storable_text("".join(traceback.format_exception(exc))),
+    )
 
 
 def _takes_context(fn: Callable[..., Any]) -> bool:
@@ -572,7 +580,7 @@ class Step:
                         {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()},
                     )
                 )
-            delivered = await run.take_event(type, schema)
+            delivered = await run.take_event(type, schema, sent_by=record.wake_at)
             if delivered is None and not run.event_timed_out(record):
                 if history:
                     await run.write(record, history)

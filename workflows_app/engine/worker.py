@@ -322,20 +322,47 @@ class GroupCommit:
             batch, self.pending = self.pending[: self.MAX_BATCH], self.pending[self.MAX_BATCH :]
             try:
                 results = await self.db(store.write_steps, [write for write, _ in batch])
+            except (DatabaseError, ValueError) as exc:  # ValueError: text no driver encodes
+                if len(batch) > 1 and not store.transient(exc):
+                    # One write the database refuses (its data) must not fail the others of
+                    # its group: the transaction rolled back, so each is written on its own.
+                    await self._flush_one_by_one(batch)
+                else:
+                    self._fail(batch, exc)  # each run retries its own (Run._write_again)
+                continue
             except BaseException as exc:  # the whole transaction failed: every run hears it
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
+                self._fail(batch, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
-            for (_, future), result in zip(batch, results):
-                if future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            self._settle(batch, results)
+
+    async def _flush_one_by_one(self, batch: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+        for one in batch:
+            try:
+                results = await self.db(store.write_steps, [one[0]])
+            except BaseException as exc:
+                self._fail([one], exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self._settle([one], results)
+
+    @staticmethod
+    def _fail(batch: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
+        for _, future in batch:
+            if not future.done():
+                future.set_exception(exc)
+
+    @staticmethod
+    def _settle(batch: list[tuple[Any, asyncio.Future[Any]]], results: list[Any]) -> None:
+        for (_, future), result in zip(batch, results):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
 
 _local_workers: set[Worker] = set()
