@@ -62,10 +62,17 @@ def check_cron(cron: object) -> str:
 
 
 def fire_times(cron: str, timezone: str, after: datetime) -> Iterator[datetime]:
-    """The fire times strictly after `after`, in UTC."""
+    """The fire times strictly after `after`, in UTC.
+
+    cronsim reads a local time in the repeated hour of an autumn change as its first
+    pass: from 02:10 of the second pass it starts at the first, an hour earlier, and its
+    first tick (02:30 of the first pass, fired already) is in the past. Such ticks are
+    passed over."""
     tz = zone(timezone)
     for tick in CronSim(cron, after.astimezone(tz)):
-        yield tick.astimezone(UTC)
+        fires = tick.astimezone(UTC)
+        if fires > after:
+            yield fires
 
 
 def next_fire_time(cron: str, timezone: str, after: datetime) -> datetime | None:
@@ -82,6 +89,16 @@ def latest_fire_time(cron: str, timezone: str, at_or_before: datetime) -> dateti
     # Iterating backwards yields times strictly before the start, to the whole second.
     start = at_or_before.replace(microsecond=0) + timedelta(seconds=1)
     try:
-        return next(iter(CronSim(cron, start.astimezone(tz), reverse=True))).astimezone(UTC)
+        latest = next(iter(CronSim(cron, start.astimezone(tz), reverse=True))).astimezone(UTC)
     except StopIteration:
         return None
+    # In the second pass of a repeated hour cronsim starts from the first, an hour early,
+    # and misses the ticks of that hour: the forward ticks from its answer find them.
+    for _, fires in zip(range(MAX_TICKS_IN_AN_HOUR), fire_times(cron, timezone, latest)):
+        if fires > at_or_before:
+            break
+        latest = fires
+    return latest
+
+
+MAX_TICKS_IN_AN_HOUR = 3601  # a 6-field expression may fire every second
