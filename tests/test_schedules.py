@@ -330,3 +330,28 @@ def test_a_re_created_schedule_never_starts_a_tick_twice(registered):
         testing.run_until_idle()
         assert [i.instance_id for i in started("report")] == ["again@20260601T030000Z"]
         assert schedules.get("again").next_run_at == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
+
+
+def test_a_declared_schedule_whose_workflow_left_the_code_can_be_removed(registered):
+    """A workflow class deleted from the code: sync_declared only looks at the workflows
+    registered now, so its declared schedule stays (listed, not paused, overdue), and
+    delete_schedule refuses it because it is declared ('remove it there, or pause it') -
+    it was removed there. Nothing but SQL gets rid of it."""
+    from workflows_app.engine import registry
+    from workflows_app.engine.errors import InvalidInput
+
+    @register("retired", schedules=["0 3 * * *"])
+    class Retired(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return None
+
+    testing.run_until_idle()  # a worker start declares it
+    assert [s.name for s in schedules.list()] == ["retired:0"]
+    registry.unregister("retired")  # the class is deleted from the code; workers restart
+    testing.run_until_idle()
+    left = [s.name for s in schedules.list()]
+    if left:
+        try:
+            schedules.get("retired:0").delete()
+        except InvalidInput as exc:
+            pytest.fail(f"orphan declared schedule {left} stays and cannot be deleted: {exc}")

@@ -30,6 +30,7 @@ from ..errors import (
     WorkflowError,
 )
 from ..limits import Limits
+from ..registry import all_definitions
 from .control import create_in_transaction
 from .dialect import retry_while_locked
 from .records import NewInstance
@@ -126,7 +127,9 @@ def set_paused(name: str, paused: bool) -> Schedule:
 @retry_while_locked
 def delete_schedule(name: str) -> None:
     row = get_schedule(name)
-    if row.declared:
+    # A declared one goes with its declaration; one whose workflow left the code may go
+    # here (no worker syncs it any more).
+    if row.declared and any(d.name == row.workflow for d in all_definitions()):
         raise InvalidInput(
             f"schedule {name!r} is declared in code by register({row.workflow!r}, schedules=[...]); "
             "remove it there, or pause it"
