@@ -1,5 +1,5 @@
-"""Deploys: a drain (runworker's and the embedded worker's at SIGTERM), a takeover by a
-worker without the instance's version.
+"""Deploys: a drain (runworker's and the embedded worker's at SIGTERM), old and new
+workers side by side, a takeover by a worker without the instance's version.
 
 Each test drives real engine Workers in-process. A fleet whose processes know different
 versions is simulated by registering/unregistering versions in the (process-wide)
@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ from tests.test_worker_operations import LoopThread, new_worker
 from tests.workers import ROOT, database_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.engine import WorkflowEntrypoint, register, registry, store
 from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -213,3 +214,82 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
             server.kill()
             server.wait(10)
         log.close()
+
+
+# --- a rolling deploy: old and new workers side by side --------------------------------------
+
+
+def run_as(loop_thread: LoopThread, worker: Any) -> None:
+    loop_thread.call(worker.run_until_idle(timeout=10))
+
+
+def test_an_old_worker_leaves_a_new_version_s_instance_to_the_live_new_worker(
+    registered, loop_thread
+):
+    """New workers (v1 and v2) are up, old ones (v1 only) still serve. A v2 instance is not
+    the old worker's to take: parked by it, it waited for a worker's restart while the new
+    worker ran all along. A worker with its version takes it; one without only after the
+    grace, then parks it to be looked at again, not for ever."""
+    ran.clear()
+    define_mixed(1)
+    define_mixed(2)
+    new = new_worker(concurrency=4)
+    with testing.fake_clock() as clock:
+        loop_thread.call(new.start())
+        try:
+            inst = get_workflow("deploy-mixed").create(id="made-by-new-web")
+            assert inst.row().version == 2
+            registry.unregister("deploy-mixed", 2)  # an old worker's process: v1 only
+            old = new_worker(concurrency=4)
+            loop_thread.call(old.start())
+            run_as(loop_thread, old)
+            row = inst.row()
+            assert (row.status, row.lease_token, row.waiting_reason) == ("running", None, "")
+            define_mixed(2)  # back in the new worker's process
+            run_as(loop_thread, new)
+            assert inst.status().output == "v2 code" and ran == ["v2"]
+
+            # No worker with the version takes one for the grace: the old worker parks it,
+            # and a worker with the version (live, not restarted) takes it at its recheck.
+            late = get_workflow("deploy-mixed").create(id="no-taker")
+            registry.unregister("deploy-mixed", 2)
+            clock.advance(store.leases.FOREIGN_VERSION_GRACE)
+            run_as(loop_thread, old)
+            status = late.status()
+            assert status.status == "waiting" and "not registered" in status.waiting_reason
+            define_mixed(2)
+            run_as(loop_thread, new)
+            assert late.status().status == "waiting"  # not before its recheck
+            clock.advance(store.leases.VERSION_RECHECK)
+            run_as(loop_thread, new)
+            assert late.status().output == "v2 code"
+            loop_thread.call(old.stop(grace_seconds=0))
+        finally:
+            loop_thread.call(new.stop(grace_seconds=0))
+
+
+def test_a_new_worker_leaves_an_in_flight_old_version_to_the_live_old_worker(
+    registered, loop_thread
+):
+    """The other direction: the new code dropped version 1 while old workers still run v1
+    instances in flight. The new worker does not take them from the old one."""
+    ran.clear()
+    define_mixed(1)
+    with testing.fake_clock():
+        inst = get_workflow("deploy-mixed").create(id="in-flight-v1")
+        old = new_worker(concurrency=4)
+        loop_thread.call(old.start())
+        try:
+            registry.unregister("deploy-mixed", 1)
+            define_mixed(2)  # the new worker's process: v2 only
+            fresh = new_worker(concurrency=4)
+            loop_thread.call(fresh.start())
+            run_as(loop_thread, fresh)
+            loop_thread.call(fresh.stop(grace_seconds=0))
+            assert inst.row().lease_token is None and not inst.status().waiting_reason
+            registry.unregister("deploy-mixed", 2)
+            define_mixed(1)  # back in the old worker's process
+            run_as(loop_thread, old)
+            assert inst.status().output == "v1 code" and ran == ["v1"]
+        finally:
+            loop_thread.call(old.stop(grace_seconds=0))

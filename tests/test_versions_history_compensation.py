@@ -11,7 +11,7 @@ from django.conf import settings
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register, registry
+from workflows_app.engine import WorkflowEntrypoint, register, registry, store
 from workflows_app.engine.errors import (
     ResultTimeout,
     VersionConflict,
@@ -65,12 +65,16 @@ def test_instances_keep_replaying_on_the_version_they_started_with(registered):
 
 def test_an_instance_whose_version_is_gone_waits_with_a_reason_then_continues(registered):
     define_v1()
-    inst = get_workflow("versioned").create()
-    testing.run_until_idle()
-    registry.unregister("versioned", 1)
-    define_v2()
-    inst.send_event("go")
-    testing.run_until_idle()
+    with testing.fake_clock() as clock:
+        inst = get_workflow("versioned").create()
+        testing.run_until_idle()
+        registry.unregister("versioned", 1)
+        define_v2()
+        inst.send_event("go")
+        testing.run_until_idle()  # a worker with version 1 has the grace to take it first
+        assert inst.row().lease_token is None and not inst.status().waiting_reason
+        clock.advance(store.leases.FOREIGN_VERSION_GRACE)
+        testing.run_until_idle()
     status = inst.status()
     assert status.status == "waiting"
     assert "version 1" in status.waiting_reason and "not registered" in status.waiting_reason

@@ -239,7 +239,7 @@ def test_a_claim_ends_no_sleep_of_a_version_its_worker_cannot_run(registered):
         testing.run_until_idle()
         registry.unregister("versioned-sleeper", 1)
         define(2)
-        clock.advance("1 second")
+        clock.advance("11 seconds")  # the nap's end, and the grace a worker with v1 has
         testing.run_until_idle()
         status = inst.status()
         assert status.status == "waiting" and "not registered" in status.waiting_reason

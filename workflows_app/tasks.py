@@ -140,7 +140,7 @@ def resolve_task_workflow(name: str) -> None:
         register_task_workflow(task)
 
 
-registry.add_resolver(resolve_task_workflow)
+registry.add_resolver(resolve_task_workflow, PREFIX)
 
 
 class WorkflowTaskBackend(BaseTaskBackend):

@@ -158,13 +158,21 @@ def unregister(name: str, version: int | None = None) -> None:
 
 
 _resolvers: list[Callable[[str], None]] = []
+_resolved_prefixes: set[str] = set()
 
 
-def add_resolver(resolver: Callable[[str], None]) -> None:
-    """resolver(name) may register an unknown workflow on demand (the Django tasks backend
-    registers a task's workflow by importing the task), so a worker runs what it never imported."""
+def add_resolver(resolver: Callable[[str], None], prefix: str) -> None:
+    """resolver(name) may register an unknown workflow whose name starts with `prefix` on
+    demand (the Django tasks backend registers a task's workflow by importing the task),
+    so a worker runs what it never imported: its claims take such instances as its own."""
     if resolver not in _resolvers:
         _resolvers.append(resolver)
+    _resolved_prefixes.add(prefix)
+
+
+def resolved_prefixes() -> list[str]:
+    """The name prefixes of the workflows the resolvers may register (sorted)."""
+    return sorted(_resolved_prefixes)
 
 
 def _resolve(name: str) -> None:

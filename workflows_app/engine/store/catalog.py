@@ -70,7 +70,6 @@ def wake_registered_versions(versions: Sequence[tuple[str, int]]) -> int:
             workflow=name,
             version=version,
             status=Status.WAITING,
-            wake_at__isnull=True,
             waiting_reason__startswith=VERSION_MISSING,
         ).update(wake_at=now, waiting_reason="")
     return woken

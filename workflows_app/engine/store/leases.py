@@ -25,7 +25,7 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, faults
+from .. import clock, faults, registry
 from .control import first_admit, first_admit_statement
 from .dialect import (
     array_literal,
@@ -204,7 +204,16 @@ def _claim(
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
         return _claim_at_once(_claim_params(worker_id, limit, now, lease_until, exclude, versions))
-    due = [db_time(now), db_time(now), json.dumps(list(exclude))]
+    mine = _versions_json(versions)
+    due = [
+        db_time(now),
+        db_time(now),
+        json.dumps(list(exclude)),
+        db_time(now - FOREIGN_VERSION_GRACE),
+        mine,
+        mine,
+        json.dumps(registry.resolved_prefixes()),
+    ]
     # Look before taking the write lock (SQLite takes it at BEGIN): an idle worker's poll
     # then never queues behind, nor blocks, the writers that have work.
     with sql_cursor() as cursor:
@@ -226,8 +235,25 @@ def _claim(
 # with a parameter for each of up to 800 runs in flight.
 RUNNABLE_WHERE = (
     "wake_at <= %s AND (lease_expires_at IS NULL OR lease_expires_at <= %s) "
-    "AND id NOT IN (SELECT value FROM json_each(%s))"
+    "AND id NOT IN (SELECT value FROM json_each(%s)) "
+    "AND (wake_at <= %s OR %s IS NULL OR workflow || '@' || version IN "
+    "(SELECT value FROM json_each(%s)) OR EXISTS (SELECT 1 FROM json_each(%s) AS p "
+    "WHERE substr(workflow, 1, length(p.value)) = p.value))"
 )
+
+# A claim takes the due instances of the versions its worker runs (or may register on
+# demand: tasks), and another's only once it has been due this long: in a rolling deploy
+# the worker with its version takes it (one without would park it). Parked, it is looked
+# at again after VERSION_RECHECK.
+FOREIGN_VERSION_GRACE = timedelta(seconds=10)
+VERSION_RECHECK = timedelta(seconds=60)
+
+
+def _versions_json(versions: Collection[tuple[str, int]] | None) -> str | None:
+    """ "workflow@version" of each version a worker runs, as JSON (None: every version)."""
+    if versions is None:
+        return None
+    return json.dumps(sorted(f"{name}@{version}" for name, version in versions))
 
 
 def _lease_rows(
@@ -342,6 +368,11 @@ WITH picked AS (
     FROM {INSTANCE_TABLE}
     WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
       AND id <> ALL(CAST(%(exclude)s AS bigint[]))
+      AND (wake_at <= %(foreign_due)s OR CAST(%(versions)s AS jsonb) IS NULL
+        OR workflow || '@' || version IN (
+          SELECT jsonb_array_elements_text(CAST(%(versions)s AS jsonb)))
+        OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(CAST(%(prefixes)s AS jsonb)) AS p
+          WHERE starts_with(workflow, p.value)))
     ORDER BY wake_at LIMIT %(limit)s
     FOR NO KEY UPDATE SKIP LOCKED
 ), ended AS (
@@ -438,10 +469,12 @@ def _claim_params(
     versions: Collection[tuple[str, int]] | None,
 ) -> dict[str, Any]:
     return {
-        # "workflow@version" of each version whose sleeps the claim may end (None: all).
-        "versions": None
-        if versions is None
-        else json.dumps(sorted(f"{name}@{version}" for name, version in versions)),
+        # The versions the worker runs: whose instances it takes at once, whose sleeps it
+        # ends (None: all).
+        "versions": _versions_json(versions),
+        # Names resolvers register on demand (tasks): as the worker's own.
+        "prefixes": json.dumps(registry.resolved_prefixes()),
+        "foreign_due": db_time(now - FOREIGN_VERSION_GRACE),
         "now": db_time(now),
         "lease_until": db_time(lease_until),
         "exclude": array_literal(exclude),

@@ -45,6 +45,7 @@ from .dialect import (
     typed_placeholders,
     writes_in_one_statement,
 )
+from .leases import VERSION_RECHECK
 from .records import (
     ERROR_TABLE,
     FINISHED_BEFORE_STEP,
@@ -1003,15 +1004,18 @@ def begin_compensation(pk: int, token: str, data: dict[str, Any]) -> None:
 @retry_while_locked
 def park_unrunnable(pk: int, token: str, reason: str) -> None:
     """Park an instance this process cannot run (its version is not registered here)."""
+    now = clock.now()
     with transaction.atomic():
         try:
-            status, _ = fence(pk, token, clock.now(), 0, None)
+            status, _ = fence(pk, token, now, 0, None)
         except LeaseLost:
             return
         Instance.objects.filter(id=pk).update(
             # A pause asked for before (its run crashed at the boundary) holds: paused.
             status=Status.PAUSED if status == Status.WAITING_FOR_PAUSE else Status.WAITING,
-            wake_at=None,
+            # Looked at again later: a live worker with the version (busy until now) takes
+            # it first then; one starting with it wakes it at once (wake_registered_versions).
+            wake_at=None if status == Status.WAITING_FOR_PAUSE else now + VERSION_RECHECK,
             waiting_reason=VERSION_MISSING + reason,
             lease_token=None,
             lease_owner="",
