@@ -20,6 +20,19 @@ def instance_summary() -> str:
     )
 
 
+def a_backend_waits_for_a_lock() -> bool:
+    """PostgreSQL: whether a session of the test database is waiting for a lock (a race
+    made deterministic: one thread holds a row, the other is seen waiting for it)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()"
+        )
+        return cursor.fetchone()[0] > 0
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
     """Poll a condition with a bound; fail naming what never happened and what was there instead."""
     deadline = time.monotonic() + timeout

@@ -14,9 +14,10 @@ from datetime import timedelta
 import pytest
 from django.db import connection, connections, transaction
 
-from tests.polling import wait_until
+from tests.polling import a_backend_waits_for_a_lock, wait_until
+from tests.test_flow_control import register_gated
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, clock, register, store
+from workflows_app.engine import clock, store
 from workflows_app.models import HistoryRecord, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -25,23 +26,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def postgres_only() -> None:
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL only: SQLite's IMMEDIATE transactions serialise these writers")
-
-
-def register_gated(name: str, **limits) -> None:
-    @register(name, limits=limits)
-    class Gated(WorkflowEntrypoint):
-        async def run(self, event, step):
-            await step.wait_for_event("go", type="go", timeout="1 day")
-            return event.payload
-
-
-def someone_waits_for_a_lock() -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND datname = current_database()"
-        )
-        return cursor.fetchone()[0] > 0
 
 
 def create_while_held(wf, instance_id: str, release: threading.Event) -> None:
@@ -61,7 +45,7 @@ def create_while_held(wf, instance_id: str, release: threading.Event) -> None:
     creator.start()
     try:
         wait_until(
-            lambda: not creator.is_alive() or someone_waits_for_a_lock(),
+            lambda: not creator.is_alive() or a_backend_waits_for_a_lock(),
             30,
             "the create to end or wait for a lock",
         )
@@ -212,7 +196,7 @@ def test_a_debounced_create_and_a_resume_of_its_pending_instance_do_not_deadlock
     creator.start()
     try:
         # The create holds the admission lock and waits for the pending row.
-        wait_until(someone_waits_for_a_lock, 30, "the create waiting for the pending row")
+        wait_until(a_backend_waits_for_a_lock, 30, "the create waiting for the pending row")
     finally:
         go.set()
         resumer.join(60)
@@ -266,7 +250,7 @@ def test_an_admission_that_loses_its_instance_to_a_terminate_records_no_start(re
     admitter = threading.Thread(target=admit)
     admitter.start()
     try:
-        wait_until(someone_waits_for_a_lock, 30, "the admission waiting for the terminated row")
+        wait_until(a_backend_waits_for_a_lock, 30, "the admission waiting for the terminated row")
     finally:
         release.set()
         terminator.join(30)

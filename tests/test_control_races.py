@@ -129,17 +129,6 @@ def test_cancel_with_compensation_stops_the_running_step_or_compensates_it(regis
     assert effects["shipped"] == effects["unship"], dict(effects)
 
 
-def lock_waits() -> int:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND datname = current_database()"
-        )
-        return cursor.fetchone()[0]
-
-
 def test_a_queued_instance_paused_while_a_finish_admits_it_does_not_take_the_free_place(
     registered,
 ):
@@ -152,7 +141,7 @@ def test_a_queued_instance_paused_while_a_finish_admits_it_does_not_take_the_fre
     stays queued until something else looks at the queue (stuck)."""
     from django.db import connection, connections, transaction
 
-    from tests.polling import wait_until
+    from tests.polling import a_backend_waits_for_a_lock, wait_until
 
     if connection.vendor != "postgresql":
         pytest.skip("SQLite serialises the pause and the finish's promotion")
@@ -186,7 +175,7 @@ def test_a_queued_instance_paused_while_a_finish_admits_it_does_not_take_the_fre
     assert paused.wait(30) and "error" not in outcome, outcome
     engine, box = run_engine_in_background()  # a runs and finishes; its finish admits b
     try:
-        wait_until(lock_waits, 30, "the finish's promotion waiting for b's row")
+        wait_until(a_backend_waits_for_a_lock, 30, "the finish's promotion waiting for b's row")
     finally:
         commit.set()
         pauser.join(30)

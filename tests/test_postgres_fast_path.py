@@ -14,7 +14,7 @@ from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-waiter)
-from tests.polling import wait_until
+from tests.polling import a_backend_waits_for_a_lock, wait_until
 from tests.test_fleet import needs_redis, redis_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
@@ -101,7 +101,7 @@ def test_a_park_is_one_statement_after_its_lock_and_keeps_the_first_wake_time(re
     )
 
 
-def test_an_event_sent_while_the_park_waits_for_the_row_is_not_lost(registered):
+def test_an_event_sent_while_the_a_backend_waits_for_a_lock_is_not_lost(registered):
     """A send_event holds the instance row until it commits. A park that waited for the
     row must see its event and leave the instance due at once: a look at the events in
     the same statement as the wait would read what was committed before it, miss the
@@ -147,15 +147,7 @@ def test_an_event_sent_while_the_park_waits_for_the_row_is_not_lost(registered):
     parker = threading.Thread(target=park)
     parker.start()
 
-    def park_waits_for_the_row() -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            )
-            return cursor.fetchone()[0] > 0
-
-    wait_until(park_waits_for_the_row, 30, "the park waiting for the instance row")
+    wait_until(a_backend_waits_for_a_lock, 30, "the park waiting for the instance row")
     release.set()
     sender.join(30)
     parker.join(30)
@@ -424,16 +416,8 @@ def test_a_send_that_waited_for_a_typed_waits_checkpoint_still_checks_its_schema
     sender = threading.Thread(target=send)
     sender.start()
 
-    def send_waits_for_the_row() -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            )
-            return cursor.fetchone()[0] > 0
-
     try:
-        wait_until(send_waits_for_the_row, 30, "the send waiting for the instance row")
+        wait_until(a_backend_waits_for_a_lock, 30, "the send waiting for the instance row")
     finally:
         commit.set()
         checkpoint.join(30)

@@ -248,14 +248,12 @@ def test_an_error_message_with_a_lone_surrogate_is_recorded_and_the_step_not_rer
     assert row.status == "errored"
 
 
-def test_a_surrogate_error_in_one_instance_does_not_fail_another_instance_s_checkpoint(
-    registered, monkeypatch
-):
-    """Group commit writes several instances' checkpoints in one transaction
-    (GroupCommit._flush_pending, worker.py:320-331): the UnicodeEncodeError of one
-    instance's error record fails the whole batch, and every run in it gets the exception.
-    An innocent instance whose step succeeded loses its checkpoint and errors with
-    UnicodeEncodeError raised into its workflow code."""
+def group_of_three(monkeypatch, bad_step, refuse=lambda writes, bad_pk: False):
+    """Three instances whose 'bad' and 'innocent' checkpoints are queued in one group
+    commit behind the 'blocker''s first one (it holds SQLite's one database thread, or
+    PostgreSQL's single thread here, until both are queued). bad_step: the bad instance's
+    step callable. refuse(writes, bad_pk): a group the database refuses (an
+    IntegrityError). Runs them to idle; returns (bad, innocent, refused batches)."""
     gate_entered = threading.Event()
     groups: list[GroupCommit] = []
     real_init = GroupCommit.__init__
@@ -276,98 +274,11 @@ def test_a_surrogate_error_in_one_instance_does_not_fail_another_instance_s_chec
     @register("bad-error")
     class BadError(WorkflowEntrypoint):
         async def run(self, event, step):
-            def fail():
+            def gated():
                 gate_entered.wait(10)
-                raise ValueError("cannot read report-\udcff.csv")
+                return bad_step()
 
-            return await step.do("fail", fail, retries={"limit": 0})
-
-    @register("innocent")
-    class Innocent(WorkflowEntrypoint):
-        async def run(self, event, step):
-            def work():
-                gate_entered.wait(10)
-                calls["innocent"] += 1
-                return "ok"
-
-            a = await step.do("a", work)
-            b = await step.do("b", lambda: "b")
-            return [a, b]
-
-    blocker = get_workflow("blocker").create(id="blocker")
-    get_workflow("bad-error").create(id="bad")
-    innocent = get_workflow("innocent").create(id="innocent")
-    blocker_pk = blocker.row().pk
-    real_write_steps = store.write_steps
-    batches: list[tuple[list[int], str]] = []
-
-    def gated(writes):
-        # The blocker's first checkpoint holds the (single, SQLite) database thread until
-        # the other two instances' checkpoints are queued behind it: they go in one batch.
-        if not gate_entered.is_set() and any(w.pk == blocker_pk for w in writes):
-            gate_entered.set()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (groups and len(groups[0].pending) >= 2):
-                time.sleep(0.002)
-        try:
-            return real_write_steps(writes)
-        except BaseException as exc:
-            batches.append((sorted(w.pk for w in writes), type(exc).__name__))
-            raise
-
-    monkeypatch.setattr(store, "write_steps", gated)
-
-    async def drive() -> None:
-        worker = Worker(worker_id="review", concurrency=10, db_threads=1, hooks=EngineHooks())
-        await worker.start()
-        try:
-            await worker.run_until_idle(10)
-        finally:
-            await worker.stop(grace_seconds=0)
-
-    asyncio.run(drive())
-    assert gate_entered.is_set()
-    row = Instance.objects.get(pk=innocent.row().pk)
-    assert (row.status, row.error_name) == ("complete", ""), (
-        row.status,
-        row.error_name,
-        row.error_message,
-        list(StepRecord.objects.filter(instance=row).values_list("name", "status")),
-        f"failed batches (instance pks): {batches}; innocent #{row.pk}",
-    )
-
-
-def test_a_group_commit_the_database_refuses_is_written_again_one_write_at_a_time(
-    registered, monkeypatch
-):
-    """The same group commit, refused as a whole by the database (here: whenever it holds
-    the bad instance's write with another): each write is made again on its own, so the
-    innocent instance's checkpoint lands and both complete."""
-    gate_entered = threading.Event()
-    groups: list[GroupCommit] = []
-    real_init = GroupCommit.__init__
-
-    def remember(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        groups.append(self)
-
-    monkeypatch.setattr(GroupCommit, "__init__", remember)
-
-    @register("blocker")
-    class Blocker(WorkflowEntrypoint):
-        async def run(self, event, step):
-            await step.do("first", lambda: "first")
-            await step.do("second", lambda: "second")
-            return "blocker done"
-
-    @register("bad-error")
-    class BadError(WorkflowEntrypoint):
-        async def run(self, event, step):
-            def fine():
-                gate_entered.wait(10)
-                return "fine"
-
-            return await step.do("fine", fine, retries={"limit": 0})
+            return await step.do("bad", gated, retries={"limit": 0})
 
     @register("innocent")
     class Innocent(WorkflowEntrypoint):
@@ -384,27 +295,25 @@ def test_a_group_commit_the_database_refuses_is_written_again_one_write_at_a_tim
     blocker = get_workflow("blocker").create(id="blocker")
     bad = get_workflow("bad-error").create(id="bad")
     innocent = get_workflow("innocent").create(id="innocent")
-    blocker_pk = blocker.row().pk
+    blocker_pk, bad_pk = blocker.row().pk, bad.row().pk
     real_write_steps = store.write_steps
     batches: list[tuple[list[int], str]] = []
 
-    def gated(writes):
-        # The blocker's first checkpoint holds the (single, SQLite) database thread until
-        # the other two instances' checkpoints are queued behind it: they go in one batch.
+    def gated_writes(writes):
         if not gate_entered.is_set() and any(w.pk == blocker_pk for w in writes):
             gate_entered.set()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and not (groups and len(groups[0].pending) >= 2):
                 time.sleep(0.002)
         try:
-            if len(writes) > 1 and bad.row().pk in {w.pk for w in writes}:
+            if refuse(writes, bad_pk):
                 raise IntegrityError("refused: the bad instance's write in a group")
             return real_write_steps(writes)
         except BaseException as exc:
             batches.append((sorted(w.pk for w in writes), type(exc).__name__))
             raise
 
-    monkeypatch.setattr(store, "write_steps", gated)
+    monkeypatch.setattr(store, "write_steps", gated_writes)
 
     async def drive() -> None:
         worker = Worker(worker_id="review", concurrency=10, db_threads=1, hooks=EngineHooks())
@@ -416,8 +325,10 @@ def test_a_group_commit_the_database_refuses_is_written_again_one_write_at_a_tim
 
     asyncio.run(drive())
     assert gate_entered.is_set()
-    assert any(len(pks) > 1 for pks, _ in batches), batches  # a group was refused
-    assert bad.status().status == "complete"
+    return bad, innocent, batches
+
+
+def assert_innocent_complete(innocent, batches) -> None:
     row = Instance.objects.get(pk=innocent.row().pk)
     assert (row.status, row.error_name) == ("complete", ""), (
         row.status,
@@ -426,6 +337,36 @@ def test_a_group_commit_the_database_refuses_is_written_again_one_write_at_a_tim
         list(StepRecord.objects.filter(instance=row).values_list("name", "status")),
         f"failed batches (instance pks): {batches}; innocent #{row.pk}",
     )
+
+
+def test_a_surrogate_error_in_one_instance_does_not_fail_another_instance_s_checkpoint(
+    registered, monkeypatch
+):
+    """Group commit writes several instances' checkpoints in one transaction: the
+    UnicodeEncodeError of one instance's error message failed the whole batch, and the
+    innocent instance, whose step succeeded, lost its checkpoint."""
+
+    def fail():
+        raise ValueError("cannot read report-\udcff.csv")
+
+    _, innocent, batches = group_of_three(monkeypatch, fail)
+    assert_innocent_complete(innocent, batches)
+
+
+def test_a_group_commit_the_database_refuses_is_written_again_one_write_at_a_time(
+    registered, monkeypatch
+):
+    """The same group commit, refused as a whole by the database (here: whenever it holds
+    the bad instance's write with another): each write is made again on its own, so the
+    innocent instance's checkpoint lands and both complete."""
+    bad, innocent, batches = group_of_three(
+        monkeypatch,
+        lambda: "fine",
+        refuse=lambda writes, bad_pk: len(writes) > 1 and bad_pk in {w.pk for w in writes},
+    )
+    assert any(len(pks) > 1 for pks, _ in batches), batches  # a group was refused
+    assert bad.status().status == "complete"
+    assert_innocent_complete(innocent, batches)
 
 
 # --- 7. PostgreSQL: a NUL character in an error message or an event payload -----------------
