@@ -176,6 +176,29 @@ def test_a_clerk_may_not_mint_a_write_token_for_a_deactivated_operator():
     assert not minted, "a token was minted acting as a user holding more than the clerk"
 
 
+def test_a_token_minted_for_a_weaker_user_does_not_grow_beyond_its_issuer():
+    """The clerk (view_instance only) mints a write token for a weaker user, as allowed;
+    when that user is later made an operator, the token still may not write: it never
+    does more than its issuer may, and its issuer may not write."""
+    bob = User.objects.create_user("bob")
+    response = clerk_client().post(
+        "/admin/workflows_app/apitoken/add/", {"name": "as-bob", "user": bob.pk, "scope": "write"}
+    )
+    secret = shown_secret(response)
+    bob.user_permissions.add(
+        *Permission.objects.filter(
+            codename__in=["view_instance", "change_instance"],
+            content_type__app_label="workflows_app",
+        )
+    )
+    created = api("POST", f"/api/workflows/{SIMPLE}/instances", secret, {})
+    assert created.status_code == 403, created.content[:200]
+    assert "issued by 'clerk'" in created.json()["errors"][0]["message"]
+    assert not Instance.objects.exists()
+    read = api("GET", f"/api/workflows/{SIMPLE}/instances", secret)
+    assert read.status_code == 200  # what the issuer may do, the token may
+
+
 # --- 3. the payload codec is bypassed for child params, schedule params, bulk payloads -------
 
 

@@ -614,7 +614,7 @@ def rotate_token(
         )
         return None
     try:
-        secret = tokens.rotate(token)
+        secret = tokens.rotate(token, issued_by=tokens.issuer_of(request.user))
     except tokens.TokenError as exc:
         modeladmin.message_user(request, str(exc), messages.ERROR)
         return None
@@ -679,6 +679,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     all_fields = (
         "name",
         "user",
+        "issued_by",
         "scope",
         "workflows",
         "prefix",
@@ -709,6 +710,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             return  # every field is read-only once issued; rotate, or revoke and issue a new one
         secret = tokens.new_secret()
         tokens.set_secret(obj, secret)
+        obj.issued_by = tokens.issuer_of(request.user)
         obj.created_at = timezone.now()
         obj.expires_at = form.cleaned_data.get("expires")
         super().save_model(request, obj, form, change)

@@ -632,7 +632,7 @@ class ApiToken(models.Model):
 
     `scope` read lets it only read; write lets it also act. `workflows` (names separated
     by spaces; empty for all) confines it to those workflows. Whatever the scope, a token
-    with a user never does more than that user's permissions allow.
+    with a user never does more than that user's permissions allow, nor than its issuer's.
     """
 
     READ = "read"
@@ -643,6 +643,15 @@ class ApiToken(models.Model):
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=8, blank=True)
     user = models.ForeignKey("auth.User", on_delete=models.CASCADE, null=True, blank=True)
+    # Who minted (or last rotated) it, when not a superuser nor the shell: the token never
+    # does more than they may either, now or later (its user may gain permissions).
+    issued_by = models.ForeignKey(
+        "auth.User",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="issued_api_tokens",
+    )
     scope = models.CharField(max_length=5, choices=SCOPES, default=WRITE)
     workflows = models.TextField(
         blank=True, default="", help_text="workflow names separated by spaces; empty: all"

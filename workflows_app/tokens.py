@@ -111,14 +111,16 @@ def new_secret() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
-def rotate(token: ApiToken) -> str:
-    """Give a live token a new secret (the old one stops working at once); returns it."""
+def rotate(token: ApiToken, issued_by: Any = None) -> str:
+    """Give a live token a new secret (the old one stops working at once); returns it.
+    issued_by: who now knows the secret (issuer_of; None from the shell)."""
     if token.revoked_at is not None:
         raise TokenError(f"token {token.name!r} is revoked; issue a new one instead")
     raw = new_secret()
     set_secret(token, raw)
     token.rotated_at = timezone.now()
-    token.save(update_fields=["token_hash", "prefix", "rotated_at"])
+    token.issued_by = issued_by
+    token.save(update_fields=["token_hash", "prefix", "rotated_at", "issued_by"])
     return raw
 
 
@@ -143,7 +145,7 @@ def authenticate(raw: str) -> ApiToken | None:
     if not raw:
         return None
     digest = hash_token(raw)
-    token = ApiToken.objects.select_related("user").filter(token_hash=digest).first()
+    token = ApiToken.objects.select_related("user", "issued_by").filter(token_hash=digest).first()
     if (
         token is None
         or not hmac.compare_digest(token.token_hash, digest)
@@ -174,7 +176,19 @@ def refusal(
     needed = permission or (CHANGE_PERMISSION if write else VIEW_PERMISSION)
     if token.user is not None and not token.user.has_perm(needed):
         return f"token {token.name!r} (user {token.user.get_username()!r}) lacks the {needed} permission"
+    issuer = token.issued_by
+    if issuer is not None and not issuer.has_perm(needed):  # inactive: no permission at all
+        return (
+            f"token {token.name!r} was issued by {issuer.get_username()!r}, who lacks the "
+            f"{needed} permission (a token never does more than its issuer may)"
+        )
     return None
+
+
+def issuer_of(user: Any) -> Any:
+    """What a token minted or rotated by `user` records as its issuer: none for a
+    superuser (who holds every permission), the user otherwise."""
+    return None if user.is_superuser else user
 
 
 def issuer_refusal(issuer: Any, user: Any) -> str | None:
