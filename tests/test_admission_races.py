@@ -16,6 +16,7 @@ from django.db import connection, connections, transaction
 
 from tests.polling import a_backend_waits_for_a_lock, wait_until
 from tests.test_flow_control import register_gated
+from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import clock, store
 from workflows_app.models import HistoryRecord, Instance
@@ -300,3 +301,32 @@ def test_a_new_instance_of_a_free_key_is_not_held_back_by_a_long_queue_of_a_busy
         f"the free key's instance is {row.status!r} ({row.waiting_reason!r}); "
         "no instance of its key is active"
     )
+
+
+def test_a_key_at_its_bound_keeps_no_past_start_time_the_scan_passed_over(registered):
+    """One place a key, one start in 10 s. 150 instances of one key wait for the rate
+    window (admit_at set). Once the window opens the scan stops reading the full key's
+    queue after its first page: the others kept their past admit_at, and admit_due (with
+    the workflow's lock) was due again at once, every 20 ms, until a place of the key
+    freed. They now wait for the place, with no time."""
+    from workflows_app.engine import clock, registry
+    from workflows_app.engine.store import control
+
+    register_gated(
+        "key-skip", max_concurrent_per_key=1, rate_limit={"limit": 1, "period": "10 seconds"}
+    )
+    wf = get_workflow("key-skip")
+    with testing.fake_clock() as fake:
+        wf.create(id="other", concurrency_key="x")  # takes the rate window
+        for first in (0, 100):  # two batches: max_batch_size is 100
+            wf.create_batch(
+                [{"id": f"k{n}", "concurrency_key": "K"} for n in range(first, first + 75)]
+            )
+        queued = Instance.objects.filter(workflow="key-skip", status="queued")
+        assert queued.filter(admit_at__isnull=False).count() == 150
+        fake.advance("11 seconds")
+        limits = [("key-skip", registry.limits_for("key-skip", 1))]
+        started, _ = control.admit_due(limits)
+        assert len(started) == 1  # K's one place
+        assert not queued.filter(admit_at__lte=clock.now()).exists()
+        assert control.admit_due(limits) == ([], None)

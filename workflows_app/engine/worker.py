@@ -338,13 +338,14 @@ class GroupCommit:
             self._settle(batch, results)
 
     async def _flush_one_by_one(self, batch: list[tuple[Any, asyncio.Future[Any]]]) -> None:
-        for one in batch:
+        for index, one in enumerate(batch):
             try:
                 results = await self.db(store.write_steps, [one[0]])
+            except asyncio.CancelledError as exc:
+                self._fail(batch[index:], exc)  # the rest too: nobody else will settle them
+                raise
             except BaseException as exc:
                 self._fail([one], exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
                 continue
             self._settle([one], results)
 

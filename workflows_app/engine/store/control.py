@@ -343,6 +343,8 @@ class _Decided:
             break
         self.cut_short = self.stopped_early or scanned >= ADMISSION_SCAN
         self.full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
+        # Keys whose queue the scan stopped reading, with why their instances wait.
+        self.skipped = {key: admission.key_full(key) for key in at_bound}
         if undecided:  # new instances not reached (a full queue, a key at its bound): why
             keys = dict(
                 Instance.objects.filter(id__in=undecided).values_list("id", "concurrency_key")
@@ -371,6 +373,12 @@ class _Decided:
             _queued(self.name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
                 admit_at=None, waiting_reason=self.full
             )
+        for key, reason in self.skipped.items():
+            # The same for the instances of a key the scan passed over once it was full:
+            # they wait for one of its places, which a run's end of that key frees.
+            _queued(self.name).filter(concurrency_key=key, admit_at__lte=now).exclude(
+                id__in=admitted
+            ).update(admit_at=None, waiting_reason=reason)
         if admitted:
             Instance.objects.filter(id__in=admitted).update(
                 status=Status.RUNNING,
