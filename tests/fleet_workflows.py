@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from django.db import connection
+from django.db import connection, transaction
 
 from workflows_app.engine import WorkflowEntrypoint, current_step, register
 
@@ -88,6 +88,13 @@ def record_two_phase() -> int:
             [ctx.instance_id, ctx.step_name, os.getpid(), started],
         )
     if os.environ.get("FLEET_SELF_STOP") == "1":
+        if connection.vendor == "sqlite":
+            # Not while the engine's database thread is in a write transaction: frozen,
+            # it would hold SQLite's one write lock and no other process could write. A
+            # transaction of our own (IMMEDIATE) waits for it to end; the stop follows at
+            # once, before a waiting writer's busy handler looks again (a millisecond).
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(float(os.environ.get("FLEET_STEP_SECONDS", "0.002")))
     with connection.cursor() as cursor:
