@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, connection, connections, transaction
-from django.db.models import Count, Min, Q
+from django.db.models import Case, Count, Min, Q, Value, When
 
 from ...models import (
     HistoryRecord,
@@ -373,12 +373,14 @@ class _Decided:
             _queued(self.name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
                 admit_at=None, waiting_reason=self.full
             )
-        for key, reason in self.skipped.items():
+        if self.skipped:
             # The same for the instances of a key the scan passed over once it was full:
-            # they wait for one of its places, which a run's end of that key frees.
-            _queued(self.name).filter(concurrency_key=key, admit_at__lte=now).exclude(
-                id__in=admitted
-            ).update(admit_at=None, waiting_reason=reason)
+            # they wait for one of its places, which a run's end of that key frees. One
+            # statement for every such key, each with its reason.
+            reasons = [When(concurrency_key=k, then=Value(r)) for k, r in self.skipped.items()]
+            _queued(self.name).filter(
+                concurrency_key__in=list(self.skipped), admit_at__lte=now
+            ).exclude(id__in=admitted).update(admit_at=None, waiting_reason=Case(*reasons))
         if admitted:
             Instance.objects.filter(id__in=admitted).update(
                 status=Status.RUNNING,
