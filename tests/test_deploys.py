@@ -293,3 +293,37 @@ def test_a_new_worker_leaves_an_in_flight_old_version_to_the_live_old_worker(
             assert inst.status().output == "v1 code" and ran == ["v1"]
         finally:
             loop_thread.call(old.stop(grace_seconds=0))
+
+
+def test_an_idle_worker_waits_out_another_version_s_grace_instead_of_polling(
+    registered, loop_thread
+):
+    """A serving worker whose only due instance is another version's cannot claim it for
+    FOREIGN_VERSION_GRACE. Its idle wait runs until the grace ends (it looked again every
+    CONTENDED_WAIT_SECONDS, 500 claims in the 10 s), then it takes and parks the instance."""
+    define_mixed(1)
+    define_mixed(2)
+    with testing.fake_clock() as clock:
+        inst = get_workflow("deploy-mixed").create(id="theirs")
+        registry.unregister("deploy-mixed", 2)  # an old worker's process: v1 only
+        worker = new_worker(concurrency=4, poll_seconds=3600)
+        stop = asyncio.Event()
+        serving = loop_thread.spawn(worker.serve(stop))
+        try:
+            grace_ends = inst.row().wake_at + store.leases.FOREIGN_VERSION_GRACE
+
+            def idle_until(at: Any) -> bool:
+                waiting_until = worker._waiting_until
+                return waiting_until is not None and not worker.tasks and waiting_until >= at
+
+            wait_until(lambda: idle_until(grace_ends), 20, "the idle wait to last the grace")
+            assert inst.row().lease_token is None
+            clock.advance(store.leases.FOREIGN_VERSION_GRACE)
+            wait_until(
+                lambda: "not registered" in inst.status().waiting_reason,
+                20,
+                "the worker to take and park the instance after the grace",
+            )
+        finally:
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+            serving.result(30)

@@ -1013,9 +1013,7 @@ class Worker:
                 if due is not None:
                     timeout = max(0.0, min(timeout, (due - clock.now()).total_seconds()))
                     if timeout == 0.0 and not started:
-                        # Due but not claimable (another worker is committing its claim):
-                        # look again soon rather than spin on the same answer.
-                        timeout = CONTENDED_WAIT_SECONDS
+                        timeout = await self._contended_wait()
                 self.flush_in_background(force=not self.tasks)  # going idle: store what is queued
                 waiters = [asyncio.ensure_future(self._wake.wait())]
                 if stop is not None:
@@ -1032,6 +1030,21 @@ class Worker:
                 self._heartbeat.cancel()  # stop() ended it once the runs had (then a no-op)
             if listener is not None:
                 await asyncio.get_running_loop().run_in_executor(None, listener.stop)
+
+    async def _contended_wait(self) -> float:
+        """Seconds to wait when a timer is due but the claim took nothing. Another worker
+        committing its claim: look again soon rather than spin on the same answer. Only
+        another version's instances due, in their grace: wait until it ends."""
+        versions = [(d.name, d.version) for d in registry.all_definitions()]
+        try:
+            claimable = await self.db(store.next_claimable_at, versions)
+        except DatabaseError:
+            log.warning("could not read the next claimable time", exc_info=True)
+            claimable = None
+        if claimable is None:
+            return CONTENDED_WAIT_SECONDS
+        seconds = (claimable - clock.now()).total_seconds()
+        return min(self.poll_seconds, max(CONTENDED_WAIT_SECONDS, seconds))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from django.db import DatabaseError, connection, transaction
+from django.db.models import Min, Q
 
 from ...models import (
     InboxEvent,
@@ -656,3 +657,21 @@ def next_wake_at() -> datetime | None:
         cursor.execute(NEXT_WAKE_SQL)
         (found,) = cursor.fetchone()
     return from_db_time(found)
+
+
+def next_claimable_at(versions: Collection[tuple[str, int]]) -> datetime | None:
+    """When this worker's claim can next take something: the earliest timer of its own
+    versions, or another version's plus FOREIGN_VERSION_GRACE. Asked only when a timer is
+    due but the claim took nothing, so a worker whose only due instances are another
+    version's waits out the grace instead of looking every CONTENDED_WAIT_SECONDS."""
+    own = Q(pk__in=[])  # matches nothing: a worker with no versions owns no instance
+    for name, version in versions:
+        own |= Q(workflow=name, version=version)
+    for prefix in registry.resolved_prefixes():
+        own |= Q(workflow__startswith=prefix)
+    unleased = Instance.objects.filter(wake_at__isnull=False, lease_token__isnull=True)
+    mine = unleased.filter(own).aggregate(at=Min("wake_at"))["at"]
+    theirs = unleased.exclude(own).aggregate(at=Min("wake_at"))["at"]
+    if theirs is not None:
+        theirs += FOREIGN_VERSION_GRACE
+    return min((at for at in (mine, theirs) if at is not None), default=None)
