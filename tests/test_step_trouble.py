@@ -465,3 +465,36 @@ def test_an_event_sent_after_the_wait_timed_out_does_not_satisfy_it(registered):
         inst.send_event("approval", {"ok": True})
         run_engine(timeout=10)
     assert inst.status().output == {"error": "EventTimeout"}, (timeout_at, inst.status().output)
+
+
+# --- 10. an async step that swallows its cancellation ---------------------------------------
+
+
+def test_an_async_step_that_swallows_its_cancellation_is_held_to_its_timeout(registered):
+    """The attempt's deadline cancels an async step; one that catches the CancelledError
+    and goes on waiting ran on past its timeout, its late result taken as the step's (one
+    that always swallowed it held the run, and the worker's place, for ever). The attempt
+    now times out at its deadline, and the coroutine goes on by itself, abandoned."""
+
+    async def stubborn():
+        calls["attempts"] += 1
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            calls["swallowed"] += 1
+        await asyncio.sleep(0.5)
+        return "finished late"
+
+    @register("swallows-cancel")
+    class SwallowsCancel(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                return await step.do("stubborn", stubborn, retries={"limit": 0}, timeout="200 ms")
+            except Exception as exc:
+                return {"error": str(exc)}
+
+    inst = get_workflow("swallows-cancel").create()
+    assert run_engine(timeout=20) == "idle"
+    output = inst.status().output
+    assert output == {"error": 'step "stubborn" attempt 1 timed out after 200 ms'}, output
+    assert calls == Counter(attempts=1, swallowed=1)

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import inspect
 import json
+import logging
 import re
 import threading
 import traceback
@@ -61,6 +62,8 @@ from .store import History, NewInstance, new_model_object
 
 if TYPE_CHECKING:
     from .runner import Run
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,27 @@ async def await_returned(
         _current_step.reset(token)
 
 
+_abandoned: set[asyncio.Task[Any]] = set()  # held: the loop keeps only weak references
+
+
+def _abandon(rest: _Resumed) -> None:
+    """Let a step coroutine that ignored its cancellation run on by itself; its end (a
+    result, or an error) is logged, never used."""
+    task = asyncio.get_running_loop().create_task(_run_on(rest))
+    _abandoned.add(task)
+    task.add_done_callback(_abandoned_ended)
+
+
+async def _run_on(rest: _Resumed) -> Any:
+    return await rest
+
+
+def _abandoned_ended(task: asyncio.Task[Any]) -> None:
+    _abandoned.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.info("an abandoned step coroutine ended with an error", exc_info=task.exception())
+
+
 class _Resumed:
     """A coroutine already run to its first suspension, awaited for the rest: what
     `yield from` does, from the value it yielded first (sends, throws and close pass on)."""
@@ -259,6 +283,12 @@ class _Resumed:
                     value = coroutine.throw(exc)
                 except StopIteration as returned:
                     return returned.value
+                if isinstance(exc, asyncio.CancelledError):
+                    # It swallowed the cancellation (its timeout's, or the run's) and waits
+                    # on: it goes on in a task of its own, abandoned as a timed-out sync
+                    # step's thread is, and this attempt ends cancelled all the same.
+                    _abandon(_Resumed(coroutine, value))
+                    raise
             else:
                 try:
                     value = coroutine.send(sent)
