@@ -355,3 +355,44 @@ def test_a_declared_schedule_whose_workflow_left_the_code_can_be_removed(registe
             schedules.get("retired:0").delete()
         except InvalidInput as exc:
             pytest.fail(f"orphan declared schedule {left} stays and cannot be deleted: {exc}")
+
+
+def test_workflows_whose_names_share_a_slug_keep_a_declared_schedule_each(registered):
+    """declared_name cut a workflow name to a 70-character slug: "billing/monthly" and
+    "billing-monthly", or two long names alike in their first 70 characters, shared one
+    schedule row, and each worker start gave it to the workflow synced last."""
+    long = "com.example.billing.workflows.monthly_invoice_generation_for_enterprise_"
+    names = ["billing/monthly", "billing-monthly", long + "customers", long + "partners"]
+    for i, name in enumerate(names):
+        register_report(name, [f"{i} 3 * * *"])
+    testing.run_until_idle()
+    for i, name in enumerate(names):
+        [declared] = schedules.list(workflow=name)
+        assert (declared.cron, declared.declared) == (f"{i} 3 * * *", True), name
+        assert len(declared.name) <= 80
+    assert schedules.get("billing-monthly:0").workflow == "billing-monthly"  # a slug as it is
+
+
+def test_a_declared_schedule_under_its_unhashed_name_is_renamed_keeping_its_state(registered):
+    """A row an earlier release made for an odd name ("nightly report:0" → "nightly-report:0")
+    is renamed to the hashed name, paused state and started instances with it: not
+    deleted and made again (which loses a pause and the schedule's history)."""
+    with testing.fake_clock(START):
+        store.schedules.create_schedule(
+            "nightly-report:0",
+            "nightly report",
+            "0 3 * * *",
+            "UTC",
+            "null",
+            "code",
+            declared=True,
+        )
+        Schedule.objects.filter(name="nightly-report:0").update(paused=True, next_run_at=None)
+        register_report("nightly report", ["0 3 * * *"])
+        started_before = get_workflow("nightly report").create(id="from-the-old-row")
+        Instance.objects.filter(pk=started_before.row().pk).update(schedule="nightly-report:0")
+        testing.run_until_idle()
+    [renamed] = schedules.list(workflow="nightly report")
+    assert renamed.name == store.schedules.declared_name("nightly report", 0) != "nightly-report:0"
+    assert renamed.paused and Schedule.objects.count() == 1
+    assert [i.instance_id for i in schedules.get(renamed.name).instances()] == ["from-the-old-row"]

@@ -231,10 +231,44 @@ def trigger(name: str, target: Target, actor: str = "") -> Instance:
     return instance
 
 
+DECLARED_SLUG_LENGTH = 70  # of a schedule name's 80 characters, with ":<n>"
+
+
 def declared_name(workflow: str, position: int) -> str:
-    """`<workflow>:<n>` for the n-th cron of register(schedules=[...]), as a schedule name."""
-    slug = re.sub(r"[^A-Za-z0-9_.-]", "-", workflow)[:70] or "workflow"
+    """`<workflow>:<n>` for the n-th cron of register(schedules=[...]), as a schedule name.
+    A workflow name that is not a slug as it stands (other characters, or too long) gets a
+    hash of itself: "a/b" and "a-b", or two long names alike in their first 70
+    characters, would otherwise share (and take turns rewriting) one schedule."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "-", workflow)
+    if slug != workflow or len(slug) > DECLARED_SLUG_LENGTH:
+        digest = hashlib.sha256(workflow.encode()).hexdigest()[:8]
+        slug = f"{slug[: DECLARED_SLUG_LENGTH - 9]}~{digest}"
     return f"{slug}:{position}"
+
+
+def _unhashed_declared_name(workflow: str, position: int) -> str:
+    """declared_name before it hashed odd names: such rows are renamed, keeping their state."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "-", workflow)[:DECLARED_SLUG_LENGTH] or "workflow"
+    return f"{slug}:{position}"
+
+
+def _rename_unhashed(workflow: str, position: int, name: str) -> Schedule | None:
+    """This workflow's row under its unhashed name, renamed to `name` with the instances
+    it started (its pause, next tick and last instance go with it)."""
+    old = _unhashed_declared_name(workflow, position)
+    if old == name:
+        return None
+    row = (
+        Schedule.objects.select_for_update()
+        .filter(name=old, workflow=workflow, declared=True)
+        .first()
+    )
+    if row is None:
+        return None
+    row.name = name
+    row.save(update_fields=["name"])
+    Instance.objects.filter(schedule=old, workflow=workflow).update(schedule=name)
+    return row
 
 
 @retry_while_locked
@@ -260,6 +294,11 @@ def sync_declared(declared: Sequence[tuple[str, Sequence[str]]]) -> None:
                     name__in=list(wanted), declared=True
                 )
             }
+            for position, name in enumerate(wanted):
+                if name not in existing:
+                    renamed = _rename_unhashed(workflow, position, name)
+                    if renamed is not None:
+                        existing[name] = renamed
             Schedule.objects.filter(workflow=workflow, declared=True).exclude(
                 name__in=list(wanted)
             ).delete()
