@@ -748,13 +748,16 @@ class InstanceHandle:
 
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""
-        status = store.cancel(self.workflow, self.id, self._limits(), compensate, _actor(actor))
+        status, changed = store.cancel(
+            self.workflow, self.id, self._limits(), compensate, _actor(actor)
+        )
         if status == Status.TERMINATED:
             meters.instance_finished(self.workflow, Status.TERMINATED)
         # "cancel" either way: a worker running the instance stops its run (its step's
         # effect would land after the cancel, unrecorded, and no compensation undo it);
         # the hint wakes a worker to run the compensations as well.
-        _after_commit("cancel", self.row(refresh=False).pk, self.workflow)
+        if changed:
+            _after_commit("cancel", self.row(refresh=False).pk, self.workflow)
         return status
 
     def delete(self, actor: Any = None) -> None:

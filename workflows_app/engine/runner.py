@@ -62,7 +62,7 @@ from .store import History, LeaseLost
 log = logging.getLogger("workflows_app.engine")
 
 DbCall = Callable[..., Awaitable[Any]]
-QUIESCENCE_TICKS = 10
+QUIESCENCE_TICKS = 10  # loop iterations to let sibling branches start before calling a run blocked
 # The latest step asked for in this branch of the workflow: asyncio tasks copy the context,
 # so each gathered branch carries its own from the step before the fork.
 _previous_step: contextvars.ContextVar[str] = contextvars.ContextVar(
@@ -79,8 +79,9 @@ WRITE_RETRY_DELAYS = (
     2.0,
     2.0,
     2.0,
-)  # loop iterations to let sibling branches start before calling a run blocked
-
+)
+# How long a run's end waits for the gathered branches it cancelled to stop.
+BRANCH_STOP_SECONDS = 10.0
 
 EVENT_BATCH = 100  # buffered events read at a time by a wait
 
@@ -115,7 +116,7 @@ class Activity:
         try:
             if run.held is not None or run.landing is not None:
                 await run.land()  # before the pause check: the last checkpoint may carry one
-            if run.holding or (run.compensating and not run.unwinding):
+            if run.holding or ((run.compensating or run.rolling_back) and not run.unwinding):
                 await self.block()
         except BaseException:
             self._leave()
@@ -222,7 +223,14 @@ class Run:
         self.error_message = ""
         self.failure: BaseException | None = None  # compensate_on_failure: the error being unwound
         self.compensating = loaded.instance.compensate_on_cancel
+        # compensate_on_failure, resumed: the instance failed and unwinds; this replay only
+        # fails again the same way, it starts no new work (a sibling branch's next step).
+        self.rolling_back = loaded.instance.status == Status.COMPENSATING and not self.compensating
         self.unwinding = False
+        # The tasks that asked for steps (gathered branches): stopped before the run
+        # unwinds or ends, so none goes on (and completes uncompensated) meanwhile.
+        self.branches: set[asyncio.Task[Any]] = set()
+        self.branches_stopped = False
         self.behind: asyncio.Future[None] | None = None  # see write(behind=True)
         self.held: store.StepWrite | None = None  # see write(hold=True)
         self.landing: asyncio.Future[None] | None = None  # a held checkpoint, sent behind
@@ -330,8 +338,28 @@ class Run:
     def _workflow_ended(self, _: asyncio.Task[Any]) -> None:
         self.changed.set()
 
+    def _stop_branches(self) -> list[asyncio.Task[Any]]:
+        """Cancel the branches still at work once run() has ended (a gathered sibling of a
+        branch that failed): the compensations undo what was checkpointed, and nothing
+        completes behind them. A sync step's thread is told (ctx.cancelled); its result
+        is discarded, as at a terminate. Returns the cancelled tasks, to be awaited (for at
+        most BRANCH_STOP_SECONDS: a branch whose own code swallows the cancellation may go
+        on, but any step it asks for raises RunAborted)."""
+        self.branches_stopped = True
+        for context in self.sync_attempts:
+            context.abandon()
+        current = asyncio.current_task()
+        left = [t for t in self.branches if t is not current and not t.done()]
+        for task in left:
+            task.cancel()
+        self.branches.clear()
+        return left
+
     async def _unwind(self) -> str:
         """Run the compensations of completed steps, newest first, each as a durable step."""
+        stopped = self._stop_branches()
+        if stopped:
+            await asyncio.wait(stopped, timeout=BRANCH_STOP_SECONDS)
         self.unwinding = True
         self.blocked = 0
         self.awaited_types.clear()
@@ -399,6 +427,10 @@ class Run:
             return "aborted"
         if self.fatal is not None:
             exc = self.fatal
+        if not self.unwinding:
+            stopped = self._stop_branches()
+            if stopped:
+                await asyncio.wait(stopped, timeout=BRANCH_STOP_SECONDS)
         if exc is None and self.unwinding and self.failure is not None:
             exc = self.failure
             history_first = [History("compensation.completed", {"reason": "failure"})]
@@ -563,6 +595,11 @@ class Run:
         check_step_name(name, self.limits)
         if kind == StepKind.COMPENSATE:  # the engine's own: undoes the step of that name
             return self.compensation_checkpoints.get(name)
+        if self.branches_stopped:  # a branch that went on after its cancellation
+            raise RunAborted("the run has ended")
+        task = asyncio.current_task()
+        if task is not None:
+            self.branches.add(task)
         if name in self.seen:
             raise DuplicateStepName(
                 f'step name "{name}" is used twice in one execution; step names must be unique'
@@ -778,7 +815,11 @@ class Run:
         """One attempt of a step callable, cancelled (async) or abandoned (sync) at its timeout."""
         context = StepContext(self.instance_id, record.name, record.attempts)
         call = functools.partial(fn, context) if _takes_context(fn) else fn
-        mocked = overrides.step_callable(self.instance_id, record.name, call)
+        mocked = (  # a mock of a step stands for the step, not for its compensation
+            call
+            if record.kind == StepKind.COMPENSATE
+            else overrides.step_callable(self.instance_id, record.name, call)
+        )
         if mocked is not call:
             fn = call = mocked
         timed_out = StepTimeout(

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Case, Count, Min, Q, Value, When
@@ -1059,7 +1059,15 @@ def restart(
             )
             if anchor is None:
                 raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
-            steps = steps.filter(Q(seq__gte=anchor) | ~Q(status=StepStatus.COMPLETE))
+            # A step a compensation undid is done again, wherever it was: its checkpoint
+            # would replay an effect no longer in force.
+            undone = steps.filter(kind=StepKind.COMPENSATE, status=StepStatus.COMPLETE)
+            steps = steps.filter(
+                Q(seq__gte=anchor)
+                | ~Q(status=StepStatus.COMPLETE)
+                | Q(kind=StepKind.COMPENSATE)
+                | Q(kind=StepKind.DO, name__in=list(undone.values_list("name", flat=True)))
+            )
         dropped = steps.count()
         steps.delete()
         # One that held a place keeps it; any other goes through admission with the queue.
@@ -1329,13 +1337,24 @@ def _sent(
     )
 
 
+class Cancelled(NamedTuple):
+    status: str
+    changed: bool  # False: its compensations were running already, and go on undisturbed
+
+
 @retry_while_locked
-def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor: str = "") -> str:
+def cancel(
+    name: str, instance_id: str, limits: Limits, compensate: bool, actor: str = ""
+) -> Cancelled:
     """Cancel: terminate at once, or first run the compensations of completed steps."""
     now = clock.now()
     with transaction.atomic():
         inst = locked_with_parent(name, instance_id)
         lifecycle.after(lifecycle.CANCEL, inst.status, instance_id)
+        if compensate and inst.status == Status.COMPENSATING:
+            # Its compensations run already: taking the lease from the run doing them
+            # would run the one in flight a second time.
+            return Cancelled(Status.COMPENSATING, changed=False)
         compensable = (
             compensate
             and StepRecord.objects.filter(
@@ -1350,7 +1369,7 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
                 inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now
             )
             _terminate_locked([inst], lambda _: limits, actor, "cancelled", now)
-            return Status.TERMINATED
+            return Cancelled(Status.TERMINATED, changed=True)
         # The next run replays to collect the compensations, then runs them newest first;
         # its children end now, as with a terminate.
         _terminate_children(inst, actor, now)
@@ -1363,4 +1382,4 @@ def cancel(name: str, instance_id: str, limits: Limits, compensate: bool, actor:
             **clear_lease(),
         )
         append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
-        return Status.COMPENSATING
+        return Cancelled(Status.COMPENSATING, changed=True)
