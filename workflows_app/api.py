@@ -87,6 +87,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice (json.loads keeps the last)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        keys = [key for key, _ in pairs]
+        twice = next(key for i, key in enumerate(keys) if key in keys[:i])
+        raise ValueError(f"the key {twice!r} is given twice in one object")
+    return obj
+
+
 @dataclass
 class Call:
     """One authenticated API request, as handlers see it."""
@@ -119,7 +129,11 @@ class Call:
                 ) from None
             try:
                 self._body = (
-                    json.loads(text, parse_constant=_reject_constant) if text.strip() else None
+                    json.loads(
+                        text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys
+                    )
+                    if text.strip()
+                    else None
                 )
             except (ValueError, RecursionError) as exc:
                 raise ApiError(
@@ -215,6 +229,9 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
     def answer(request: HttpRequest, kwargs: dict[str, Any]) -> HttpResponse:
         try:
             token = authorize(request, kwargs.get("name"))
+            for key, value in kwargs.items():
+                if isinstance(value, str) and "\x00" in value:  # PostgreSQL refuses the query
+                    raise ApiError(404, "NotFound", f"no {key} contains a NUL character")
             handler = methods.get("GET" if request.method == "HEAD" else request.method or "")
             if handler is None:
                 response = fail(
@@ -270,6 +287,11 @@ def list_instances(call: Call, name: str) -> JsonResponse:
             400,
             "InvalidInput",
             f"unknown query parameter(s) {unknown}; allowed: {', '.join(LIST_PARAMETERS)}",
+        )
+    repeated = sorted(k for k in LIST_PARAMETERS[:-1] if len(query.getlist(k)) > 1)
+    if repeated:
+        raise ApiError(
+            400, "InvalidInput", f"{', '.join(repeated)} given more than once; give each once"
         )
     limit_text = query.get("limit", "50")
     if not LIMIT_PATTERN.fullmatch(limit_text):  # the range is the client's to check
@@ -638,6 +660,8 @@ def open_subscription(request: HttpRequest, name: str, instance_id: str) -> tupl
         raise ApiError(
             400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor"
         )
+    if "\x00" in name + instance_id:  # PostgreSQL refuses the query
+        raise ApiError(404, "NotFound", "no workflow or instance id contains a NUL character")
     handle = instance(name, instance_id)
     text = request.headers.get("Last-Event-ID") or request.GET.get("cursor", "0")
     if not CURSOR_PATTERN.fullmatch(text) or int(text) > MAX_PK:

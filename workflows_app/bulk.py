@@ -19,8 +19,8 @@ from django.db import DatabaseError, transaction
 from . import live
 from .client import InstanceHandle
 from .codec import open_value
-from .engine import errors, store
-from .models import BulkAction, BulkJob
+from .engine import errors, meters, store
+from .models import BulkAction, BulkJob, Status
 
 log = logging.getLogger("workflows_app.bulk")
 
@@ -87,6 +87,9 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
             terminated = store.terminate_batch(pks, actor)
             for row in terminated:
                 transaction.on_commit(
+                    functools.partial(meters.instance_finished, row.workflow, Status.TERMINATED)
+                )
+                transaction.on_commit(
                     functools.partial(live.instance_changed, "terminate", row.pk, row.workflow)
                 )
             return store.bulk.record_batch(
@@ -109,7 +112,11 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                     skipped += 1
             except DOES_NOT_APPLY:
                 skipped += 1
-            except errors.WorkflowError as exc:
+            except DatabaseError:
+                raise  # the whole batch rolls back and is taken again
+            except Exception as exc:
+                if not isinstance(exc, errors.WorkflowError):
+                    log.exception("bulk job #%s: %s/%s", job.pk, row.workflow, row.instance_id)
                 failures.append(f"{row.workflow}/{row.instance_id}: {exc}")
         return store.bulk.record_batch(job, pks, applied, skipped, failures)
 

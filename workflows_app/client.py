@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import jsonschema
@@ -33,7 +33,14 @@ from .converters import MAX_PK
 from .engine import errors, meters, spans, store
 from .engine.attributes import check_attributes
 from .engine.durations import parse_duration
-from .engine.limits import Limits, check_event_type, check_instance_id, check_size, encode_json
+from .engine.limits import (
+    Limits,
+    check_event_type,
+    check_instance_id,
+    check_size,
+    check_text,
+    encode_json,
+)
 from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
 from .engine.store import NewInstance
@@ -224,6 +231,8 @@ class WorkflowBinding:
                 raise errors.InvalidInput(
                     f"idempotency_key must be a string of 1-200 characters, got {key!r}"
                 )
+            if key is not None:
+                check_text(key, "idempotency_key")
             success_ms, error_ms = parse_retention(item.get("retention"))
             new.append(
                 NewInstance(
@@ -337,7 +346,14 @@ class WorkflowBinding:
             if bound is not None:
                 if not isinstance(bound, datetime) or bound.tzinfo is None:
                     raise errors.InvalidInput(f"{name} must be an aware datetime, got {bound!r}")
-                query = query.filter(**{lookup: bound})
+                try:  # one instant both databases take (PostgreSQL: offsets to 15:59 only)
+                    in_utc = bound.astimezone(UTC)
+                except OverflowError:
+                    raise errors.InvalidInput(
+                        f"{name} {bound.isoformat()} is out of range: in UTC it falls "
+                        "outside the years 1 to 9999"
+                    ) from None
+                query = query.filter(**{lookup: in_utc})
         return store.filter_attributes(query, check_attributes(attributes, "attribute filter"))
 
     async def alist(self, *args: Any, **kwargs: Any) -> Page:
@@ -436,6 +452,8 @@ class WorkflowBinding:
         if action == BulkAction.RESTART:
             if from_step is not None and (not isinstance(from_step, str) or not from_step):
                 raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")
+            if from_step is not None:
+                check_text(from_step, "from_step")
             return {"from_step": from_step} if from_step else {}
         if action == BulkAction.CANCEL:
             if not isinstance(compensate, bool):
@@ -492,7 +510,7 @@ def _key(item: dict[str, Any], field: str) -> str | None:
     value = item.get(field)
     if value is not None and (not isinstance(value, str) or not value or len(value) > 200):
         raise errors.InvalidInput(f"{field} must be a string of 1-200 characters, got {value!r}")
-    return value
+    return value if value is None else check_text(value, field)
 
 
 def flow_control(item: dict[str, Any], limits: Limits) -> dict[str, Any]:
@@ -706,6 +724,8 @@ class InstanceHandle:
         return done
 
     def restart(self, from_step: str | None = None, actor: Any = None) -> str:
+        if from_step is not None:
+            check_text(from_step, "from_step")
         status = store.restart(self.workflow, self.id, self._limits(), from_step, _actor(actor))
         _after_commit("restart", self.row(refresh=False).pk, self.workflow)
         return status

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from .errors import InvalidInput, LimitExceeded
+from .limits import check_text
 
 KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")
 MAX_ATTRIBUTES = 32  # keys per instance
@@ -42,6 +43,7 @@ def check_value(key: str, value: object) -> Scalar:
             raise InvalidInput(f"attribute {key!r}: {value} is not a finite number")
         return value
     if isinstance(value, str):
+        check_text(value, f"attribute {key!r}")
         if len(value) > MAX_VALUE_CHARS:
             raise LimitExceeded(
                 "max attribute value length", len(value), MAX_VALUE_CHARS, f"attribute {key!r}"

@@ -234,6 +234,20 @@ def check_size(text: str, limit_name: str, maximum: int, what: str) -> None:
         raise SizeLimitExceeded(limit_name, f"{size} bytes", f"{maximum} bytes", what)
 
 
+def check_text(value: str, what: str) -> str:
+    """Text both databases store: valid Unicode (no lone surrogate, as a JSON escape
+    like \\ud800 or a non-UTF-8 argv byte gives) and no NUL (PostgreSQL refuses it)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            f"{what} is not valid Unicode text: {exc.reason} at position {exc.start}"
+        ) from None
+    if "\x00" in value:
+        raise InvalidInput(f"{what} contains a NUL character at position {value.index(chr(0))}")
+    return value
+
+
 def check_event_type(event_type: object) -> str:
     if not isinstance(event_type, str) or not EVENT_TYPE_PATTERN.match(event_type):
         raise InvalidEventType(

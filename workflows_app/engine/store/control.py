@@ -575,6 +575,9 @@ def _create_instances(
     ids = [i.instance_id for i in fresh]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a batch names the same instance id twice")
+    keys = [i.idempotency_key for i in fresh if i.idempotency_key]
+    if len(set(keys)) != len(keys):
+        raise InvalidInput("a batch names the same idempotency_key twice")
     debounce_keys = [i.debounce_key for i in fresh if i.debounce_key is not None]
     if len(set(debounce_keys)) != len(debounce_keys):
         raise InvalidInput("a batch names the same debounce_key twice")

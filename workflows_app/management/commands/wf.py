@@ -452,6 +452,11 @@ class Command(BaseCommand):
             raise CommandError(
                 "--id and --idempotency-key name one instance; leave them out with --count"
             )
+        if opts.debounce_key or opts.debounce:
+            raise CommandError(
+                "--debounce-key and --debounce keep one pending instance; leave them out with --count"
+            )
+        attributes = parse_attr_options(opts.attr)
         binding = surfaces.binding(opts.workflow)
         per_batch = min(START_BATCH, binding.definition(opts.version).limits().max_batch_size)
         ids: list[str] = []
@@ -459,7 +464,7 @@ class Command(BaseCommand):
             for start in range(0, opts.count, per_batch):
                 size = min(per_batch, opts.count - start)
                 item = {"params": params, "priority": opts.priority}
-                item.update(concurrency_key=opts.concurrency_key)
+                item.update(concurrency_key=opts.concurrency_key, attributes=attributes)
                 handles = binding.create_batch(
                     [dict(item) for _ in range(size)], actor="cli", version=opts.version
                 )
