@@ -227,6 +227,7 @@ class Run:
         # fails again the same way, it starts no new work (a sibling branch's next step).
         self.rolling_back = loaded.instance.status == Status.COMPENSATING and not self.compensating
         self.unwinding = False
+        self.main_context: contextvars.Context | None = None  # run()'s task's, once started
         # The tasks that asked for steps (gathered branches): stopped before the run
         # unwinds or ends, so none goes on (and completes uncompensated) meanwhile.
         self.branches: set[asyncio.Task[Any]] = set()
@@ -290,6 +291,7 @@ class Run:
         ctx = contextvars.copy_context()
         ctx.run(otel_context.attach, trace.set_span_in_context(self.span))
         ctx.run(_previous_step.set, "")
+        self.main_context = ctx  # its _previous_step: the main branch's last step
         self.task = asyncio.get_running_loop().create_task(
             self.definition.start(inst.instance_id, event, Step(self)), context=ctx
         )
@@ -445,6 +447,8 @@ class Run:
                 ],
             )
             return Status.TERMINATED if ok else "aborted"
+        if exc is None and not self.unwinding:
+            exc = self._skipped_at_the_end()
         if exc is None:
             try:
                 output_json = seal(
@@ -649,6 +653,20 @@ class Run:
                 "(register a new version instead)"
             )
             raise self.fatal
+
+    def _skipped_at_the_end(self) -> NonDeterminismError | None:
+        """A workflow that returns after its last step where a checkpoint followed that
+        step: the steps it was at were removed under the instance (not a new version)."""
+        context = self.main_context
+        last = context.get(_previous_step, "") if context is not None else ""
+        skipped = next((r for r in self.successors.get(last, ()) if r.name not in self.seen), None)
+        if skipped is None:
+            return None
+        return NonDeterminismError(
+            f"the workflow now returns after {_step_label(last)}, where it checkpointed "
+            f'{skipped.kind} step "{skipped.name}": steps were renamed, added, removed or '
+            "reordered under a running instance (register a new version instead)"
+        )
 
     def span_attributes(self, name: str, kind: str) -> dict[str, Any]:
         return {

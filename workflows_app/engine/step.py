@@ -690,6 +690,16 @@ class Step:
             # Read after the waiting checkpoint is stored: a child finishing later finds
             # that step and wakes this instance; one that finished before is seen here.
             child = await run.db(store.child_of, run.pk, name)
+            if (
+                child is not None
+                and child.status not in FINISHED_STATUSES
+                and record.wake_at is not None
+            ):
+                # A child's end woke this step, and the child runs again since (restarted):
+                # clear the wake time park reads, then look again (it may have ended since).
+                record.wake_at = None
+                await run.write(record, [])
+                child = await run.db(store.child_of, run.pk, name)
             if child is not None and child.status not in FINISHED_STATUSES:
                 await activity.block()
             return await self._child_finished(record, child, workflow)
@@ -792,7 +802,7 @@ class Step:
             spans.finished_span(
                 run.span, f"invoke {name}", record.started_at, record.completed_at, attributes
             )
-            return json.loads(record.output_json)
+            return json.loads(unseal(record.output_json) or "null")  # sealed by a payload codec
         if child is None:
             error = ChildWorkflowFailed(
                 workflow, "", "InstanceNotFound", "the child instance no longer exists"

@@ -1072,6 +1072,11 @@ def restart(
                 | Q(kind=StepKind.DO, name__in=list(undone.values_list("name", flat=True)))
             )
         dropped = steps.count()
+        child_steps = set(
+            steps.filter(kind__in=(StepKind.INVOKE, StepKind.START_CHILD)).values_list(
+                "name", flat=True
+            )
+        )
         steps.delete()
         # One that held a place keeps it; any other goes through admission with the queue.
         keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
@@ -1107,7 +1112,37 @@ def restart(
         if not keeps_place:
             lock_workflow(name)
         admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
+        _restart_children_it_ended(inst, child_steps, actor)
     return Status.RUNNING if admitted else Status.QUEUED
+
+
+def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: str) -> None:
+    """The children of the dropped steps that the parent's own terminate or cancel ended
+    (its child.terminated records) run again with it: the replay finds them by step, and
+    would otherwise fail at once on a child its terminate killed (or go on without a
+    started one). A child that failed or was terminated on its own is found as it is."""
+    if not steps:
+        return
+    ended = {
+        data.get("id")
+        for data in HistoryRecord.objects.filter(
+            instance_id=parent.pk, type="child.terminated"
+        ).values_list("data", flat=True)
+        if isinstance(data, dict)
+    }
+    children = Instance.objects.filter(
+        parent_id=parent.pk, parent_step__in=list(steps), status=Status.TERMINATED
+    ).order_by("id")
+    revived = [child for child in children if child.instance_id in ended]
+    for child in revived:
+        restart(
+            child.workflow,
+            child.instance_id,
+            limits_for(child.workflow, child.version),
+            None,
+            actor,
+        )
+    hint_workers("restart", [child.pk for child in revived])
 
 
 @retry_while_locked
