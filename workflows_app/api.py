@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -640,6 +641,25 @@ SSE_RETRY_MS = 2000  # how soon an EventSource reconnects (with Last-Event-ID) a
 CURSOR_PATTERN = re.compile(r"[0-9]{1,19}")
 
 
+SSE_RECHECK_SECONDS = 1.0  # a stream re-checks its token or session at most this often
+
+
+def subscription_credentials(request: HttpRequest, name: str) -> Callable[[], bool]:
+    """Whether the stream's credentials still hold, read afresh: the same token (not
+    revoked, not expired, its user and issuer still allowed) or the same session."""
+    secret = bearer_secret(request)
+    if secret:
+
+        def token_holds() -> bool:
+            token = tokens.authenticate(secret)
+            return token is not None and not tokens.refusal(token, write=False, workflow=name)
+
+        return token_holds
+    session_key = getattr(request.session, "session_key", None)
+    user_pk = request.user.pk
+    return lambda: access.session_may_view(session_key, user_pk)
+
+
 def open_subscription(request: HttpRequest, name: str, instance_id: str) -> tuple[Any, int]:
     """Authorise a history stream and find where it starts.
 
@@ -681,24 +701,41 @@ async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpRe
         handle, cursor = await sync_to_async(open_subscription)(request, name, instance_id)
     except (ApiError, errors.WorkflowError) as exc:
         return uncached(refusal(exc))
+    allowed = await sync_to_async(subscription_credentials)(request, name)
     response = StreamingHttpResponse(
-        history_events(handle, cursor), content_type="text/event-stream"
+        history_events(handle, cursor, allowed), content_type="text/event-stream"
     )
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     return uncached(response)
 
 
-async def history_events(handle: InstanceHandle, cursor: int) -> AsyncIterator[str]:
+async def history_events(
+    handle: InstanceHandle, cursor: int, allowed: Callable[[], bool] | None = None
+) -> AsyncIterator[str]:
     """SSE text: one `message` per history record, heartbeat comments while none comes,
-    and an `end` event after the last record of a finished instance."""
+    and an `end` event after the last record of a finished instance. Ends (`event: end`
+    with a reason) once its credentials no longer hold, checked at most every
+    SSE_RECHECK_SECONDS, before a record is sent."""
     yield f"retry: {SSE_RETRY_MS}\n: history of {handle.workflow}/{handle.id} after {cursor}\n\n"
     records = handle.asubscribe(cursor)
     pending: asyncio.Future[Any] | None = None
+    checked = time.monotonic()
+
+    async def still_allowed() -> bool:
+        nonlocal checked
+        if allowed is None or time.monotonic() - checked < SSE_RECHECK_SECONDS:
+            return True
+        checked = time.monotonic()
+        return await sync_to_async(allowed)()
+
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(records))
             done, _ = await asyncio.wait({pending}, timeout=SSE_HEARTBEAT_SECONDS)
+            if not await still_allowed():
+                yield 'event: end\ndata: {"reason": "credentials no longer valid"}\n\n'
+                return
             if not done:
                 yield ": heartbeat\n\n"
                 continue

@@ -72,10 +72,18 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         user = self.scope.get("user")
         self.session_key = getattr(self.scope.get("session"), "session_key", None)
-        if not self.session_key or not await database_sync_to_async(access.may_view)(user):
+        if not self.session_key or not getattr(user, "is_authenticated", False):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         self.user_pk = user.pk
+        # Joined before the access check: a logout or a permission change announced from
+        # now on reaches this socket (wf_logout / wf_access run once connect returns).
+        self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
+        for group in self.groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+        if not await database_sync_to_async(access.may_view)(user):
+            await self.close(code=CLOSE_FORBIDDEN)
+            return
         self.backlog = []
         self.hub = fanout.hub()
         # Subscribed before the snapshot is read: nothing that changes after it is missed.
@@ -85,9 +93,6 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.leave_hub()
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
-        for group in self.groups:
-            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         await self.send_snapshot(snapshot, seq)
         self.recheck_task = asyncio.ensure_future(self.recheck_periodically())

@@ -39,6 +39,7 @@ CHART_MINUTES = 60  # the overview chart and "last hour" figures cover this wind
 CHART_BUCKET_MINUTES = 5
 CHART_HEIGHT = 30  # SVG user units; the chart's viewBox is 100 x CHART_HEIGHT
 LARGE_OUTPUT_CHARS = 160  # step outputs longer than this start collapsed
+HISTORY_ON_PAGE = 500  # newest history records on an instance page (the rest: API, `wf history`)
 
 # Which actions apply to which status; the detail page shows a button only when it applies.
 LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
@@ -914,7 +915,9 @@ def instance_detail(pk: int) -> InstanceDetail:
         for s in steps
         if s.record.kind == StepKind.WAIT_FOR_EVENT and s.record.status == StepStatus.WAITING
     ]
-    history = list(HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence"))
+    history = list(
+        HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence")[:HISTORY_ON_PAGE]
+    )
     stored = list(Span.objects.filter(instance_id=pk).order_by("start_time"))
     now = clock.now()
     records = [s.record for s in steps]

@@ -17,7 +17,7 @@ from typing import Any
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from .dashboard import CHART_HEIGHT, bar_chart, chart_peak, time_axis
+from .dashboard import CHART_HEIGHT, STEP_CUT_SHORT, bar_chart, chart_peak, time_axis
 from .models import Instance, Status, StepKind, StepRecord, StepStatus
 
 MAX_SAMPLES = 10_000  # rows read for the percentiles of one window (instances; steps)
@@ -213,7 +213,10 @@ def metrics_page(window_key: str, now: datetime | None = None) -> MetricsPage:
         if ms is not None:
             workflow(name).durations.samples.append(ms)
 
-    steps = StepRecord.objects.filter(completed_at__gte=since, kind=StepKind.DO)
+    # A step its instance's end cut short (terminate, cancel) neither finished nor failed.
+    steps = StepRecord.objects.filter(completed_at__gte=since, kind=StepKind.DO).exclude(
+        status=StepStatus.FAILED, last_error_name=STEP_CUT_SHORT
+    )
     for row in (
         steps.values("instance__workflow", "name")
         .annotate(n=Count("id"), failed=Count("id", filter=Q(status=StepStatus.FAILED)))

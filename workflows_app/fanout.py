@@ -165,6 +165,9 @@ class Hub:
         self.streams: dict[str, set[Subscriber]] = {}
         self.seqs: dict[str, int] = {}
         self.dirty: dict[int, str | None] = {}  # pk -> the latest kind of change
+        # pk -> its workflow, as the engine's message named it: a deleted instance's card
+        # is read again although its row is gone
+        self.workflow_of: dict[int, str] = {}
         self.relayed: set[int] = set()  # pks whose pages were sent a step since their read
         self.dirty_workflows: set[str] = set()
         # pk -> (summary as sent, history_seq): a change already pushed is not pushed again
@@ -252,8 +255,10 @@ class Hub:
             # The default prefix: channels_redis receives every process-local channel of a
             # layer through one Redis key, named by it.
             self.channel = await layer.new_channel()
-            if live.is_in_process(layer):  # a message is a call here: take every change's
-                await self.join(live.OVERVIEW_GROUP)
+            # In process a message is a call: take every change's. Across processes the
+            # group carries deletions only (the tail finds every other change).
+            await self.join(live.OVERVIEW_GROUP)
+            if live.is_in_process(layer):
                 self.tail_seconds = TAIL_SECONDS
                 self.hears_every_change = True
             else:
@@ -373,6 +378,8 @@ class Hub:
         if not isinstance(pk, int):
             return
         if kind == "wf.instance":
+            if isinstance(message.get("workflow"), str):
+                self.workflow_of[pk] = message["workflow"]
             self.mark(pk, message.get("kind"))
             return
         if kind == "wf.bulk":
@@ -455,6 +462,7 @@ class Hub:
     async def flush_window(self) -> None:
         dirty, self.dirty = self.dirty, {}
         relayed, self.relayed = self.relayed, set()
+        workflow_of, self.workflow_of = self.workflow_of, {}
         everyone = LIST_STREAM in self.streams or OVERVIEW_STREAM in self.streams
         pks = [pk for pk in dirty if everyone or instance_stream(pk) in self.streams]
         if not pks:
@@ -463,6 +471,12 @@ class Hub:
         rows = await self.read(read_rows, pks)
         for gone in set(pks).difference(row.pk for row in rows):
             self.following.pop(gone, None)  # deleted meanwhile
+            before = self.pushed.pop(gone, None)
+            workflow = workflow_of.get(gone) or (
+                json.loads(before[0])["workflow"] if before else None
+            )
+            if workflow:
+                self.dirty_workflows.add(workflow)  # its card counts one instance fewer
         for row in rows:
             self.follow(row)
             summary = dashboard.instance_summary(row)

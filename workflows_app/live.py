@@ -257,7 +257,8 @@ def no_page_open() -> bool:
 def publish_overview(message: dict[str, Any]) -> None:
     """A change for the dashboard's lists and overview. Only a hub in this process takes
     these: over a cross-process layer the hubs tail the history table instead (see
-    fanout.FAST_TAIL_SECONDS), so nothing is sent where nobody listens."""
+    fanout.FAST_TAIL_SECONDS), so nothing is sent where nobody listens. A deletion goes to
+    every hub (instance_changed): it leaves nothing in the history to tail."""
     if _cross_process_layer() is None:
         publish(OVERVIEW_GROUP, message)
 
@@ -273,7 +274,10 @@ def instance_changed(
     if pk is not None and not no_page_open():
         message = {"type": "wf.instance", "pk": pk, "workflow": workflow, "kind": kind}
         publish(instance_group(pk), message)
-        publish_overview(message)
+        if kind == "deleted":  # it leaves no history row for the hubs' tails to find
+            publish(OVERVIEW_GROUP, message)
+        else:
+            publish_overview(message)
     if not notified and _cross_process_layer() is not None:
         _background_send(WORKERS_GROUP, {"type": "wf.hint", "kind": kind, "pk": pk})
 

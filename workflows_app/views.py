@@ -56,6 +56,12 @@ def dashboard_action(view: View) -> View:
     )
 
 
+def _no_nul(*texts: str) -> None:
+    """A name from the URL with a NUL cannot name anything (PostgreSQL refuses it in text)."""
+    if any("\x00" in text for text in texts):
+        raise Http404("no such name: it contains a NUL character")
+
+
 # --- pages --------------------------------------------------------------------------------
 
 
@@ -162,6 +168,7 @@ def instance_rows(request: HttpRequest) -> HttpResponse:
 
 @dashboard_page
 def workflow_detail(request: HttpRequest, name: str) -> HttpResponse:
+    _no_nul(name)
     page = dashboard.workflow_page(name)
     if page is None:
         raise Http404(f"no workflow {name!r}")
@@ -181,6 +188,7 @@ def schedule_list(request: HttpRequest) -> HttpResponse:
 
 @dashboard_page
 def schedule_detail(request: HttpRequest, name: str) -> HttpResponse:
+    _no_nul(name)
     page = dashboard.schedule_page(name)
     if page is None:
         raise Http404(f"no schedule {name!r}")
@@ -199,6 +207,7 @@ def schedule_action(request: HttpRequest, name: str, action: str) -> HttpRespons
     """Pause, resume or trigger: needs change_schedule besides the dashboard's change_instance."""
     if action not in SCHEDULE_ACTIONS:
         raise Http404(f"no schedule action {action!r}")
+    _no_nul(name)
     if not request.user.has_perm("workflows_app.change_schedule"):
         raise PermissionDenied
     back = reverse("workflows:schedule", args=[name])
@@ -217,6 +226,7 @@ def schedule_action(request: HttpRequest, name: str, action: str) -> HttpRespons
 
 @dashboard_page
 def instance_detail(request: HttpRequest, name: str, instance_id: str) -> HttpResponse:
+    _no_nul(name, instance_id)
     pk = dashboard.find_instance_pk(name, instance_id)
     if pk is None:
         raise Http404(f"workflow {name!r} has no instance {instance_id!r}")
@@ -255,6 +265,7 @@ def _detail_context(pk: int, event_form: forms.SendEventForm | None = None) -> d
 @dashboard_page
 def error_list(request: HttpRequest) -> HttpResponse:
     workflow = request.GET.get("workflow", "")
+    _no_nul(workflow)
     try:
         rows, older = dashboard.error_page(workflow, request.GET.get("after"))
     except WorkflowError as exc:
