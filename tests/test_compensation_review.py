@@ -12,7 +12,8 @@ import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, store
+from workflows_app.engine.worker import Worker
 from workflows_app.models import StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -271,3 +272,126 @@ def test_mock_step_of_a_step_does_not_replace_its_compensation(registered):
     comp = StepRecord.objects.get(instance=inst.row(), name="charge", kind="compensate")
     assert calls["undo charge"] == 1, (dict(calls), comp.output)
     assert comp.output == "undid mock-charge"
+
+
+# --- 6. cancel(compensate=True) while a sync step runs: its effect is never undone --------
+
+
+def test_cancel_with_compensation_during_a_sync_step_compensates_its_effect(registered):
+    """The async twin is test_control_races' ...stops_the_running_step_or_compensates_it:
+    the abort cancels an async step. A sync step cannot be cancelled: store.cancel
+    (store/control.py:1357-1363) clears the run's lease and the "cancel" hint aborts the
+    run (worker.py:585), which abandons the thread (runner.py:813). The instance is
+    claimed again at once (the lease is gone, whatever Worker._execute does not release,
+    worker.py:913), the replay blocks at the un-checkpointed step and compensates only
+    what was checkpointed, and ends `terminated`; then the thread's charge lands, its
+    result discarded: charged, never refunded. The README's own example (charge_card,
+    a sync callable with compensate=refund) hits this whenever a cancel comes mid-charge.
+    Fixed: the cancel lets the steps in flight finish and checkpoint (blocking new
+    work, Run.start_compensating), then compensates them."""
+    started, release, over = threading.Event(), threading.Event(), threading.Event()
+
+    def charge(ctx):
+        started.set()
+        release.wait(20)  # a payment API call: it does not look at ctx.cancelled
+        calls["charged"] += 1
+        over.set()
+        return "charge-1"
+
+    @register("rvc-cancel-sync")
+    class CancelSync(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do(
+                "reserve", lambda: "r-1", compensate=lambda o: calls.update(["unreserve"])
+            )
+            await step.do("charge", charge, compensate=lambda o: calls.update(["refund"]))
+            return "done"
+
+    inst = get_workflow("rvc-cancel-sync").create()
+    thread, box = run_engine_in_background()
+    try:
+        assert started.wait(10)
+        assert inst.cancel(compensate=True) == "compensating"
+    finally:
+        release.set()  # the charge goes through after the cancel
+        thread.join(40)
+    assert over.wait(10)
+    assert not thread.is_alive() and "error" not in box, box
+    testing.run_until_idle()
+    assert inst.status().status == "terminated"
+    assert calls == Counter(charged=1, refund=1, unreserve=1), dict(calls)
+
+
+# --- the races of a cancel that lets the run holding the lease compensate -------------------
+
+
+@pytest.fixture
+def no_compensate_hint(monkeypatch):
+    """Workers never hear a "compensate" hint (a lost hint, or one that comes late): the
+    run learns of the cancel from the database alone."""
+    real = Worker.hint
+
+    def hint(self, kind, pk=None):
+        if kind != "compensate":
+            real(self, kind, pk)
+
+    monkeypatch.setattr(Worker, "hint", hint)
+
+
+def test_a_cancel_before_the_run_s_end_is_compensated_by_that_run(registered, no_compensate_hint):
+    """The last step cancels its own instance (as a cancel landing between the step and
+    the end would): the end, which carries that step's checkpoint, is refused for the
+    pending cancel, the checkpoint is written after all, and the run unwinds: the
+    step's effect is undone with the others."""
+
+    def charge():
+        calls["charged"] += 1
+        get_workflow("rvc-end-race").get("end-race").cancel(compensate=True)
+        return "c-1"
+
+    @register("rvc-end-race")
+    class EndRace(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do(
+                "reserve", lambda: "r-1", compensate=lambda o: calls.update(["unreserve"])
+            )
+            await step.do("charge", charge, compensate=lambda o: calls.update(["refund"]))
+            return "done"
+
+    inst = get_workflow("rvc-end-race").create(id="end-race")
+    testing.run_until_idle()
+    assert inst.status().status == "terminated"
+    assert calls == Counter(charged=1, refund=1, unreserve=1), dict(calls)
+
+
+def test_a_cancel_before_the_run_parks_makes_the_instance_due_at_once(
+    registered, no_compensate_hint, monkeypatch
+):
+    """A cancel that lands after the run's last checkpoint, as it parks for an hour's
+    sleep: the park keeps the lease's owner honest (no wake time an hour away for an
+    instance that is compensating); the instance is due at once and compensated."""
+    real_park = store.park
+    cancelled = []
+
+    def park_after_a_cancel(*args, **kwargs):
+        if not cancelled:
+            cancelled.append(get_workflow("rvc-park-race").get("park-race").cancel(compensate=True))
+        return real_park(*args, **kwargs)
+
+    monkeypatch.setattr(store, "park", park_after_a_cancel)
+
+    @register("rvc-park-race")
+    class ParkRace(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do(
+                "reserve", lambda: "r-1", compensate=lambda o: calls.update(["unreserve"])
+            )
+            await step.sleep("nap", "1 hour")
+            return "done"
+
+    with testing.fake_clock():
+        inst = get_workflow("rvc-park-race").create(id="park-race")
+        testing.run_until_idle()
+        assert cancelled == ["compensating"]
+        assert inst.status().status == "terminated"
+    assert calls == Counter(unreserve=1), dict(calls)

@@ -773,11 +773,13 @@ class InstanceHandle:
         )
         if status == Status.TERMINATED:
             meters.instance_finished(self.workflow, Status.TERMINATED)
-        # "cancel" either way: a worker running the instance stops its run (its step's
-        # effect would land after the cancel, unrecorded, and no compensation undo it);
-        # the hint wakes a worker to run the compensations as well.
+        # A worker running the instance stops its run ("cancel"), or lets the steps in
+        # flight finish, then compensates ("compensate": a sync step's effect would land
+        # after the cancel, unrecorded, and no compensation undo it); the hint wakes a
+        # worker to run the compensations if no run holds the instance.
         if changed:
-            _after_commit("cancel", self.row(refresh=False).pk, self.workflow)
+            kind = "compensate" if status == Status.COMPENSATING else "cancel"
+            _after_commit(kind, self.row(refresh=False).pk, self.workflow)
         return status
 
     def delete(self, actor: Any = None) -> None:

@@ -227,6 +227,7 @@ class Run:
         # fails again the same way, it starts no new work (a sibling branch's next step).
         self.rolling_back = loaded.instance.status == Status.COMPENSATING and not self.compensating
         self.unwinding = False
+        self.cancelled_before_end = False  # an end refused for a cancel that compensates
         self.main_context: contextvars.Context | None = None  # run()'s task's, once started
         # The tasks that asked for steps (gathered branches): stopped before the run
         # unwinds or ends, so none goes on (and completes uncompensated) meanwhile.
@@ -251,6 +252,15 @@ class Run:
     def holding(self) -> bool:
         """Work may not start (a pause is pending or the worker is draining)."""
         return self.pause_requested or self.draining
+
+    def start_compensating(self) -> None:
+        """cancel(compensate=True) came while this run holds the lease: no more work starts,
+        the steps in flight finish and are checkpointed, then the run unwinds (their
+        compensations with the others'). Not for a run unwinding a failure already."""
+        if self.compensating or self.unwinding or self.rolling_back or self.failure is not None:
+            return
+        self.compensating = True
+        self.changed.set()
 
     def abort(self, reason: str) -> None:
         """Stop this run now (terminate, restart, lost lease): it writes nothing more."""
@@ -414,6 +424,7 @@ class Run:
                 list(self.awaited_types),
                 "",
                 self.events_seen,
+                self.unwinding,
             )
         except (LeaseLost, RunAborted):
             return "aborted"
@@ -460,6 +471,8 @@ class Run:
                 ok = await self.end(
                     Status.COMPLETE, output_json, history=[History("instance.completed", {})]
                 )
+                if not ok and self.cancelled_before_end:
+                    return await self._unwind()
                 return Status.COMPLETE if ok else "aborted"
         if (
             self.definition.cls.compensate_on_failure
@@ -493,6 +506,8 @@ class Run:
             ],
             error_record=self.error_record("workflow.instance", name, message, stack, self.span),
         )
+        if not ok and self.cancelled_before_end:
+            return await self._unwind()
         return Status.ERRORED if ok else "aborted"
 
     async def end(
@@ -537,7 +552,22 @@ class Run:
             return await self._finish(end)
         if ended and held is not None:
             self._written(held, status)
+        if not ended and status != Status.TERMINATED and not self.unwinding:
+            await self._compensate_instead(held)
         return ended
+
+    async def _compensate_instead(self, held: store.StepWrite | None) -> None:
+        """An end refused for a cancel(compensate=True) that came meanwhile (the lease is
+        still this run's, not lost): the step it held is checkpointed after all, and the
+        run is to unwind (_conclude), that step's compensation with the others'."""
+        try:
+            if not await self.db(store.cancel_pending, self.pk, self.token):
+                return
+            if held is not None:
+                await self._write_now(held)
+        except (RunAborted, DatabaseError):
+            return
+        self.compensating = self.cancelled_before_end = True
 
     async def _finish(self, end: store.FinishWrite) -> bool:
         if self.end_in_group:
@@ -778,6 +808,8 @@ class Run:
     def _written(self, write: store.StepWrite, status: str) -> None:
         if status == Status.WAITING_FOR_PAUSE and not self.pause_requested:
             self.request_pause()
+        elif status == Status.COMPENSATING:
+            self.start_compensating()  # a cancel whose hint has not come (yet)
         elif status == Status.RUNNING and self.pause_requested:
             self.pause_requested = False  # resumed before this boundary: the pause is off
         self.notify("step_written", self, write.step, write.history)

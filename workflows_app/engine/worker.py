@@ -584,6 +584,8 @@ class Worker:
         if run is not None:
             if kind in ("terminate", "restart", "cancel"):
                 run.abort(kind)
+            elif kind == "compensate":  # a cancel that compensates: it lets steps finish
+                run.start_compensating()
             elif kind == "pause":
                 run.request_pause()
         if kind in RUNNABLE_HINTS and pk in self.tasks:

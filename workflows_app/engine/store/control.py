@@ -517,18 +517,20 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
             # ended meanwhile (terminated while its step ran) starts no orphan, nor does
             # a run that lost its lease (a cancel that compensates leaves the parent live
             # and its children ended: one started after would outlive it).
-            status, token = (
+            # A parent a cancel is compensating starts no child (its children ended).
+            status, token, cancelled = (
                 lock_rows(Instance.objects.filter(id=item.parent_pk))
-                .values_list("status", "lease_token")
+                .values_list("status", "lease_token", "compensate_on_cancel")
                 .first()
-            ) or (None, None)
+            ) or (None, None, False)
             if status is None or status in lifecycle.FINISHED:
                 raise InvalidTransition(
                     f"instance #{item.parent_pk} is {status or 'gone'}: it starts no child"
                 )
-            if item.parent_token is not None and token != item.parent_token:
+            if item.parent_token is not None and (token != item.parent_token or cancelled):
                 raise LeaseLost(
                     f"instance #{item.parent_pk}: lease {item.parent_token[:8]} is no longer held"
+                    + (" (cancelled)" if cancelled else "")
                 )
             child = Instance.objects.filter(
                 parent_id=item.parent_pk, parent_step=item.parent_step
@@ -1408,16 +1410,23 @@ def cancel(
             )
             _terminate_locked([inst], lambda _: limits, actor, "cancelled", now)
             return Cancelled(Status.TERMINATED, changed=True)
-        # The next run replays to collect the compensations, then runs them newest first;
-        # its children end now, as with a terminate.
+        # Its children end now, as with a terminate. A run holding a live lease keeps it:
+        # told (hint, or its next checkpoint), it starts no more work, lets the steps in
+        # flight finish and checkpoint (a sync step cannot be stopped: its effect would
+        # land uncompensated), then runs the compensations; an end it reaches first is
+        # refused (NO_CANCEL_PENDING) and it unwinds instead. Otherwise the next run
+        # replays to collect the compensations, then runs them newest first.
         _terminate_children(inst, actor, now)
+        live_lease = inst.lease_token is not None and (
+            inst.lease_expires_at is not None and inst.lease_expires_at > now
+        )
         Instance.objects.filter(id=inst.pk).update(
             status=Status.COMPENSATING,
             compensate_on_cancel=True,
             wake_at=now,
             updated_at=now,
             waiting_reason="",
-            **clear_lease(),
+            **({} if live_lease else clear_lease()),
         )
         append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
         return Cancelled(Status.COMPENSATING, changed=True)

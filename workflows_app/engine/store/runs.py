@@ -136,6 +136,18 @@ def fence(
     return row[0], row[1] - history_count + 1
 
 
+def cancel_pending(pk: int, token: str) -> bool:
+    """Whether this run still holds the lease of an instance a cancel(compensate=True)
+    marked meanwhile: its end was refused for that, not for a lost lease."""
+    return Instance.objects.filter(id=pk, lease_token=token, compensate_on_cancel=True).exists()
+
+
+# An end's fence besides its lease (its parameter: whether the end is a compensating
+# cancel's own, `terminated`): a cancel(compensate=True) that came while the run held its
+# lease refuses the run's other ends, and the run unwinds instead (Run.end).
+NO_CANCEL_PENDING = "(NOT compensate_on_cancel OR %s)"
+
+
 @dataclass
 class StepWrite:
     """One run's checkpoint, queued for a group commit (write_steps)."""
@@ -267,6 +279,7 @@ def _finish_group(ends: Sequence[FinishWrite]) -> list[bool]:
             f"unproductive_claims = CASE WHEN {value(9)} THEN 0 ELSE unproductive_claims END "
             f"FROM json_each(%s) AS j WHERE {INSTANCE_TABLE}.id = {value(0)} "
             f"AND {INSTANCE_TABLE}.lease_token = {value(1)} "
+            f"AND (NOT {INSTANCE_TABLE}.compensate_on_cancel OR {value(2)} = '{Status.TERMINATED}') "
             f"RETURNING {INSTANCE_TABLE}.id, {INSTANCE_TABLE}.history_seq, "
             f"{INSTANCE_TABLE}.retention_ms, {INSTANCE_TABLE}.retention_error_ms",
             [db_time(now), db_time(now), json.dumps(rows)],
@@ -610,7 +623,7 @@ def _finish_rows(
             "output_json = %s, error_name = %s, error_message = %s, error_stack = %s, finished_at = %s, "
             "compensate_on_cancel = %s, wake_at = NULL, waiting_reason = '', lease_token = NULL, "
             "lease_owner = '', lease_expires_at = NULL "
-            "WHERE id = %s AND lease_token = %s "
+            f"WHERE id = %s AND lease_token = %s AND {NO_CANCEL_PENDING} "
             "RETURNING history_seq, retention_ms, retention_error_ms, workflow, "
             "parent_id, parent_step",
             [
@@ -625,6 +638,7 @@ def _finish_rows(
                 False,
                 pk,
                 token,
+                status == Status.TERMINATED,
             ],
         )
         row = cursor.fetchone()
@@ -674,7 +688,8 @@ def _finish_sql(
         f"expires_at = CASE WHEN COALESCE({own_retention}, %s) > 0 THEN LEAST(CAST(%s AS timestamptz) "
         f"+ make_interval(secs => LEAST(COALESCE({own_retention}, %s), 1e15) / 1000.0), "
         f"CAST(%s AS timestamptz)) ELSE expires_at END{extra_sets} "
-        "WHERE id = %s AND lease_token = %s AND parent_id IS NULL RETURNING history_seq)",
+        f"WHERE id = %s AND lease_token = %s AND parent_id IS NULL AND {NO_CANCEL_PENDING} "
+        "RETURNING history_seq)",
         f"closed AS (UPDATE {STEP_TABLE} SET status = %s, wake_at = NULL, completed_at = %s, "
         "last_error_name = %s, last_error_message = %s "
         "WHERE instance_id = %s AND status IN (%s, %s, %s) "
@@ -727,6 +742,7 @@ def _finish_many_sql() -> str:
         # of parent_id: a child's end never joins a group (Run.end_in_group).
         f"locked AS (SELECT i.id FROM {INSTANCE_TABLE} i JOIN r ON r.pk = i.id "
         "WHERE i.id = ANY(ARRAY(SELECT pk FROM r)) AND i.lease_token = r.token "
+        "AND (NOT i.compensate_on_cancel OR r.status = %(terminated)s) "
         "ORDER BY i.id FOR NO KEY UPDATE OF i), "
         f"done AS (UPDATE {INSTANCE_TABLE} i SET history_seq = i.history_seq + r.hcount, "
         "updated_at = %(now)s, status = r.status, output_json = r.output, "
@@ -791,6 +807,7 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
         "now": db_time(now),
         "latest": db_time(LATEST_INSTANT),
         "complete": Status.COMPLETE,
+        "terminated": Status.TERMINATED,
         "failed": StepStatus.FAILED,
         "closed_name": name,
         "closed_message": message,
@@ -832,7 +849,7 @@ def _finish_at_once(
     params += [default, when, default, db_time(LATEST_INSTANT)]
     if step is not None and step.step.seq is not None:
         params.append(step.step.seq)
-    params += [pk, token]
+    params += [pk, token, status == Status.TERMINATED]
     params += [StepStatus.FAILED, when, *FINISHED_BEFORE_STEP, pk, *OPEN_STEP_STATUSES]
     if step is not None:
         params += [step.step.kind, step.step.name, *_step_values(pk, step.step)]
@@ -859,6 +876,7 @@ def park(
     awaited_types: Sequence[str],
     reason: str = "",
     events_seen: int = 0,
+    unwinding: bool = False,
 ) -> tuple[str, datetime | None]:
     """Free the worker: store when the instance is due next and release the lease.
 
@@ -867,19 +885,27 @@ def park(
     arrived during the run (id above events_seen) makes the instance due at once: no
     wake-up is lost. The row, not the run, says whether a pause holds: a run that stopped
     early (for a pause resumed meanwhile, or its worker shutting down) is due at once.
-    Returns the new status and when the instance is due next (None: when told).
+    Returns the new status and when the instance is due next (None: when told). A
+    cancel(compensate=True) that came while the run held the lease (and the run is not
+    its unwinding) makes it due at once too: the next run compensates.
     """
     now = clock.now()
     if writes_in_one_statement():
-        parked = _park_at_once(pk, token, pause, awaited_types, reason, events_seen, now)
+        parked = _park_at_once(pk, token, pause, awaited_types, reason, events_seen, now, unwinding)
         if parked is not None:
             return parked
-        # A lost lease, or a pause that holds: the transaction below says which.
+        # A lost lease, a pause that holds, or a cancel: the transaction below says which.
     with transaction.atomic():
         status, _ = fence(pk, token, now, 0, None)
+        cancelled = (
+            status == Status.COMPENSATING
+            and not unwinding
+            and Instance.objects.filter(id=pk, compensate_on_cancel=True).exists()
+        )
         if status in (Status.WAITING_FOR_PAUSE, Status.PAUSED):
             new_status, wake_at = Status.PAUSED, None
-        elif pause:  # stopped early (a pause resumed meanwhile, a worker draining): due at once
+        elif pause or cancelled:  # stopped early (a pause resumed meanwhile, a worker
+            # draining, a cancel): due at once
             new_status = Status.COMPENSATING if status == Status.COMPENSATING else Status.WAITING
             wake_at = now
         else:
@@ -920,11 +946,13 @@ def _park_at_once(
     reason: str,
     events_seen: int,
     now: datetime,
+    unwinding: bool,
 ) -> tuple[str, datetime | None] | None:
     """park in two statements sent at once (PostgreSQL): the row locked, then the fence,
     the wake time read from the steps, the look for an unseen event and the release in
     one; two round trips with the commit instead of six. None, with nothing written, when
-    the lease is lost or a pause holds (the row's status is waitingForPause or paused).
+    the lease is lost, a pause holds (the row's status is waitingForPause or paused) or a
+    cancel that compensates came during a run that is not its unwinding.
 
     The lock comes first, in a statement of its own: a statement reads what was committed
     when it began, so an event sent while the park waited for the row (a send_event holds
@@ -950,6 +978,7 @@ def _park_at_once(
                     "held": array_literal([Status.WAITING_FOR_PAUSE, Status.PAUSED]),
                     "step_waiting": StepStatus.WAITING,
                     "step_retrying": StepStatus.RETRYING,
+                    "unwinding": unwinding,
                 },
             )
         row = cursor.fetchone()
@@ -957,7 +986,7 @@ def _park_at_once(
 
 
 # park's writes in one statement: the row is fenced by its lease token and left alone
-# (no row returned) when a pause holds. Its wake time: at once for a run that stopped
+# (no row returned) when a pause holds or a cancel that compensates is pending. Its wake time: at once for a run that stopped
 # early or an event of an awaited type it did not see, else the first step's.
 PARK_SQL = f"""
 WITH due AS (
@@ -982,6 +1011,7 @@ UPDATE {INSTANCE_TABLE} AS i SET
 FROM due, unseen
 WHERE i.id = %(pk)s AND i.lease_token = %(token)s
   AND i.status <> ALL(CAST(%(held)s AS text[]))
+  AND (%(unwinding)s OR NOT i.compensate_on_cancel)
 RETURNING i.status, i.wake_at
 """
 
