@@ -434,6 +434,19 @@ def test_the_socket_reconnects_after_a_server_restart(page: Page, server: LiveSe
     assert_not_reloaded(page)
 
 
+def test_a_page_signed_out_elsewhere_stops_reconnecting(page: Page) -> None:
+    """A logout in another tab closes the page's socket (4403); every reconnect would be
+    refused, so the page says so instead of retrying for ever."""
+    page.goto("/instances/")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    other = page.context.new_page()
+    other.goto("/admin/")
+    other.locator("#logout-form button").click()
+    expect(page.locator("body")).to_have_attribute("data-socket", "refused")
+    expect(page.locator(".live-label")).to_have_text("signed out: reload the page")
+    other.close()
+
+
 def start_waiting_bulk_job(server: LiveServer, batch: str) -> int:
     """Three new instances tagged batch=<batch> and a bulk terminate of them, made by
     another process; returns the job's id."""

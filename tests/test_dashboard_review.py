@@ -44,7 +44,7 @@ async def test_deleting_finished_instances_updates_the_overview_counts(approval_
     assert summary["counts"] == {"terminated": 1}
     await database_sync_to_async(inst.delete)(actor="test")
     try:
-        message = await receive_until(communicator, "workflow.summary", timeout=3)
+        message = await receive_until(communicator, "workflow.summary", timeout=10)
     except TimeoutError:
         pytest.fail("no workflow.summary after the instance was deleted: the card still counts it")
     assert message["workflow"]["counts"] == {}
@@ -248,3 +248,21 @@ def test_the_instance_page_does_not_render_an_unbounded_history(approval_workflo
     assert shown <= 1000, (
         f"the live fragment renders {shown} history records ({len(response.content)} bytes)"
     )
+
+
+async def test_a_socket_whose_snapshot_read_fails_leaves_the_hub(monkeypatch):
+    """connect subscribes to the hub before it reads the snapshot; a read that raised
+    (the database down) left the socket subscribed for ever: the hub went on reading
+    and sending for a socket that was gone."""
+    from django.db import OperationalError
+
+    from workflows_app import consumers, fanout
+
+    async def snapshot_fails(self):
+        raise OperationalError("the database is down")
+
+    monkeypatch.setattr(consumers.OverviewConsumer, "snapshot", snapshot_fails)
+    before = len(fanout.hub().streams.get(fanout.OVERVIEW_STREAM, ()))
+    with pytest.raises(OperationalError):
+        await connect("/ws/overview/", await staff_cookie())
+    assert len(fanout.hub().streams.get(fanout.OVERVIEW_STREAM, ())) == before

@@ -88,7 +88,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.hub = fanout.hub()
         # Subscribed before the snapshot is read: nothing that changes after it is missed.
         seq = await self.hub.subscribe(self, self.stream())
-        snapshot = await self.snapshot()
+        try:
+            snapshot = await self.snapshot()
+        except BaseException:  # the database is down: the hub must not keep a dead socket
+            await self.leave_hub()
+            raise
         if snapshot is None:
             await self.leave_hub()
             await self.close(code=CLOSE_FORBIDDEN)

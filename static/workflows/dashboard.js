@@ -627,7 +627,13 @@
       if (typeof handler === "function") handler(msg);
       else if (msg.type === "error") console.warn("wfdash socket:", msg.error);
     });
-    socket.addEventListener("close", () => {
+    socket.addEventListener("close", (ev) => {
+      if (ev.code === 4403) {
+        // Signed out, or no longer allowed to view: every reconnect would be refused too.
+        body.dataset.socket = "refused";
+        document.querySelector(".live-label").textContent = "signed out: reload the page";
+        return;
+      }
       body.dataset.socket = "disconnected";
       document.querySelector(".live-label").textContent = "reconnecting";
       const delay = backoff * (0.75 + Math.random() / 2);
