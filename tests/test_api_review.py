@@ -313,3 +313,20 @@ def test_bulk_terminate_counts_the_instances_it_terminates_in_the_metrics():
     testing.run_until_idle()
     assert job.refresh().applied == 2
     assert finished_terminated() - before == 2
+
+
+def test_an_endpoint_without_query_parameters_refuses_one_instead_of_ignoring_it(api):
+    """GET …/instances/{id}, …/history, DELETE and the other endpoints that take no query
+    string ignored one: `DELETE …?force=1` answered as if it had been heard."""
+    inst = get_workflow(APPROVAL).create(id="asked-twice")
+    inst.terminate()
+    for method, path in [
+        ("GET", f"{BASE}/instances/asked-twice?verbose=1"),
+        ("GET", f"{BASE}/instances/asked-twice/history?limit=5"),
+        ("DELETE", f"{BASE}/instances/asked-twice?force=1"),
+        ("GET", "/api/workflows?x=1"),
+    ]:
+        status, message = refusal(api.call(method, path))
+        assert status == 400 and "unknown query parameter" in message, (path, message)
+    assert Instance.objects.filter(instance_id="asked-twice").exists()
+    assert api.call("GET", f"{BASE}/instances?status=terminated").status_code == 200

@@ -242,6 +242,13 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
                 )
                 response["Allow"] = ", ".join(allowed)
                 return response
+            if request.GET and handler not in TAKES_QUERY:
+                # Refused, not ignored: `DELETE …?force=1` must not look as if it was heard.
+                raise ApiError(
+                    400,
+                    "InvalidInput",
+                    f"unknown query parameter(s) {sorted(request.GET)}; none allowed here",
+                )
             length = request.META.get("CONTENT_LENGTH") or "0"
             if length.isdigit() and len(length) < 20 and int(length) > max_body_bytes():
                 raise ApiError(
@@ -320,6 +327,11 @@ def list_instances(call: Call, name: str) -> JsonResponse:
 ATTR_PREFIX = "attr."
 
 
+# The handlers that read a query string (their own check names what is allowed); every
+# other one refuses any (endpoint).
+TAKES_QUERY = frozenset({list_instances})
+
+
 def attribute_filter(query: Any) -> dict[str, Any]:
     """`?attr.customer=c-9&attr.seats=5`: exact matches; a number, true or false is typed
     (quote it, attr.seats="5", to find the string)."""
@@ -337,12 +349,6 @@ def attribute_filter(query: Any) -> dict[str, Any]:
 
 def list_workflows(call: Call) -> JsonResponse:
     """Every workflow (registered, or with instances) the token may see: versions and counts."""
-    if call.request.GET:
-        raise ApiError(
-            400,
-            "InvalidInput",
-            f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed",
-        )
     visible = set(call.token.workflow_names)
     return ok(
         [
@@ -556,12 +562,6 @@ NEXT_RUNS_SHOWN = 5
 
 
 def list_schedules(call: Call, name: str) -> JsonResponse:
-    if call.request.GET:
-        raise ApiError(
-            400,
-            "InvalidInput",
-            f"unknown query parameter(s) {sorted(call.request.GET)}; none allowed",
-        )
     surfaces.binding(name)
     return ok([surfaces.schedule_json(s) for s in schedules.list(workflow=name)])
 
