@@ -315,6 +315,35 @@ def test_bulk_terminate_counts_the_instances_it_terminates_in_the_metrics():
     assert finished_terminated() - before == 2
 
 
+def test_a_bulk_cancel_batch_taken_again_counts_its_instances_once(monkeypatch):
+    """A bulk cancel counted each instance in the metrics as it went, before the batch
+    committed: a batch that rolled back (a database error) and was taken again counted
+    them twice."""
+    from django.db import OperationalError
+
+    from workflows_app.engine import store
+
+    waiting_approval("c1")
+    waiting_approval("c2")
+    before = finished_terminated()
+    job = get_workflow(APPROVAL).bulk("cancel", status="waiting", compensate=False)
+    real = store.bulk.record_batch
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("the connection dropped before the batch committed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.bulk, "record_batch", fails_once)
+    with pytest.raises(OperationalError):
+        bulk.process_batch(job.id)
+    bulk.process_batch(job.id)
+    assert job.refresh().applied == 2
+    assert finished_terminated() - before == 2
+
+
 def test_an_endpoint_without_query_parameters_refuses_one_instead_of_ignoring_it(api):
     """GET …/instances/{id}, …/history, DELETE and the other endpoints that take no query
     string ignored one: `DELETE …?force=1` answered as if it had been heard."""

@@ -17,9 +17,9 @@ from typing import Any
 from django.db import DatabaseError, transaction
 
 from . import live
-from .client import InstanceHandle
+from .client import InstanceHandle, count_ended_on_commit
 from .codec import open_value
-from .engine import errors, meters, store
+from .engine import errors, store
 from .models import BulkAction, BulkJob, Status
 
 log = logging.getLogger("workflows_app.bulk")
@@ -86,9 +86,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
             # instance; each terminated instance is announced as terminate() would.
             terminated = store.terminate_batch(pks, actor)
             for row in terminated:
-                transaction.on_commit(
-                    functools.partial(meters.instance_finished, row.workflow, Status.TERMINATED)
-                )
+                count_ended_on_commit(row.workflow, Status.TERMINATED)
                 transaction.on_commit(
                     functools.partial(live.instance_changed, "terminate", row.pk, row.workflow)
                 )

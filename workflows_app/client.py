@@ -12,6 +12,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -127,6 +128,12 @@ def _after_commit(
         store.hint_workers(kind, [pk])  # PostgreSQL: delivered to every worker at commit
     notified = store.workers_listen()  # then no hint through Redis as well
     transaction.on_commit(lambda: live.instance_changed(kind, pk, workflow, notified))
+
+
+def count_ended_on_commit(workflow: str, status: str) -> None:
+    """An instance an operator ended, in the metrics once its transaction commits (a bulk
+    job's batch that rolls back and is taken again counts it once)."""
+    transaction.on_commit(functools.partial(meters.instance_finished, workflow, status))
 
 
 def _actor(actor: Any) -> str:
@@ -719,7 +726,7 @@ class InstanceHandle:
         """Stop the instance for good; False if it had already finished."""
         done = store.terminate(self.workflow, self.id, self._limits(), _actor(actor))
         if done:
-            meters.instance_finished(self.workflow, Status.TERMINATED)
+            count_ended_on_commit(self.workflow, Status.TERMINATED)
             _after_commit("terminate", self.row(refresh=False).pk, self.workflow)
         return done
 
@@ -772,7 +779,7 @@ class InstanceHandle:
             self.workflow, self.id, self._limits(), compensate, _actor(actor)
         )
         if status == Status.TERMINATED:
-            meters.instance_finished(self.workflow, Status.TERMINATED)
+            count_ended_on_commit(self.workflow, Status.TERMINATED)
         # A worker running the instance stops its run ("cancel"), or lets the steps in
         # flight finish, then compensates ("compensate": a sync step's effect would land
         # after the cancel, unrecorded, and no compensation undo it); the hint wakes a
