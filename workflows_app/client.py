@@ -757,9 +757,10 @@ class InstanceHandle:
         def validate(schema_json: str) -> None:
             validator_class = jsonschema.validators.validator_for(json.loads(schema_json))
             validator = validator_class(json.loads(schema_json))
+            stored = json.loads(payload_json)  # what the wait receives (a tuple is an array)
             violations = [
                 f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
-                for e in validator.iter_errors(payload)
+                for e in validator.iter_errors(stored)
             ]
             if violations:
                 raise errors.EventPayloadInvalid(

@@ -284,7 +284,8 @@ def instance_changed(
 
 # Hints that only say "something may be runnable": any one worker may act on them, so a
 # burst of them is sent once, to the engine's channel, instead of to every worker.
-WAKE_KINDS = frozenset({"created", "event", "resume", "wake", "promoted", "restart"})
+# Not "restart": the worker running the old run must hear it, by pk, to stop that run.
+WAKE_KINDS = frozenset({"created", "event", "resume", "wake", "promoted"})
 ENGINE_CHANNEL = "workflows"
 
 

@@ -196,8 +196,6 @@ class Run:
             event_type: Inbox(list(events), events[-1].pk if events else 0, complete)
             for event_type, (events, complete) in loaded.events.items()
         }
-        # The newest event id read: newer ones of an awaited type arrived during the run.
-        self.events_seen = max((inbox.last_id for inbox in self.inboxes.values()), default=0)
         self.seen: set[str] = set()
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0
@@ -423,7 +421,11 @@ class Run:
                 self.holding,
                 list(self.awaited_types),
                 "",
-                self.events_seen,
+                # Per type, the newest event read: newer ones arrived during the run.
+                {
+                    t: self.inboxes[t].last_id if t in self.inboxes else 0
+                    for t in self.awaited_types
+                },
                 self.unwinding,
             )
         except (LeaseLost, RunAborted):
@@ -1113,7 +1115,6 @@ class Run:
                 inbox.exhausted = len(batch) < EVENT_BATCH
                 if batch:
                     inbox.last_id = batch[-1].pk
-                    self.events_seen = max(self.events_seen, inbox.last_id)
 
     def event_timed_out(self, record: StepRecord) -> bool:
         if overrides.take_forced_timeout(self.instance_id, record.event_type):

@@ -1195,20 +1195,30 @@ def send_event(
                 f"cannot send event {event_type!r} to instance {instance_id!r}: it is {inst.status}"
             )
         if validate is not None:
-            schema = (
+            schemas = list(
                 StepRecord.objects.filter(
                     instance_id=inst.pk,
                     kind=StepKind.WAIT_FOR_EVENT,
                     status=StepStatus.WAITING,
                     event_type=event_type,
-                    event_schema_json__isnull=False,
                 )
                 .order_by("seq")
                 .values_list("event_schema_json", flat=True)
-                .first()
             )
-            if schema is not None:
-                validate(schema)
+            # Refused only when no wait of this type would take it: an untyped one takes
+            # anything, a typed one what its schema accepts (parallel waits each their own).
+            if schemas and None not in schemas:
+                refusal: Exception | None = None
+                for schema in schemas:
+                    try:
+                        validate(schema)
+                    except Exception as exc:
+                        refusal = refusal or exc
+                    else:
+                        break
+                else:
+                    assert refusal is not None
+                    raise refusal
         event = InboxEvent.objects.create(
             instance_id=inst.pk,
             type=event_type,

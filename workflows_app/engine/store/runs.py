@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Min
+from django.db.models import Min, Q
 
 from ...models import (
     ErrorRecord,
@@ -875,7 +875,7 @@ def park(
     pause: bool,
     awaited_types: Sequence[str],
     reason: str = "",
-    events_seen: int = 0,
+    events_seen: int | dict[str, int] = 0,
     unwinding: bool = False,
 ) -> tuple[str, datetime | None]:
     """Free the worker: store when the instance is due next and release the lease.
@@ -890,8 +890,13 @@ def park(
     its unwinding) makes it due at once too: the next run compensates.
     """
     now = clock.now()
+    # The newest event id the run read, per awaited type: one read of another type saw
+    # newer ids, and an event of this type that came meanwhile is still unseen.
+    if isinstance(events_seen, int):
+        events_seen = {t: events_seen for t in awaited_types}
+    seen = {t: events_seen.get(t, 0) for t in awaited_types}
     if writes_in_one_statement():
-        parked = _park_at_once(pk, token, pause, awaited_types, reason, events_seen, now, unwinding)
+        parked = _park_at_once(pk, token, pause, awaited_types, reason, seen, now, unwinding)
         if parked is not None:
             return parked
         # A lost lease, a pause that holds, or a cancel: the transaction below says which.
@@ -915,13 +920,13 @@ def park(
             ).aggregate(m=Min("wake_at"))["m"]
             # Only events the run did not see: one it saw and passed over (a typed wait's
             # schema refused it) must not make the instance due again and again.
+            unseen = Q()
+            for event_type, last in seen.items():
+                unseen |= Q(type=event_type, id__gt=last)
             if (
-                awaited_types
+                seen
                 and InboxEvent.objects.filter(
-                    instance_id=pk,
-                    consumed_at__isnull=True,
-                    type__in=list(awaited_types),
-                    id__gt=events_seen,
+                    unseen, instance_id=pk, consumed_at__isnull=True
                 ).exists()
             ):
                 wake_at = now
@@ -944,7 +949,7 @@ def _park_at_once(
     pause: bool,
     awaited_types: Sequence[str],
     reason: str,
-    events_seen: int,
+    events_seen: dict[str, int],
     now: datetime,
     unwinding: bool,
 ) -> tuple[str, datetime | None] | None:
@@ -970,8 +975,8 @@ def _park_at_once(
                     "now": db_time(now),
                     "due_now": pause,
                     # A list, not array_literal: an event type "null" would read as NULL.
-                    "types": list(awaited_types),
-                    "seen": events_seen,
+                    "types": list(events_seen),
+                    "seen": list(events_seen.values()),
                     "reason": reason,
                     "waiting": Status.WAITING,
                     "compensating": Status.COMPENSATING,
@@ -994,9 +999,10 @@ WITH due AS (
     WHERE instance_id = %(pk)s AND status IN (%(step_waiting)s, %(step_retrying)s)
 ), unseen AS (
     SELECT EXISTS (
-        SELECT 1 FROM {INBOX_TABLE}
-        WHERE instance_id = %(pk)s AND consumed_at IS NULL
-          AND type = ANY(CAST(%(types)s AS text[])) AND id > %(seen)s
+        SELECT 1 FROM {INBOX_TABLE} AS e
+        JOIN unnest(CAST(%(types)s AS text[]), CAST(%(seen)s AS bigint[])) AS t(type, seen)
+          ON e.type = t.type AND e.id > t.seen
+        WHERE e.instance_id = %(pk)s AND e.consumed_at IS NULL
     ) AS found
 )
 UPDATE {INSTANCE_TABLE} AS i SET

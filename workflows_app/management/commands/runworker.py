@@ -28,6 +28,9 @@ from workflows_app.live import EngineHooks, join_workers_group
 log = logging.getLogger("workflows_app.engine")
 ENGINE_CHANNEL = "workflows"
 LISTEN_RETRY_SECONDS = 1.0
+# channels_redis drops group members older than its group_expiry (a day by default) at
+# each group_send: the worker joins its group again well within it.
+REJOIN_SECONDS = 3600.0
 
 
 # How the engine's Worker.stop() waits for running steps before cutting them short.
@@ -111,6 +114,7 @@ class EngineChannelsWorker(ChannelsWorker):
             asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
         ]
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
+        listeners.append(asyncio.ensure_future(self.stay_in_workers_group(private)))
         metrics_server = serve_metrics()
         log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
         try:
@@ -135,6 +139,14 @@ class EngineChannelsWorker(ChannelsWorker):
                     "wfdash worker: receiving on %s failed; listening again", channel, exc_info=True
                 )
                 await asyncio.sleep(LISTEN_RETRY_SECONDS)
+
+    async def stay_in_workers_group(self, channel: str) -> None:
+        while True:
+            await asyncio.sleep(REJOIN_SECONDS)
+            try:
+                await join_workers_group(channel)
+            except Exception:
+                log.warning("wfdash worker: could not join the workers' group again", exc_info=True)
 
     async def hints(self, channel: str) -> None:
         while True:

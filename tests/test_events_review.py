@@ -1,0 +1,222 @@
+"""Review of events and waits, and the channel layers that carry wake-ups.
+
+Each test failed on the code reviewed (806d0fa) for the reason its docstring gives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, current_step, register
+from workflows_app.models import StepRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def send_b_then_a_once_b_waits() -> str:
+    """A step of "two-types": once the other branch's wait for "b" looked and parked its
+    record, send "b" and then "a" to this instance (so "a" gets the higher id)."""
+    from tests.polling import wait_until
+
+    ctx = current_step()
+    assert ctx is not None
+    wait_until(
+        lambda: StepRecord.objects.filter(
+            instance__instance_id=ctx.instance_id, name="wait b", status="waiting"
+        ).exists(),
+        30,
+        "the wait for b's record",
+    )
+    inst = get_workflow("two-types").get(ctx.instance_id)
+    inst.send_event("b", {"n": "b"})
+    inst.send_event("a", {"n": "a"})
+    return "sent"
+
+
+def test_an_event_that_came_during_the_run_is_not_lost_when_a_later_read_of_another_type_saw_a_newer_id(
+    registered,
+):
+    """runner.py:200/1116 keeps ONE `events_seen` for the whole run: the newest event id
+    read of ANY type. park (store/runs.py:924 and PARK_SQL's `id > %(seen)s`,
+    store/runs.py:1000) treats every awaited event with an id at or below it as seen. Here
+    the wait for "b" looked (nothing), then "b" (id n) and "a" (id n+1) were sent during
+    the run; the wait for "a" read its inbox and set events_seen = n+1; the park then
+    decides "b" (id n) was seen and passed over, and parks the instance until the wait's
+    timeout (1 hour), although its event is there: a lost wake-up. Send_event's own
+    wake-up (wake_at = now) was written while the run held the instance and the park
+    overwrites it."""
+
+    @register("two-types")
+    class TwoTypes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def wait_b():
+                return (await step.wait_for_event("wait b", type="b", timeout="1 hour")).payload
+
+            async def send_then_wait_a():
+                await step.do("send", send_b_then_a_once_b_waits)
+                return (await step.wait_for_event("wait a", type="a", timeout="1 hour")).payload
+
+            return await asyncio.gather(wait_b(), send_then_wait_a())
+
+    inst = get_workflow("two-types").create()
+    testing.run_until_idle()
+    row = inst.row()
+    assert inst.status().status == "complete", (row.status, row.wake_at, inst.pending_events())
+    assert inst.status().output == [{"n": "b"}, {"n": "a"}]
+
+
+def test_parallel_typed_waits_of_one_type_each_take_the_event_their_own_schema_accepts(registered):
+    """send_event's long way (engine/store/control.py:1195-1210) validates a payload against
+    the schema of the OLDEST typed wait of that type only (`.order_by("seq").first()`).
+    With two parallel waits on one type, each with its own schema, an event meant for the
+    second wait is refused with EventPayloadInvalid although a pending wait accepts it
+    (PITFALLS 4: parallel waits on one type each get their own delivery; SPEC: refused
+    only when it fails the waiting step's schema)."""
+
+    @register("two-typed")
+    class TwoTyped(WorkflowEntrypoint):
+        async def run(self, event, step):
+            small = step.wait_for_event(
+                "small",
+                type="order",
+                timeout="1 hour",
+                schema={"type": "object", "properties": {"n": {"maximum": 5}}, "required": ["n"]},
+            )
+            big = step.wait_for_event(
+                "big",
+                type="order",
+                timeout="1 hour",
+                schema={"type": "object", "properties": {"n": {"minimum": 10}}, "required": ["n"]},
+            )
+            got = await asyncio.gather(small, big)
+            return [g.payload for g in got]
+
+    inst = get_workflow("two-typed").create()
+    testing.run_until_idle()
+    assert {p.name for p in inst.pending_events()} == {"small", "big"}
+    inst.send_event("order", {"n": 20})  # for "big": refused today, naming "small"'s schema
+    inst.send_event("order", {"n": 1})
+    testing.run_until_idle()
+    assert inst.status().output == [{"n": 1}, {"n": 20}]
+
+
+def test_an_untyped_wait_beside_a_typed_wait_of_one_type_takes_any_payload(registered):
+    """The same query (engine/store/control.py:1197-1209) ignores untyped waits
+    (`event_schema_json__isnull=False`): when an untyped and a typed wait of one type are
+    pending together, a payload the untyped wait would take is refused because the typed
+    one would not."""
+
+    @register("mixed-typed")
+    class MixedTyped(WorkflowEntrypoint):
+        async def run(self, event, step):
+            anything = step.wait_for_event("anything", type="note", timeout="1 hour")
+            typed = step.wait_for_event(
+                "typed",
+                type="note",
+                timeout="1 hour",
+                schema={"type": "object", "required": ["ok"]},
+            )
+            got = await asyncio.gather(anything, typed)
+            return [g.payload for g in got]
+
+    inst = get_workflow("mixed-typed").create()
+    testing.run_until_idle()
+    inst.send_event("note", "free text")  # refused today: "typed"'s schema rejects it
+    inst.send_event("note", {"ok": True})
+    testing.run_until_idle()
+    assert inst.status().output == ["free text", {"ok": True}]
+
+
+# --- hints over the Redis channel layer (PostgreSQL with WAKE_NOTIFY off, or SQLite) ----
+
+from channels.layers import channel_layers, get_channel_layer  # noqa: E402
+
+from tests.test_fleet import needs_redis, redis_url  # noqa: E402
+from wfdash.settings import redis_channel_layer  # noqa: E402
+
+
+@pytest.fixture
+def redis_workers_channel(settings):
+    """The Redis layer, and a private channel joined to the workers' group the way
+    `runworker workflows` joins it (management/commands/runworker.py:107-109)."""
+    from workflows_app import live
+
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
+    settings.WFDASH = {**getattr(settings, "WFDASH", {}), "WAKE_NOTIFY": False}
+    channel_layers.backends.clear()
+    layer = get_channel_layer()
+    channel = asyncio.run(layer.new_channel())
+    asyncio.run(live.join_workers_group(channel))
+    yield layer, channel
+    asyncio.run(layer.group_discard(live.WORKERS_GROUP, channel))
+    channel_layers.backends.clear()
+
+
+def first_message_before_sentinel(layer, channel) -> dict:
+    """Everything the Sender holds is sent (flush); then a sentinel goes straight to the
+    channel: whatever the worker would have heard comes before it."""
+    from workflows_app import live
+
+    assert live.flush()
+
+    async def receive() -> dict:
+        await layer.send(channel, {"type": "wf.sentinel"})
+        return await asyncio.wait_for(layer.receive(channel), 5)
+
+    return asyncio.run(receive())
+
+
+@needs_redis
+def test_a_restart_hint_over_redis_reaches_the_worker_running_the_old_run(
+    registered, redis_workers_channel
+):
+    """live.py:283 lists "restart" among WAKE_KINDS, so the Sender folds it (live.py:
+    _coalesce, PendingHints.put) into an anonymous {"kind": "wake", "pk": None} sent to
+    the `workflows` engine channel, which ONE process receives. The worker running the
+    instance never hears "restart", so Worker._on_hint (engine/worker.py:585) never calls
+    run.abort("restart"): the old run's step goes on (an async step is not cancelled)
+    while the restart made the instance due and another worker starts the new run, the
+    very overlap PITFALLS 1 forbids; the old run only stops at its next fenced write.
+    Only with hints over Redis (SQLite, or PostgreSQL with WAKE_NOTIFY off)."""
+    layer, channel = redis_workers_channel
+
+    @register("restartable")
+    class Restartable(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("one", lambda: 1)
+
+    inst = get_workflow("restartable").create()
+    testing.run_until_idle()
+    inst.restart()
+    pk = inst.row().pk
+    message = first_message_before_sentinel(layer, channel)
+    assert message == {"type": "wf.hint", "kind": "restart", "pk": pk}, message
+
+
+def test_a_typed_wait_judges_the_payload_it_will_receive_not_the_python_object_sent(registered):
+    """client.py:757-769 validates the Python object passed to send_event, while what is
+    stored and delivered is its JSON (encode_json at client.py:749): a tuple is stored as
+    an array, but jsonschema's "array" is only a list, so `{"items": (1, 2)}` is refused
+    by a pending wait whose schema wants an array, though sent a moment earlier (before
+    the wait existed) the same payload is buffered and delivered as [1, 2]."""
+
+    @register("tuple-typed")
+    class TupleTyped(WorkflowEntrypoint):
+        async def run(self, event, step):
+            got = await step.wait_for_event(
+                "items",
+                type="items",
+                timeout="1 hour",
+                schema={"type": "object", "properties": {"items": {"type": "array"}}},
+            )
+            return got.payload
+
+    inst = get_workflow("tuple-typed").create()
+    testing.run_until_idle()
+    assert inst.pending_events()
+    inst.send_event("items", {"items": (1, 2)})  # EventPayloadInvalid today
+    testing.run_until_idle()
+    assert inst.status().output == {"items": [1, 2]}
