@@ -386,6 +386,11 @@ class InstanceAdmin(admin.ModelAdmin):
             and super().has_delete_permission(request, obj)
         )
 
+    def delete_model(self, request: HttpRequest, obj: Instance) -> None:
+        # The client's delete: rows locked and the status checked again, spans stored
+        # before the instance went with it, the live "deleted" update sent.
+        InstanceHandle(obj.workflow, obj.instance_id, obj).delete(actor=request.user.get_username())
+
     def get_deleted_objects(
         self, objs: Any, request: HttpRequest
     ) -> tuple[Any, Any, set[str], Any]:

@@ -97,7 +97,7 @@ class TaskWorkflow(WorkflowEntrypoint):
         def call() -> Any:
             args = list(params["args"])
             if task.takes_context:
-                args.insert(0, TaskContext(task_result=backend.get_result(instance_id)))
+                args.insert(0, TaskContext(task_result=backend.running_result(instance_id)))
             try:
                 return normalize_json(task.call(*args, **params["kwargs"]))
             except Exception as exc:
@@ -164,16 +164,23 @@ class WorkflowTaskBackend(BaseTaskBackend):
                 "args": normalize_json(list(args)),
                 "kwargs": normalize_json(dict(kwargs)),
             }
-            json.dumps(payload)
+            json.dumps(payload, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidTask(f"Task arguments must be JSON-serialisable: {exc}") from None
+        binding = get_workflow(workflow_name(task))
+        if task.run_after is not None:
+            max_sleep = binding.definition().limits().max_sleep
+            if (task.run_after - clock.now()).total_seconds() * 1000 > max_sleep:
+                raise InvalidTask(
+                    f"run_after {task.run_after.isoformat()} is further away than max_sleep "
+                    f"({max_sleep} ms)"
+                )
         payload.update(
             run_after=task.run_after.isoformat() if task.run_after else None,
             priority=task.priority,
             queue_name=task.queue_name,
             backend=self.alias,
         )
-        binding = get_workflow(workflow_name(task))
         handle = binding.create(
             params=payload, actor="django.tasks", priority=wfdash_priority(task.priority)
         )
@@ -182,6 +189,14 @@ class WorkflowTaskBackend(BaseTaskBackend):
         return result
 
     def get_result(self, result_id: str) -> TaskResult:
+        return self._read(result_id, running=False)
+
+    def running_result(self, result_id: str) -> TaskResult:
+        """The result as the attempt under way sees it (a task's context): this attempt
+        counted in worker_ids and its start in started_at, as Django's backends do."""
+        return self._read(result_id, running=True)
+
+    def _read(self, result_id: str, running: bool) -> TaskResult:
         row = (
             Instance.objects.filter(instance_id=result_id, workflow__startswith=PREFIX)
             .order_by("id")
@@ -210,7 +225,18 @@ class WorkflowTaskBackend(BaseTaskBackend):
             .order_by("sequence")
             .values_list("data", flat=True)
         )
-        return self._result(task, row, step, [w.get("worker", "") for w in workers if step])
+        # One worker per attempt of the step: runs that only slept until run_after, or that
+        # were taken over before the step began, are no attempts.
+        workers = [w.get("worker", "") if isinstance(w, dict) else "" for w in workers]
+        current, earlier = (workers[-1:], workers[:-1]) if running else ([], workers)
+        attempts = step.attempts if step is not None else 0
+        worker_ids = (earlier[-attempts:] if attempts else []) + current
+        result = self._result(task, row, step, worker_ids)
+        if running:
+            now = clock.now()
+            object.__setattr__(result, "started_at", result.started_at or now)
+            object.__setattr__(result, "last_attempted_at", now)
+        return result
 
     def _result(
         self, task: Task, row: Instance, step: StepRecord | None, worker_ids: list[str]

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Exists, OuterRef
 
 from ...models import (
     Instance,
     Span,
     Status,
+    StepKind,
+    StepRecord,
+    StepStatus,
     WorkflowVersion,
 )
 from .. import clock, lifecycle
@@ -94,14 +98,32 @@ def prune(
     """
     now = now or clock.now()
     total = 0
-    expired = Instance.objects.filter(expires_at__lte=now)
+    # A finished child whose parent's step.invoke has not taken its output yet (the
+    # parent paused, parked for a missing version, or not claimed yet) stays until it has.
+    awaited = StepRecord.objects.filter(
+        instance_id=OuterRef("parent_id"),
+        name=OuterRef("parent_step"),
+        kind=StepKind.INVOKE,
+        status=StepStatus.WAITING,
+    )
+    expired = Instance.objects.filter(expires_at__lte=now, status__in=lifecycle.FINISHED).exclude(
+        Exists(awaited)
+    )
+    _prune_orphan_spans(now, batch)
     for _ in itertools.count() if max_batches is None else range(max_batches):
         # Look before taking the write lock: on SQLite every transaction takes it at BEGIN,
         # and a worker frozen (SIGSTOP, a debugger) inside an empty prune would hold it.
         if not expired.exists():
             return total
         with transaction.atomic():
-            pks = list(expired.values_list("id", flat=True)[:batch])
+            # Locked, and the filter checked again under the lock: a restart that commits
+            # meanwhile clears expires_at (PostgreSQL re-reads the row), and one that comes
+            # after waits for this batch, then finds the instance gone. Rows a restart
+            # holds are left for the next batch.
+            chosen = expired.order_by("id")
+            if connection.features.has_select_for_update_skip_locked:
+                chosen = chosen.select_for_update(no_key=True, skip_locked=True)
+            pks = list(chosen.values_list("id", flat=True)[:batch])
             if not pks:
                 return total
             delete_rows(pks)
@@ -109,6 +131,23 @@ def prune(
         if on_batch is not None:
             on_batch(len(pks))
     return total
+
+
+# A span stored with no instance (its instance deleted before the span was flushed, or
+# not yet committed when it was) is shown nowhere; delete_rows takes those it can match by
+# trace id, and prune the rest once they are this old.
+ORPHAN_SPAN_AGE = timedelta(days=1)
+
+
+def _prune_orphan_spans(now: datetime, batch: int) -> int:
+    """One batch of spans with no instance older than ORPHAN_SPAN_AGE (the index on
+    (instance, start_time) finds them at its NULL end)."""
+    old = Span.objects.filter(instance__isnull=True, start_time__lt=now - ORPHAN_SPAN_AGE)
+    if not old.exists():  # before the write lock, as for instances
+        return 0
+    with transaction.atomic():
+        pks = list(old.values_list("id", flat=True)[:batch])
+        return Span.objects.filter(id__in=pks).delete()[0]
 
 
 def delete_rows(pks: Sequence[int]) -> None:
