@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from .engine import spans as engine_spans
+from .engine.limits import storable_text
 
 log = logging.getLogger("workflows_app.tracing")
 
@@ -174,12 +175,15 @@ def _json(value: Any, encode: Any = _ENCODE) -> str:
         text = encode(value)
     except ValueError:
         return encode(_storable(value))
-    return encode(_storable(value)) if "\\u0000" in text else text
+    # A NUL, or a surrogate escape (a lone one has no UTF-8; a pair is cleaned as one
+    # character): written again from cleaned values.
+    return encode(_storable(value)) if "\\u0000" in text or "\\ud" in text else text
 
 
 def _text(value: str) -> str:
-    """A span's name or status message as both databases store text (no NUL)."""
-    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    """A span's name or status message as both databases store text (no NUL, no lone
+    surrogate: an exception's message may hold one, as an undecodable file name does)."""
+    return storable_text(value)
 
 
 def _storable(value: Any) -> Any:
@@ -190,7 +194,7 @@ def _storable(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return _storable(_json_fallback(value))
     if isinstance(value, dict):
-        return {str(k): _storable(v) for k, v in value.items()}
+        return {_text(str(k)): _storable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_storable(v) for v in value]
     return value
@@ -240,6 +244,9 @@ class DatabaseSpanProcessor(SpanProcessor):
             raise
         except DatabaseError:
             self.dropped += len(batch)  # would fail again (an instance deleted meanwhile, bad data)
+            raise
+        except Exception:
+            self.dropped += len(batch)  # a row no driver takes: counted, not silently gone
             raise
 
     def _store(self, batch: list[tuple[ReadableSpan, int]]) -> list[StoredSpan]:

@@ -119,9 +119,36 @@ def instance_finished(workflow: str, status: str) -> None:
     _finished.add(workflow, str(status))
 
 
+# Step names are unique per run, so loops make them (`item 0`, `item 1`, …): past this
+# many names of one workflow in this process, the rest share the label OTHER_STEPS rather
+# than fill the SDK's 2,000 series per instrument (the overflow takes every new series
+# of every workflow).
+MAX_STEP_LABELS = 100
+OTHER_STEPS = "(other)"
+_step_labels: dict[str, set[str]] = {}
+_step_labels_lock = threading.Lock()
+
+
+def _step_label(workflow: str, step: str) -> str:
+    known = _step_labels.get(workflow)
+    if known is not None and step in known:
+        return step
+    with _step_labels_lock:
+        known = _step_labels.setdefault(workflow, set())
+        if step in known or len(known) < MAX_STEP_LABELS:
+            known.add(step)
+            return step
+    return OTHER_STEPS
+
+
 def step_attempted(workflow: str, step: str, seconds: float, ok: bool) -> None:
     _instruments()["step_duration"].record(
-        seconds, {"workflow": workflow, "step": step, "outcome": "ok" if ok else "error"}
+        seconds,
+        {
+            "workflow": workflow,
+            "step": _step_label(workflow, step),
+            "outcome": "ok" if ok else "error",
+        },
     )
 
 

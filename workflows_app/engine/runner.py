@@ -275,8 +275,6 @@ class Run:
         inst = self.instance
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
-        if inst.run_count == 1:  # its first claim
-            meters.instance_started(self.definition.name, inst.created_at, inst.started_at)
         event = WorkflowEvent(
             payload=inst.params,
             instance_id=inst.instance_id,
@@ -315,7 +313,7 @@ class Run:
             self.span.set_attribute("workflow.outcome", outcome)
             if outcome == Status.ERRORED:
                 spans.mark_error(self.span, None, self.error_message)
-            self.span.end()
+            self.span.end(end_time=spans.now_ns())
 
     async def _supervise(self, task: asyncio.Task[Any]) -> str:
         # The workflow's end wakes the supervisor as any other change does: one Event to
@@ -992,8 +990,10 @@ class Run:
         exc: BaseException | None,
         nonretryable: bool,
         history: list[History] | None = None,
+        span: Any = None,
     ) -> BaseException:
-        """Record the step as failed for good; returns the exception to raise into run()."""
+        """Record the step as failed for good; returns the exception to raise into run().
+        span: the failed step's span (default: the current one, a `step` span)."""
         if exc is not None:
             name, message, stack = error_fields(exc)
             record.last_error_name, record.last_error_message, record.last_error_stack = (
@@ -1008,7 +1008,8 @@ class Run:
         record.completed_at = clock.now()
         record.wake_at = None
         record.output_json = json.dumps({"nonretryable": nonretryable})
-        span = trace.get_current_span()
+        if span is None:
+            span = trace.get_current_span()
         error = None
         if exc is not None:
             name, message, stack = error_fields(exc)

@@ -296,6 +296,9 @@ class _Resumed:
                     return returned.value
 
 
+_RETRY = object()  # Step._attempt: the attempt failed, the next one starts now
+
+
 class Step:
     """The `step` argument of run(): one per run of an instance."""
 
@@ -368,8 +371,9 @@ class Step:
             attributes = run.span_attributes(record.label, kind)
             if sensitive:
                 attributes["workflow.step.sensitive"] = True
-            with spans.child_span(run.span, f"step {record.label}", attributes):
-                return await self._attempts(record, fn, policy, timeout_ms, activity, sensitive)
+            return await self._attempts(
+                record, fn, policy, timeout_ms, activity, sensitive, attributes
+            )
 
     async def _attempts(
         self,
@@ -379,52 +383,68 @@ class Step:
         timeout_ms: int,
         activity: Any,
         sensitive: bool,
+        attributes: dict[str, Any],
     ) -> Any:
-        """Attempt the step until it succeeds, fails for good, or must wait for a retry."""
+        """Attempt the step until it succeeds, fails for good, or must wait for a retry;
+        each attempt in a span of its own (the dashboard lists attempts by their spans)."""
         run, name = self._run, record.label
         while True:
-            if record.attempts >= policy.limit + 1:
-                # The limit may have been lowered after a crash: fail with the real last error.
-                raise await run.fail_step(record, None, nonretryable=False)
-            record.attempts += 1
-            record.status = StepStatus.RUNNING
-            # No write before the attempt: its start is recorded with its outcome, in the one
-            # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
-            started = [
-                History(
-                    "step.started",
-                    {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()},
-                )
-            ]
-            run.notify("step_started", run, record)
-            try:
-                with meters.timed_attempt(run.definition.name, name):
-                    result = await run.attempt(record, fn, timeout_ms)
-                output_json = encode_step_output(result, name, run.limits)
-                faults.hit("after_side_effect")
-            except (NonRetryableError, StepOutputError) as exc:
-                raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
-            except Exception as exc:  # a failed attempt: retry or give up
-                if record.attempts >= policy.limit + 1:
-                    raise await run.fail_step(
-                        record, exc, nonretryable=False, history=started
-                    ) from exc
-                delay = policy.delay_after(record.attempts)
-                await run.schedule_retry(record, exc, delay, history=started)
-                if delay > 0:
-                    await activity.block(wake_at=record.wake_at)
-                continue
-            record.status = StepStatus.COMPLETE
-            record.output_json = seal(output_json, sensitive)
-            record.completed_at = clock.now()
-            record.wake_at = None
-            await run.write(
-                record,
-                [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
-                progress=True,
-                hold=True,
+            with spans.child_span(run.span, f"step {name}", attributes):
+                result = await self._attempt(record, fn, policy, timeout_ms, activity, sensitive)
+            if result is not _RETRY:
+                return result
+
+    async def _attempt(
+        self,
+        record: StepRecord,
+        fn: Callable[..., Any],
+        policy: RetryPolicy,
+        timeout_ms: int,
+        activity: Any,
+        sensitive: bool,
+    ) -> Any:
+        """One attempt: its result, _RETRY (attempt again now), or it raises."""
+        run, name = self._run, record.label
+        if record.attempts >= policy.limit + 1:
+            # The limit may have been lowered after a crash: fail with the real last error.
+            raise await run.fail_step(record, None, nonretryable=False)
+        record.attempts += 1
+        record.status = StepStatus.RUNNING
+        # No write before the attempt: its start is recorded with its outcome, in the one
+        # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
+        started = [
+            History(
+                "step.started",
+                {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()},
             )
-            return json.loads(output_json)
+        ]
+        run.notify("step_started", run, record)
+        try:
+            with meters.timed_attempt(run.definition.name, name):
+                result = await run.attempt(record, fn, timeout_ms)
+            output_json = encode_step_output(result, name, run.limits)
+            faults.hit("after_side_effect")
+        except (NonRetryableError, StepOutputError) as exc:
+            raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
+        except Exception as exc:  # a failed attempt: retry or give up
+            if record.attempts >= policy.limit + 1:
+                raise await run.fail_step(record, exc, nonretryable=False, history=started) from exc
+            delay = policy.delay_after(record.attempts)
+            await run.schedule_retry(record, exc, delay, history=started)
+            if delay > 0:
+                await activity.block(wake_at=record.wake_at)
+            return _RETRY
+        record.status = StepStatus.COMPLETE
+        record.output_json = seal(output_json, sensitive)
+        record.completed_at = clock.now()
+        record.wake_at = None
+        await run.write(
+            record,
+            [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
+            progress=True,
+            hold=True,
+        )
+        return json.loads(output_json)
 
     def _step_config(
         self, name: str, retries: dict[str, Any] | None, timeout: Any
@@ -624,15 +644,17 @@ class Step:
                     f'wait_for_event "{name}" timed out waiting for an event of type {type!r}'
                 )
                 history.append(History("event.timeout", {"step": name, "type": type}))
-                failure = await run.fail_step(record, error, nonretryable=False, history=history)
-                spans.finished_span(
-                    run.span,
-                    f"waitForEvent {name}",
-                    record.started_at,
-                    clock.now(),
-                    attributes,
-                    error,
+                # The wait's own span carries the error (and the error row links it), not
+                # the run's: a workflow may catch the timeout and complete.
+                span = spans.open_span(
+                    run.span, f"waitForEvent {name}", record.started_at, attributes
                 )
+                try:
+                    failure = await run.fail_step(
+                        record, error, nonretryable=False, history=history, span=span
+                    )
+                finally:
+                    spans.end_span(span, record.started_at, clock.now())
                 raise failure
             event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
             meters.event_received(run.definition.name, type, delivered.created_at, clock.now())

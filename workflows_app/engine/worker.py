@@ -28,7 +28,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 
 from ..models import Status
-from . import clock, registry, spans, store
+from . import clock, meters, registry, spans, store
 from .runner import Run
 from .store import History
 
@@ -865,6 +865,8 @@ class Worker:
             inst = loaded.instance
             if inst.lease_token != token:
                 return "aborted"
+            if inst.run_count == 1:  # its first claim, even one that cannot run it
+                meters.instance_started(inst.workflow, inst.created_at, inst.started_at)
             definition = registry.find_definition(inst.workflow, inst.version)
             if definition is None:
                 reason = f"version {inst.version} of workflow {inst.workflow!r} is not registered in this worker"
@@ -875,7 +877,7 @@ class Worker:
                     f"instance was taken over {inst.unproductive_claims} times without completing a step: "
                     "its run keeps killing or hanging its worker (poison instance); fix it, then restart"
                 )
-                await self.db(
+                ended = await self.db(
                     store.finish,
                     pk,
                     token,
@@ -899,6 +901,8 @@ class Worker:
                         "span_id": "",
                     },
                 )
+                if ended:  # not when the lease was lost meanwhile
+                    meters.instance_finished(inst.workflow, Status.ERRORED)
                 return Status.ERRORED
             run = Run(
                 definition,

@@ -26,7 +26,7 @@ from ...models import (
     StepRecord,
     StepStatus,
 )
-from .. import clock, lifecycle, retention, spans
+from .. import clock, lifecycle, meters, retention, spans
 from ..attributes import index_text
 from ..errors import (
     InstanceAlreadyExists,
@@ -1041,6 +1041,10 @@ def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
             actor,
             f"parent {parent.workflow}/{parent.instance_id} ended",
             now,
+        )
+        # Counted once the transaction commits, as an operator's terminate is (client.py).
+        transaction.on_commit(
+            functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
         )
         if on_child_terminated is not None:  # a worker running the child stops its run
             transaction.on_commit(functools.partial(on_child_terminated, child.pk))
