@@ -11,7 +11,7 @@ import pytest
 
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, current_step, register
-from workflows_app.engine.worker import Worker
+from workflows_app.engine.worker import Worker, db_threads_default
 from workflows_app.live import EngineHooks
 from workflows_app.models import Instance, StepRecord
 
@@ -37,7 +37,15 @@ def record_execution():
 
 def run_worker(name: str, errors: list[BaseException]) -> None:
     async def main():
-        worker = Worker(worker_id=name, concurrency=8, hooks=EngineHooks())
+        # Two database threads each (four on PostgreSQL by default): four workers in one
+        # process would take the pool's 16 connections, and a thread of the process
+        # holding one more (the dashboard hub's reader) made a worker wait 30 s for one.
+        worker = Worker(
+            worker_id=name,
+            concurrency=8,
+            db_threads=min(2, db_threads_default()),
+            hooks=EngineHooks(),
+        )
         await worker.start()
         try:
             await worker.run_until_idle(timeout=60)
