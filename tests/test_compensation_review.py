@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from tests.engine_thread import run_engine_in_background
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register, store
@@ -24,20 +25,6 @@ calls: Counter[str] = Counter()
 @pytest.fixture(autouse=True)
 def _reset_calls():
     calls.clear()
-
-
-def run_engine_in_background():
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["runs"] = testing.run_until_idle(timeout=30)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread, box
 
 
 # --- 1. a sibling branch that completes while a failure's compensations run ---------------

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from tests.engine_thread import run_engine_in_background
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
@@ -40,15 +41,6 @@ class Gate:
         return body
 
 
-def run_engine_in_background():
-    box = {}
-    thread = threading.Thread(
-        target=lambda: box.setdefault("runs", testing.run_until_idle(timeout=20))
-    )
-    thread.start()
-    return thread, box
-
-
 def test_pause_while_a_step_runs_is_waiting_for_pause_then_paused_at_the_boundary(registered):
     gate = Gate()
 
@@ -60,7 +52,7 @@ def test_pause_while_a_step_runs_is_waiting_for_pause_then_paused_at_the_boundar
             return "done"
 
     inst = get_workflow("pausable").create()
-    thread, _ = run_engine_in_background()
+    thread, _ = run_engine_in_background(timeout=20)
     assert gate.started.wait(10)
     assert inst.pause() == "waitingForPause"
     assert inst.status().status == "waitingForPause"
@@ -86,7 +78,7 @@ def test_resume_before_the_boundary_cancels_a_pending_pause(registered):
             return "done"
 
     inst = get_workflow("pause-undone").create()
-    thread, _ = run_engine_in_background()
+    thread, _ = run_engine_in_background(timeout=20)
     assert gate.started.wait(10)
     assert inst.pause() == "waitingForPause"
     assert inst.resume() == "running"  # changed one's mind while the step still runs
@@ -129,7 +121,7 @@ def test_terminate_stops_a_running_step_and_nothing_runs_after_it(registered):
             await step.do("after", lambda: calls.update(["after"]))
 
     inst = get_workflow("terminable").create()
-    thread, _ = run_engine_in_background()
+    thread, _ = run_engine_in_background(timeout=20)
     assert gate.started.wait(10)
     assert inst.terminate() is True
     gate.release.set()
@@ -189,7 +181,7 @@ def test_restart_of_a_running_instance_is_not_touched_by_the_old_run(registered)
             return first
 
     inst = get_workflow("restart-running").create()
-    thread, _ = run_engine_in_background()
+    thread, _ = run_engine_in_background(timeout=20)
     assert gate.started.wait(10)
     inst.restart()
     gate.release.set()  # the old run's step now finishes: its checkpoint must be refused

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from tests.engine_thread import run_engine_in_background
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, store
@@ -23,20 +24,6 @@ LIVE = {"queued", "running", "paused", "waiting", "waitingForPause", "compensati
 @pytest.fixture(autouse=True)
 def _reset_effects():
     effects.clear()
-
-
-def run_engine_in_background():
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["runs"] = testing.run_until_idle(timeout=30)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread, box
 
 
 def test_a_child_started_by_a_run_a_cancel_with_compensation_overtook_is_not_left_running(

@@ -1,15 +1,15 @@
 """Review of tracing and metrics: each test failed on the code it was written against,
 for the reason its docstring gives (file:line of the fault)."""
 
+# ruff: noqa: F811  (the fixture imported from tests/test_tracing.py is a test parameter)
 from __future__ import annotations
 
 import contextlib
 from datetime import UTC, datetime
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.test_tracing import exported  # noqa: F401  (a fixture: the spans exported)
 from workflows_app import dashboard, testing, tracing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
@@ -20,15 +20,6 @@ from workflows_app.models import ErrorRecord, Span
 
 pytestmark = pytest.mark.django_db(transaction=True)
 START = datetime(2026, 3, 1, tzinfo=UTC)
-_exporter = InMemorySpanExporter()
-tracing.add_processor(SimpleSpanProcessor(_exporter))
-
-
-@pytest.fixture
-def exported():
-    _exporter.clear()
-    yield _exporter
-    _exporter.clear()
 
 
 def stored(inst) -> list[Span]:
