@@ -346,28 +346,27 @@ class Run:
     def _workflow_ended(self, _: asyncio.Task[Any]) -> None:
         self.changed.set()
 
-    def _stop_branches(self) -> list[asyncio.Task[Any]]:
+    async def _stop_branches(self) -> None:
         """Cancel the branches still at work once run() has ended (a gathered sibling of a
-        branch that failed): the compensations undo what was checkpointed, and nothing
-        completes behind them. A sync step's thread is told (ctx.cancelled); its result
-        is discarded, as at a terminate. Returns the cancelled tasks, to be awaited (for at
-        most BRANCH_STOP_SECONDS: a branch whose own code swallows the cancellation may go
-        on, but any step it asks for raises RunAborted)."""
+        branch that failed) and wait for them (at most BRANCH_STOP_SECONDS: a branch whose
+        own code swallows the cancellation may go on, but any step it asks for raises
+        RunAborted): the compensations undo what was checkpointed, and nothing completes
+        behind them. A sync step's thread is told (ctx.cancelled); its result is discarded,
+        as at a terminate."""
         self.branches_stopped = True
         for context in self.sync_attempts:
             context.abandon()
         current = asyncio.current_task()
         left = [t for t in self.branches if t is not current and not t.done()]
+        self.branches.clear()
         for task in left:
             task.cancel()
-        self.branches.clear()
-        return left
+        if left:
+            await asyncio.wait(left, timeout=BRANCH_STOP_SECONDS)
 
     async def _unwind(self) -> str:
         """Run the compensations of completed steps, newest first, each as a durable step."""
-        stopped = self._stop_branches()
-        if stopped:
-            await asyncio.wait(stopped, timeout=BRANCH_STOP_SECONDS)
+        await self._stop_branches()
         self.unwinding = True
         self.blocked = 0
         self.awaited_types.clear()
@@ -441,9 +440,7 @@ class Run:
         if self.fatal is not None:
             exc = self.fatal
         if not self.unwinding:
-            stopped = self._stop_branches()
-            if stopped:
-                await asyncio.wait(stopped, timeout=BRANCH_STOP_SECONDS)
+            await self._stop_branches()
         if exc is None and self.unwinding and self.failure is not None:
             exc = self.failure
             history_first = [History("compensation.completed", {"reason": "failure"})]

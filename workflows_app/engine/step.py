@@ -296,9 +296,6 @@ class _Resumed:
                     return returned.value
 
 
-_RETRY = object()  # Step._attempt: the attempt failed, the next one starts now
-
-
 class Step:
     """The `step` argument of run(): one per run of an instance."""
 
@@ -390,61 +387,54 @@ class Step:
         run, name = self._run, record.label
         while True:
             with spans.child_span(run.span, f"step {name}", attributes):
-                result = await self._attempt(record, fn, policy, timeout_ms, activity, sensitive)
-            if result is not _RETRY:
-                return result
-
-    async def _attempt(
-        self,
-        record: StepRecord,
-        fn: Callable[..., Any],
-        policy: RetryPolicy,
-        timeout_ms: int,
-        activity: Any,
-        sensitive: bool,
-    ) -> Any:
-        """One attempt: its result, _RETRY (attempt again now), or it raises."""
-        run, name = self._run, record.label
-        if record.attempts >= policy.limit + 1:
-            # The limit may have been lowered after a crash: fail with the real last error.
-            raise await run.fail_step(record, None, nonretryable=False)
-        record.attempts += 1
-        record.status = StepStatus.RUNNING
-        # No write before the attempt: its start is recorded with its outcome, in the one
-        # transaction a checkpoint costs. A crash mid-attempt re-runs it (at-least-once).
-        started = [
-            History(
-                "step.started",
-                {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()},
-            )
-        ]
-        run.notify("step_started", run, record)
-        try:
-            with meters.timed_attempt(run.definition.name, name):
-                result = await run.attempt(record, fn, timeout_ms)
-            output_json = encode_step_output(result, name, run.limits)
-            faults.hit("after_side_effect")
-        except (NonRetryableError, StepOutputError) as exc:
-            raise await run.fail_step(record, exc, nonretryable=True, history=started) from exc
-        except Exception as exc:  # a failed attempt: retry or give up
-            if record.attempts >= policy.limit + 1:
-                raise await run.fail_step(record, exc, nonretryable=False, history=started) from exc
-            delay = policy.delay_after(record.attempts)
-            await run.schedule_retry(record, exc, delay, history=started)
-            if delay > 0:
-                await activity.block(wake_at=record.wake_at)
-            return _RETRY
-        record.status = StepStatus.COMPLETE
-        record.output_json = seal(output_json, sensitive)
-        record.completed_at = clock.now()
-        record.wake_at = None
-        await run.write(
-            record,
-            [*started, History("step.completed", {"step": name, "attempt": record.attempts})],
-            progress=True,
-            hold=True,
-        )
-        return json.loads(output_json)
+                if record.attempts >= policy.limit + 1:
+                    # The limit may have been lowered after a crash: fail with the real last error.
+                    raise await run.fail_step(record, None, nonretryable=False)
+                record.attempts += 1
+                record.status = StepStatus.RUNNING
+                # No write before the attempt: its start is recorded with its outcome, in the
+                # one transaction a checkpoint costs. A crash mid-attempt re-runs it
+                # (at-least-once).
+                started = [
+                    History(
+                        "step.started",
+                        {"step": name, "attempt": record.attempts, "at": clock.now().isoformat()},
+                    )
+                ]
+                run.notify("step_started", run, record)
+                try:
+                    with meters.timed_attempt(run.definition.name, name):
+                        result = await run.attempt(record, fn, timeout_ms)
+                    output_json = encode_step_output(result, name, run.limits)
+                    faults.hit("after_side_effect")
+                except (NonRetryableError, StepOutputError) as exc:
+                    raise await run.fail_step(
+                        record, exc, nonretryable=True, history=started
+                    ) from exc
+                except Exception as exc:  # a failed attempt: retry or give up
+                    if record.attempts >= policy.limit + 1:
+                        raise await run.fail_step(
+                            record, exc, nonretryable=False, history=started
+                        ) from exc
+                    delay = policy.delay_after(record.attempts)
+                    await run.schedule_retry(record, exc, delay, history=started)
+                    if delay > 0:
+                        await activity.block(wake_at=record.wake_at)
+                    continue
+                record.status = StepStatus.COMPLETE
+                record.output_json = seal(output_json, sensitive)
+                record.completed_at = clock.now()
+                record.wake_at = None
+                await run.write(
+                    record,
+                    [
+                        *started,
+                        History("step.completed", {"step": name, "attempt": record.attempts}),
+                    ],
+                    progress=True,
+                    hold=True,
+                )
+                return json.loads(output_json)
 
     def _step_config(
         self, name: str, retries: dict[str, Any] | None, timeout: Any

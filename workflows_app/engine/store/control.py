@@ -29,6 +29,7 @@ from ...models import (
 from .. import clock, lifecycle, meters, retention, spans
 from ..attributes import index_text
 from ..errors import (
+    EventPayloadInvalid,
     InstanceAlreadyExists,
     InstanceNotFound,
     InvalidInput,
@@ -1212,17 +1213,15 @@ def send_event(
             # Refused only when no wait of this type would take it: an untyped one takes
             # anything, a typed one what its schema accepts (parallel waits each their own).
             if schemas and None not in schemas:
-                refusal: Exception | None = None
+                refusals: list[EventPayloadInvalid] = []
                 for schema in schemas:
                     try:
                         validate(schema)
-                    except Exception as exc:
-                        refusal = refusal or exc
-                    else:
                         break
+                    except EventPayloadInvalid as exc:
+                        refusals.append(exc)
                 else:
-                    assert refusal is not None
-                    raise refusal
+                    raise refusals[0]  # the oldest wait's reasons
         event = InboxEvent.objects.create(
             instance_id=inst.pk,
             type=event_type,

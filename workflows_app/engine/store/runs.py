@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -875,14 +875,14 @@ def park(
     pause: bool,
     awaited_types: Sequence[str],
     reason: str = "",
-    events_seen: int | dict[str, int] = 0,
+    events_seen: Mapping[str, int] | None = None,
     unwinding: bool = False,
 ) -> tuple[str, datetime | None]:
     """Free the worker: store when the instance is due next and release the lease.
 
     The wake time is read from the step rows (sleep ends, retry times, event timeouts), so
     a skip_sleep that landed during the run is honoured. An event of an awaited type that
-    arrived during the run (id above events_seen) makes the instance due at once: no
+    arrived during the run (id above events_seen's for its type) makes the instance due at once: no
     wake-up is lost. The row, not the run, says whether a pause holds: a run that stopped
     early (for a pause resumed meanwhile, or its worker shutting down) is due at once.
     Returns the new status and when the instance is due next (None: when told). A
@@ -892,9 +892,7 @@ def park(
     now = clock.now()
     # The newest event id the run read, per awaited type: one read of another type saw
     # newer ids, and an event of this type that came meanwhile is still unseen.
-    if isinstance(events_seen, int):
-        events_seen = {t: events_seen for t in awaited_types}
-    seen = {t: events_seen.get(t, 0) for t in awaited_types}
+    seen = {t: (events_seen or {}).get(t, 0) for t in awaited_types}
     if writes_in_one_statement():
         parked = _park_at_once(pk, token, pause, awaited_types, reason, seen, now, unwinding)
         if parked is not None:
