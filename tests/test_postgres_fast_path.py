@@ -137,7 +137,7 @@ def test_an_event_sent_while_the_a_backend_waits_for_a_lock_is_not_lost(register
 
     def park() -> None:
         try:
-            outcome["parked"] = runs.park(pk, token, False, ["go"], "", 0)
+            outcome["parked"] = runs.park(pk, token, False, ["go"], "", {"go": 0})
         finally:
             connections.close_all()
 
@@ -210,6 +210,9 @@ def test_a_hint_workers_hear_by_notify_is_not_sent_through_redis_as_well(
     settings.CHANNEL_LAYERS = {"default": redis_channel_layer(redis_url)}
     channel_layers.backends.clear()
     monkeypatch.setattr(channel_layers, "backends", {})  # the test's layer goes with it
+    # A dashboard page is open (a hub says so in Redis): page messages are sent. Without
+    # it this process's look at Redis decided, and found a page only where another had one.
+    asyncio.run(live.mark_pages_open(channel_layers["default"]))
 
     @register("fast-path-hinted")
     class Hinted(WorkflowEntrypoint):
