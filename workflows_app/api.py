@@ -433,6 +433,7 @@ BULK_FIELDS = {
     "event_type",
     "payload",
     "from_step",
+    "to_version",
     "compensate",
 }
 
@@ -467,6 +468,7 @@ def start_bulk_job(call: Call, name: str) -> JsonResponse:
         from_step=body.get("from_step"),
         compensate=compensate,
         actor=call.actor,
+        to_version=body.get("to_version"),
     )
     return ok(surfaces.bulk_job_json(job), status=202)
 
@@ -499,8 +501,8 @@ def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
 
 
 def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:
-    body = call.object_body({"status", "from_step"})
-    action, from_step = body.get("status"), body.get("from_step")
+    body = call.object_body({"status", "from_step", "version"})
+    action, from_step, version = body.get("status"), body.get("from_step"), body.get("version")
     if action not in ("pause", "resume", "terminate", "restart"):
         raise ApiError(
             400,
@@ -511,9 +513,11 @@ def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:
         raise ApiError(
             400, "InvalidInput", "from_step must be a step name (a string), and only with restart"
         )
+    if version is not None and action != "restart":
+        raise ApiError(400, "InvalidInput", "version is taken only with restart")
     handle = instance(name, instance_id)
     if action == "restart":
-        handle.restart(from_step=from_step, actor=call.actor)
+        handle.restart(from_step=from_step, actor=call.actor, version=version)
     elif action == "terminate":
         if not handle.terminate(actor=call.actor):
             raise errors.InvalidTransition(

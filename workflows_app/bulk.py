@@ -45,7 +45,7 @@ def _cancel(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
 
 
 def _restart(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
-    h.restart(from_step=options.get("from_step"), actor=actor)
+    h.restart(from_step=options.get("from_step"), actor=actor, version=options.get("to_version"))
     return True
 
 

@@ -333,14 +333,8 @@ class WorkflowBinding:
             raise errors.InvalidInput(
                 f"unknown status {status!r}; statuses: {', '.join(Status.values)}"
             )
-        if version is not None and (
-            not isinstance(version, int)
-            or isinstance(version, bool)
-            or not 1 <= version <= MAX_VERSION
-        ):
-            raise errors.InvalidInput(
-                f"version must be an integer from 1 to {MAX_VERSION}, got {version!r}"
-            )
+        if version is not None:
+            check_version(version)
         query = Instance.objects.filter(workflow=self.name)
         if status is not None:
             query = query.filter(status=status)
@@ -382,15 +376,16 @@ class WorkflowBinding:
         from_step: str | None = None,
         compensate: bool = True,
         actor: Any = None,
+        to_version: int | None = None,
     ) -> BulkJobHandle:
         """Apply an action to every instance the filter matches now, in the background.
 
         The matching instances are fixed when the job starts; workers (or `wf bulk`) apply
-        the action in batches. send_event takes event_type and payload; restart from_step;
-        cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
+        the action in batches. send_event takes event_type and payload; restart from_step
+        and to_version (the version they run on from then on); cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
         """
         instances = self.matching(status, version, attributes, created_before, created_after)
-        options = self.bulk_options(action, event_type, payload, from_step, compensate)
+        options = self.bulk_options(action, event_type, payload, from_step, compensate, to_version)
         shown: dict[str, Any] = {
             "status": status,
             "version": version,
@@ -421,6 +416,7 @@ class WorkflowBinding:
         payload: Any,
         from_step: str | None,
         compensate: bool,
+        to_version: int | None = None,
     ) -> dict[str, Any]:
         """Check the action and its options once, before any instance is touched."""
         if action not in BulkAction.values:
@@ -432,6 +428,7 @@ class WorkflowBinding:
             "payload": payload is not None,
             "from_step": from_step is not None,
             "compensate": compensate is not True,
+            "to_version": to_version is not None,
         }
         allowed = BULK_OPTIONS.get(action, set())
         misplaced = sorted(k for k, present in given.items() if present and k not in allowed)
@@ -461,7 +458,12 @@ class WorkflowBinding:
                 raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")
             if from_step is not None:
                 check_text(from_step, "from_step")
-            return {"from_step": from_step} if from_step else {}
+            if to_version is not None:
+                InstanceHandle(self.name, "")._workflow_version(to_version)  # registered?
+            return {
+                **({"from_step": from_step} if from_step else {}),
+                **({"to_version": to_version} if to_version is not None else {}),
+            }
         if action == BulkAction.CANCEL:
             if not isinstance(compensate, bool):
                 raise errors.InvalidInput(f"compensate must be True or False, got {compensate!r}")
@@ -572,6 +574,13 @@ def instance_info(row: Instance) -> InstanceInfo:
     )
 
 
+def check_version(version: Any) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
+        raise errors.InvalidInput(
+            f"version must be an integer from 1 to {MAX_VERSION}, got {version!r}"
+        )
+
+
 class InstanceHandle:
     """One instance of a workflow, by id. Methods read and write the database each call."""
 
@@ -589,7 +598,7 @@ class InstanceHandle:
 
     def _limits(self) -> Limits:
         """The limits of the instance's version; the settings' limits if its code is gone.
-        (An instance's version never changes: the row read once will do.)"""
+        (Only restart(version=) changes it, and it drops the row it read.)"""
         return limits_for(self.workflow, self.row(refresh=False).version)
 
     def row(self, refresh: bool = True) -> Instance:
@@ -730,12 +739,27 @@ class InstanceHandle:
             _after_commit("terminate", self.row(refresh=False).pk, self.workflow)
         return done
 
-    def restart(self, from_step: str | None = None, actor: Any = None) -> str:
+    def restart(
+        self, from_step: str | None = None, actor: Any = None, version: int | None = None
+    ) -> str:
+        """Run again from the beginning, or from `from_step` (its checkpoint and every later
+        one dropped). `version`: run on that registered version from now on (a fixed
+        version of a failing one; the kept checkpoints replay on its code), not its own."""
         if from_step is not None:
             check_text(from_step, "from_step")
-        status = store.restart(self.workflow, self.id, self._limits(), from_step, _actor(actor))
+        limits = self._limits() if version is None else self._workflow_version(version).limits()
+        status = store.restart(self.workflow, self.id, limits, from_step, _actor(actor), version)
+        self._row = None  # its version may have changed: the next look reads the row
         _after_commit("restart", self.row(refresh=False).pk, self.workflow)
         return status
+
+    def _workflow_version(self, version: Any) -> Definition:
+        """The definition of a registered version of this workflow, or a clear error."""
+        check_version(version)
+        try:
+            return get_definition(self.workflow, version)
+        except errors.UnknownWorkflow as error:  # the workflow is known: the version is wrong
+            raise errors.InvalidInput(str(error)) from None
 
     def skip_sleep(self, actor: Any = None) -> int:
         woken = store.skip_sleep(self.workflow, self.id, _actor(actor))
@@ -798,7 +822,7 @@ class InstanceHandle:
 
 BULK_OPTIONS = {
     BulkAction.SEND_EVENT: {"event_type", "payload"},
-    BulkAction.RESTART: {"from_step"},
+    BulkAction.RESTART: {"from_step", "to_version"},
     BulkAction.CANCEL: {"compensate"},
 }
 

@@ -900,6 +900,16 @@ class InstanceDetail:
     def restartable_steps(self) -> list[str]:
         return [s.record.name for s in self.steps if s.record.kind != StepKind.COMPENSATE]
 
+    @property
+    def other_versions(self) -> list[int]:
+        """The registered versions of its workflow besides its own, newest first: a restart
+        may move it to one (the fix of a version that fails)."""
+        own, name = self.instance.version, self.instance.workflow
+        return sorted(
+            (d.version for d in all_definitions() if d.name == name and d.version != own),
+            reverse=True,
+        )
+
 
 def instance_detail(pk: int) -> InstanceDetail:
     """Everything the detail page shows: one query per table."""

@@ -90,6 +90,7 @@ class SendEventForm(forms.Form):
 
 class RestartForm(forms.Form):
     from_step = forms.CharField(required=False, max_length=300)
+    version = forms.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
 
 
 class CancelForm(forms.Form):
@@ -185,3 +186,6 @@ class BulkJobForm(forms.Form):
     event_type = forms.CharField(required=False, max_length=100, label="Event type")
     payload = JSONField(label="Payload (JSON)")
     from_step = forms.CharField(required=False, max_length=300, label="From step")
+    to_version = forms.IntegerField(
+        required=False, min_value=1, max_value=2**31 - 1, label="On version"
+    )

@@ -291,6 +291,10 @@ SCHEMAS: dict[str, Any] = {
             "event_type": {"type": "string", "description": "send_event: the event's type"},
             "payload": ANY,
             "from_step": {"type": "string", "description": "restart: from this step"},
+            "to_version": {
+                "type": "integer",
+                "description": "restart: the registered version they run on from then on",
+            },
             "compensate": {"type": "boolean", "default": True, "description": "cancel"},
         },
         required=["action"],
@@ -329,6 +333,11 @@ SCHEMAS: dict[str, Any] = {
             "from_step": {
                 "type": "string",
                 "description": "restart only: drop this step's checkpoint and later ones",
+            },
+            "version": {
+                "type": "integer",
+                "description": "restart only: run on this registered version from now on "
+                "(the kept checkpoints replay on its code); default: the instance's own",
             },
         },
         required=["status"],

@@ -343,9 +343,11 @@ def _terminate(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
 
 
 def _restart(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    from_step = _form_data(forms.RestartForm, request)["from_step"] or None
-    h.restart(from_step=from_step, actor=actor)
-    return f"Restarted from step “{from_step}”." if from_step else "Restarted from the beginning."
+    data = _form_data(forms.RestartForm, request)
+    from_step, version = data["from_step"] or None, data["version"]
+    h.restart(from_step=from_step, actor=actor, version=version)
+    said = f"Restarted from step “{from_step}”" if from_step else "Restarted from the beginning"
+    return said + (f" on version {version}." if version is not None else ".")
 
 
 def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
@@ -472,6 +474,7 @@ def start_bulk_job(request: HttpRequest) -> HttpResponse:
             data["payload"],
             data["from_step"] or None,
             True,
+            data["to_version"],
         )
         job = start_bulk_job_for(
             filters.workflow,

@@ -875,7 +875,8 @@ class Worker:
             if inst.unproductive_claims >= MAX_UNPRODUCTIVE_CLAIMS:
                 message = (
                     f"instance was taken over {inst.unproductive_claims} times without completing a step: "
-                    "its run keeps killing or hanging its worker (poison instance); fix it, then restart"
+                    "its run keeps killing or hanging its worker (poison instance); fix it in a new "
+                    "version, then restart it on that version (restart(version=N))"
                 )
                 ended = await self.db(
                     store.finish,

@@ -1053,12 +1053,21 @@ def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
 
 @retry_while_locked
 def restart(
-    name: str, instance_id: str, limits: Limits, from_step: str | None = None, actor: str = ""
+    name: str,
+    instance_id: str,
+    limits: Limits,
+    from_step: str | None = None,
+    actor: str = "",
+    version: int | None = None,
 ) -> str:
-    """Drop checkpoints (all, or from_step and every step started after it) and run again."""
+    """Drop checkpoints (all, or from_step and every step started after it) and run again,
+    on `version` if given (the fix of a version that fails), else on the instance's own."""
     now = clock.now()
     with transaction.atomic():
         inst = locked_instance(name, instance_id)
+        moved = version is not None and version != inst.version
+        if moved:
+            _check_idempotency_key_free(inst, version)
         steps = StepRecord.objects.filter(instance_id=inst.pk)
         if from_step is not None:
             anchor = (
@@ -1088,6 +1097,7 @@ def restart(
         # One that held a place keeps it; any other goes through admission with the queue.
         keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
         Instance.objects.filter(id=inst.pk).update(
+            version=version if moved else inst.version,
             status=Status.RUNNING if keeps_place else Status.QUEUED,
             wake_at=now if keeps_place else None,
             started_at=(inst.started_at or now) if keeps_place else None,
@@ -1110,7 +1120,12 @@ def restart(
             [
                 History(
                     "instance.restarted",
-                    {"from_step": from_step, "dropped_steps": dropped, "from": inst.status},
+                    {
+                        "from_step": from_step,
+                        "dropped_steps": dropped,
+                        "from": inst.status,
+                        **({"version": version, "from_version": inst.version} if moved else {}),
+                    },
                     actor,
                 )
             ],
@@ -1121,6 +1136,24 @@ def restart(
         admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
         _restart_children_it_ended(inst, child_steps, actor)
     return Status.RUNNING if admitted else Status.QUEUED
+
+
+def _check_idempotency_key_free(inst: Instance, version: int) -> None:
+    """An idempotency key names one instance of a workflow's version: moving this one to
+    `version` must not make two (the database's constraint would fail the restart)."""
+    key = inst.idempotency_key
+    if key is None:
+        return
+    taken = (
+        Instance.objects.filter(workflow=inst.workflow, version=version, idempotency_key=key)
+        .values_list("instance_id", flat=True)
+        .first()
+    )
+    if taken is not None:
+        raise InvalidInput(
+            f"instance {inst.instance_id!r} cannot move to version {version}: its idempotency key "
+            f"{key!r} is already instance {taken!r}'s on that version"
+        )
 
 
 def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: str) -> None:

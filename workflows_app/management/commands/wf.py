@@ -2,7 +2,7 @@
 
     wf list [--workflow W] [--status S] [--attr K=V]...  wf start W [--params JSON|@file] [--id ID | --count N]
     wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
-    wf pause|resume|terminate|skip-sleep|delete ID       wf restart ID [--from-step NAME]
+    wf pause|resume|terminate|skip-sleep|delete ID       wf restart ID [--from-step NAME] [--to-version N]
     wf cancel ID [--no-compensate]                       wf prune
     wf bulk ACTION -w W [--status S] [--attr K=V]... [--created-before ISO] [--background]
     wf token create NAME [--user U] [--scope read|write] [--workflow W]... [--expires 30d]
@@ -211,6 +211,9 @@ class Command(BaseCommand):
             verb("restart", self.do_restart, "run an instance again from the start or from a step")
         )
         sub.add_argument("--from-step", help="drop this step's checkpoint and every later one")
+        sub.add_argument(
+            "--to-version", type=int, help="run on this registered version from now on"
+        )
 
         sub = by_id(
             verb("cancel", self.do_cancel, "cancel an instance, compensating its completed steps")
@@ -236,6 +239,7 @@ class Command(BaseCommand):
         sub.add_argument("--type", dest="event_type", help="send_event: the event type")
         sub.add_argument("--payload", help="send_event: payload as JSON, or @file.json")
         sub.add_argument("--from-step", help="restart: from this step")
+        sub.add_argument("--to-version", type=int, help="restart: on this registered version")
         sub.add_argument("--no-compensate", action="store_true", help="cancel: no compensations")
         sub.add_argument(
             "--background",
@@ -515,10 +519,11 @@ class Command(BaseCommand):
 
     def do_restart(self, opts: argparse.Namespace) -> None:
         handle = find_instance(opts.id, opts.workflow)
-        handle.restart(from_step=opts.from_step, actor="cli")
-        self.report(
-            opts, handle, "restart" + (f" from {opts.from_step!r}" if opts.from_step else "")
-        )
+        handle.restart(from_step=opts.from_step, actor="cli", version=opts.to_version)
+        what = "restart" + (f" from {opts.from_step!r}" if opts.from_step else "")
+        if opts.to_version is not None:
+            what += f" on version {opts.to_version}"
+        self.report(opts, handle, what)
 
     def do_cancel(self, opts: argparse.Namespace) -> None:
         handle = find_instance(opts.id, opts.workflow)
@@ -556,6 +561,7 @@ class Command(BaseCommand):
             from_step=opts.from_step,
             compensate=not opts.no_compensate,
             actor="cli",
+            to_version=opts.to_version,
         )
         if not opts.background:
             with self.progress(opts, job.matched, f"bulk {opts.action}") as bar:
