@@ -462,6 +462,7 @@ class Worker:
         # by `wf prune`), a batch at a time between runs.
         self.prune_seconds = float(conf.get("PRUNE_SECONDS", 300))
         self._next_prune: datetime | None = None
+        self._next_catalog_touch = clock.now()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._heartbeat: asyncio.Future[None] | None = None  # serve()'s heartbeat loop
@@ -525,9 +526,26 @@ class Worker:
         definitions = registry.all_definitions()
         await self.db(store.wake_registered_versions, [(d.name, d.version) for d in definitions])
         await self.db(store.promote_all_queued, [(d.name, d.limits()) for d in definitions])
-        await self.db(
-            store.schedules.sync_declared, [(d.name, d.schedules) for d in newest_definitions()]
-        )
+        await self.sync_declared_schedules()
+
+    async def sync_declared_schedules(self) -> None:
+        assert self.db is not None
+        self._next_catalog_touch = clock.now() + store.catalog.VERSION_TOUCH
+        declared = [(d.name, d.version, d.schedules) for d in newest_definitions()]
+        await self.db(store.schedules.sync_declared, declared)
+
+    async def keep_catalog_once(self) -> None:
+        """Every VERSION_TOUCH: mark this process's versions as deployed, and sync the
+        declared schedules again (a newer version's workers may have gone: a rollback)."""
+        if self._stopping or clock.now() < self._next_catalog_touch:
+            return
+        assert self.db is not None
+        try:
+            versions = [(d.name, d.version) for d in registry.all_definitions()]
+            await self.db(store.touch_versions, versions)
+            await self.sync_declared_schedules()
+        except DatabaseError:  # not this loop pass's claim: it goes on, and tries next time
+            log.warning("worker %s: could not refresh its catalog rows", self.worker_id)
 
     async def stop(self, grace_seconds: float = 10.0) -> None:
         """Stop claiming; running steps may finish for a grace period but no new step
@@ -994,6 +1012,7 @@ class Worker:
                     await self.fire_due_schedules()
                     started = await self.claim_and_start()
                     await self.refresh_plans_once()
+                    await self.keep_catalog_once()
                     full = self._full = self.free_slots() <= 0
                     # Claim again at once only if the claim was cut short by the free places
                     # while places remain (more is due than it took).

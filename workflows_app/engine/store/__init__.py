@@ -14,7 +14,7 @@ database threads. Callers use this package's names (store.claim_runnable, ...).
 
 from __future__ import annotations
 
-from . import bulk, control, dialect, plans, schedules
+from . import bulk, catalog, control, dialect, plans, schedules
 from .catalog import (
     VERSION_MISSING,
     delete_instances,
@@ -22,6 +22,7 @@ from .catalog import (
     prunable,
     prune,
     sync_catalog,
+    touch_versions,
     wake_registered_versions,
 )
 from .control import (
@@ -95,6 +96,7 @@ __all__ = [
     "bulk",
     "cancel",
     "cancel_pending",
+    "catalog",
     "child_of",
     "claim_and_load",
     "claim_runnable",
@@ -139,6 +141,7 @@ __all__ = [
     "sync_catalog",
     "terminate",
     "terminate_batch",
+    "touch_versions",
     "transient",
     "unconsumed_events",
     "wake_registered_versions",

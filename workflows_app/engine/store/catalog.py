@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, Max, OuterRef, Q
 
 from ...models import (
     Instance,
@@ -59,6 +59,37 @@ def sync_catalog(name: str, version: int, source_hash: str, class_path: str, str
         row.class_path = class_path
         row.last_seen_at = now
         row.save(update_fields=["source_hash", "class_path", "last_seen_at"])
+
+
+# A version counts as deployed while its workers keep its catalog row fresh: each worker
+# touches its versions' rows every VERSION_TOUCH (and when it starts), and a row untouched
+# for VERSION_LIVE is a version whose workers are gone (a rollback, a finished rollout).
+VERSION_TOUCH = timedelta(minutes=10)
+VERSION_LIVE = timedelta(minutes=30)
+
+
+@retry_while_locked
+def touch_versions(versions: Sequence[tuple[str, int]]) -> None:
+    """This process runs these versions: they count as deployed for VERSION_LIVE more."""
+    if not versions:
+        return
+    these = Q()
+    for name, version in versions:
+        these |= Q(name=name, version=version)
+    WorkflowVersion.objects.filter(these).update(last_seen_at=clock.now())
+
+
+def newest_live_versions(names: Sequence[str]) -> dict[str, int]:
+    """The newest version of each of these workflows whose workers were seen within
+    VERSION_LIVE (a workflow none of whose versions were has no entry)."""
+    rows = (
+        WorkflowVersion.objects.filter(
+            name__in=list(names), last_seen_at__gte=clock.now() - VERSION_LIVE
+        )
+        .values("name")
+        .annotate(newest=Max("version"))
+    )
+    return {row["name"]: row["newest"] for row in rows}
 
 
 VERSION_MISSING = "version-missing: "

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..limits import Limits
 from ..registry import all_definitions
+from .catalog import newest_live_versions
 from .control import create_in_transaction
 from .dialect import retry_while_locked
 from .records import NewInstance
@@ -272,18 +273,36 @@ def _rename_unhashed(workflow: str, position: int, name: str) -> Schedule | None
 
 
 @retry_while_locked
-def sync_declared(declared: Sequence[tuple[str, Sequence[str]]]) -> None:
-    """Keep the declared schedules of these workflows in step with their code: create new
-    ones, update a changed cron (keeping paused), delete those no longer declared."""
+def sync_declared(declared: Sequence[tuple[str, int, Sequence[str]]]) -> None:
+    """Keep the declared schedules of these workflows (name, this process's newest
+    version, its crons) in step with their code: create new ones, update a changed cron
+    (keeping paused), delete those no longer declared. A workflow of which a newer version
+    is deployed is left to that version's workers: an old worker restarting in a rolling
+    deploy must not put back what the new code changed (after a rollback the newer
+    version's workers are gone, and the old declarations come back)."""
     now = clock.now()
+    newest = newest_live_versions([workflow for workflow, _, _ in declared])
+    for workflow, version, _ in declared:
+        if newest.get(workflow, 0) > version:
+            log.info(
+                "declared schedules of workflow %r left to its version %s (this process has %s)",
+                workflow,
+                newest[workflow],
+                version,
+            )
+    ours = [
+        (workflow, crons)
+        for workflow, version, crons in declared
+        if newest.get(workflow, 0) <= version
+    ]
     # Most workflows declare none: one read for them all, and a write only if one used to.
     undeclared = Schedule.objects.filter(
-        workflow__in=[workflow for workflow, crons in declared if not crons], declared=True
+        workflow__in=[workflow for workflow, crons in ours if not crons], declared=True
     )
     if undeclared.exists():
         with transaction.atomic():
             undeclared.delete()
-    for workflow, crons in declared:
+    for workflow, crons in ours:
         if not crons:
             continue
         with transaction.atomic():
