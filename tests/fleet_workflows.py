@@ -260,3 +260,21 @@ class FleetParent(WorkflowEntrypoint):
         out = await step.invoke("child", "fleet")
         started = await step.start("side", "fleet")
         return {"child": out, "side": started, "pid": os.getpid()}
+
+
+# --- workflows of tests/test_tracing_export.py ---------------------------------------------
+
+
+def project_work() -> str:
+    """A step body that makes a span of its own, as a project's instrumented code does."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("project.code").start_as_current_span("project work"):
+        return "ok"
+
+
+@register("traced-fleet")
+class TracedFleet(WorkflowEntrypoint):
+    async def run(self, event, step):
+        await step.do("first", project_work)
+        return await step.do("second", project_work)

@@ -1,5 +1,7 @@
 """OpenTelemetry set-up: the tracer provider, the processor that stores spans in the
 database for the dashboard, and OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+The export sampler (OTEL_TRACES_SAMPLER) decides what is exported, not what is stored:
+an instance's spans the sampler drops are still recorded, as not sampled.
 
 Spans end on the engine's event loop, where the ORM must not run; the processor only
 queues them, and the engine flushes the queue from its database thread after runs and
@@ -23,6 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 
 from .engine import spans as engine_spans
 from .engine.limits import storable_text
@@ -135,6 +138,39 @@ class InstanceTraceIds(IdGenerator):
             with self._lock:
                 if trace_id in self.known:
                     self.known.move_to_end(trace_id)
+
+
+class RecordInstanceTraces(Sampler):
+    """The configured sampler's decision, except that a span of an instance's trace it
+    drops is recorded all the same, not sampled: the store keeps every span of every
+    instance (the dashboard shows each instance's trace), while exporters, which take
+    only sampled spans, still export what the sampler chose. The sampler decides by
+    trace id or by the parent, so a trace is exported whole or not at all; the project's
+    own traces it drops stay unrecorded."""
+
+    def __init__(self, sampler: Sampler, trace_ids: InstanceTraceIds) -> None:
+        self.sampler = sampler
+        self._known = trace_ids.known
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        result = self.sampler.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+        if result.decision is Decision.DROP and trace_id in self._known:
+            return SamplingResult(Decision.RECORD_ONLY, attributes, result.trace_state)
+        return result
+
+    def get_description(self) -> str:
+        return f"RecordInstanceTraces{{{self.sampler.get_description()}}}"
 
 
 def _iso_time(nanoseconds: int) -> str:
@@ -371,7 +407,10 @@ def configure() -> TracerProvider:
             current.id_generator = trace_ids
             current.add_span_processor(_store)
             provider = current
-        else:
+        # Its sampler (OTEL_TRACES_SAMPLER's, or the project's) still decides what is
+        # exported; instances' spans are recorded whatever it decides.
+        provider.sampler = RecordInstanceTraces(provider.sampler, trace_ids)
+        if provider is not current:
             trace.set_tracer_provider(provider)
         _provider = provider
         engine_spans.set_enabled(True)

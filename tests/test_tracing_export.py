@@ -1,0 +1,113 @@
+"""Export of spans over OTLP next to their storage: the export sampler and a tracer
+provider the project installed itself. Each test failed on the code it was written
+against (see its docstring); the spans come from real processes through the real SDK
+and a local OTLP/HTTP receiver."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+from tests import fleet_workflows  # noqa: F401  (registers the workflows the workers run)
+from tests.polling import wait_until
+from workflows_app.client import get_workflow
+from workflows_app.models import Instance, Span
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class OtlpReceiver(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace endpoint on localhost: (trace id, span name) of each span."""
+
+    spans: list[tuple[str, str]]
+
+    def do_POST(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend((span.trace_id.hex(), span.name) for span in scope_spans.spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def otlp() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(endpoint URL, the spans received so far)."""
+    received: list[tuple[str, str]] = []
+    handler = type("Receiver", (OtlpReceiver,), {"spans": received})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", received
+    server.shutdown()
+    server.server_close()
+
+
+TRACED_FLEET_SPANS = Counter({"workflow traced-fleet": 1, "step first": 1, "step second": 1})
+TRACED_FLEET_SPANS["project work"] = 2
+
+
+@pytest.mark.parametrize(("sampler", "ratio"), [("always_off", ""), ("traceidratio", "0.5")])
+def test_the_export_sampler_chooses_the_exported_traces_and_every_trace_is_stored(
+    workers, otlp, sampler, ratio
+):
+    """OTEL_TRACES_SAMPLER decided what was stored as well as what was exported: its
+    dropped spans were never recorded (workflows_app/tracing.py configure(): the SDK's
+    provider reads it), so at 10 % nine instances in ten had no trace on the dashboard.
+    A worker sampling its export: every instance's whole trace (the engine's spans and
+    those the step's own code made) is stored, and exactly the traces the sampler chose
+    (by trace id) are exported, each whole."""
+    url, exported = otlp
+    count = 30
+    rows = [get_workflow("traced-fleet").create(id=f"s{n}").row() for n in range(count)]
+    traces = {row.trace_id for row in rows}
+    (worker,) = workers(
+        1,
+        OTEL_TRACES_SAMPLER=sampler,
+        OTEL_TRACES_SAMPLER_ARG=ratio,
+        OTEL_EXPORTER_OTLP_ENDPOINT=url,
+        OTEL_BSP_SCHEDULE_DELAY="50",
+    )
+    wait_until(
+        lambda: (
+            Instance.objects.filter(workflow="traced-fleet", status="complete").count() == count
+        ),
+        60,
+        "every instance to complete",
+    )
+    run_spans = Span.objects.filter(trace_id__in=traces).exclude(name__startswith="create ")
+    wait_until(
+        lambda: run_spans.count() == count * TRACED_FLEET_SPANS.total(),
+        30,
+        "every instance's spans to be stored",
+    )
+    assert worker.terminate() == 0  # its provider's shutdown at exit flushes the export
+
+    stored: dict[str, Counter[str]] = {trace_id: Counter() for trace_id in traces}
+    for trace_id, name in run_spans.values_list("trace_id", "name"):
+        stored[trace_id][name] += 1
+    assert all(names == TRACED_FLEET_SPANS for names in stored.values()), stored
+
+    decide = TraceIdRatioBased(float(ratio or 0))
+    chosen = {t for t in traces if decide.should_sample(None, int(t, 16), "").decision.is_sampled()}
+    if sampler == "traceidratio":
+        assert 0 < len(chosen) < count  # both kinds (each all alike once in 2**29 runs)
+    sent: dict[str, Counter[str]] = {}
+    for trace_id, name in exported:
+        sent.setdefault(trace_id, Counter())[name] += 1
+    assert set(sent) == chosen
+    assert all(names == TRACED_FLEET_SPANS for names in sent.values()), sent
