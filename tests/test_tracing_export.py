@@ -5,10 +5,14 @@ and a local OTLP/HTTP receiver."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
@@ -19,6 +23,7 @@ from workflows_app.client import get_workflow
 from workflows_app.models import Instance, Span
 
 pytestmark = pytest.mark.django_db(transaction=True)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class OtlpReceiver(BaseHTTPRequestHandler):
@@ -111,3 +116,77 @@ def test_the_export_sampler_chooses_the_exported_traces_and_every_trace_is_store
         sent.setdefault(trace_id, Counter())[name] += 1
     assert set(sent) == chosen
     assert all(names == TRACED_FLEET_SPANS for names in sent.values()), sent
+
+
+PROJECT_PROVIDER_SCRIPT = """
+import os
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+# The project's own provider, installed before Django starts (as Sentry's SDK does).
+project = TracerProvider()
+own = InMemorySpanExporter()
+project.add_span_processor(SimpleSpanProcessor(own))
+if os.environ.get("PROJECT_EXPORTS_OTLP") == "1":  # as opentelemetry-instrument sets up
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    project.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+trace.set_tracer_provider(project)
+
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.models import Span
+
+@register("exported")
+class Exported(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("exported").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+assert trace.get_tracer_provider() is project
+names = {"create exported", "workflow exported", "step only step"}
+assert names <= {span.name for span in own.get_finished_spans()}
+assert names <= set(Span.objects.values_list("name", flat=True))
+project.shutdown()  # flushes the batch exporters
+"""
+
+
+@pytest.mark.parametrize("project_exports_otlp", [False, True])
+def test_spans_are_exported_once_over_otlp_when_the_project_installed_its_own_provider(
+    otlp, tmp_path, project_exports_otlp
+):
+    """configure() added the OTLP exporter to a provider of its own, then used the
+    project's SDK provider instead (workflows_app/tracing.py, configure()): with
+    OTEL_EXPORTER_OTLP_ENDPOINT set, nothing was exported. Now the exporter goes to the
+    provider in use, unless that one exports over OTLP already: each span is sent once.
+    The project's own processors and the store get the spans as well."""
+    url, exported = otlp
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'project-provider.sqlite3'}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": url,
+        "PROJECT_EXPORTS_OTLP": "1" if project_exports_otlp else "0",
+        "WFDASH_DEMO": "0",
+    }
+    env.pop("REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", PROJECT_PROVIDER_SCRIPT],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    names = Counter(name for _, name in exported)
+    assert names == {"create exported": 1, "workflow exported": 1, "step only step": 1}

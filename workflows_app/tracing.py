@@ -379,42 +379,64 @@ _configure_lock = threading.Lock()
 
 
 def configure() -> TracerProvider:
-    """Install wfdash's tracer provider as the global one (once per process)."""
+    """Set up the global tracer provider once per process, since the engine's spans go
+    through the global one: wfdash's own, or the SDK provider the project installed
+    before (Sentry's SDK, its own set-up). The store, and the OTLP exporter when an
+    endpoint is set, are added to that provider: on a provider of ours that went unused,
+    the exporter exported nothing."""
     global _provider, _store
     with _configure_lock:
         if _provider is not None:
             return _provider
         trace_ids = InstanceTraceIds()
-        provider = TracerProvider(
-            resource=Resource.create(
-                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
-            ),
-            id_generator=trace_ids,
-        )
         _store = DatabaseSpanProcessor(trace_ids)
-        provider.add_span_processor(_store)
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-        ):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):
-            # The project already installed an SDK provider: add our storage to it, and our
-            # trace ids in front of its generator (tracers made from now on use them).
+            # Our trace ids in front of its generator (tracers made from now on use them).
             trace_ids.fallback = current.id_generator
             current.id_generator = trace_ids
-            current.add_span_processor(_store)
             provider = current
+        else:
+            provider = TracerProvider(
+                resource=Resource.create(
+                    {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
+                ),
+                id_generator=trace_ids,
+            )
         # Its sampler (OTEL_TRACES_SAMPLER's, or the project's) still decides what is
         # exported; instances' spans are recorded whatever it decides.
         provider.sampler = RecordInstanceTraces(provider.sampler, trace_ids)
+        provider.add_span_processor(_store)
+        if _otlp_endpoint_set() and not _exports_over_otlp(provider):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         if provider is not current:
             trace.set_tracer_provider(provider)
         _provider = provider
         engine_spans.set_enabled(True)
         return provider
+
+
+def _otlp_endpoint_set() -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def _exports_over_otlp(provider: TracerProvider) -> bool:
+    """Whether one of the provider's span processors exports with an OTLP exporter already
+    (opentelemetry-instrument's set-up does, from the same variables): a second one
+    would send every span twice. The SDK has no public list of processors: read its
+    own, and if that is not there, assume none."""
+    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ())
+    return any(
+        type(getattr(processor, "span_exporter", None)).__module__.startswith(
+            "opentelemetry.exporter.otlp"
+        )
+        for processor in processors
+    )
 
 
 def flush_spans() -> list[Any]:
