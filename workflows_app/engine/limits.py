@@ -282,7 +282,9 @@ def check_step_name(name: object, limits: Limits) -> str:
             limits.max_step_name_length,
             f"step name {name[:40]!r}…",
         )
-    return name
+    # Checkpoints, history and spans store the name: a NUL (PostgreSQL) or a lone
+    # surrogate (either database) would fail every write of the run, not the step.
+    return check_text(name, f"step name {name[:40]!r}")
 
 
 def error_name(name: str) -> str:
