@@ -23,6 +23,9 @@ DAY_MS = 86_400_000
 EVENT_TYPE_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}\Z")
 INSTANCE_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9_.:-]*\Z")
 BACKOFFS = ("constant", "linear", "exponential")
+# The most retries a step may ask for: its attempt counts (limit + 1) are stored in 32-bit
+# integer columns (PostgreSQL's integer).
+MAX_RETRY_LIMIT = 2**31 - 2
 MAX_ERROR_NAME_LENGTH = 200  # the error name columns (instance, step, error record)
 # An event payload is copied into its event.received history record up to this size; a
 # larger one leaves its size and start there (the whole payload is in the step's output).
@@ -132,6 +135,10 @@ class Limits:
                         )
                 elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise InvalidInput(f"limit {key} must be a non-negative integer, got {value!r}")
+                elif key == "default_retry_limit" and value > MAX_RETRY_LIMIT:
+                    raise InvalidInput(
+                        f"limit {key} must be an integer from 0 to {MAX_RETRY_LIMIT}, got {value!r}"
+                    )
                 values[key] = value
         return cls(**values)
 

@@ -48,6 +48,7 @@ from .errors import (
 from .limits import (
     BACKOFFS,
     INSTANCE_ID_PATTERN,
+    MAX_RETRY_LIMIT,
     Limits,
     check_event_type,
     check_instance_id,
@@ -459,9 +460,14 @@ class Step:
         limit = retries.get("limit")
         if limit is None:
             limit = limits.default_retry_limit
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        if (
+            not isinstance(limit, int)
+            or isinstance(limit, bool)
+            or not 0 <= limit <= MAX_RETRY_LIMIT
+        ):
             raise InvalidInput(
-                f'step "{name}": retries limit must be a non-negative integer, got {limit!r}'
+                f'step "{name}": retries limit must be an integer from 0 to {MAX_RETRY_LIMIT}, '
+                f"got {limit!r}"
             )
         delay = retries.get("delay")
         delay_ms = limits.default_retry_delay if delay is None else parse_duration(delay)
