@@ -497,7 +497,10 @@ class Step:
         run = self._run
 
         async def upsert() -> dict[str, Any]:
-            await run.db(store.merge_attributes, run.pk, run.token, checked)
+            try:
+                await run.db(store.merge_attributes, run.pk, run.token, checked)
+            except LimitExceeded as exc:  # too many keys with those kept: no retry helps
+                raise NonRetryableError(str(exc), "LimitExceeded") from None
             return checked
 
         return await self._do(name, upsert, {"limit": 3, "delay": 1000}, None, None)

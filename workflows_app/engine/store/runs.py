@@ -21,12 +21,15 @@ from ...models import (
     ErrorRecord,
     InboxEvent,
     Instance,
+    InstanceAttribute,
     Status,
     StepRecord,
     StepStatus,
 )
 from .. import clock, faults, retention
+from ..attributes import MAX_ATTRIBUTES
 from ..durations import LATEST_INSTANT
+from ..errors import LimitExceeded
 from ..limits import Limits
 from .catalog import VERSION_MISSING
 from .control import promote_queued
@@ -1064,6 +1067,19 @@ def merge_attributes(pk: int, token: str, attributes: dict[str, Any]) -> None:
     after a crash before the step's checkpoint writes the same values again."""
     with transaction.atomic():
         fence(pk, token, clock.now(), 0, None)
+        # The keys kept plus the keys set: at most MAX_ATTRIBUTES per instance, as at create.
+        kept = (
+            InstanceAttribute.objects.filter(instance_id=pk)
+            .exclude(key__in=list(attributes))
+            .count()
+        )
+        if kept + len(attributes) > MAX_ATTRIBUTES:
+            raise LimitExceeded(
+                "max attributes",
+                f"{kept + len(attributes)} ({kept} kept, {len(attributes)} set)",
+                MAX_ATTRIBUTES,
+                f"attributes of instance #{pk}",
+            )
         with sql_cursor() as cursor:
             cursor.execute(
                 f"UPDATE {INSTANCE_TABLE} SET attributes = {merge_json_sql('attributes')} "
