@@ -9,7 +9,7 @@ import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
 from workflows_app.engine.errors import InvalidInput
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -84,3 +84,44 @@ def test_a_default_retry_limit_past_what_the_attempt_columns_hold_is_refused_at_
         class HugeDefault(WorkflowEntrypoint):
             async def run(self, event, step):
                 return None
+
+
+class CardDeclined(NonRetryableError):
+    """A subclass with an __init__ of its own that does not call NonRetryableError's."""
+
+    def __init__(self, card: str) -> None:
+        self.card = card
+        Exception.__init__(self, f"card {card} declined")
+
+
+def test_a_non_retryable_subclass_that_skips_the_base_init_fails_its_step_by_its_name(
+    registered,
+):
+    """error_fields (step.py) read exc.error_name, which only NonRetryableError.__init__
+    sets: a subclass whose own __init__ calls Exception.__init__ made recording the failure
+    raise AttributeError inside the engine. The workflow got an AttributeError instead of
+    the failure, the instance errored as "AttributeError: 'CardDeclined' object has no
+    attribute 'error_name'" and the failed step was never checkpointed (no step row, no
+    step.failed record). Now the class's name stands in for the missing error_name."""
+
+    @register("declined-subclass")
+    class DeclinedSubclass(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def charge():
+                raise CardDeclined("4242")
+
+            return await step.do("charge", charge, retries={"limit": 3, "delay": 0})
+
+    inst = get_workflow("declined-subclass").create()
+    testing.run_until_idle(timeout=10)
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error == {"name": "CardDeclined", "message": "card 4242 declined"}
+    (record,) = inst.steps()
+    assert (record.status, record.attempts, record.last_error_name) == (
+        "failed",
+        1,
+        "CardDeclined",
+    )
+    failed = [h.data for h in inst.history() if h.type == "step.failed"]
+    assert [f["error"]["name"] for f in failed] == ["CardDeclined"]

@@ -167,7 +167,11 @@ def error_fields(exc: BaseException) -> tuple[str, str, str]:
     """(name, message, stack) of an exception, as stored and shown: text both databases
     store whatever the exception holds (a NUL, a lone surrogate, a str() that raises)."""
     if isinstance(exc, (NonRetryableError, StepRaised)):
-        name = exc.error_name
+        # A subclass whose own __init__ skips NonRetryableError's has no error_name (or
+        # one set to something else than a name): its class names it.
+        name = getattr(exc, "error_name", None)
+        if not isinstance(name, str) or not name:
+            name = type(exc).__name__
     elif isinstance(exc, StepFailed):
         return error_name(exc.error_name), exc.message, exc.stack
     else:
