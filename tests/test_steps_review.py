@@ -10,7 +10,8 @@ import pytest
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
-from workflows_app.engine.errors import InvalidInput
+from workflows_app.engine.durations import parse_duration
+from workflows_app.engine.errors import InvalidDuration, InvalidInput
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -125,3 +126,52 @@ def test_a_non_retryable_subclass_that_skips_the_base_init_fails_its_step_by_its
     )
     failed = [h.data for h in inst.history() if h.type == "step.failed"]
     assert [f["error"]["name"] for f in failed] == ["CardDeclined"]
+
+
+HUGE = 10**400  # an integer Python's float() refuses (past ~1.8e308)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "sleep",
+        "timeout",
+        "retry delay",
+        "wait timeout",
+        "negative sleep",
+        "sleep_until of 5,000 digits",
+    ],
+)
+def test_a_duration_or_instant_too_big_for_a_float_is_an_invalid_duration(registered, call):
+    """parse_duration did float(value) on any int: one past ~1e308 raised OverflowError,
+    not InvalidDuration naming the value (SPEC §1), so step.sleep("x", 10**400) errored the
+    instance as "OverflowError: int too large to convert to float", and the API's create
+    (`{"retention": 1000…0}`, `debounce`) answered 500. (repr() of an integer of over 4,300
+    digits raises too, so parse_instant's own message failed the same way.) Integers out of
+    range are now refused as integers, and messages show a huge one by its size."""
+
+    @register(f"huge-duration-{call}")
+    class HugeDuration(WorkflowEntrypoint):
+        async def run(self, event, step):
+            if call == "sleep":
+                await step.sleep("nap", HUGE)
+            elif call == "timeout":
+                await step.do("s", lambda: 1, timeout=HUGE)
+            elif call == "retry delay":
+                await step.do("s", lambda: 1, retries={"delay": HUGE})
+            elif call == "wait timeout":
+                await step.wait_for_event("w", type="go", timeout=HUGE)
+            elif call == "negative sleep":
+                await step.sleep("nap", -HUGE)
+            else:
+                await step.sleep_until("launch", 10**5000)
+
+    inst = get_workflow(f"huge-duration-{call}").create()
+    with testing.fake_clock():
+        testing.run_until_idle(timeout=10)
+    status = inst.status()
+    assert status.status == "errored"
+    assert status.error["name"] == "InvalidDuration", status.error
+    assert "digits" in status.error["message"]
+    with pytest.raises(InvalidDuration, match="longer than the longest duration"):
+        parse_duration(HUGE)  # what create(retention=…, debounce=…) and the API call

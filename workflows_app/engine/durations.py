@@ -49,6 +49,9 @@ def parse_duration(value: object) -> int:
         )
     if isinstance(value, timedelta):
         ms = value / timedelta(milliseconds=1)
+    elif isinstance(value, int) and not -MAX_DURATION_MS <= value <= MAX_DURATION_MS:
+        # Refused as an integer: float() of one past ~1e308 raises OverflowError.
+        ms = float(MAX_DURATION_MS + 1 if value > 0 else -1)
     elif isinstance(value, (int, float)):
         ms = float(value)
     elif isinstance(value, str):
@@ -71,13 +74,22 @@ def parse_duration(value: object) -> int:
     if not math.isfinite(ms):
         raise InvalidDuration(f"invalid duration {value!r}: not a finite number")
     if ms < 0:
-        raise InvalidDuration(f"invalid duration {value!r}: must not be negative")
+        raise InvalidDuration(f"invalid duration {_shown(value)}: must not be negative")
     if ms > MAX_DURATION_MS:
         raise InvalidDuration(
-            f"invalid duration {value!r}: longer than the longest duration wfdash stores, "
+            f"invalid duration {_shown(value)}: longer than the longest duration wfdash stores, "
             f"{MAX_DURATION_YEARS} years ({MAX_DURATION_MS} ms)"
         )
     return round(ms)
+
+
+def _shown(value: object) -> str:
+    """repr(value) for a message; an integer too long to print whole (repr refuses one of
+    over 4,300 digits) by its size."""
+    if isinstance(value, int) and abs(value) >= 10**40:
+        digits = int(abs(value).bit_length() * math.log10(2)) + 1
+        return f"{'-' if value < 0 else ''}<an integer of about {digits} digits>"
+    return repr(value)
 
 
 def parse_instant(value: object) -> datetime:
@@ -103,7 +115,7 @@ def parse_instant(value: object) -> datetime:
         )
     if instant is None or not EARLIEST_INSTANT <= instant <= LATEST_INSTANT:
         raise InvalidDuration(
-            f"invalid instant {value!r}: outside the dates wfdash stores, {INSTANT_RANGE}"
+            f"invalid instant {_shown(value)}: outside the dates wfdash stores, {INSTANT_RANGE}"
         )
     return instant
 
