@@ -47,3 +47,43 @@ def test_set_attributes_cannot_take_an_instance_past_the_key_limit(registered):
     assert row.attributes == {**full, "k0": "new"}
     assert InstanceAttribute.objects.filter(instance_id=row.pk).count() == MAX_ATTRIBUTES
     assert "extra" not in row.attributes
+
+
+def test_a_debounced_create_gives_the_pending_instance_its_attributes_too(registered):
+    """A create with a debounce_key that finds an instance not started yet hands it the
+    new params and priority (store._debounce) and returns it: the newest call describes
+    the instance. Its search attributes were dropped, though: the instance kept the
+    first call's, so list(attributes=…) found it by attributes that no longer matched its
+    params and never by the ones the latest create gave. Now the attributes (the JSON
+    column and the rows filters read) are the newest create's, as the params are."""
+
+    @register("debounced-attributes")
+    class DebouncedAttributes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    wf = get_workflow("debounced-attributes")
+    with testing.fake_clock():
+        first = wf.create(
+            params={"order": 1},
+            debounce_key="cart-7",
+            debounce="5 seconds",
+            attributes={"customer": "c-1", "draft": True},
+        )
+        again = wf.create(
+            params={"order": 2},
+            debounce_key="cart-7",
+            debounce="5 seconds",
+            attributes={"customer": "c-2"},
+        )
+        assert again.id == first.id and again.created is False
+        assert [i.id for i in wf.list(attributes={"customer": "c-2"}).instances] == [first.id]
+        assert wf.list(attributes={"customer": "c-1"}).instances == []
+        assert wf.list(attributes={"draft": True}).instances == []
+        (info,) = wf.list().instances
+        assert info.attributes == {"customer": "c-2"}
+        row = Instance.objects.get(pk=first.row().pk)
+        assert row.attributes == {"customer": "c-2"}
+        assert list(
+            InstanceAttribute.objects.filter(instance_id=row.pk).values_list("key", flat=True)
+        ) == ["customer"]

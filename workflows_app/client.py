@@ -176,9 +176,9 @@ class WorkflowBinding:
 
         priority 0-9 (lower starts first while queued); concurrency_key with
         limits={"max_concurrent_per_key": N}; debounce_key + debounce: an instance of that
-        key not started yet takes these params and starts `debounce` from now (returned
-        with created=False), else a new one starts after `debounce`. attributes: search
-        attributes (str/int/float/bool values) the list filters by.
+        key not started yet takes these params (and attributes) and starts `debounce` from
+        now (returned with created=False), else a new one starts after `debounce`.
+        attributes: search attributes (str/int/float/bool values) the list filters by.
         """
         item = {"id": id, "params": params, "idempotency_key": idempotency_key}
         item.update(retention=retention, priority=priority, concurrency_key=concurrency_key)

@@ -21,6 +21,7 @@ from ...models import (
     HistoryRecord,
     InboxEvent,
     Instance,
+    InstanceAttribute,
     Status,
     StepKind,
     StepRecord,
@@ -543,7 +544,8 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
 
 def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instance | None:
     """An instance with the item's debounce key that has not started: it takes the new
-    params and starts debounce after now. None if there is none."""
+    params (and search attributes: the newest create describes it) and starts debounce
+    after now. None if there is none."""
     pending = lock_rows(
         Instance.objects.filter(
             workflow=name,
@@ -557,6 +559,7 @@ def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instan
     admit_at = now + timedelta(milliseconds=item.debounce_ms or 0)
     Instance.objects.filter(id=pending.pk).update(
         params_json=item.params_json,
+        attributes=item.attributes,
         admit_at=admit_at,
         priority=item.priority,
         waiting_reason=DEBOUNCED + admit_at.isoformat(),
@@ -566,6 +569,9 @@ def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instan
         pending.pk, [History("instance.debounced", {"until": admit_at.isoformat()}, actor)], now
     )
     pending.refresh_from_db()
+    # The rows list filters read follow the JSON column, as at create.
+    InstanceAttribute.objects.filter(instance_id=pending.pk).delete()
+    index_attributes([pending])
     return pending
 
 
