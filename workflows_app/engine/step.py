@@ -447,13 +447,17 @@ class Step:
         if retries is None and timeout is None:  # the workflow's defaults: read once a run
             run = self._run
             if run.default_step_config is None:
+                if self._settled(name):  # not checked: not to be kept for the steps to come
+                    return self._read_step_config(name, None, None, settled=True)
                 run.default_step_config = self._read_step_config(name, None, None)
             return run.default_step_config
-        return self._read_step_config(name, retries, timeout)
+        return self._read_step_config(name, retries, timeout, self._settled(name))
 
     def _read_step_config(
-        self, name: str, retries: dict[str, Any] | None, timeout: Any
+        self, name: str, retries: dict[str, Any] | None, timeout: Any, settled: bool = False
     ) -> tuple[RetryPolicy, int]:
+        """settled: the step has its result already (its timeout is not checked against
+        the limits, which may have been lowered since)."""
         limits = self._run.limits
         retries = dict(retries or {})
         unknown = set(retries) - {"limit", "delay", "backoff"}
@@ -480,7 +484,7 @@ class Step:
         if backoff not in BACKOFFS:
             raise InvalidInput(f'step "{name}": backoff must be one of {BACKOFFS}, got {backoff!r}')
         timeout_ms = limits.default_step_timeout if timeout is None else parse_duration(timeout)
-        if timeout_ms > limits.max_step_timeout:
+        if timeout_ms > limits.max_step_timeout and not settled:
             raise LimitExceeded(
                 "max_step_timeout",
                 f"{timeout_ms} ms",
@@ -509,13 +513,24 @@ class Step:
 
         return await self._do(name, upsert, {"limit": 3, "delay": 1000}, None, None)
 
+    # The limits an operator may change (max_sleep, timeouts) judge a step when it starts:
+    # one started (a sleep's wake time, a wait's timeout are stored) or settled under the
+    # limits of its day replays as it was, not as an error after they were lowered.
+
+    def _started(self, name: str) -> bool:
+        return name in self._run.checkpoints
+
+    def _settled(self, name: str) -> bool:
+        record = self._run.checkpoints.get(name)
+        return record is not None and record.status in (StepStatus.COMPLETE, StepStatus.FAILED)
+
     # --- sleeps -----------------------------------------------------------------------
 
     async def sleep(self, name: str, duration: Any) -> None:
         """Park the instance for a duration (str, timedelta or milliseconds)."""
         ms = parse_duration(duration)
         limits = self._run.limits
-        if ms > limits.max_sleep:
+        if ms > limits.max_sleep and not self._started(name):
             raise LimitExceeded(
                 "max_sleep", f"{ms} ms", f"{limits.max_sleep} ms", f'sleep "{name}"'
             )
@@ -526,7 +541,7 @@ class Step:
         instant = parse_instant(until)
         limits = self._run.limits
         delay_ms = (instant - clock.now()) / timedelta(milliseconds=1)
-        if delay_ms > limits.max_sleep:
+        if delay_ms > limits.max_sleep and not self._started(name):
             raise LimitExceeded(
                 "max_sleep",
                 f"{int(delay_ms)} ms",
@@ -597,7 +612,7 @@ class Step:
         if (
             timeout_ms < limits.min_wait_for_event_timeout
             or timeout_ms > limits.max_wait_for_event_timeout
-        ):
+        ) and not self._started(name):
             raise LimitExceeded(
                 "wait_for_event timeout",
                 f"{timeout_ms} ms",
