@@ -16,6 +16,7 @@ import pytest
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.errors import InvalidInput
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,3 +72,33 @@ def test_an_instance_started_after_them_is_held_to_the_lowered_limits(long_flow,
     error = handle.status().error
     assert handle.status().status == "errored"
     assert error["name"] == "LimitExceeded" and "max_step_timeout" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"max_instance_id_length": 201}, "max_instance_id_length must be from 1 to 200"),
+        ({"max_step_name_length": 0}, "max_step_name_length must be from 1 to 300"),
+        (
+            {"default_step_timeout": "40 minutes"},
+            "default_step_timeout (2400000 ms) is outside max_step_timeout",
+        ),
+        (
+            {"max_wait_for_event_timeout": "1 hour"},
+            "default_wait_for_event_timeout (86400000 ms) is outside the wait_for_event timeout",
+        ),
+    ],
+)
+def test_limits_that_would_fail_every_create_or_step_are_refused_at_register(
+    registered, limits, message
+):
+    """A length past its column failed the first long id's create with a database error;
+    a default beyond its own bound failed every step or wait that took it."""
+    with pytest.raises(InvalidInput) as refused:
+
+        @register("inconsistent-limits", limits=limits)
+        class Inconsistent(WorkflowEntrypoint):
+            async def run(self, event: Any, step: Any) -> Any:
+                return None
+
+    assert message in str(refused.value)

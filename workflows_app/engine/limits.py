@@ -140,7 +140,41 @@ class Limits:
                         f"limit {key} must be an integer from 0 to {MAX_RETRY_LIMIT}, got {value!r}"
                     )
                 values[key] = value
-        return cls(**values)
+        built = cls(**values)
+        built._check_consistent()
+        return built
+
+    # What the columns hold: an instance id (Instance.instance_id), a step name
+    # (StepRecord.name).
+    _COLUMN_LENGTHS = (("max_instance_id_length", 200), ("max_step_name_length", 300))
+
+    def _check_consistent(self) -> None:
+        """Limits that would fail later, in a create or a run, are refused now: a length
+        past its column (a database error at the first long id), a default outside its
+        own bounds (every step or wait that takes it fails)."""
+        for key, column in self._COLUMN_LENGTHS:
+            if not 1 <= getattr(self, key) <= column:
+                raise InvalidInput(
+                    f"limit {key} must be from 1 to {column} (what its column holds), "
+                    f"got {getattr(self, key)}"
+                )
+        pairs = (
+            (
+                "default_step_timeout",
+                "max_step_timeout",
+                self.default_step_timeout <= self.max_step_timeout,
+            ),
+            (
+                "default_wait_for_event_timeout",
+                "the wait_for_event timeout bounds",
+                self.min_wait_for_event_timeout
+                <= self.default_wait_for_event_timeout
+                <= self.max_wait_for_event_timeout,
+            ),
+        )
+        for key, bound, within in pairs:
+            if not within:
+                raise InvalidInput(f"limit {key} ({getattr(self, key)} ms) is outside {bound}")
 
     @property
     def flow_controlled(self) -> bool:
