@@ -46,8 +46,11 @@ class Definition:
     source_hash: str = ""
     # Cron expressions of register(schedules=[...]): each becomes a declared Schedule.
     schedules: tuple[str, ...] = ()
-    # (the settings' LIMITS it was built from, the Limits): every run asks for its limits.
-    _built_limits: list[tuple[Any, Limits]] = field(default_factory=list, compare=False, repr=False)
+    # (the settings' LIMITS and the newest version it was built from, the Limits): every
+    # run asks for its limits.
+    _built_limits: list[tuple[Any, Definition, Limits]] = field(
+        default_factory=list, compare=False, repr=False
+    )
 
     @property
     def class_path(self) -> str:
@@ -60,19 +63,39 @@ class Definition:
 
     def limits(self) -> Limits:
         """Built once while the settings' LIMITS stay the same object (a test or a reload
-        that assigns new settings gets new limits)."""
+        that assigns new settings gets new limits) and no newer version is registered.
+
+        The flow-control limits (FLOW_LIMITS) are the workflow's, not the version's: its
+        queue holds every version's instances and every version's instances hold places,
+        so they come from its newest registered version, whatever version asks. A rollout
+        that adds, changes or drops one applies it to the instances of older versions too
+        (an older version's own would admit the queue past the new bound, or leave it
+        queued after an end that frees a place)."""
         from django.conf import settings
 
         configured = getattr(settings, "WFDASH", {}).get("LIMITS")
-        if self._built_limits and self._built_limits[0][0] is configured:
-            return self._built_limits[0][1]
-        built = Limits.build(configured, self.limits_overrides)
-        self._built_limits[:] = [(configured, built)]
+        newest = _newest(self.name) or self
+        built_from = self._built_limits[0] if self._built_limits else None
+        if built_from is not None and built_from[0] is configured and built_from[1] is newest:
+            return built_from[2]
+        own = {k: v for k, v in self.limits_overrides.items() if k not in FLOW_LIMITS}
+        flow = {k: v for k, v in newest.limits_overrides.items() if k in FLOW_LIMITS}
+        built = Limits.build(configured, own, flow)
+        self._built_limits[:] = [(configured, newest, built)]
         return built
 
 
 _lock = threading.Lock()
 _definitions: dict[str, dict[int, Definition]] = {}
+
+# The limits admission applies to a workflow's queue as a whole (Definition.limits).
+FLOW_LIMITS = frozenset({"max_concurrent_instances", "max_concurrent_per_key", "rate_limit"})
+
+
+def _newest(name: str) -> Definition | None:
+    with _lock:
+        versions = _definitions.get(name)
+        return versions[max(versions)] if versions else None
 
 
 def source_hash(cls: type) -> str:

@@ -1,0 +1,45 @@
+"""Flow control under everyday operations: found in a review of admission (SPEC §8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def statuses(insts) -> list[str]:
+    return [i.status().status for i in insts]
+
+
+def register_gated_version(name: str, version: int, **limits) -> None:
+    """A workflow version that holds its place until it gets a "go" event."""
+
+    @register(name, version=version, limits=limits)
+    class Gated(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go", timeout="1 day")
+            return version
+
+
+def test_a_rollout_that_adds_a_limit_holds_the_old_version_s_instances_to_it(registered):
+    """v1 ran without flow control; v2 adds max_concurrent_instances=1. The queue is the
+    workflow's (every version's instances hold places), so its admission follows the
+    workflow's current limits: a worker's start must not admit v2's queue under v1's
+    "no limit", a create of v1 must not skip it, and v1's end must start the next."""
+    register_gated_version("rollout", 1)
+    wf = get_workflow("rollout")
+    old = wf.create(id="old", version=1)
+    register_gated_version("rollout", 2, max_concurrent_instances=1)
+    new = wf.create(id="new")
+    assert statuses([old, new]) == ["running", "queued"]
+    testing.run_until_idle()  # a worker starts: the queue stays behind the one place
+    assert statuses([old, new]) == ["waiting", "queued"]
+    pinned = wf.create(id="pinned", version=1)  # an explicit old version queues too
+    assert pinned.status().status == "queued"
+    old.send_event("go")
+    testing.run_until_idle()  # v1's end frees the place: the next in line starts at once
+    assert statuses([old, new, pinned]) == ["complete", "waiting", "queued"]
