@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from workflows_app import testing
@@ -43,3 +45,27 @@ def test_a_rollout_that_adds_a_limit_holds_the_old_version_s_instances_to_it(reg
     old.send_event("go")
     testing.run_until_idle()  # v1's end frees the place: the next in line starts at once
     assert statuses([old, new, pinned]) == ["complete", "waiting", "queued"]
+
+
+def test_a_debounced_create_behind_a_full_queue_keeps_its_debounce(registered):
+    """A debounced instance created while the queue is full is not reached by the
+    admission pass: it must keep its "not before", not take the full queue's reason (whose
+    admit_at is none), or it starts as soon as a place frees, before its debounce ends."""
+    register_gated_version("debounce-full", 1, max_concurrent_instances=1)
+    wf = get_workflow("debounce-full")
+    with testing.fake_clock() as clock:
+        holder = wf.create(id="holder")
+        waiting = wf.create(id="waiting")
+        late = wf.create(id="late", debounce_key="k", debounce="10 seconds")
+        assert statuses([holder, waiting, late]) == ["running", "queued", "queued"]
+        assert late.status().waiting_reason.startswith("debounced until ")
+        assert late.row().admit_at == clock.now() + timedelta(seconds=10)
+        testing.run_until_idle()
+        holder.send_event("go")
+        testing.run_until_idle()
+        waiting.send_event("go")
+        testing.run_until_idle()  # the place is free, but the debounce has 10 s to go
+        assert statuses([holder, waiting, late]) == ["complete", "complete", "queued"]
+        clock.advance("10 seconds")
+        testing.run_until_idle()
+        assert late.status().status == "waiting"

@@ -348,11 +348,12 @@ class _Decided:
         # Keys whose queue the scan stopped reading, with why their instances wait.
         self.skipped = {key: admission.key_full(key) for key in at_bound}
         if undecided:  # new instances not reached (a full queue, a key at its bound): why
-            keys = dict(
-                Instance.objects.filter(id__in=undecided).values_list("id", "concurrency_key")
+            rows = Instance.objects.filter(id__in=undecided).values_list(
+                "id", "concurrency_key", "admit_at", "waiting_reason"
             )
-            for pk in undecided:
-                key = keys.get(pk)
+            for pk, key, admit_at, was in rows:
+                if admit_at is not None and admit_at > now and was.startswith(DEBOUNCED):
+                    continue  # its debounce is its reason until it ends (it keeps admit_at)
                 reason = admission.key_full(key) if key in at_bound else self.full
                 self.waiting.setdefault((reason, None), []).append(pk)
 
