@@ -69,3 +69,27 @@ def test_a_debounced_create_behind_a_full_queue_keeps_its_debounce(registered):
         clock.advance("10 seconds")
         testing.run_until_idle()
         assert late.status().status == "waiting"
+
+
+def test_a_debounce_after_a_rollout_runs_the_pending_instance_on_the_new_version(registered):
+    """An instance debounced before a deploy has not started: a create of the new version
+    with its key gives it the new version's params, so it must run the new version's code
+    (the one the create asked for), not the old code on params shaped for the new one."""
+
+    def register_echo(version: int) -> None:
+        @register("debounce-rollout", version=version)
+        class Echo(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return {"version": version, "params": event.payload}
+
+    register_echo(1)
+    wf = get_workflow("debounce-rollout")
+    with testing.fake_clock() as clock:
+        first = wf.create(params={"old": 1}, debounce_key="k", debounce="5 seconds")
+        register_echo(2)
+        again = wf.create(params={"new": 2}, debounce_key="k", debounce="5 seconds")
+        assert (again.id, again.created) == (first.id, False)
+        assert again.row().version == 2
+        clock.advance("5 seconds")
+        testing.run_until_idle()
+        assert first.status().output == {"version": 2, "params": {"new": 2}}

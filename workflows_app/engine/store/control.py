@@ -543,10 +543,14 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
     return found
 
 
-def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instance | None:
+def _debounce(
+    name: str, version: int, item: NewInstance, now: datetime, actor: str
+) -> Instance | None:
     """An instance with the item's debounce key that has not started: it takes the new
-    params (and search attributes: the newest create describes it) and starts debounce
-    after now. None if there is none."""
+    params, search attributes (the newest create describes it) and version (it has no
+    checkpoint a version could disagree with: a create of a new version after a rollout
+    must not run the old code on its params) and starts debounce after now. None if there
+    is none."""
     pending = lock_rows(
         Instance.objects.filter(
             workflow=name,
@@ -561,14 +565,16 @@ def _debounce(name: str, item: NewInstance, now: datetime, actor: str) -> Instan
     Instance.objects.filter(id=pending.pk).update(
         params_json=item.params_json,
         attributes=item.attributes,
+        version=version,
         admit_at=admit_at,
         priority=item.priority,
         waiting_reason=DEBOUNCED + admit_at.isoformat(),
         updated_at=now,
     )
-    append_history(
-        pending.pk, [History("instance.debounced", {"until": admit_at.isoformat()}, actor)], now
-    )
+    data: dict[str, Any] = {"until": admit_at.isoformat()}
+    if pending.version != version:
+        data["version"] = version
+    append_history(pending.pk, [History("instance.debounced", data, actor)], now)
     pending.refresh_from_db()
     # The rows list filters read follow the JSON column, as at create.
     InstanceAttribute.objects.filter(instance_id=pending.pk).delete()
@@ -605,7 +611,7 @@ def _create_instances(
         lock_workflow(name)
         for position, item in enumerate(items):
             if position not in found and item.debounce_key is not None:
-                pending = _debounce(name, item, now, actor)
+                pending = _debounce(name, version, item, now, actor)
                 if pending is not None:
                     found[position] = pending
         fresh = [i for n, i in enumerate(items) if n not in found]
