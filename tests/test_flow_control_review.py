@@ -93,3 +93,30 @@ def test_a_debounce_after_a_rollout_runs_the_pending_instance_on_the_new_version
         clock.advance("5 seconds")
         testing.run_until_idle()
         assert first.status().output == {"version": 2, "params": {"new": 2}}
+
+
+def test_a_debounce_that_ends_behind_a_thousand_pending_ones_starts(registered):
+    """Debounce per user is the everyday use: many instances wait for their debounce at
+    once. One whose debounce ended behind a thousand still pending ones (more than an
+    admission pass reads) must start, not be told that max_concurrent_instances (there
+    is none) is reached and never be looked at again."""
+    from workflows_app.engine.store import control
+
+    @register("debounce-many")
+    class Quick(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    wf = get_workflow("debounce-many")
+    with testing.fake_clock() as clock:
+        for batch in range(control.ADMISSION_SCAN // 100):
+            wf.create_batch(
+                [
+                    {"debounce_key": f"user-{batch}-{n}", "debounce": "1 hour", "params": n}
+                    for n in range(100)
+                ]
+            )
+        late = wf.create(params="late", debounce_key="late", debounce="1 second")
+        clock.advance("2 seconds")
+        testing.run_until_idle()
+        assert late.status().status == "complete", late.status().waiting_reason

@@ -241,15 +241,23 @@ def _queued(name: str) -> Any:
     return Instance.objects.filter(workflow=name, status=Status.QUEUED)
 
 
-def _scan_queue(name: str, skip_keys: Collection[str] = ()) -> Iterator[list[Candidate]]:
+def _scan_queue(
+    name: str, now: datetime, skip_keys: Collection[str] = ()
+) -> Iterator[list[Candidate]]:
     """The head of the queue in admission order, a page at a time, up to ADMISSION_SCAN;
-    each page without the keys in skip_keys as it is then (the caller adds to it)."""
+    each page without the keys in skip_keys as it is then (the caller adds to it).
+
+    Instances whose debounce has not ended are not read: they start at their admit_at
+    whatever comes before them and hold back none behind them. Read, a thousand users'
+    pending debounces filled the pass, and an instance whose debounce ended behind them
+    was never reached (see _Decided.write's cut_short)."""
     after: tuple[int, int] | None = None
     scanned = 0
     while scanned < ADMISSION_SCAN:
-        where, params = "", [name, Status.QUEUED]
+        where = " AND (admit_at IS NULL OR admit_at <= %s OR waiting_reason NOT LIKE %s)"
+        params = [name, Status.QUEUED, db_time(now), DEBOUNCED + "%"]
         if after is not None:
-            where = " AND (priority > %s OR (priority = %s AND id > %s))"
+            where += " AND (priority > %s OR (priority = %s AND id > %s))"
             params += [after[0], after[0], after[1]]
         if skip_keys:
             where += (
@@ -325,7 +333,7 @@ class _Decided:
         # Keys whose places are all taken: the scan reads no more of their queue, so a
         # long backlog of one key does not hide the instances of other keys behind it.
         at_bound: set[str] = set()
-        for page in _scan_queue(name, at_bound):
+        for page in _scan_queue(name, now, at_bound):
             scanned += len(page)
             admission.learn_keys({c.concurrency_key for c in page})
             for candidate in page:
