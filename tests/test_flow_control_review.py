@@ -120,3 +120,15 @@ def test_a_debounce_that_ends_behind_a_thousand_pending_ones_starts(registered):
         clock.advance("2 seconds")
         testing.run_until_idle()
         assert late.status().status == "complete", late.status().waiting_reason
+
+
+def test_max_concurrent_instances_refuses_a_boolean_as_its_sibling_limits_do():
+    """True is an int to Python: it passed as a bound of one ("max_concurrent_instances
+    (True) reached"), where max_concurrent_per_key and rate_limit refuse it."""
+    from workflows_app.engine.errors import InvalidInput
+    from workflows_app.engine.limits import Limits
+
+    for bad in (True, False):
+        with pytest.raises(InvalidInput, match="max_concurrent_instances must be a positive"):
+            Limits.build({"max_concurrent_instances": bad})
+    assert Limits.build({"max_concurrent_instances": 3}).max_concurrent_instances == 3

@@ -115,7 +115,9 @@ class Limits:
                 elif key == "max_concurrent_instances":
                     if value is not None and (isinstance(value, float) and math.isinf(value)):
                         value = None
-                    if value is not None and (not isinstance(value, int) or value < 1):
+                    if value is not None and (
+                        not isinstance(value, int) or isinstance(value, bool) or value < 1
+                    ):
                         raise InvalidInput(
                             f"max_concurrent_instances must be a positive integer or None, got {value!r}"
                         )
