@@ -132,3 +132,21 @@ def test_max_concurrent_instances_refuses_a_boolean_as_its_sibling_limits_do():
         with pytest.raises(InvalidInput, match="max_concurrent_instances must be a positive"):
             Limits.build({"max_concurrent_instances": bad})
     assert Limits.build({"max_concurrent_instances": 3}).max_concurrent_instances == 3
+
+
+def test_an_instance_beyond_the_admission_scan_is_not_told_a_limit_the_workflow_lacks(registered):
+    """A rate-limited workflow with a backlog longer than one admission pass reads: the
+    instances past it wait for their turn, not for max_concurrent_instances, which this
+    workflow does not have (the reason read "max_concurrent_instances (None) reached")."""
+    from workflows_app.engine.store import control
+
+    register_gated_version("rated-backlog", 1, rate_limit={"limit": 1, "period": "1 hour"})
+    wf = get_workflow("rated-backlog")
+    with testing.fake_clock():
+        for _ in range(control.ADMISSION_SCAN // 100 + 1):
+            wf.create_batch([{"params": n} for n in range(100)])
+        tail = wf.create(id="tail")
+        reason = tail.status().waiting_reason
+        assert tail.status().status == "queued"
+        assert "max_concurrent_instances" not in reason, reason
+        assert reason, "a queued instance says why it waits"

@@ -352,7 +352,13 @@ class _Decided:
             self.stopped_early = True
             break
         self.cut_short = self.stopped_early or scanned >= ADMISSION_SCAN
-        self.full = f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
+        # Why the instances the pass did not reach wait: no place left, or (the scan read
+        # its ADMISSION_SCAN instances first) the ones ahead of them, whatever the limits.
+        self.full = (
+            f"max_concurrent_instances ({limits.max_concurrent_instances}) reached"
+            if self.stopped_early
+            else f"queued behind the first {ADMISSION_SCAN} instances in line"
+        )
         # Keys whose queue the scan stopped reading, with why their instances wait.
         self.skipped = {key: admission.key_full(key) for key in at_bound}
         if undecided:  # new instances not reached (a full queue, a key at its bound): why
