@@ -5,18 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.otlp import EXPORTED_SPANS, RUN_EXPORTED_WORKFLOW, otlp_receiver
 from workflows_app import testing, tracing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, current_step, register, store
@@ -211,61 +209,22 @@ def test_a_request_span_is_linked_from_the_instance_trace(registered, exported):
     ]
 
 
-class _OtlpReceiver(BaseHTTPRequestHandler):
-    received: ClassVar[list[str]] = []
-
-    def do_POST(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                self.received.extend(span.name for span in scope_spans.spans)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-EXPORT_SCRIPT = """
-import django, os
-django.setup()
-from django.core.management import call_command
-call_command("migrate", verbosity=0)
+EXPORT_SCRIPT = (
+    RUN_EXPORTED_WORKFLOW
+    + """
 from opentelemetry import trace
-from workflows_app import testing
-from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
-
-@register("exported")
-class Exported(WorkflowEntrypoint):
-    async def run(self, event, step):
-        return await step.do("only step", lambda: 42)
-
-inst = get_workflow("exported").create()
-testing.run_until_idle()
-assert inst.status().output == 42
 trace.get_tracer_provider().shutdown()  # flushes the batch exporter
 """
+)
 
 
 def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Path):
-    server = HTTPServer(("127.0.0.1", 0), _OtlpReceiver)
-    _OtlpReceiver.received = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with otlp_receiver() as (url, received):
         env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "wfdash.settings",
             "DATABASE_URL": f"sqlite:///{tmp_path / 'otlp.sqlite3'}",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": url,
             "WFDASH_DEMO": "0",
         }
         env.pop("REDIS_URL", None)
@@ -278,10 +237,8 @@ def test_spans_are_exported_over_otlp_http_when_the_endpoint_is_set(tmp_path: Pa
             timeout=60,
         )
         assert result.returncode == 0, result.stderr
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert {"create exported", "workflow exported", "step only step"} <= set(_OtlpReceiver.received)
+    names = {name for _, name in received}
+    assert names >= EXPORTED_SPANS
 
 
 def test_create_spans_are_stored_where_no_engine_runs_and_the_project_s_own_spans_are_not(

@@ -8,16 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 from tests import fleet_workflows  # noqa: F401  (registers the workflows the workers run)
+from tests.otlp import RUN_EXPORTED_WORKFLOW, otlp_receiver
 from tests.polling import wait_until
 from workflows_app.client import get_workflow
 from workflows_app.models import Instance, Span
@@ -26,40 +25,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class OtlpReceiver(BaseHTTPRequestHandler):
-    """An OTLP/HTTP trace endpoint on localhost: (trace id, span name) of each span."""
-
-    spans: list[tuple[str, str]]
-
-    def do_POST(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                self.spans.extend((span.trace_id.hex(), span.name) for span in scope_spans.spans)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def otlp() -> Iterator[tuple[str, list[tuple[str, str]]]]:
     """(endpoint URL, the spans received so far)."""
-    received: list[tuple[str, str]] = []
-    handler = type("Receiver", (OtlpReceiver,), {"spans": received})
-    server = HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", received
-    server.shutdown()
-    server.server_close()
+    with otlp_receiver() as receiving:
+        yield receiving
 
 
 TRACED_FLEET_SPANS = Counter({"workflow traced-fleet": 1, "step first": 1, "step second": 1})
@@ -118,7 +88,8 @@ def test_the_export_sampler_chooses_the_exported_traces_and_every_trace_is_store
     assert all(names == TRACED_FLEET_SPANS for names in sent.values()), sent
 
 
-PROJECT_PROVIDER_SCRIPT = """
+PROJECT_PROVIDER_SCRIPT = (
+    """
 import os
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -134,30 +105,17 @@ if os.environ.get("PROJECT_EXPORTS_OTLP") == "1":  # as opentelemetry-instrument
 
     project.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
 trace.set_tracer_provider(project)
-
-import django
-django.setup()
-from django.core.management import call_command
-call_command("migrate", verbosity=0)
-from workflows_app import testing
-from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
+"""
+    + RUN_EXPORTED_WORKFLOW
+    + """
 from workflows_app.models import Span
-
-@register("exported")
-class Exported(WorkflowEntrypoint):
-    async def run(self, event, step):
-        return await step.do("only step", lambda: 42)
-
-inst = get_workflow("exported").create()
-testing.run_until_idle()
-assert inst.status().output == 42
 assert trace.get_tracer_provider() is project
 names = {"create exported", "workflow exported", "step only step"}
 assert names <= {span.name for span in own.get_finished_spans()}
 assert names <= set(Span.objects.values_list("name", flat=True))
 project.shutdown()  # flushes the batch exporters
 """
+)
 
 
 @pytest.mark.parametrize("project_exports_otlp", [False, True])

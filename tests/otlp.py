@@ -1,0 +1,68 @@
+"""A local OTLP/HTTP trace endpoint for the export tests: what reaches it, span by span."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+# A subprocess's script (after its own set-up): Django on the DATABASE_URL it is given, one
+# instance of a one-step workflow run to its end; then the caller's checks and flush.
+RUN_EXPORTED_WORKFLOW = """
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+@register("exported")
+class Exported(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("exported").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+"""
+EXPORTED_SPANS = {"create exported", "workflow exported", "step only step"}
+
+
+class OtlpReceiver(BaseHTTPRequestHandler):
+    """Appends (trace id, span name) of each span it is sent to its class's `spans`."""
+
+    spans: list[tuple[str, str]]
+
+    def do_POST(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend((span.trace_id.hex(), span.name) for span in scope_spans.spans)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(endpoint URL, the spans received so far) while the block runs."""
+    received: list[tuple[str, str]] = []
+    handler = type("Receiver", (OtlpReceiver,), {"spans": received})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+        server.server_close()
