@@ -532,6 +532,40 @@ async def test_a_socket_frame_nested_four_thousand_levels_gets_an_error_frame(wa
     await communicator.disconnect()
 
 
+def ping_frame_of_bytes(size: int, char: str) -> str:
+    """A ping frame whose UTF-8 encoding is exactly `size` bytes, padded with `char`
+    (multi-byte) and ASCII to make up the rest."""
+    empty = json.dumps({"type": "ping", "pad": ""})
+    room = size - len(empty)
+    wide = len(char.encode())
+    pad = char * (room // wide) + "x" * (room % wide)
+    frame = json.dumps({"type": "ping", "pad": pad}, ensure_ascii=False)
+    assert len(frame.encode()) == size
+    return frame
+
+
+@pytest.mark.parametrize("char", ["é", "€", "😀"], ids=["2-byte", "3-byte", "4-byte"])
+async def test_a_socket_frame_is_measured_in_utf8_bytes_not_characters(waiter, char):
+    from workflows_app.consumers import MAX_CLIENT_FRAME
+
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    communicator, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected
+    at_limit = ping_frame_of_bytes(MAX_CLIENT_FRAME, char)
+    over = ping_frame_of_bytes(MAX_CLIENT_FRAME + 1, char)
+    assert len(over) < MAX_CLIENT_FRAME  # fewer characters than bytes: len() let it in
+    await communicator.send_to(text_data=over)
+    assert await next_error(communicator) == f"frame larger than {MAX_CLIENT_FRAME} bytes"
+    await communicator.send_to(text_data=at_limit)
+    while (await communicator.receive_json_from(timeout=5))["type"] != "pong":
+        pass
+    await communicator.send_to(text_data="\ud800" * (MAX_CLIENT_FRAME // 3))  # no UTF-8 for it
+    assert "not JSON" in await next_error(communicator)
+    assert await answers_ping(communicator)
+    await communicator.disconnect()
+
+
 async def test_a_socket_for_an_unknown_instance_id_is_refused(waiter):
     cookie = await database_sync_to_async(staff_cookie)("view_instance")
     _, connected = await connect("/ws/instances/987654321/", cookie)

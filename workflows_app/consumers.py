@@ -26,7 +26,7 @@ from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
 
-MAX_CLIENT_FRAME = 8192  # bytes; clients only send tiny control messages
+MAX_CLIENT_FRAME = 8192  # bytes of UTF-8; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
@@ -44,6 +44,18 @@ class EngineConsumer(AsyncConsumer):
 
     async def wf_hint(self, message: dict[str, Any]) -> None:
         notify_local(str(message.get("kind", "wake")), message.get("pk"))
+
+
+def frame_too_large(text: str) -> bool:
+    """Whether a text frame is over MAX_CLIENT_FRAME bytes of UTF-8. A character is 1 to 4
+    bytes, so only a frame whose length in characters leaves it in doubt is encoded (a
+    huge one is refused without copying it). A lone surrogate (no UTF-8 for it; daphne
+    delivers none) counts its three bytes rather than failing the socket."""
+    if len(text) > MAX_CLIENT_FRAME:
+        return True
+    if len(text) * 4 <= MAX_CLIENT_FRAME:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > MAX_CLIENT_FRAME
 
 
 def _summary(pk: int) -> dashboard.InstanceSummaryJSON | None:
@@ -168,7 +180,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.end()
         elif text_data is None:
             await self.reject("binary frames are not accepted")
-        elif len(text_data) > MAX_CLIENT_FRAME:
+        elif frame_too_large(text_data):
             await self.reject(f"frame larger than {MAX_CLIENT_FRAME} bytes")
         else:
             try:
