@@ -4,7 +4,8 @@ A dashboard socket gets a full snapshot from the database on connect, then small
 events (`instance.batch` on the list, `workflow.summary`, `instance.status`,
 `step.written`, `history.appended`, `span.stored`, `error.recorded`, `bulk.progress`)
 that this process's fan-out hub (fanout.py) hands it, each numbered in its stream, and a
-`heartbeat` with the last number. A page that sees a number skipped sends `resync` and gets a new snapshot.
+`heartbeat` with the last number. A page that sees a number skipped sends `resync` and gets a new snapshot
+(one at a time, at most one per RESYNC_MIN_SECONDS: more requests meanwhile are folded into the next).
 Clients may only send `ping`, `resync` (and `watch` on the list); anything else gets an
 `error` frame and changes nothing. A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from channels.consumer import AsyncConsumer
@@ -26,8 +28,16 @@ from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
 
+log = logging.getLogger("workflows_app.consumers")
+
 MAX_CLIENT_FRAME = 8192  # bytes of UTF-8; clients only send tiny control messages
 MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
+# A page's own requests for a snapshot (`resync`, a list's `watch`) start a read at most
+# this often; those that come meanwhile are folded into one, read when it is due. A page
+# asks only when it saw a gap, so this costs a real page nothing; a forged flood of
+# frames costs a snapshot per interval, not one per frame.
+RESYNC_MIN_SECONDS = 1.0
+CLOSE_INTERNAL_ERROR = 1011
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 
@@ -73,6 +83,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     hub: fanout.Hub | None = None
     # Messages the hub delivered while the snapshot was being read: sent after it.
     backlog: list[tuple[int, str]] | None = None
+    # The page's requests for a snapshot: one task takes them (see RESYNC_MIN_SECONDS).
+    snapshot_wanted = False
+    requested_snapshots: asyncio.Task[None] | None = None
+    requested_snapshot_at = -float("inf")  # loop time the last one's read began
 
     def stream(self) -> str:
         raise NotImplementedError
@@ -169,8 +183,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await super().send_json(content, close)
 
     async def disconnect(self, code: int) -> None:
-        if self.recheck_task is not None:
-            self.recheck_task.cancel()
+        for task in (self.recheck_task, self.requested_snapshots):
+            if task is not None:
+                task.cancel()
         await self.leave_hub()
 
     async def receive(
@@ -196,9 +211,37 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         elif content["type"] == "ping":
             await self.send_json({"type": "pong"})
         elif content["type"] == "resync":
-            await self.resync()
+            self.request_snapshot()
         else:
             await self.handle_client(content)
+
+    def request_snapshot(self) -> None:
+        """The page asked for a snapshot. One task per socket reads them, one at a time and
+        at most one per RESYNC_MIN_SECONDS; requests that come while one is read or before
+        the next is due are folded into that next one, which reads the state (and a list's
+        watched rows) as they are when it begins."""
+        self.snapshot_wanted = True
+        if self.requested_snapshots is None or self.requested_snapshots.done():
+            self.requested_snapshots = asyncio.ensure_future(self.read_requested_snapshots())
+
+    async def read_requested_snapshots(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.snapshot_wanted and not self.ended:
+            due = self.requested_snapshot_at + RESYNC_MIN_SECONDS - loop.time()
+            if due > 0:
+                await asyncio.sleep(due)
+            self.snapshot_wanted = False
+            self.requested_snapshot_at = loop.time()
+            try:
+                await self.resync()
+            except Exception:
+                # As a failed read on connect does: the page reconnects, and reads its
+                # snapshot then (the hub's messages held meanwhile went on: resync()).
+                log.warning(
+                    "could not read a dashboard snapshot; closing the socket", exc_info=True
+                )
+                await self.close(code=CLOSE_INTERNAL_ERROR)
+                return
 
     async def resync(self) -> None:
         """A fresh snapshot: the page noticed a gap in the stream's numbers, or its hub
@@ -270,7 +313,7 @@ class InstanceListConsumer(DashboardConsumer):
             )
             return
         self.watched = pks
-        await self.resync()
+        self.request_snapshot()
 
 
 class BulkJobConsumer(DashboardConsumer):

@@ -333,6 +333,98 @@ async def test_a_socket_that_missed_a_message_sees_the_gap_and_resyncs_to_the_da
     await communicator.disconnect()
 
 
+def counts_of(snapshot: dict[str, Any], workflow: str) -> dict[str, int]:
+    [summary] = [w for w in snapshot["workflows"] if w["name"] == workflow]
+    return summary["counts"]
+
+
+async def test_resyncs_asked_for_while_a_snapshot_is_read_are_folded_into_one_read_after_it(
+    approval_workflow, monkeypatch
+):
+    """A forged flood of `resync` frames must not read the database once per frame: those
+    that come while a snapshot is read are folded into one more read, after it, which
+    sees what changed meanwhile."""
+    from workflows_app import consumers, fanout
+
+    monkeypatch.setattr(consumers, "RESYNC_MIN_SECONDS", 0.0)  # the folding alone
+    inst = await get_workflow(approval_workflow).acreate(id="flood-1")
+    reads = 0
+    held, release = asyncio.Event(), asyncio.Event()
+    real = consumers.OverviewConsumer.snapshot
+
+    async def counted(self: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        snapshot = await real(self)
+        if reads == 2:  # the first read a resync asked for: held until the flood is in
+            held.set()
+            await release.wait()
+        return snapshot
+
+    monkeypatch.setattr(consumers.OverviewConsumer, "snapshot", counted)
+    communicator, connected = await connect("/ws/overview/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    await communicator.send_json_to({"type": "resync"})
+    await asyncio.wait_for(held.wait(), RECEIVE_TIMEOUT)
+    for _ in range(200):
+        await communicator.send_json_to({"type": "resync"})
+    await communicator.send_json_to({"type": "ping"})
+    await receive_until(communicator, "pong")  # every frame is handled; the read is still held
+    assert reads == 2
+    await inst.aterminate(actor="test")
+    release.set()
+    first = await receive_until(communicator, "snapshot")
+    folded = await receive_until(communicator, "snapshot")
+    (page,) = fanout.hub().streams[fanout.OVERVIEW_STREAM]
+    await asyncio.wait_for(page.requested_snapshots, RECEIVE_TIMEOUT)  # nothing more to read
+    assert reads == 3  # connect, the held read, the one the 200 frames were folded into
+    assert counts_of(first, approval_workflow) == {"running": 1}
+    assert counts_of(folded, approval_workflow) == {"terminated": 1}
+    await communicator.disconnect()
+
+
+async def test_a_page_s_requested_snapshots_start_at_most_once_per_interval(
+    approval_workflow, monkeypatch
+):
+    """However many `resync` and `watch` frames a page sends, its snapshots are read at
+    most once per RESYNC_MIN_SECONDS: the first at once, the rest folded into one that
+    waits for the interval's end (and goes with the socket)."""
+    from workflows_app import consumers, fanout
+
+    monkeypatch.setattr(consumers, "RESYNC_MIN_SECONDS", 3600.0)
+    inst = await get_workflow(approval_workflow).acreate(id="flood-2")
+    pk = (await database_sync_to_async(inst.row)()).pk
+    reads = 0
+    real = consumers.InstanceListConsumer.snapshot
+
+    async def counted(self: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await real(self)
+
+    monkeypatch.setattr(consumers.InstanceListConsumer, "snapshot", counted)
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    await receive_until(communicator, "snapshot")
+    await communicator.send_json_to({"type": "watch", "pks": [pk]})  # the page's first: at once
+    assert [i["id"] for i in (await receive_until(communicator, "snapshot"))["instances"]] == [
+        "flood-2"
+    ]
+    for _ in range(100):
+        await communicator.send_json_to({"type": "resync"})
+        await communicator.send_json_to({"type": "watch", "pks": [pk]})
+    await communicator.send_json_to({"type": "ping"})
+    await receive_until(communicator, "pong")
+    assert reads == 2  # connect and the first watch; 200 frames since: no read yet
+    (page,) = fanout.hub().streams[fanout.LIST_STREAM]
+    assert page.snapshot_wanted and not page.requested_snapshots.done()  # one read, when due
+    await communicator.disconnect()
+    with pytest.raises(asyncio.CancelledError):
+        await page.requested_snapshots
+    assert reads == 2
+
+
 async def waiting_bulk_job(workflow: str, n: int) -> int:
     """n instances parked on their event and a bulk terminate of them (nothing applied yet)."""
     for i in range(n):
