@@ -375,6 +375,9 @@ class Hub:
 
     async def on_message(self, message: dict[str, Any]) -> None:
         kind, pk = message.get("type"), message.get("pk")
+        if kind == "wf.pruned":
+            self.mark_workflows(message.get("workflows"))
+            return
         if not isinstance(pk, int):
             return
         if kind == "wf.instance":
@@ -391,6 +394,14 @@ class Hub:
             self.relayed.add(pk)
             for item in page:
                 await self.broadcast(stream, item)
+
+    def mark_workflows(self, names: Any) -> None:
+        """Workflows whose instances went without a row to read (a prune's batch): their
+        overview cards are read again, in the next window."""
+        if OVERVIEW_STREAM not in self.streams or not isinstance(names, list):
+            return
+        self.dirty_workflows.update(name for name in names if isinstance(name, str))
+        self.workflows_changed.set()
 
     def mark(self, pk: int, kind: str | None, replace: bool = True) -> None:
         if replace or self.dirty.get(pk) is None:

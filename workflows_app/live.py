@@ -315,6 +315,16 @@ def _coalesce(batch: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None,
     return out
 
 
+def instances_pruned(workflows: list[str]) -> None:
+    """Retention deleted finished instances of these workflows (one batch of a prune):
+    every hub reads their overview cards again. One message for the batch, not one per
+    instance as a delete sends: a prune may delete thousands, and the cards are all a
+    deletion's message changes. To every hub, as a deletion is: it leaves no history
+    row for the tails to find."""
+    if workflows and not no_page_open():
+        publish(OVERVIEW_GROUP, {"type": "wf.pruned", "workflows": workflows})
+
+
 def instances_promoted(pks: list[int]) -> None:
     """Queued instances were started (a place freed up): tell workers and dashboards
     (workers that LISTEN heard it from the transaction that started them)."""
@@ -638,6 +648,10 @@ class EngineHooks:
         if stored and not no_page_open():
             for span in {span.instance_id: span for span in stored}.values():
                 self.span_stored(span)
+
+    def instances_pruned(self, workflows: list[str]) -> None:
+        """In a database thread, after a prune's batch commits."""
+        instances_pruned(workflows)
 
     def maintain(self) -> bool:
         """In the engine's database thread: one batch of a bulk job, if any is waiting."""

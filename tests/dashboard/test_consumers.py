@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from django.test import Client
 from wfdash.asgi import router  # the app without the embedded-engine autostart
 from workflows_app import testing
 from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
 
 from .helpers import make_user
 
@@ -549,3 +551,113 @@ async def test_a_resync_whose_read_fails_passes_on_what_the_hub_delivered_meanwh
         await page.resync()
     await page.deliver(9, "after")
     assert page.sent == ["held while reading", "after"]
+
+
+@pytest.fixture
+def brief(registered: list[str]) -> list[str]:
+    """Two workflows whose instances complete at once (then kept for their retention)."""
+
+    @register("dash-brief")
+    class DashBrief(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return await step.do("work", lambda: 1)
+
+    @register("dash-brief-too")
+    class DashBriefToo(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return await step.do("work", lambda: 2)
+
+    return ["dash-brief", "dash-brief-too"]
+
+
+async def finish(workflow: str, *ids: str) -> None:
+    for instance_id in ids:
+        await get_workflow(workflow).acreate(id=instance_id, retention="1 hour")
+    await testing.arun_until_idle()
+
+
+class HeardByTheHub:
+    """The prune and delete messages hubs take from the channel layer; `batches` is set
+    once `expected` prune messages came. Installed before the hub starts: its listener
+    looks its handler up before it waits for a message."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, expected: int) -> None:
+        from workflows_app import fanout
+
+        self.messages: list[dict[str, Any]] = []
+        self.batches = asyncio.Event()
+        real = fanout.Hub.on_message
+
+        async def on_message(hub: fanout.Hub, message: dict[str, Any]) -> None:
+            if message.get("type") == "wf.pruned" or message.get("kind") == "deleted":
+                self.messages.append(message)
+            if sum(m["type"] == "wf.pruned" for m in self.messages) >= expected:
+                self.batches.set()
+            await real(hub, message)
+
+        monkeypatch.setattr(fanout.Hub, "on_message", on_message)
+
+
+async def until_counts(
+    communicator: WebsocketCommunicator, expected: dict[str, dict[str, int]]
+) -> None:
+    """Read the overview's summaries until each workflow's latest shows its expected counts."""
+    latest: dict[str, dict[str, int]] = {}
+    async with asyncio.timeout(RECEIVE_TIMEOUT):
+        while any(latest.get(name) != counts for name, counts in expected.items()):
+            summary = (await receive_until(communicator, "workflow.summary"))["workflow"]
+            latest[summary["name"]] = summary["counts"]
+
+
+async def test_an_open_overview_counts_again_as_a_worker_prunes_hearing_one_message_a_batch(
+    brief, monkeypatch
+):
+    """Retention deletes instances without a history row the hubs' tails could find: a
+    worker's prune announces each batch, once, with the workflows it touched."""
+    from workflows_app.engine import worker as engine_worker
+    from workflows_app.live import EngineHooks
+
+    monkeypatch.setattr(engine_worker, "PRUNE_BATCH", 2)
+    name = brief[0]
+    with testing.fake_clock() as clock:
+        await finish(name, *(f"p{n}" for n in range(5)))
+        heard = HeardByTheHub(monkeypatch, expected=3)
+        communicator, connected = await connect("/ws/overview/", await staff_cookie())
+        assert connected
+        assert counts_of(await receive_until(communicator, "snapshot"), name) == {"complete": 5}
+        clock.advance("2 hours")
+        worker = engine_worker.Worker(hooks=EngineHooks())
+        await worker.start()
+        try:  # a batch each time; due again at once after a full one
+            assert [await worker.prune_once() for _ in range(3)] == [2, 2, 1]
+        finally:
+            await worker.stop()
+        await until_counts(communicator, {name: {}})
+        await asyncio.wait_for(heard.batches.wait(), RECEIVE_TIMEOUT)
+    assert heard.messages == [{"type": "wf.pruned", "workflows": [name]}] * 3  # 5 instances
+    await communicator.disconnect()
+
+
+async def test_wf_prune_tells_an_open_overview_once_for_a_batch_of_several_workflows(
+    brief, monkeypatch
+):
+    from asgiref.sync import sync_to_async
+    from django.core.management import call_command
+
+    with testing.fake_clock() as clock:
+        await finish(brief[0], "a1", "a2", "a3")
+        await finish(brief[1], "b1")
+        await get_workflow(brief[1]).acreate(id="b-kept")  # no retention: kept
+        await testing.arun_until_idle()
+        heard = HeardByTheHub(monkeypatch, expected=1)
+        communicator, connected = await connect("/ws/overview/", await staff_cookie())
+        assert connected
+        snapshot = await receive_until(communicator, "snapshot")
+        assert counts_of(snapshot, brief[0]) == {"complete": 3}
+        assert counts_of(snapshot, brief[1]) == {"complete": 2}
+        clock.advance("2 hours")
+        await sync_to_async(call_command)("wf", "prune", "--json", stdout=io.StringIO())
+        await until_counts(communicator, {brief[0]: {}, brief[1]: {"complete": 1}})
+        await asyncio.wait_for(heard.batches.wait(), RECEIVE_TIMEOUT)
+    assert heard.messages == [{"type": "wf.pruned", "workflows": sorted(brief)}]
+    await communicator.disconnect()

@@ -815,7 +815,8 @@ class Worker:
         if self._next_prune is not None and now < self._next_prune:
             return 0
         assert self.db is not None
-        pruned = int(await self.db(store.prune, now, PRUNE_BATCH, None, 1))
+        announce = getattr(self.hooks, "instances_pruned", None)
+        pruned = int(await self.db(store.prune, now, PRUNE_BATCH, None, 1, announce))
         self._next_prune = (
             now if pruned == PRUNE_BATCH else now + timedelta(seconds=self.prune_seconds)
         )

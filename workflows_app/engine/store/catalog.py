@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -120,12 +121,15 @@ def prune(
     batch: int = 500,
     on_batch: Callable[[int], None] | None = None,
     max_batches: int | None = None,
+    on_pruned: Callable[[list[str]], None] | None = None,
 ) -> int:
     """Delete finished instances past their retention, with every row that belongs to them.
 
     One transaction per batch, so a large backlog never holds the database for long;
-    on_batch hears how many each batch deleted (a progress bar). Workers prune one batch
-    at a time (max_batches=1) between runs; `wf prune` clears the whole backlog.
+    on_batch hears how many each batch deleted (a progress bar), on_pruned which
+    workflows it deleted instances of, once it commits (open dashboards count again:
+    a deletion leaves no history row for them to find). Workers prune one batch at a
+    time (max_batches=1) between runs; `wf prune` clears the whole backlog.
     """
     now = now or clock.now()
     total = 0
@@ -154,13 +158,16 @@ def prune(
             chosen = expired.order_by("id")
             if connection.features.has_select_for_update_skip_locked:
                 chosen = chosen.select_for_update(no_key=True, skip_locked=True)
-            pks = list(chosen.values_list("id", flat=True)[:batch])
-            if not pks:
+            rows = list(chosen.values_list("id", "workflow")[:batch])
+            if not rows:
                 return total
-            delete_rows(pks)
-        total += len(pks)
+            delete_rows([pk for pk, _ in rows])
+            if on_pruned is not None:
+                workflows = sorted({workflow for _, workflow in rows})
+                transaction.on_commit(functools.partial(on_pruned, workflows))
+        total += len(rows)
         if on_batch is not None:
-            on_batch(len(pks))
+            on_batch(len(rows))
     return total
 
 

@@ -541,7 +541,7 @@ class Command(BaseCommand):
     def do_prune(self, opts: argparse.Namespace) -> None:
         now = clock.now()
         with self.progress(opts, store.prunable(now), "pruning") as bar:
-            deleted = store.prune(now, on_batch=bar.update)
+            deleted = store.prune(now, on_batch=bar.update, on_pruned=live.instances_pruned)
         self.emit(
             opts, {"pruned": deleted}, f"pruned {deleted} finished instance(s) past their retention"
         )
