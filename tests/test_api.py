@@ -482,6 +482,17 @@ def test_an_event_is_refused_for_a_bad_type_payload_or_instance_and_nothing_is_s
     )
 
 
+def test_an_event_past_max_buffered_events_is_refused_with_400_naming_the_limit(service, settings):
+    settings.WFDASH = {**settings.WFDASH, "LIMITS": {"max_buffered_events": 2}}
+    waiting_approval("o-1")
+    path = base(APPROVAL, "o-1") + "/events/"
+    for n in range(2):  # a type it does not wait for: kept for a later wait
+        assert service.post(path + "note", {"n": n}).status_code == 200
+    status, code, message = refused(lambda: service.post(path + "note", {"n": 2}))
+    assert (status, code) == (400, "LimitExceeded")
+    assert message.endswith("max_buffered_events is 2, got 3")
+
+
 def test_cancel_compensates_by_default_and_not_when_told(service):
     waiting_approval("o-1", amount=4)
     assert (

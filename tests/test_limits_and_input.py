@@ -21,6 +21,7 @@ from workflows_app.engine.errors import (
     UnknownWorkflow,
     WorkflowError,
 )
+from workflows_app.engine.limits import Limits
 from workflows_app.engine.step import StepFailed
 from workflows_app.models import HistoryRecord, InboxEvent, Instance
 
@@ -218,6 +219,92 @@ def test_send_event_refuses_bad_types_payloads_and_finished_instances(waiter):
     inst.send_event("ping", {"n": 1})
     testing.run_until_idle()
     assert inst.status().output == {"n": 1}
+
+
+@pytest.fixture
+def notes(registered):
+    """Takes two `note` events, then waits for `go`: notes sent before it runs are buffered."""
+
+    @register("notes", limits={"max_buffered_events": 3})
+    class Notes(WorkflowEntrypoint):
+        async def run(self, event, step):
+            first = await step.wait_for_event("first", type="note")
+            second = await step.wait_for_event("second", type="note")
+            await step.wait_for_event("go", type="go")
+            return [first.payload, second.payload]
+
+    return get_workflow("notes")
+
+
+def test_an_instance_buffers_at_most_max_buffered_events_and_refuses_more_storing_nothing(notes):
+    assert Limits().max_buffered_events == 1000  # the default
+    inst = notes.create(id="n1")  # not run yet: every event waits to be taken
+    for n in range(3):
+        inst.send_event("note", n)
+    before = snapshot()
+    with pytest.raises(LimitExceeded) as refused:
+        inst.send_event("note", 3)
+    assert refused.value.limit == "max_buffered_events"
+    assert str(refused.value) == (
+        "event 'note' for instance 'n1' (events sent to it that no wait_for_event has taken "
+        "yet): max_buffered_events is 3, got 4"
+    )
+    with pytest.raises(LimitExceeded):
+        inst.send_event("go")  # whatever its type: the bound is on what the instance holds
+    assert snapshot() == before
+    testing.run_until_idle()  # its waits take two of the three: room for two more
+    assert inst.status().status == "waiting"
+    inst.send_event("go")
+    testing.run_until_idle()
+    assert inst.status().output == [0, 1]
+    assert list(InboxEvent.objects.order_by("id").values_list("type", "payload_json")) == [
+        ("note", "0"),
+        ("note", "1"),
+        ("note", "2"),
+        ("go", "null"),
+    ]
+
+
+def test_concurrent_sends_to_one_instance_never_buffer_more_than_the_limit(notes):
+    import threading
+
+    from django.db import connections
+
+    inst = notes.create(id="n2")
+    start = threading.Barrier(6)
+    outcomes: list[str] = []
+
+    def sender(n: int) -> None:
+        try:
+            start.wait(10)
+            for i in range(4):
+                try:
+                    get_workflow("notes").get("n2").send_event("note", [n, i])
+                    outcomes.append("sent")
+                except LimitExceeded:
+                    outcomes.append("refused")
+        except BaseException as exc:  # reported by the test
+            outcomes.append(repr(exc))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=sender, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(outcomes) == ["refused"] * 21 + ["sent"] * 3
+    row = inst.row()
+    assert InboxEvent.objects.filter(instance=row).count() == 3
+    sent = HistoryRecord.objects.filter(instance=row, type="event.sent").count()
+    assert sent == 3 and row.history_seq == HistoryRecord.objects.filter(instance=row).count()
+
+
+def test_max_buffered_events_is_a_positive_integer_or_none(registered):
+    assert Limits.build({"max_buffered_events": None}).max_buffered_events is None  # no bound
+    for bad in (0, -1, 2.5, True, "10"):
+        with pytest.raises(InvalidInput, match="max_buffered_events must be a positive integer"):
+            Limits.build({"max_buffered_events": bad})
 
 
 def test_step_limits_name_the_limit_and_the_value(registered):

@@ -767,7 +767,8 @@ class InstanceHandle:
         return woken
 
     def send_event(self, type: str, payload: Any = None, actor: Any = None) -> None:
-        """Deliver an event; buffered until a wait for its type consumes it."""
+        """Deliver an event; buffered until a wait for its type consumes it (at most
+        max_buffered_events of them per instance: LimitExceeded beyond)."""
         check_event_type(type)
         limits = self._limits()
         payload_json = encode_json(payload, f"payload of event {type!r}")
@@ -794,7 +795,13 @@ class InstanceHandle:
                 )
 
         event = store.send_event(
-            self.workflow, self.id, type, seal(payload_json), validate, _actor(actor)
+            self.workflow,
+            self.id,
+            type,
+            seal(payload_json),
+            validate,
+            _actor(actor),
+            limits.max_buffered_events,
         )
         _after_commit("event", event.instance_id, self.workflow, hinted=True)
 

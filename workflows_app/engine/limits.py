@@ -83,6 +83,9 @@ class Limits:
     max_params_bytes: int = 1024 * 1024
     max_event_payload_bytes: int = 1024 * 1024
     max_retention: int = 0  # 0 keeps finished instances forever
+    # Events sent to an instance and not yet taken by a wait (None: no bound). Cloudflare
+    # names none; without one an instance kept every event sent to it, waited for or not.
+    max_buffered_events: int | None = 1000
     # Flow control: active instances per concurrency_key (None: no bound), starts per period.
     max_concurrent_per_key: int | None = None
     rate_limit: RateLimit | None = None
@@ -121,12 +124,12 @@ class Limits:
                         raise InvalidInput(
                             f"max_concurrent_instances must be a positive integer or None, got {value!r}"
                         )
-                elif key == "max_concurrent_per_key":
+                elif key in ("max_concurrent_per_key", "max_buffered_events"):
                     if value is not None and (
                         not isinstance(value, int) or isinstance(value, bool) or value < 1
                     ):
                         raise InvalidInput(
-                            f"max_concurrent_per_key must be a positive integer or None, got {value!r}"
+                            f"{key} must be a positive integer or None, got {value!r}"
                         )
                 elif key == "rate_limit":
                     value = RateLimit.build(value)

@@ -35,6 +35,7 @@ from ..errors import (
     InstanceNotFound,
     InvalidInput,
     InvalidTransition,
+    LimitExceeded,
 )
 from ..limits import Limits
 from ..registry import limits_for
@@ -1241,18 +1242,23 @@ def send_event(
     payload_json: str,
     validate: Any = None,
     actor: str = "",
+    max_buffered: int | None = None,
 ) -> InboxEvent:
     """Store an event for an instance and make it due if it is running or waiting.
 
     validate(schema_json) is called with the schema of the step waiting for this type
-    (if any) before anything is written; it raises to refuse the payload.
+    (if any) before anything is written; it raises to refuse the payload. An instance
+    that holds max_buffered events no wait has taken yet (None: no bound) takes no more:
+    LimitExceeded, and nothing is written.
     """
     now = clock.now()
     send = _send_event_at_once if writes_in_one_statement() else _send_event_in_raw_sql
-    sent = send(name, instance_id, event_type, payload_json, validate is not None, actor, now)
+    sent = send(
+        name, instance_id, event_type, payload_json, validate is not None, actor, now, max_buffered
+    )
     if sent is not None:
         return sent
-    # Refused, unknown, or a typed wait's schema to check first: the long way says why.
+    # Refused, unknown, full, or a typed wait's schema to check first: the long way says why.
     with transaction.atomic():
         inst = locked_instance(name, instance_id)
         if not lifecycle.can(lifecycle.SEND_EVENT, inst.status):
@@ -1282,6 +1288,8 @@ def send_event(
                         refusals.append(exc)
                 else:
                     raise refusals[0]  # the oldest wait's reasons
+        if max_buffered is not None:
+            _refuse_a_full_buffer(inst.pk, instance_id, event_type, max_buffered)
         event = InboxEvent.objects.create(
             instance_id=inst.pk,
             type=event_type,
@@ -1298,13 +1306,32 @@ def send_event(
     return event
 
 
+def _refuse_a_full_buffer(pk: int, instance_id: str, event_type: str, max_buffered: int) -> None:
+    """LimitExceeded if the instance holds max_buffered events no wait took yet (read
+    under its lock: concurrent sends wait for it). The look stops at the bound; the exact
+    count is read only to say how many there are."""
+    unconsumed = InboxEvent.objects.filter(instance_id=pk, consumed_at__isnull=True)
+    if unconsumed[:max_buffered].count() < max_buffered:
+        return
+    raise LimitExceeded(
+        "max_buffered_events",
+        unconsumed.count() + 1,
+        max_buffered,
+        f"event {event_type!r} for instance {instance_id!r} (events sent to it that no "
+        "wait_for_event has taken yet)",
+    )
+
+
 # send_event as one autocommit statement (PostgreSQL): lock the instance, store the event,
 # make the instance due, append event.sent and notify the workers, or write nothing when
-# the instance may not take the event or a typed wait must validate it first (then the
-# caller takes the long way, which says why or validates). Nor when the row changed after
-# the statement's snapshot (a run's checkpoint the lock waited for): the statement reads
-# the locked row as it is now but the steps as they were, so a typed wait that checkpoint
-# committed would go unseen and its schema unchecked; the long way reads them after the lock.
+# the instance may not take the event, holds max_buffered events no wait took yet (an
+# EXISTS past the first full_at of them, on the inbox_unconsumed index) or a typed wait
+# must validate it first (then the caller takes the long way, which says why or
+# validates). Nor when the row changed after the statement's snapshot (a run's checkpoint,
+# or another send, the lock waited for): the statement reads the locked row as it is now
+# but the steps and the inbox as they were, so a typed wait that checkpoint committed would
+# go unseen and its schema unchecked, or the other send's event uncounted; the long way
+# reads them after the lock.
 SEND_EVENT_SQL = f"""
 WITH inst AS (
     SELECT id, status, xmin AS version FROM {INSTANCE_TABLE}
@@ -1317,6 +1344,9 @@ WITH inst AS (
         SELECT 1 FROM {STEP_TABLE} AS s WHERE s.instance_id = inst.id AND s.kind = %(wait_kind)s
           AND s.status = %(waiting_step)s AND s.event_type = %(type)s
           AND s.event_schema_json IS NOT NULL))
+      AND NOT (%(bounded)s AND EXISTS (
+        SELECT 1 FROM {INBOX_TABLE} AS e WHERE e.instance_id = inst.id AND e.consumed_at IS NULL
+        LIMIT 1 OFFSET %(full_at)s))
 ), due AS (
     UPDATE {INSTANCE_TABLE} AS i SET history_seq = i.history_seq + 1,
         wake_at = CASE WHEN ok.status = ANY(%(wakes)s) THEN %(now)s ELSE i.wake_at END,
@@ -1340,8 +1370,9 @@ SELECT (SELECT id FROM event), (SELECT id FROM due), (SELECT count(*) FROM hint)
 
 
 # SQLite's send_event: SEND_EVENT_SQL's parts, in its IMMEDIATE transaction. The UPDATE
-# takes the instance if it may take the event (and no typed wait must validate it first),
-# makes it due and gives the event.sent record its sequence.
+# takes the instance if it may take the event (and no typed wait must validate it first,
+# and it holds fewer than max_buffered events no wait took), makes it due and gives the
+# event.sent record its sequence.
 SEND_EVENT_UPDATE_SQL = f"""
 UPDATE {INSTANCE_TABLE} SET history_seq = history_seq + 1,
     wake_at = CASE WHEN status IN (%(waiting)s, %(running)s) THEN %(now)s ELSE wake_at END,
@@ -1352,6 +1383,9 @@ WHERE workflow = %(workflow)s AND instance_id = %(instance_id)s
     SELECT 1 FROM {STEP_TABLE} AS s WHERE s.instance_id = {INSTANCE_TABLE}.id
       AND s.kind = %(wait_kind)s AND s.status = %(waiting_step)s AND s.event_type = %(type)s
       AND s.event_schema_json IS NOT NULL))
+  AND NOT (%(bounded)s AND EXISTS (
+    SELECT 1 FROM {INBOX_TABLE} AS e WHERE e.instance_id = {INSTANCE_TABLE}.id
+      AND e.consumed_at IS NULL LIMIT 1 OFFSET %(full_at)s))
 RETURNING id, history_seq
 """
 SEND_EVENT_INSERT_SQL = (
@@ -1368,6 +1402,7 @@ def _send_event_in_raw_sql(
     validate: bool,
     actor: str,
     now: datetime,
+    max_buffered: int | None,
 ) -> InboxEvent | None:
     """send_event on SQLite in three raw statements, or nothing written (None) when the
     long way must say why or validate. Through the ORM (the instance locked and read, the
@@ -1378,7 +1413,7 @@ def _send_event_in_raw_sql(
         cursor.execute(
             SEND_EVENT_UPDATE_SQL,
             {
-                **_send_params(name, instance_id, event_type, validate),
+                **_send_params(name, instance_id, event_type, validate, max_buffered),
                 "allowed": json.dumps(sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT))),
                 "waiting": Status.WAITING,
                 "running": Status.RUNNING,
@@ -1404,12 +1439,13 @@ def _send_event_at_once(
     validate: bool,
     actor: str,
     now: datetime,
+    max_buffered: int | None,
 ) -> InboxEvent | None:
     with statement_cursor() as cursor:
         cursor.execute(
             SEND_EVENT_SQL,
             {
-                **_send_params(name, instance_id, event_type, validate),
+                **_send_params(name, instance_id, event_type, validate, max_buffered),
                 "allowed": sorted(lifecycle.statuses_allowing(lifecycle.SEND_EVENT)),
                 "wakes": [Status.WAITING, Status.RUNNING],
                 "now": db_time(now),
@@ -1424,9 +1460,12 @@ def _send_event_at_once(
     return _sent(event_id, pk, event_type, payload_json, actor, now)
 
 
-def _send_params(name: str, instance_id: str, event_type: str, validate: bool) -> dict[str, Any]:
-    """The parameters both databases' short sends share: which instance, which type, and
-    whether a typed wait for it must send the caller the long way (to validate)."""
+def _send_params(
+    name: str, instance_id: str, event_type: str, validate: bool, max_buffered: int | None
+) -> dict[str, Any]:
+    """The parameters both databases' short sends share: which instance, which type,
+    whether a typed wait for it must send the caller the long way (to validate), and
+    how many unconsumed events make the instance full (the long way says so)."""
     return {
         "workflow": name,
         "instance_id": instance_id,
@@ -1434,6 +1473,8 @@ def _send_params(name: str, instance_id: str, event_type: str, validate: bool) -
         "wait_kind": StepKind.WAIT_FOR_EVENT,
         "waiting_step": StepStatus.WAITING,
         "type": event_type,
+        "bounded": max_buffered is not None,
+        "full_at": 0 if max_buffered is None else max_buffered - 1,
     }
 
 
