@@ -265,6 +265,22 @@ def test_an_instance_buffers_at_most_max_buffered_events_and_refuses_more_storin
     ]
 
 
+def test_a_full_instance_still_takes_the_event_a_wait_of_it_is_there_for(notes):
+    """Full of events no wait takes yet, an instance refused the one its pending wait was
+    for as well: a flood of another type kept it from ever going on."""
+    inst = notes.create(id="n3")
+    testing.run_until_idle()  # waits for a note at "first"
+    for _ in range(3):
+        inst.send_event("go")  # not waited for yet: fills the buffer
+    inst.send_event("note", "taken")  # the waiting "first" takes it
+    before = snapshot()
+    with pytest.raises(LimitExceeded):
+        inst.send_event("note", "more")  # "first" has its note: no wait left for this one
+    assert snapshot() == before
+    testing.run_until_idle()
+    assert [s.name for s in inst.steps() if s.status == "complete"] == ["first"]
+
+
 def test_concurrent_sends_to_one_instance_never_buffer_more_than_the_limit(notes):
     import threading
 

@@ -1248,8 +1248,9 @@ def send_event(
 
     validate(schema_json) is called with the schema of the step waiting for this type
     (if any) before anything is written; it raises to refuse the payload. An instance
-    that holds max_buffered events no wait has taken yet (None: no bound) takes no more:
-    LimitExceeded, and nothing is written.
+    that holds max_buffered events no wait has taken yet (None: no bound) takes no more,
+    but for one a wait of its type is there to take: LimitExceeded, and nothing is
+    written.
     """
     now = clock.now()
     send = _send_event_at_once if writes_in_one_statement() else _send_event_in_raw_sql
@@ -1312,6 +1313,16 @@ def _refuse_a_full_buffer(pk: int, instance_id: str, event_type: str, max_buffer
     count is read only to say how many there are."""
     unconsumed = InboxEvent.objects.filter(instance_id=pk, consumed_at__isnull=True)
     if unconsumed[:max_buffered].count() < max_buffered:
+        return
+    # A wait of this type not yet given one of the unconsumed events takes this one: full
+    # of events of other types, an instance still takes the one it waits for.
+    waits = StepRecord.objects.filter(
+        instance_id=pk,
+        kind=StepKind.WAIT_FOR_EVENT,
+        status=StepStatus.WAITING,
+        event_type=event_type,
+    ).count()
+    if waits > unconsumed.filter(type=event_type).count():
         return
     raise LimitExceeded(
         "max_buffered_events",
