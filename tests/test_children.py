@@ -234,6 +234,77 @@ def test_an_uncaught_child_failure_errors_the_parent_and_a_replay_raises_it_from
     assert Instance.objects.filter(workflow="ship").count() == 2
 
 
+def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
+    """A run that ends while run_until_idle's claim is out makes its parent due after the
+    claim looked: the claim finds nothing and no run is left, yet the parent is due. Made
+    exact: a bystander's end brings a claim while the child runs, and the child is let end,
+    and its task awaited, before that claim answers."""
+    import asyncio
+    import threading
+
+    from workflows_app.engine.worker import Worker
+    from workflows_app.live import EngineHooks
+
+    child_running, child_may_end = threading.Event(), threading.Event()
+    bystander_may_end = threading.Event()
+
+    def pack() -> str:
+        child_running.set()
+        child_may_end.wait(10)
+        return "packed"
+
+    @register("slow-ship")
+    class SlowShip(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("pack", pack)
+
+    @register("waits-for-its-child")
+    class WaitsForItsChild(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("ship", "slow-ship")
+
+    @register("bystander")
+    class Bystander(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("wait", lambda: bystander_may_end.wait(10))
+
+    class ChildEndsWhileTheClaimIsOut(Worker):
+        async def maintain_once(self, force: bool = False) -> bool:
+            did = await super().maintain_once(force)
+            if set(self.tasks) - first_pks and not bystander_may_end.is_set():
+                # The child was claimed. Its step running, the bystander may end: run_until_idle
+                # goes from here to wait for both, so the bystander's end brings a claim.
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, child_running.wait, 10)
+                bystander_may_end.set()
+            return did
+
+        async def claim_and_start(self) -> int:
+            running = list(self.tasks.values())
+            started = await super().claim_and_start()
+            if not started and child_running.is_set() and not child_may_end.is_set():
+                child_may_end.set()  # the child ends after the claim looked, before it answers
+                await asyncio.wait(running)
+            return started
+
+    async def run_until_idle() -> int:
+        worker = ChildEndsWhileTheClaimIsOut(worker_id="testing", hooks=EngineHooks())
+        await worker.start()
+        try:
+            return await worker.run_until_idle()
+        finally:
+            await worker.stop(grace_seconds=0)
+
+    parent = get_workflow("waits-for-its-child").create(id="w1")
+    bystander = get_workflow("bystander").create(id="b1")
+    first_pks = {parent.row().pk, bystander.row().pk}
+    asyncio.run(run_until_idle())
+    assert child_may_end.is_set()  # a claim was out while the child ended
+    assert bystander.status().status == "complete"
+    assert parent.status().status == "complete"
+    assert parent.status().output == "packed"
+
+
 def test_a_parent_that_ended_while_its_step_ran_starts_no_orphan_child():
     from workflows_app.engine import store
     from workflows_app.engine.errors import InvalidTransition

@@ -1090,12 +1090,18 @@ class Worker:
             while True:
                 await self.release_pending()
                 await self.fire_due_schedules()
+                # A run going while the claim looks may end before the claim answers, having
+                # made due what the claim did not see (a child's end wakes its parent).
+                running = bool(self.tasks)
                 started = await self.claim_and_start()
                 runs += started
                 if await self.maintain_once(force=True):
                     continue  # a bulk batch may have made instances runnable
                 if not self.tasks:
-                    if started:  # all ended meanwhile: their places are free, claim again
+                    # The runs all ended while the claim or maintain_once was out: their
+                    # places are free, and their ends may have made others due. Idle only
+                    # when a claim made with nothing running found nothing.
+                    if started or running:
                         continue
                     await self.flush_now()
                     return  # nothing claimable now and nothing running: idle
