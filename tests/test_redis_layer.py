@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from channels.layers import channel_layers, get_channel_layer
@@ -72,6 +73,61 @@ async def test_a_cancelled_receive_stops_and_loses_no_message(redis_layer):
         "type": "after.cancels",
         "n": 1,
     }
+
+
+@needs_redis
+def test_a_receive_cancelled_while_the_message_before_is_cleaned_leaves_no_lock_to_the_next_loop(
+    redis_layer, monkeypatch
+):
+    """Each message received is cleaned from its backup queue by a task that holds a lock
+    of the layer's; a receive cancelled while it waited for that lock (a socket closing
+    just after a message) left the lock for good, and the next event loop to wait for it
+    failed ("bound to a different event loop"): the process's one layer serves every
+    test's loop in turn. The cleaning is held here until the test lets it go."""
+    clean = redis_layer._clean_receive_backup
+    may_clean: list[asyncio.Event] = []
+
+    async def held_clean(index: int, channel: str) -> None:
+        await may_clean[-1].wait()  # a loaded Redis or event loop: the cleaning takes a while
+        await clean(index, channel)
+
+    monkeypatch.setattr(redis_layer, "_clean_receive_backup", held_clean)
+    locks = redis_layer.receive_clean_locks
+    acquire = locks.acquire
+    waiting_for_the_cleaning: list[asyncio.Event] = []
+
+    async def noted_acquire(channel: str) -> bool:
+        if locks.locked(channel):
+            waiting_for_the_cleaning[-1].set()  # set before the acquire below waits
+        return await acquire(channel)
+
+    monkeypatch.setattr(locks, "acquire", noted_acquire)
+
+    async def two_messages_in_a_loop(cancel_the_second: bool) -> Any:
+        may_clean.append(asyncio.Event())
+        waiting_for_the_cleaning.append(asyncio.Event())
+        first, second = await redis_layer.new_channel(), await redis_layer.new_channel()
+        await redis_layer.send(first, {"type": "one"})
+        await redis_layer.send(second, {"type": "two"})
+        assert await asyncio.wait_for(redis_layer.receive(first), 5) == {"type": "one"}
+        receiving = asyncio.ensure_future(redis_layer.receive(second))
+        await asyncio.wait_for(waiting_for_the_cleaning[-1].wait(), 5)
+        if cancel_the_second:
+            receiving.cancel()  # its socket closes
+            with pytest.raises(asyncio.CancelledError):
+                await receiving
+        may_clean[-1].set()
+        if cancel_the_second:  # its message is still in Redis: the next receive takes it
+            receiving = asyncio.ensure_future(redis_layer.receive(second))
+        try:
+            return await asyncio.wait_for(receiving, 5)
+        finally:
+            await redis_layer.wait_received()
+
+    assert asyncio.run(two_messages_in_a_loop(cancel_the_second=True)) == {"type": "two"}
+    # Another loop: its second receive waits for the first's cleaning, as above.
+    assert asyncio.run(two_messages_in_a_loop(cancel_the_second=False)) == {"type": "two"}
+    assert not locks.wait_counts  # nobody holds or waits for a lock: none is kept
 
 
 @needs_redis
