@@ -79,16 +79,16 @@ def test_a_serving_worker_keeps_its_versions_fresh_and_syncs_again(registered):
             await worker.start()
             try:
                 seen = [await worker.db(last_seen)]
-                await asyncio.to_thread(
-                    Schedule.objects.filter(workflow=NAME).update, cron="*/5 * * * *"
+                await worker.db(
+                    lambda: Schedule.objects.filter(workflow=NAME).update(cron="*/5 * * * *")
                 )
                 await worker.keep_catalog_once()  # not due yet: nothing happens
                 seen.append(await worker.db(last_seen))
-                changed = await asyncio.to_thread(crons)
+                changed = await worker.db(crons)  # its threads: closed when it stops
                 clock.advance(VERSION_TOUCH)
                 await worker.keep_catalog_once()
                 seen.append(await worker.db(last_seen))
-                return [seen, changed, await asyncio.to_thread(crons)]
+                return [seen, changed, await worker.db(crons)]
             finally:
                 await worker.stop(grace_seconds=0)
 
