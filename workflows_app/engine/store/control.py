@@ -576,6 +576,8 @@ def _debounce(
     ).first()
     if pending is None:
         return None
+    if pending.version != version:
+        _check_idempotency_key_free(pending, version)  # as restart(version=) moves one
     admit_at = now + timedelta(milliseconds=item.debounce_ms or 0)
     Instance.objects.filter(id=pending.pk).update(
         params_json=item.params_json,
