@@ -12,7 +12,7 @@ import hashlib
 import logging
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -146,11 +146,13 @@ def due_schedules(workflows: Sequence[str], now: datetime) -> list[Schedule]:
     )
 
 
-def next_tick_at(workflows: Sequence[str]) -> datetime | None:
-    """The earliest next tick of the schedules this worker can fire: its idle wait ends there."""
-    return Schedule.objects.filter(paused=False, workflow__in=list(workflows)).aggregate(
-        m=Min("next_run_at")
-    )["m"]
+def next_tick_at(workflows: Sequence[str], left: Collection[str] = ()) -> datetime | None:
+    """The earliest next tick of the schedules this worker can fire: its idle wait ends there.
+    left: workflows whose declared schedules a newer version's workers fire (fire_due)."""
+    rows = Schedule.objects.filter(paused=False, workflow__in=list(workflows))
+    if left:
+        rows = rows.exclude(declared=True, workflow__in=list(left))
+    return rows.aggregate(m=Min("next_run_at"))["m"]
 
 
 def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
@@ -159,13 +161,22 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
     now = clock.now()
     by_name = {t.workflow: t for t in targets}
     fired = []
-    for row in due_schedules(list(by_name), now):
+    due = due_schedules(list(by_name), now)
+    # The declared schedules of a workflow of which a newer version is deployed are that
+    # version's workers' to fire, as they are theirs to sync (sync_declared): fired here,
+    # a tick of the new declarations started an instance of this process's old code.
+    declaring = sorted({row.workflow for row in due if row.declared})
+    newest = newest_live_versions(declaring) if declaring else {}
+    left = {name for name, version in newest.items() if version > by_name[name].version}
+    for row in due:
+        if row.declared and row.workflow in left:
+            continue
         started = fire_tick(row, by_name[row.workflow], now)
         if started is not None:
             fired.append(started)
     if fired and on_fired is not None:
         on_fired([f.instance_pk for f in fired])
-    return fired, next_tick_at(list(by_name))
+    return fired, next_tick_at(list(by_name), left)
 
 
 @retry_while_locked
