@@ -393,7 +393,9 @@ def test_a_wait_reads_only_the_buffered_events_of_its_type_and_only_as_far_as_it
     from workflows_app import testing
     from workflows_app.models import InboxEvent
 
-    @register("inbox-reader")
+    # 1,250 events buffered on purpose: past max_buffered_events' default, which is not
+    # what this test is about.
+    @register("inbox-reader", limits={"max_buffered_events": None})
     class InboxReader(WorkflowEntrypoint):
         async def run(self, event, step):
             got = await step.wait_for_event(
