@@ -166,3 +166,20 @@ def test_the_dashboard_offers_the_other_versions_and_restarts_on_the_one_chosen(
     assert "Restarted from step “charge” on version 2." in response.content.decode()
     testing.run_until_idle()
     assert broken.status().output == {"charged": 42}
+
+
+def test_a_key_taken_on_the_version_after_the_look_is_refused_clearly(registered, monkeypatch):
+    """Two moves at once: each looks before the other commits. The second's update then
+    met the unique key and raised a raw IntegrityError (a 500 in the API); it is refused
+    as a clear InvalidInput, and the instance is left as it was."""
+    from workflows_app.engine.store import control
+
+    register_broken_and_fixed()
+    old = get_workflow(NAME).create(id="old", version=1, idempotency_key="order-8")
+    testing.run_until_idle()
+    get_workflow(NAME).create(id="new", version=2, idempotency_key="order-8")
+    monkeypatch.setattr(control, "_check_idempotency_key_free", lambda *args: None)
+    before = state(old)
+    with pytest.raises(InvalidInput, match="key 'order-8' was just taken on that version"):
+        old.restart(version=2)
+    assert state(old) == before

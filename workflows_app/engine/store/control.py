@@ -1097,7 +1097,7 @@ def restart(
         inst = locked_instance(name, instance_id)
         moved = version is not None and version != inst.version
         if moved:
-            _check_idempotency_key_free(inst, version)
+            _move_to_version(inst, version)
         steps = StepRecord.objects.filter(instance_id=inst.pk)
         if from_step is not None:
             anchor = (
@@ -1127,7 +1127,6 @@ def restart(
         # One that held a place keeps it; any other goes through admission with the queue.
         keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
         Instance.objects.filter(id=inst.pk).update(
-            version=version if moved else inst.version,
             status=Status.RUNNING if keeps_place else Status.QUEUED,
             wake_at=now if keeps_place else None,
             started_at=(inst.started_at or now) if keeps_place else None,
@@ -1166,6 +1165,19 @@ def restart(
         admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
         _restart_children_it_ended(inst, child_steps, actor)
     return Status.RUNNING if admitted else Status.QUEUED
+
+
+def _move_to_version(inst: Instance, version: int) -> None:
+    """The instance runs on `version` from now on (inside the caller's transaction)."""
+    _check_idempotency_key_free(inst, version)
+    try:
+        with transaction.atomic():  # a savepoint: the caller's transaction goes on
+            Instance.objects.filter(id=inst.pk).update(version=version)
+    except IntegrityError:  # another instance took the key on that version since the look
+        raise InvalidInput(
+            f"instance {inst.instance_id!r} cannot move to version {version}: its idempotency "
+            f"key {inst.idempotency_key!r} was just taken on that version"
+        ) from None
 
 
 def _check_idempotency_key_free(inst: Instance, version: int) -> None:
