@@ -155,6 +155,12 @@ def test_the_command_line_restarts_on_a_version(broken):
     assert "no registered version 7" in cli_refused("restart", "o-1", "--to-version", "7")
 
 
+def test_the_command_line_bulk_restart_moves_the_matches_to_a_version(broken):
+    wf("bulk", "restart", "-w", NAME, "--status", "errored", "--version", "1", "--to-version", "2")
+    testing.run_until_idle()
+    assert (broken.status().status, broken.row().version) == ("complete", 2)
+
+
 def test_the_dashboard_offers_the_other_versions_and_restarts_on_the_one_chosen(broken):
     client = Client()
     client.force_login(make_user("operator", "view_instance", "change_instance"))
