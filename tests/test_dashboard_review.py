@@ -19,6 +19,7 @@ from django.test import AsyncClient, Client
 from tests.dashboard.conftest import approval_workflow, operator, viewer  # noqa: F401 (fixtures)
 from tests.dashboard.helpers import make_user
 from tests.dashboard.test_consumers import connect, receive_until, staff_cookie
+from tests.test_subscriptions import sse_events
 from workflows_app import testing
 from workflows_app.client import get_workflow
 
@@ -100,18 +101,12 @@ async def test_logging_out_while_a_socket_reads_its_snapshot_still_closes_it(mon
 async def sse_records(
     stream: Any, until: Any, timeout: float = RECEIVE_TIMEOUT
 ) -> list[dict[str, Any]]:
-    """SSE events ({"id", "event", "data"} or {"comment"}) read until until(events) or timeout."""
+    """SSE events read until until(events), or those read by the timeout."""
     events: list[dict[str, Any]] = []
     try:
         async with asyncio.timeout(timeout):
             async for chunk in stream:
-                for block in chunk.decode().split("\n\n"):
-                    event: dict[str, Any] = {}
-                    for line in filter(None, block.split("\n")):
-                        field, _, value = line.partition(":")
-                        event.setdefault(field or "comment", value.strip())
-                    if event:
-                        events.append(event)
+                events += sse_events(chunk)
                 if until(events):
                     break
     except TimeoutError:

@@ -165,17 +165,24 @@ def sse_url(instance_id: str, workflow: str = "sub-approval") -> str:
     return f"/api/workflows/{workflow}/instances/{instance_id}/subscribe"
 
 
+def sse_events(chunk: bytes) -> list[dict[str, Any]]:
+    """The SSE events of a chunk: {"id", "event", "data"} or {"comment"} each."""
+    events: list[dict[str, Any]] = []
+    for block in chunk.decode().split("\n\n"):
+        event: dict[str, Any] = {}
+        for line in filter(None, block.split("\n")):
+            field, _, value = line.partition(":")
+            event.setdefault(field or "comment", value.strip())
+        if event:
+            events.append(event)
+    return events
+
+
 async def read_events(response: Any, until: Any) -> list[dict[str, Any]]:
-    """Parse SSE chunks into events ({"id", "event", "data"} or {"comment"}) until until(events)."""
+    """SSE events of the response until until(events)."""
     events: list[dict[str, Any]] = []
     async for chunk in response.streaming_content:
-        for block in chunk.decode().split("\n\n"):
-            event: dict[str, Any] = {}
-            for line in filter(None, block.split("\n")):
-                field, _, value = line.partition(":")
-                event.setdefault(field or "comment", value.strip())
-            if event:
-                events.append(event)
+        events += sse_events(chunk)
         if until(events):
             break
     return events

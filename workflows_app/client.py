@@ -749,8 +749,10 @@ class InstanceHandle:
             check_text(from_step, "from_step")
         limits = self._limits() if version is None else self._workflow_version(version).limits()
         status = store.restart(self.workflow, self.id, limits, from_step, _actor(actor), version)
-        self._row = None  # its version may have changed: the next look reads the row
-        _after_commit("restart", self.row(refresh=False).pk, self.workflow)
+        pk = self.row(refresh=False).pk
+        if version is not None:
+            self._row = None  # its version changed: the next look reads the row
+        _after_commit("restart", pk, self.workflow)
         return status
 
     def _workflow_version(self, version: Any) -> Definition:

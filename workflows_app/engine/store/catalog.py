@@ -80,17 +80,20 @@ def touch_versions(versions: Sequence[tuple[str, int]]) -> None:
     WorkflowVersion.objects.filter(these).update(last_seen_at=clock.now())
 
 
-def newest_live_versions(names: Sequence[str]) -> dict[str, int]:
-    """The newest version of each of these workflows whose workers were seen within
-    VERSION_LIVE (a workflow none of whose versions were has no entry)."""
+def newer_live_versions(ours: dict[str, int]) -> dict[str, int]:
+    """Of these workflows (name: this process's newest version), those of which a newer
+    version's workers were seen within VERSION_LIVE, with that version: their declared
+    schedules are that version's workers' to sync and fire."""
+    if not ours:
+        return {}
     rows = (
         WorkflowVersion.objects.filter(
-            name__in=list(names), last_seen_at__gte=clock.now() - VERSION_LIVE
+            name__in=list(ours), last_seen_at__gte=clock.now() - VERSION_LIVE
         )
         .values("name")
         .annotate(newest=Max("version"))
     )
-    return {row["name"]: row["newest"] for row in rows}
+    return {row["name"]: row["newest"] for row in rows if row["newest"] > ours[row["name"]]}
 
 
 VERSION_MISSING = "version-missing: "

@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..limits import Limits
 from ..registry import all_definitions
-from .catalog import newest_live_versions
+from .catalog import newer_live_versions
 from .control import create_in_transaction
 from .dialect import retry_while_locked
 from .records import NewInstance
@@ -165,9 +165,7 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
     # The declared schedules of a workflow of which a newer version is deployed are that
     # version's workers' to fire, as they are theirs to sync (sync_declared): fired here,
     # a tick of the new declarations started an instance of this process's old code.
-    declaring = sorted({row.workflow for row in due if row.declared})
-    newest = newest_live_versions(declaring) if declaring else {}
-    left = {name for name, version in newest.items() if version > by_name[name].version}
+    left = newer_live_versions({r.workflow: by_name[r.workflow].version for r in due if r.declared})
     for row in due:
         if row.declared and row.workflow in left:
             continue
@@ -292,20 +290,14 @@ def sync_declared(declared: Sequence[tuple[str, int, Sequence[str]]]) -> None:
     deploy must not put back what the new code changed (after a rollback the newer
     version's workers are gone, and the old declarations come back)."""
     now = clock.now()
-    newest = newest_live_versions([workflow for workflow, _, _ in declared])
-    for workflow, version, _ in declared:
-        if newest.get(workflow, 0) > version:
-            log.info(
-                "declared schedules of workflow %r left to its version %s (this process has %s)",
-                workflow,
-                newest[workflow],
-                version,
-            )
-    ours = [
-        (workflow, crons)
-        for workflow, version, crons in declared
-        if newest.get(workflow, 0) <= version
-    ]
+    newer = newer_live_versions({workflow: version for workflow, version, _ in declared})
+    for workflow, version in newer.items():
+        log.info(
+            "declared schedules of workflow %r left to its version %s (this process has an older one)",
+            workflow,
+            version,
+        )
+    ours = [(workflow, crons) for workflow, _, crons in declared if workflow not in newer]
     # Most workflows declare none: one read for them all, and a write only if one used to.
     undeclared = Schedule.objects.filter(
         workflow__in=[workflow for workflow, crons in ours if not crons], declared=True
