@@ -52,8 +52,8 @@ _MICROS_TO_TIME = (
 )
 
 
-def _micros(nanoseconds: int) -> int:
-    return nanoseconds // 1000
+# nanoseconds // 1000, called with no Python frame (two span times a row, a herd's rows).
+_micros = (1000).__rfloordiv__
 
 
 @functools.cache
@@ -347,10 +347,10 @@ class DatabaseSpanProcessor(SpanProcessor):
             format(context.span_id, "016x"),
             format(parent.span_id, "016x") if parent else "",
             storable_text(span.name[:300]),
-            span.kind.name,
+            span.kind._name_,  # Enum's documented attribute; .name is two Python calls
             when(span.start_time or 0),
             when(span.end_time or 0),
-            status.status_code.name,
+            status.status_code._name_,
             storable_text(message) if message else "",
             *(
                 (attributes, events or [], links or [])
