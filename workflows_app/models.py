@@ -181,12 +181,6 @@ class Instance(models.Model):
                 name="instance_concurrency_key",
                 condition=Q(concurrency_key__isnull=False),
             ),
-            # rate_limit: starts WHERE workflow = ? AND started_at > now - period
-            models.Index(
-                fields=["workflow", "started_at"],
-                name="instance_started",
-                condition=Q(started_at__isnull=False),
-            ),
             # prune: WHERE expires_at <= now
             models.Index(
                 fields=["expires_at"], name="instance_expiry", condition=Q(expires_at__isnull=False)
@@ -256,6 +250,28 @@ class InstanceAttribute(models.Model):
             # list(attributes=...): WHERE key = ? AND value = ? ORDER BY instance_id DESC,
             # one index range per filtered key, walked newest first.
             models.Index(fields=["key", "value", "instance"], name="instance_attribute_lookup"),
+        ]
+
+
+class RateLimitStart(models.Model):
+    """One start admission gave an instance of a workflow with a rate_limit (a restart's
+    start too): what the limit counts.
+
+    Not the instances' started_at: deleting or pruning an instance, or restarting it
+    (which sets started_at anew), took its start out of the count, and more than `limit`
+    started in a period. Written in the admission's transaction, under its lock; the
+    admission drops the rows its window no longer holds. Workflows without a rate_limit
+    write none.
+    """
+
+    workflow = models.CharField(max_length=200)
+    started_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # admission: count WHERE workflow = ? AND started_at > now - period; and its
+            # prune: DELETE WHERE workflow = ? AND started_at <= now - period
+            models.Index(fields=["workflow", "started_at"], name="rate_limit_start"),
         ]
 
 

@@ -15,13 +15,14 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from django.db import IntegrityError, connection, connections, transaction
-from django.db.models import Case, Count, Min, Q, Value, When
+from django.db.models import Case, Q, Value, When
 
 from ...models import (
     HistoryRecord,
     InboxEvent,
     Instance,
     InstanceAttribute,
+    RateLimitStart,
     Status,
     StepKind,
     StepRecord,
@@ -70,6 +71,8 @@ from .records import (
 from .search import ATTRIBUTE_TABLE, index_attributes
 from .wakes import WAKE_CHANNEL, hint_workers
 
+RATE_START_TABLE = RateLimitStart._meta.db_table
+
 # Told (after commit) which queued instances a transaction started; set by the app's live layer.
 on_promoted: Callable[[list[int]], None] | None = None
 # Told (after commit) that queued instances got a time to start (a rate window, a debounce):
@@ -112,6 +115,35 @@ def _free_slots(name: str, limits: Limits) -> int | None:
         )
         (active,) = cursor.fetchone()
     return max(0, limits.max_concurrent_instances - active)
+
+
+def _starts_since(name: str, since: datetime) -> tuple[int, datetime | None]:
+    """How many starts of a rate-limited workflow its log holds after `since`, and the
+    first of them (RateLimitStart: instance rows lose starts to deletes and restarts)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT count(*), MIN(started_at) FROM {RATE_START_TABLE} "
+            "WHERE workflow = %s AND started_at > %s",
+            [name, db_time(since)],
+        )
+        count, first = cursor.fetchone()
+    return count, from_db_time(first)
+
+
+def _log_starts(name: str, count: int, now: datetime, window: timedelta) -> None:
+    """Log `count` starts of a rate-limited workflow at `now` (in the admission's
+    transaction, under its lock), and drop the starts its window no longer holds: the log
+    keeps about `limit` rows a workflow."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {RATE_START_TABLE} WHERE workflow = %s AND started_at <= %s",
+            [name, db_time(now - window)],
+        )
+        cursor.execute(
+            f"INSERT INTO {RATE_START_TABLE} (workflow, started_at) VALUES "
+            + ", ".join(["(%s, %s)"] * count),
+            [value for _ in range(count) for value in (name, db_time(now))],
+        )
 
 
 # --- admission ------------------------------------------------------------------------
@@ -157,12 +189,10 @@ class Admission:
         rate = limits.rate_limit
         if rate is not None:
             window = timedelta(milliseconds=rate.period_ms)
-            started = Instance.objects.filter(workflow=name, started_at__gt=now - window).aggregate(
-                n=Count("id"), first=Min("started_at")
-            )
-            self.rate_left = max(0, rate.limit - started["n"])
+            started, first = _starts_since(name, now - window)
+            self.rate_left = max(0, rate.limit - started)
             # A sliding window: the oldest start in it leaving frees the next start.
-            self.rate_reopens_at = (started["first"] or now) + window
+            self.rate_reopens_at = (first or now) + window
 
     def learn_keys(self, keys: Collection[str | None]) -> None:
         """Count the active instances of the keys not counted yet (one query)."""
@@ -408,6 +438,9 @@ class _Decided:
                 admit_at=None,
                 waiting_reason="",
             )
+            rate = self.limits.rate_limit
+            if rate is not None:
+                _log_starts(self.name, len(admitted), now, timedelta(milliseconds=rate.period_ms))
             started = [pk for pk in admitted if pk not in created]
             for pk in started:
                 append_history(pk, [History("instance.started", {"from": "queued"})], now)

@@ -1,0 +1,105 @@
+"""rate_limit counts starts, not the instances that are still there (SPEC §8: "starts at
+most `limit` instances per period"): deleting or pruning an instance that started in the
+window gives no start back, and a restart that starts an instance again is a start."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register, store
+from workflows_app.models import RateLimitStart
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def statuses(insts) -> list[str]:
+    return [i.status().status for i in insts]
+
+
+def register_gated(name: str, **limits) -> None:
+    """A workflow that holds its place until it gets a "go" event."""
+
+    @register(name, limits=limits)
+    class Gated(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go", timeout="1 day")
+            return "done"
+
+
+def finish(insts) -> None:
+    testing.run_until_idle()
+    for inst in insts:
+        inst.send_event("go")
+    testing.run_until_idle()
+    assert statuses(insts) == ["complete"] * len(insts)
+
+
+def test_deleting_instances_that_started_in_the_window_gives_no_start_back(registered):
+    register_gated("rated-delete", rate_limit={"limit": 2, "period": "1 hour"})
+    wf = get_workflow("rated-delete")
+    with testing.fake_clock() as clock:
+        first = [wf.create(id="a"), wf.create(id="b")]
+        finish(first)
+        clock.advance("1 minute")
+        wf.delete_batch(["a", "b"])
+        later = [wf.create(id="c"), wf.create(id="d")]
+        assert statuses(later) == ["queued", "queued"]
+        assert later[0].status().waiting_reason.startswith("rate_limit (2 per 1 hour) reached")
+        testing.run_until_idle()
+        assert statuses(later) == ["queued", "queued"]
+        clock.advance("59 minutes")  # the window of the deleted ones' starts ends
+        testing.run_until_idle()
+        assert statuses(later) == ["waiting", "waiting"]
+
+
+def test_pruning_instances_that_started_in_the_window_gives_no_start_back(registered):
+    register_gated("rated-prune", rate_limit={"limit": 2, "period": "1 hour"})
+    wf = get_workflow("rated-prune")
+    with testing.fake_clock() as clock:
+        first = [wf.create(id=f"p{n}", retention="1 second") for n in range(2)]
+        finish(first)
+        clock.advance("10 seconds")
+        assert store.prune() == 2
+        late = wf.create(id="late")
+        assert late.status().status == "queued"
+        clock.advance("1 hour")
+        testing.run_until_idle()
+        assert late.status().status == "waiting"
+
+
+def test_restarting_a_finished_instance_is_a_start(registered):
+    """Its earlier start stays counted too: the restart used to set started_at anew, so
+    the count of instance rows saw one start where there were two."""
+    register_gated("rated-restart", rate_limit={"limit": 2, "period": "1 hour"})
+    wf = get_workflow("rated-restart")
+    with testing.fake_clock() as clock:
+        once = wf.create(id="once")
+        finish([once])
+        clock.advance("1 minute")
+        assert once.restart() == "running"  # the second start of the hour
+        other = wf.create(id="other")
+        assert other.status().status == "queued"
+        finish([once])
+        assert once.restart() == "queued"  # a third start must wait for the window too
+        assert other.status().status == "queued"
+        clock.advance("59 minutes")  # the first start leaves the window: one place
+        testing.run_until_idle()
+        assert statuses([once, other]) == ["waiting", "queued"]
+
+
+def test_the_start_log_keeps_only_the_window_and_only_for_rate_limited_workflows(registered):
+    register_gated("rated-log", rate_limit={"limit": 3, "period": "10 seconds"})
+    register_gated("unrated-log", max_concurrent_instances=5)
+    rated, unrated = get_workflow("rated-log"), get_workflow("unrated-log")
+    with testing.fake_clock() as clock:
+        for n in range(5):
+            rated.create(id=f"r{n}")
+            unrated.create(id=f"u{n}")
+            clock.advance("11 seconds")
+        # Each admission dropped the starts its window no longer holds: only the last is left.
+        logged = list(RateLimitStart.objects.values_list("workflow", "started_at"))
+        assert logged == [("rated-log", clock.now() - timedelta(seconds=11))]
