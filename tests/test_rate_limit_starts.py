@@ -4,14 +4,16 @@ window gives no start back, and a restart that starts an instance again is a sta
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
+from django.db import connections
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, store
-from workflows_app.models import RateLimitStart
+from workflows_app.models import Instance, RateLimitStart
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -103,3 +105,35 @@ def test_the_start_log_keeps_only_the_window_and_only_for_rate_limited_workflows
         # Each admission dropped the starts its window no longer holds: only the last is left.
         logged = list(RateLimitStart.objects.values_list("workflow", "started_at"))
         assert logged == [("rated-log", clock.now() - timedelta(seconds=11))]
+
+
+def test_creates_racing_in_several_connections_start_limit_and_log_each_start_once(registered):
+    """Several sessions admit at once (a fleet's creates): the admission lock of the
+    workflow serialises their count and their log rows, so exactly `limit` start."""
+    register_gated("rated-race", rate_limit={"limit": 5, "period": "1 hour"})
+    wf = get_workflow("rated-race")
+    sessions, each = 4, 6
+    ready = threading.Barrier(sessions)
+    errors: list[BaseException] = []
+
+    def create(session: int) -> None:
+        try:
+            ready.wait(30)
+            for n in range(each):
+                wf.create(id=f"s{session}-{n}")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    with testing.fake_clock():  # one instant: every start is in the window
+        threads = [threading.Thread(target=create, args=(s,)) for s in range(sessions)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        rows = Instance.objects.filter(workflow="rated-race")
+        assert rows.count() == sessions * each
+        assert rows.filter(status="running").count() == 5
+        assert RateLimitStart.objects.filter(workflow="rated-race").count() == 5
