@@ -116,6 +116,19 @@ def test_start_refuses_bad_json_and_creates_nothing():
     assert refused("start", SIMPLE, "--params", "{nope").startswith("--params is not valid JSON")
 
 
+def test_arguments_that_are_not_utf8_are_refused_naming_the_argument():
+    # Python keeps argv bytes that are not UTF-8 as lone surrogates (0xff -> U+DCFF); the
+    # database cannot store or even look them up, so each verb must refuse them in one line.
+    waiting_approval("o-1")
+    assert refused("status", "\udcff") == "id is not UTF-8 text: b'\\xff'"
+    assert refused("start", "\udcff") == "workflow is not UTF-8 text: b'\\xff'"
+    assert "--params is not UTF-8" in refused("start", SIMPLE, "--params", '"\udcff"')
+    assert "--attr is not UTF-8" in refused("list", "--attr", "k=\udcff")
+    assert "--workflow is not UTF-8" in refused("bulk", "pause", "-w", "\udcff")
+    assert "name is not UTF-8" in refused("token", "create", "\udcff")
+    assert "name is not UTF-8" in refused("schedules", "pause", "\udcff")
+
+
 def test_start_refuses_a_missing_params_file(tmp_path: Path):
     assert "cannot read" in refused("start", SIMPLE, "--params", f"@{tmp_path / 'missing.json'}")
 

@@ -90,6 +90,28 @@ def parse_attr_options(options: Sequence[str]) -> dict[str, Any]:
     return parse_attribute_filter(pairs)
 
 
+def not_utf8(parser: argparse.ArgumentParser, options: dict[str, Any]) -> CommandError | None:
+    """The refusal of the first argument whose bytes are not UTF-8, named as typed: Python
+    keeps such bytes as lone surrogates, which no database query can carry."""
+    labels = {
+        a.dest: max(a.option_strings, key=len) if a.option_strings else (a.metavar or a.dest)
+        for a in parser._actions
+    }
+    for dest, value in options.items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                try:
+                    shown = repr(text.encode("utf-8", "surrogateescape")[:60])
+                except UnicodeEncodeError:
+                    shown = ascii(text[:60])
+                return CommandError(f"{labels.get(dest, dest)} is not UTF-8 text: {shown}")
+    return None
+
+
 def find_instance(instance_id: str, workflow: str | None) -> InstanceHandle:
     """The instance with that id in --workflow, or in the one workflow that has it."""
     if workflow:
@@ -134,12 +156,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         verbs = parser.add_subparsers(dest="verb", metavar="<verb>", required=True)
+        self.verb_parsers: dict[str, argparse.ArgumentParser] = {}
 
         def verb(
             name: str, handler: Callable[[argparse.Namespace], None], help: str
         ) -> argparse.ArgumentParser:
             sub = verbs.add_parser(name, help=help, description=help)
             sub.set_defaults(handler=handler)
+            self.verb_parsers[name] = sub
             sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
             return sub
 
@@ -301,6 +325,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         namespace = argparse.Namespace(**options)
+        refusal = not_utf8(self.verb_parsers[options["verb"]], options)
+        if refusal:
+            raise refusal
         try:
             options["handler"](namespace)
         except (errors.WorkflowError, tokens.TokenError) as exc:
