@@ -114,6 +114,11 @@ def test_start_count_refuses_an_id_or_key_and_a_count_below_one():
 
 def test_start_refuses_bad_json_and_creates_nothing():
     assert refused("start", SIMPLE, "--params", "{nope").startswith("--params is not valid JSON")
+    # Python's JSON parser refuses an integer of over 4,300 digits with a plain ValueError.
+    assert "--params is not valid JSON" in refused("start", SIMPLE, "--params", "1" * 5000)
+    assert "--payload is not valid JSON" in refused(
+        "bulk", "send_event", "-w", APPROVAL, "--type", "approval", "--payload", "9" * 5000
+    )
 
 
 def test_arguments_that_are_not_utf8_are_refused_naming_the_argument():

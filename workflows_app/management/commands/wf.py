@@ -61,7 +61,7 @@ def parse_json_arg(value: str | None, flag: str) -> Any:
             ) from None
     try:
         return json.loads(value)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # also an integer of over 4,300 digits, which is no JSONDecodeError
         raise CommandError(f"{flag} is not valid JSON: {exc}") from None
     except RecursionError:
         raise CommandError(f"{flag} is nested too deeply to parse as JSON") from None
