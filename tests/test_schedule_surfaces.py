@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from datetime import UTC, datetime
 from io import StringIO
@@ -207,6 +208,24 @@ def test_admin_adds_a_schedule_and_pauses_resumes_and_triggers_it():
     assert Instance.objects.filter(schedule="a").count() == 1
     page = admin.get(changelist)
     assert Schedule.objects.get(name="a").last_instance_id.encode() in page.content
+
+
+def test_admin_refuses_bad_schedule_params_as_a_form_error_naming_them():
+    admin = Client(raise_request_exception=False)
+    admin.force_login(User.objects.create_superuser("boss", password="pw"))
+    add = reverse("admin:workflows_app_schedule_add")
+    fields = {"name": "a", "workflow": SIMPLE, "cron": "* * * * *", "timezone": "UTC"}
+    for params, named in (
+        ("[" * 100_000, "nested too deeply"),  # the JSON parser's RecursionError
+        ("[" * 200 + "]" * 200, "nesting limit"),
+        ('"' + "x" * (1024 * 1024) + '"', "max_params_bytes"),
+        ("NaN", "not JSON-serialisable"),
+        ('"\\ud800"', "not valid Unicode"),
+    ):
+        response = admin.post(add, {**fields, "params": params})
+        assert response.status_code == 200, (params[:20], response.status_code)
+        assert named in html.unescape(response.content.decode()), params[:20]
+    assert not Schedule.objects.exists()
 
 
 def test_admin_schedule_actions_need_the_change_permissions():

@@ -30,6 +30,7 @@ from . import tokens
 from .client import InstanceHandle, ScheduleHandle, schedules
 from .engine import errors, lifecycle
 from .engine.cron import check_cron, check_schedule_name, zone
+from .engine.limits import check_size, encode_json
 from .engine.registry import get_definition
 from .models import (
     ApiToken,
@@ -815,6 +816,8 @@ class ScheduleForm(forms.ModelForm):
             return json.loads(text)
         except ValueError as exc:
             raise forms.ValidationError(f"params are not valid JSON: {exc}") from None
+        except RecursionError:
+            raise forms.ValidationError("params are nested too deeply to parse as JSON") from None
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
@@ -830,6 +833,15 @@ class ScheduleForm(forms.ModelForm):
                     check(cleaned[field])
                 except errors.WorkflowError as exc:
                     self.add_error(field, str(exc))
+        if "params" in cleaned and "workflow" in cleaned and not self.has_error("workflow"):
+            # schedules.create's own checks, here so that they show on the field (save_model
+            # turns an error it raises into a 403, meant for a race on the name).
+            try:
+                text = encode_json(cleaned["params"], "params")
+                limit = get_definition(cleaned["workflow"]).limits().max_params_bytes
+                check_size(text, "max_params_bytes", limit, "params")
+            except errors.WorkflowError as exc:
+                self.add_error("params", str(exc))
         return cleaned
 
 
