@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.contrib.staticfiles import finders
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -25,7 +27,7 @@ from tests.surface_flows import (
     waiting_approval,
 )
 from workflows_app import testing, tokens
-from workflows_app.client import get_workflow
+from workflows_app.client import get_workflow, schedules
 from workflows_app.models import (
     ApiToken,
     BulkJob,
@@ -33,6 +35,7 @@ from workflows_app.models import (
     HistoryRecord,
     InboxEvent,
     Instance,
+    Schedule,
     Span,
     StepRecord,
     WorkflowVersion,
@@ -139,6 +142,27 @@ def test_every_model_has_a_list_and_a_detail_page_that_escape_user_data(admin_cl
         detail = admin_client.get(change(model.objects.first()))
         assert detail.status_code == 200, model
         assert XSS not in detail.content.decode(), model
+
+
+def list_queries(client: Client, url: str) -> int:
+    with CaptureQueriesContext(connection) as queries:
+        assert client.get(url).status_code == 200
+    return len(queries.captured_queries)
+
+
+def test_the_schedule_list_takes_as_many_queries_for_many_rows_as_for_one(admin_client):
+    def add_schedules(start: int, count: int) -> None:
+        for n in range(start, start + count):
+            schedules.create(f"s-{n}", workflow=SIMPLE, cron="0 3 * * *")
+            schedules.get(f"s-{n}").trigger()  # a last instance for the list to link
+
+    add_schedules(0, 1)
+    one = list_queries(admin_client, changelist(Schedule))
+    add_schedules(1, 10)
+    assert list_queries(admin_client, changelist(Schedule)) == one
+    page = admin_client.get(changelist(Schedule)).content.decode()
+    last = Instance.objects.get(schedule="s-7")
+    assert f'<a href="{change(last)}">{last.instance_id}</a>' in page
 
 
 def test_the_instance_page_shows_pretty_params_steps_and_history(admin_client):

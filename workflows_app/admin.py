@@ -16,7 +16,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db.models import QuerySet
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
@@ -891,16 +891,22 @@ class ScheduleAdmin(admin.ModelAdmin):
     ) -> tuple[str, ...]:
         return () if obj is None else self.all_fields
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
+        # The last instance's pk in the list's own query: one look-up per row made the
+        # list cost a query per schedule.
+        last = Instance.objects.filter(
+            workflow=OuterRef("workflow"), instance_id=OuterRef("last_instance_id")
+        )
+        return super().get_queryset(request).annotate(last_instance_pk=Subquery(last.values("pk")))
+
     @admin.display(description="last instance")
     def last_instance(self, obj: Schedule) -> SafeString | str:
         if not obj.last_instance_id:
             return ""
-        row = Instance.objects.filter(
-            workflow=obj.workflow, instance_id=obj.last_instance_id
-        ).first()
-        if row is None:
+        pk = getattr(obj, "last_instance_pk", None)
+        if pk is None:
             return obj.last_instance_id
-        url = reverse("admin:workflows_app_instance_change", args=[row.pk])
+        url = reverse("admin:workflows_app_instance_change", args=[pk])
         return format_html('<a href="{}">{}</a>', url, obj.last_instance_id)
 
     def save_model(self, request: HttpRequest, obj: Schedule, form: Any, change: bool) -> None:
