@@ -165,6 +165,18 @@ def test_the_schedule_list_takes_as_many_queries_for_many_rows_as_for_one(admin_
     assert f'<a href="{change(last)}">{last.instance_id}</a>' in page
 
 
+def test_the_token_list_takes_as_many_queries_for_many_rows_as_for_one(admin_client):
+    def add_tokens(start: int, count: int) -> None:
+        for n in range(start, start + count):
+            User.objects.create_user(f"u-{n}")
+            tokens.issue(f"t-{n}", f"u-{n}", "read")
+
+    add_tokens(0, 1)
+    one = list_queries(admin_client, changelist(ApiToken))
+    add_tokens(1, 10)
+    assert list_queries(admin_client, changelist(ApiToken)) == one
+
+
 def test_the_instance_page_shows_pretty_params_steps_and_history(admin_client):
     row = some_of_everything()
     page = admin_client.get(change(row)).content.decode()

@@ -679,6 +679,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         "revoked_at",
     )
     list_filter = ("scope", "revoked_at", "user")
+    list_select_related = ("user",)  # nullable (service tokens): Django would not join it itself
     search_fields = ("name", "prefix", "user__username")
     actions = (revoke_tokens, rotate_token)
     add_fields = ("name", "user", "scope", "workflows", "expires")
