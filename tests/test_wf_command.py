@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -493,6 +494,25 @@ def test_bulk_applies_an_action_to_what_a_filter_matches_and_reports_it():
     assert (started["matched"], started["done"]) == (4, False)
     testing.run_until_idle()  # workers apply it: the live ones are skipped
     assert sorted(Instance.objects.values_list("instance_id", flat=True)) == ["o-0", "o-1", "o-2"]
+
+
+def test_bulk_exits_non_zero_when_some_instances_failed_after_reporting_them():
+    waiting_approval("o-0")
+    waiting_approval("o-1")
+    out = StringIO()
+    with pytest.raises(CommandError) as excinfo:  # manage.py exits with status 1
+        call_command(
+            "wf",
+            *("bulk", "send_event", "-w", APPROVAL, "--type", "approval"),
+            *("--payload", '{"ok": "yes"}'),  # fails the waiting step's schema
+            stdout=out,
+            stderr=StringIO(),
+        )
+    assert "matched 2, applied 0, skipped 0, failed 2" in out.getvalue()
+    assert "does not match the schema" in out.getvalue()
+    assert re.fullmatch(r"bulk send_event #\d+: 2 of 2 instances failed", str(excinfo.value))
+    # Nothing failed: exit 0, whatever was skipped.
+    assert "applied 0, skipped 2, failed 0" in wf("bulk", "resume", "-w", APPROVAL)
 
 
 def test_bulk_refuses_bad_input_before_starting_anything():

@@ -14,7 +14,8 @@
 
 Instance ids are scoped by workflow; without --workflow an id is looked up in every
 workflow and refused if it is ambiguous. Every verb takes --json for scripts. Bad input
-exits non-zero with one line naming what was wrong.
+exits non-zero with one line naming what was wrong; so does `wf bulk` (after its report)
+when the action failed on some instances.
 """
 
 from __future__ import annotations
@@ -609,6 +610,10 @@ class Command(BaseCommand):
             + "".join(f"\n  {e}" for e in job.errors)
         )
         self.emit(opts, data, human)
+        if job.failed:  # reported above; a script must not take the job for a success
+            raise CommandError(
+                f"bulk {job.action} #{job.id}: {job.failed} of {job.matched} instances failed"
+            )
 
     # --- tokens ---------------------------------------------------------------------
 
