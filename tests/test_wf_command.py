@@ -25,6 +25,8 @@ from tests.surface_flows import (
 )
 from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.errors import NonRetryableError
 from workflows_app.models import ApiToken, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -210,6 +212,29 @@ def test_status_json_has_output_and_steps_of_a_finished_instance():
         ("one", "complete", 1),
         ("two", "complete", 2),
     ]
+
+
+def test_human_output_shows_control_characters_of_user_data_escaped():
+    """An error message is user data: raw, its escape sequences would drive the operator's
+    terminal (clear the screen, retitle the window, hide what follows)."""
+    hostile = "\x1b[2J\x1b]0;owned\x07 card \x9b31m declined"
+
+    @register("surface-hostile")
+    class Hostile(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            def charge() -> None:
+                raise NonRetryableError(hostile, name="Declined")
+
+            await step.do("charge", charge)
+
+    get_workflow("surface-hostile").create(id="h")
+    testing.run_until_idle()
+    for verb in (("status", "h"), ("list",), ("history", "h"), ("watch", "h")):
+        out = wf(*verb)
+        assert "Declined" in out, verb
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out), (verb, out)
+    assert "\\x1b[2J\\x1b]0;owned\\x07 card \\x9b31m declined" in wf("status", "h")
+    assert wf_json("status", "h")["error"]["message"] == hostile  # --json: exact, escaped by JSON
 
 
 def test_status_of_an_unknown_instance_names_it():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +143,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 60
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+# C0 and C1 control characters but tab and newline: a terminal acts on them.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Human output with the control characters of user data (error messages, names) shown
+    as \\xNN: raw, an escape sequence would drive the operator's terminal."""
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def compact(value: Any) -> str:
@@ -342,7 +353,7 @@ class Command(BaseCommand):
         if opts.json:
             self.stdout.write(json.dumps(data, cls=DjangoJSONEncoder, indent=2, ensure_ascii=False))
         else:
-            self.stdout.write(human)
+            self.stdout.write(printable(human))
 
     # --- read verbs -----------------------------------------------------------------
 
@@ -830,7 +841,7 @@ class Command(BaseCommand):
 
     def line(self, opts: argparse.Namespace, data: Any, human: str) -> None:
         """One line per event: JSON lines with --json."""
-        self.stdout.write(compact(data) if opts.json else human)
+        self.stdout.write(compact(data) if opts.json else printable(human))
         self.stdout.flush()
 
     # --- setup ----------------------------------------------------------------------
