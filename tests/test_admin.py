@@ -26,6 +26,7 @@ from tests.surface_flows import (
     snapshot,
     waiting_approval,
 )
+from workflows_app import admin as admin_module
 from workflows_app import testing, tokens
 from workflows_app.client import get_workflow, schedules
 from workflows_app.models import (
@@ -253,6 +254,39 @@ def test_an_action_reports_each_instance_it_could_not_change_and_changes_the_oth
     assert Instance.objects.get(pk=waiting.pk).status == "paused"
     messages = act(admin_client, "terminate", done.row())
     assert messages == [f"Could not terminate {SIMPLE}/s-1: it had already finished (complete)"]
+
+
+def test_an_action_over_more_instances_than_a_request_should_change_starts_bulk_jobs(
+    admin_client, monkeypatch
+):
+    """ "Select all N" over a big table must not change N instances inside one request
+    (loading every row and holding the request past any proxy's timeout)."""
+    monkeypatch.setattr(admin_module, "ACTION_ROWS_IN_REQUEST", 2)
+    for n in range(3):
+        waiting_approval(f"o-{n}")
+    get_workflow(SIMPLE).create(id="s-1")  # running: a second workflow, a second job
+    response = admin_client.post(
+        changelist(Instance),
+        {"action": "terminate", "select_across": "1", "index": "0", "_selected_action": ["1"]},
+        follow=True,
+    )
+    messages = [str(m) for m in response.context["messages"]]
+    jobs = {job.workflow: job for job in BulkJob.objects.all()}
+    assert {w: (j.action, j.matched, j.actor) for w, j in jobs.items()} == {
+        APPROVAL: ("terminate", 3, "boss"),
+        SIMPLE: ("terminate", 1, "boss"),
+    }
+    assert f"Started bulk terminate #{jobs[APPROVAL].pk} of 3 instance(s) of {APPROVAL}" in (
+        " ".join(messages)
+    )
+    assert Instance.objects.filter(status="terminated").count() == 0  # not in the request
+    testing.run_until_idle()  # the workers apply the jobs
+    statuses = set(Instance.objects.filter(workflow=APPROVAL).values_list("status", flat=True))
+    assert statuses == {"terminated"}
+    simple = BulkJob.objects.get(workflow=SIMPLE)  # s-1 may have completed first: skipped
+    assert simple.finished_at is not None and simple.applied + simple.skipped == 1
+    act(admin_client, "pause", *Instance.objects.all()[:2])  # at the limit: in the request
+    assert BulkJob.objects.count() == 2
 
 
 def test_a_staff_user_without_change_permission_cannot_run_actions():

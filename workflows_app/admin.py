@@ -27,7 +27,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from . import tokens
-from .client import InstanceHandle, ScheduleHandle, schedules
+from .client import InstanceHandle, ScheduleHandle, WorkflowBinding, schedules, start_bulk_job
 from .engine import errors, lifecycle
 from .engine.cron import check_cron, check_schedule_name, zone
 from .engine.limits import check_size, encode_json
@@ -47,6 +47,8 @@ from .models import (
 )
 
 CHANGE_INSTANCE = "workflows_app.change_instance"
+# Instances an admin action changes within its request; a bigger selection becomes bulk jobs.
+ACTION_ROWS_IN_REQUEST = 500
 
 
 def pretty_json(value: Any) -> SafeString:
@@ -129,10 +131,14 @@ def run_action(
     verb: str,
     act: Callable[[InstanceHandle, str], Any],
 ) -> None:
-    """Apply one client call to each selected instance; report successes and each failure."""
+    """Apply one client call to each selected instance; report successes and each failure.
+    A bigger selection ("select all" over a big table) becomes bulk jobs instead."""
     if not request.user.has_perm(CHANGE_INSTANCE):
         raise PermissionDenied
     actor = request.user.get_username()
+    if queryset.count() > ACTION_ROWS_IN_REQUEST:
+        start_bulk_jobs(modeladmin, request, queryset, verb, actor)
+        return
     done = 0
     for row in queryset.order_by("id"):
         try:
@@ -144,6 +150,40 @@ def run_action(
     if done:
         modeladmin.message_user(
             request, f"{verb.capitalize()}: {done} instance(s).", messages.SUCCESS
+        )
+
+
+def start_bulk_jobs(
+    modeladmin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Instance],
+    verb: str,
+    actor: str,
+) -> None:
+    """One background bulk job per workflow of the selection: workers apply it in batches,
+    its progress shows in the bulk jobs list, and the request only snapshots the ids."""
+    workflows = queryset.order_by().values_list("workflow", flat=True).distinct()
+    for workflow in sorted(workflows):
+        try:
+            options = WorkflowBinding(workflow).bulk_options(verb, None, None, None, True)
+            job = start_bulk_job(
+                workflow,
+                verb,
+                queryset.filter(workflow=workflow),
+                {"selected_in": "admin"},
+                options,
+                actor,
+            )
+        except errors.WorkflowError as exc:
+            modeladmin.message_user(
+                request, f"Could not start bulk {verb} of {workflow}: {exc}", messages.ERROR
+            )
+            continue
+        modeladmin.message_user(
+            request,
+            f"Started bulk {verb} #{job.id} of {job.matched} instance(s) of {workflow}; "
+            "workers apply it in the background.",
+            messages.SUCCESS,
         )
 
 
