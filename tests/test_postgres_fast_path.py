@@ -278,34 +278,78 @@ def test_a_worker_whose_host_clock_runs_an_hour_ahead_does_not_wake_a_sleep_earl
 
 
 class SlowReadingHostClock(clock.RealClock):
-    """A host whose reads of its own clock straddle a round trip of 100 ms: each read
-    before the database's answer says 50 ms earlier than it is, each after 50 ms later."""
+    """A host whose reads of its own clock, while `noisy`, straddle a round trip of 100 ms:
+    each read before the database's answer says 50 ms earlier than it is, each after 50 ms
+    later."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads = 0
+        self.noisy = False
 
     def host_now(self) -> datetime:
         self.reads += 1
         shift = timedelta(milliseconds=-50 if self.reads % 2 else 50)
-        return super().host_now() + shift
+        return super().host_now() + (shift if self.noisy else timedelta(0))
 
 
-def test_a_new_measurement_of_the_offset_that_agrees_with_the_last_leaves_the_clock_alone():
-    """Within half a round trip the measurement cannot tell offsets apart: the clock keeps
-    its offset (no step back from jitter); one beyond it is corrected."""
+def test_a_noisy_measurement_of_the_offset_does_not_move_the_clock_back():
+    """A noisy measurement only knows the offset within its round trip: the clock keeps
+    the tighter bound it had (no step back from jitter); one the measurement shows ahead
+    is corrected to the measurement's bound, behind the database's clock."""
     postgres_only()
     host = SlowReadingHostClock()
     clock.set_clock(host)
-    host.offset = timedelta(milliseconds=30)  # within 50 ms of the true offset (about 0)
     store.measure_clock_offset(force=True)
-    assert host.offset == timedelta(milliseconds=30)
-    host.offset = timedelta(milliseconds=-30)
+    tight = host.offset
+    assert timedelta(milliseconds=-40) < tight <= timedelta(0)  # host and database agree
+    host.noisy = True
     store.measure_clock_offset(force=True)
-    assert host.offset == timedelta(milliseconds=-30)
+    assert tight - timedelta(milliseconds=1) < host.offset <= tight
     host.offset = timedelta(milliseconds=200)  # the measurement shows it wrong
     store.measure_clock_offset(force=True)
-    assert abs(host.offset) < timedelta(milliseconds=40), host.offset
+    assert timedelta(milliseconds=-150) < host.offset <= timedelta(0)
+
+
+class AsymmetricRoundTripHostClock(SkewedHostClock):
+    """A host an hour behind whose next measurement's request takes `slow_request` longer
+    than its answer: the read of the host's clock before the round trip is that much
+    earlier than the database's read of its own (the read after is exact)."""
+
+    def __init__(self, slow_request: timedelta) -> None:
+        super().__init__(timedelta(hours=-1))
+        self.early_reads: list[timedelta] = [-slow_request]
+
+    def host_now(self) -> datetime:
+        shift = self.early_reads.pop() if self.early_reads else timedelta(0)
+        return super().host_now() + shift
+
+
+def test_a_measurement_of_the_offset_never_puts_the_clock_ahead_of_the_databases():
+    """Where in the round trip the database read its clock is unknown: a midpoint guess
+    would put the clock ahead by half a lopsided round trip, and a timer due by it would
+    end before its wake time by the database's clock. The offset is the bound that errs
+    late: the database's time less the host's time after the answer."""
+    postgres_only()
+    host = AsymmetricRoundTripHostClock(slow_request=timedelta(seconds=2))
+    clock.set_clock(host)
+    store.measure_clock_offset(force=True)
+    assert timedelta(minutes=59) < host.offset <= timedelta(hours=1)
+    assert clock.now() <= database_now()
+
+
+def test_a_host_clock_stepped_forward_after_a_measurement_is_not_kept_ahead():
+    """A kept offset must still agree with the new measurement: a host clock that jumped
+    forward a second since makes the old offset a second too late, and the clock would
+    run ahead of the database's."""
+    postgres_only()
+    host = SkewedHostClock(timedelta(0))
+    clock.set_clock(host)
+    store.measure_clock_offset(force=True)
+    host.skew = timedelta(seconds=1)
+    store.measure_clock_offset(force=True)
+    assert clock.now() <= database_now()
+    assert database_now() - clock.now() < timedelta(milliseconds=500)
 
 
 def test_a_worker_whose_host_clock_runs_an_hour_behind_writes_leases_that_are_not_over(registered):

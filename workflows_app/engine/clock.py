@@ -19,12 +19,14 @@ class RealClock:
     Leases and wake times are compared across hosts: a host whose clock runs ahead would
     wake sleeps early, one behind would write leases that are already over. The store
     measures the offset (PostgreSQL) when a worker starts, at its heartbeats and, at most
-    once a minute, when any process connects; until then it is zero.
+    once a minute, when any process connects; until then it is zero. The offset errs late:
+    this clock never runs ahead of the database's.
     """
 
     def __init__(self) -> None:
         self.offset = timedelta(0)
         self.measured_at: float | None = None  # time.monotonic() of the last measurement
+        self.offset_at: float | None = None  # time.monotonic() the offset was last a bound
 
     def host_now(self) -> datetime:
         return datetime.now(UTC)

@@ -393,17 +393,23 @@ def close_if_dropped() -> None:
 
 
 CLOCK_OFFSET_MAX_AGE = 60.0  # seconds between measurements of the clock offset
+# The most a host's clock may gain on the database's per second between measurements: the
+# kernel lets NTP slew a clock's rate by at most 500 ppm.
+CLOCK_MAX_DRIFT = 500e-6
 
 
 def measure_clock_offset(force: bool = False) -> None:
     """PostgreSQL: set the real clock's offset from the database's clock (see RealClock).
 
-    One round trip, at most once a minute unless forced; the database's time is taken
-    as that of the middle of the round trip. The offset stays as it is when it agrees
-    with the measurement (within half the round trip, where the database's time may have
-    been read): a measurement's jitter, tens of milliseconds on a loaded host, must not
-    move the clock back, or an instance made due a moment ago would not be due for as
-    long (a worker started then found nothing to run).
+    One round trip, at most once a minute unless forced. The database read its clock at
+    some moment of the round trip, so the true offset lies between its time less the
+    host's time after the answer (the lower bound) and its time less the host's time
+    before the request. The offset is the largest lower bound known: the clock never runs
+    ahead of the database's (a timer due by it is due by the database's clock; a midpoint
+    guess ran ahead by half a lopsided round trip). A kept bound is aged by the most the
+    host's clock can have gained since, and dropped when the new measurement shows it
+    ahead (the host's clock was stepped), so a noisy measurement's looser bound never
+    moves the clock back by its round trip (an instance made due a moment ago stays due).
     """
     real = clock.get_clock()
     if connection.vendor != "postgresql" or not isinstance(real, clock.RealClock):
@@ -419,9 +425,15 @@ def measure_clock_offset(force: bool = False) -> None:
         cursor.execute("SELECT clock_timestamp()")
         (database_now,) = cursor.fetchone()
     after = real.host_now()
-    measured = database_now - (before + (after - before) / 2)
-    if abs(measured - real.offset) > (after - before) / 2:
-        real.offset = measured
+    lower, upper = database_now - after, database_now - before
+    bound = lower
+    if real.offset_at is not None:
+        drift = timedelta(seconds=CLOCK_MAX_DRIFT * (time.monotonic() - real.offset_at))
+        aged = real.offset - drift
+        if lower < aged <= upper:
+            bound = aged
+    real.offset = bound
+    real.offset_at = time.monotonic()
 
 
 def measure_clock_offset_on_connect(sender: Any, connection: Any, **kwargs: Any) -> None:
