@@ -70,6 +70,29 @@ def test_wf_schedules_create_list_pause_resume_trigger_delete():
         assert wf_json("schedules", "list") == []
 
 
+def test_a_paused_schedule_shows_no_next_runs_on_any_surface(service):
+    """A paused schedule fires no tick: its next fire times are none on the client, the
+    API, the command and the dashboard alike, and come back when it is resumed."""
+    with testing.fake_clock(START):
+        schedules.create("quiet", workflow=SIMPLE, cron="0 3 * * *")
+        assert wf_json("schedules", "pause", "quiet")["next_runs"] == []
+        assert schedules.get("quiet").next_runs(3) == []
+        api = service.get(schedules_url(name="quiet")).json()["result"]
+        assert (api["paused"], api["next_run_at"], api["next_runs"]) == (True, None, [])
+        listed = wf("schedules", "list")
+        assert "paused" in listed and "2026-06-01 03:00" not in listed
+        client = Client()
+        client.force_login(make_user("viewer", "view_instance"))
+        detail = client.get(reverse("workflows:schedule", args=["quiet"])).content.decode()
+        assert "none while paused" in detail and "2026-06-01" not in detail
+        resumed = service.patch(schedules_url(name="quiet"), {"paused": False}).json()["result"]
+        assert resumed["next_runs"][0] == "2026-06-01T03:00:00+00:00"
+        assert wf_json("schedules", "pause", "quiet")["next_runs"] == []
+        assert wf_json("schedules", "resume", "quiet")["next_runs"][0] == (
+            "2026-06-01T03:00:00+00:00"
+        )
+
+
 def test_wf_schedules_refuses_bad_input_with_one_line():
     with pytest.raises(CommandError, match=r"'0 25 \* \* \*' does not parse"):
         wf("schedules", "create", "bad", SIMPLE, "0 25 * * *")

@@ -366,7 +366,11 @@ SCHEMAS: dict[str, Any] = {
             "last_instance_id": {"type": ["string", "null"]},
             "created_at": TIME,
             "created_by": {"type": "string"},
-            "next_runs": {"type": "array", "items": TIME, "description": "the next fire times"},
+            "next_runs": {
+                "type": "array",
+                "items": TIME,
+                "description": "the next fire times (none while paused)",
+            },
         },
         required=[
             "name",

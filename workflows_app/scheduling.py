@@ -108,11 +108,14 @@ class ScheduleHandle:
         return InstanceHandle(row.workflow, instance.instance_id, instance, created=True)
 
     def next_runs(self, count: int = 5) -> list[datetime]:
-        """The next `count` fire times after now (aware datetimes, UTC)."""
+        """The next `count` fire times after now (aware datetimes, UTC); none while the
+        schedule is paused (as this handle read it), since a paused schedule fires no tick."""
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_NEXT_RUNS:
             raise errors.InvalidInput(
                 f"count must be an integer from 1 to {MAX_NEXT_RUNS}, got {count!r}"
             )
+        if self.paused:
+            return []
         return list(itertools.islice(fire_times(self.cron, self.timezone, clock.now()), count))
 
     def instances(self, limit: int = 20) -> list[Instance]:

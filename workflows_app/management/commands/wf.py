@@ -774,7 +774,7 @@ class Command(BaseCommand):
             schedule = schedule.pause() if verb == "pause" else schedule.resume()
             self.emit(
                 opts,
-                surfaces.schedule_json(schedule),
+                surfaces.schedule_json(schedule, next_runs=3),  # as the API's change answers
                 f"schedule {schedule.name!r} is {'paused' if schedule.paused else 'active'}"
                 + (
                     f"; next run {short_time(surfaces.iso(schedule.next_run_at))}"
