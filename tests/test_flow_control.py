@@ -11,6 +11,7 @@ from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, store
 from workflows_app.engine.errors import InvalidInput, LimitExceeded
 from workflows_app.engine.limits import Limits
+from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -207,6 +208,42 @@ def test_debounce_updates_the_pending_instance_and_moves_its_start(registered):
         # Once started, the key starts a new instance (after its own debounce).
         third = wf.create(params={"n": 3}, debounce_key="user-7", debounce="5 seconds")
         assert third.created and third.id != first.id
+
+
+def test_a_retried_create_that_a_debounce_merged_returns_the_same_instance(registered):
+    """A create merged into a pending instance keeps its own idempotency key: retried
+    (a timeout, a redelivered request), before or after the instance started, it
+    returns that instance and changes nothing, as any keyed create's retry does."""
+    register_gated("debounced-keyed")
+    wf = get_workflow("debounced-keyed")
+    with testing.fake_clock() as clock:
+
+        def create(n: int, key: str):
+            return wf.create(
+                params={"n": n}, idempotency_key=key, debounce_key="user-7", debounce="5 seconds"
+            )
+
+        first = create(1, "call-1")
+        clock.advance("3 seconds")
+        merged = create(2, "call-2")
+        assert (merged.id, merged.created) == (first.id, False)
+        clock.advance("1 second")
+        retried = create(2, "call-2")
+        assert (retried.id, retried.created) == (first.id, False)
+        # The retry is the same call: it does not move the start again.
+        assert first.row().admit_at == clock.now() + timedelta(seconds=4)
+        assert [h.type for h in first.history()] == ["instance.created", "instance.debounced"]
+        clock.advance("4 seconds")
+        testing.run_until_idle()
+        assert first.status().status == "waiting"
+        late = create(2, "call-2")  # started: a new call of the key would start another
+        assert (late.id, late.created) == (first.id, False)
+        plain = wf.create(params={"n": 2}, idempotency_key="call-2")
+        assert (plain.id, plain.created) == (first.id, False)
+        first.send_event("go")
+        testing.run_until_idle()
+        assert first.status().output == {"n": 2}
+    assert Instance.objects.filter(workflow="debounced-keyed").count() == 1
 
 
 def test_a_debounce_that_ends_while_the_limit_is_full_waits_for_a_place(registered):

@@ -275,6 +275,27 @@ class RateLimitStart(models.Model):
         ]
 
 
+class MergedCreateKey(models.Model):
+    """The idempotency key of a create that a debounce merged into a pending instance
+    (which keeps its own key): a retry of that create finds the instance by it, as the
+    retry of any keyed create does, instead of moving its start again or, once it has
+    started, starting another (Temporal attaches a start's request id to the run it
+    joined the same way). Keys are per workflow and version, like Instance's."""
+
+    workflow = models.CharField(max_length=200)
+    version = models.PositiveIntegerField()
+    idempotency_key = models.CharField(max_length=200)
+    # Indexed: deleting an instance deletes its keys.
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="+")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workflow", "version", "idempotency_key"], name="merged_create_key"
+            ),
+        ]
+
+
 class Schedule(models.Model):
     """A cron schedule: each tick starts one instance of `workflow` with `params`.
 

@@ -22,6 +22,7 @@ from ...models import (
     InboxEvent,
     Instance,
     InstanceAttribute,
+    MergedCreateKey,
     RateLimitStart,
     Status,
     StepKind,
@@ -559,6 +560,14 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
                 workflow=name, version=version, idempotency_key__in=keys
             )
         }
+        missing = [k for k in keys if k not in by_key]
+        if missing:  # keys of creates a debounce merged into an instance (see _debounce)
+            by_key.update(
+                (merged.idempotency_key, merged.instance)
+                for merged in MergedCreateKey.objects.filter(
+                    workflow=name, version=version, idempotency_key__in=missing
+                ).select_related("instance")
+            )
         for position, item in enumerate(items):
             if item.idempotency_key in by_key:
                 found[position] = by_key[item.idempotency_key]
@@ -597,8 +606,9 @@ def _debounce(
     """An instance with the item's debounce key that has not started: it takes the new
     params, search attributes (the newest create describes it) and version (it has no
     checkpoint a version could disagree with: a create of a new version after a rollout
-    must not run the old code on its params) and starts debounce after now. None if there
-    is none."""
+    must not run the old code on its params) and starts debounce after now. The create's
+    idempotency key, when the instance has another, is kept beside it: the create's retry
+    finds the instance (_existing). None if there is none."""
     pending = lock_rows(
         Instance.objects.filter(
             workflow=name,
@@ -625,6 +635,13 @@ def _debounce(
     if pending.version != version:
         data["version"] = version
     append_history(pending.pk, [History("instance.debounced", data, actor)], now)
+    key = item.idempotency_key
+    if key and not (key == pending.idempotency_key and pending.version == version):
+        # A concurrent create that took the key fails this one's unique check: the
+        # create's next attempt finds the instance it names (create_instances).
+        MergedCreateKey.objects.create(
+            workflow=name, version=version, idempotency_key=key, instance_id=pending.pk
+        )
     pending.refresh_from_db()
     # The rows list filters read follow the JSON column, as at create.
     InstanceAttribute.objects.filter(instance_id=pending.pk).delete()
@@ -766,9 +783,13 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
     columns, writers = _instance_columns()
     db = connections[connection.alias]
     values = [write(row, db) for write in writers]
+    keyed = item.idempotency_key is not None
+    if keyed:  # the parameters of MERGED_KEY_TAKES_ID, before the id's
+        at = columns.index("instance_id")
+        values[at:at] = [name, version, item.idempotency_key]
     if not writes_in_one_statement():
         with transaction.atomic(), sql_cursor() as cursor:
-            cursor.execute(_insert_instance_sql(columns), values)
+            cursor.execute(_insert_instance_sql(columns, keyed), values)
             returned = cursor.fetchone()
             if returned is None:
                 return None
@@ -781,7 +802,7 @@ def _create_at_once(name: str, version: int, item: NewInstance, actor: str) -> I
     ]
     with statement_cursor() as cursor:  # prepared once per shape (attribute count)
         cursor.execute(
-            _create_sql(columns, len(attributes) // 2),
+            _create_sql(columns, len(attributes) // 2, keyed),
             [
                 *values,
                 db_time(now),
@@ -865,20 +886,35 @@ def _created_row(row: Instance) -> Instance:
     return row
 
 
+# A keyed create's id: that of the instance a debounce merged a create of the same key
+# into (see _debounce), if there is one. The row then conflicts on its id and nothing is
+# written: the long way returns that instance, as it returns the one of an instance's
+# own key. The look rides in the create's one statement instead of a round trip before.
+MERGED_KEY_TAKES_ID = (
+    f"COALESCE((SELECT i.instance_id FROM {MergedCreateKey._meta.db_table} m "
+    f"JOIN {INSTANCE_TABLE} i ON i.id = m.instance_id "
+    "WHERE m.workflow = %s AND m.version = %s AND m.idempotency_key = %s), %s)"
+)
+
+
 @functools.cache
-def _insert_instance_sql(columns: tuple[str, ...]) -> str:
-    """The instance row's INSERT, nothing written when its id or key is taken."""
+def _insert_instance_sql(columns: tuple[str, ...], keyed: bool = False) -> str:
+    """The instance row's INSERT, nothing written when its id or key is taken (or, keyed,
+    when its key names a merged create: MERGED_KEY_TAKES_ID)."""
+    values = ["%s"] * len(columns)
+    if keyed:
+        values[columns.index("instance_id")] = MERGED_KEY_TAKES_ID
     return (
         f"INSERT INTO {INSTANCE_TABLE} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))}) ON CONFLICT DO NOTHING RETURNING id"
+        f"VALUES ({', '.join(values)}) ON CONFLICT DO NOTHING RETURNING id"
     )
 
 
 @functools.cache
-def _create_sql(columns: tuple[str, ...], attribute_count: int) -> str:
+def _create_sql(columns: tuple[str, ...], attribute_count: int, keyed: bool = False) -> str:
     """The statement of _create_at_once for one shape (cached per shape)."""
     parts = [
-        f"new AS ({_insert_instance_sql(columns)})",
+        f"new AS ({_insert_instance_sql(columns, keyed)})",
         f"history AS (INSERT INTO {HISTORY_TABLE} (instance_id, sequence, created_at, type, data, actor) "
         "SELECT id, 1, %s, 'instance.created', CAST(%s AS jsonb), %s FROM new)",
     ]
