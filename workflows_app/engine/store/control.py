@@ -1085,6 +1085,18 @@ def _terminate_locked(
     reason: str,
     now: datetime,
 ) -> None:
+    """End live, locked instances and their unfinished children (SPEC §8)."""
+    _end_terminated(insts, limits_of, actor, reason, now)
+    _terminate_children(insts, actor, now)
+
+
+def _end_terminated(
+    insts: Sequence[Instance],
+    limits_of: Callable[[Instance], Limits],
+    actor: str,
+    reason: str,
+    now: datetime,
+) -> None:
     """End live, locked instances: one UPDATE per distinct expiry, their open steps closed,
     a history record each, and queued instances of their workflows started in their place."""
     by_expiry: dict[datetime | None, list[int]] = {}
@@ -1117,37 +1129,52 @@ def _terminate_locked(
     for inst in insts:
         if inst.parent_id is not None:
             wake_parent(inst.parent_id, inst.parent_step, now)
-        _terminate_children(inst, actor, now)
     for workflow, inst in {inst.workflow: inst for inst in insts}.items():
         limits = limits_of(inst)
         if limits.flow_controlled:
             promote_queued(workflow, limits, now)
 
 
-def _terminate_children(parent: Instance, actor: str, now: datetime) -> None:
-    """A parent terminated or cancelled takes its unfinished children (and theirs) with it."""
-    children = lock_rows(
-        Instance.objects.filter(parent_id=parent.pk, status__in=lifecycle.LIVE).order_by("id")
-    )
-    for child in children:
-        append_history(
-            parent.pk,
-            [History("child.terminated", {"workflow": child.workflow, "id": child.instance_id})],
-            now,
+def _terminate_children(parents: Sequence[Instance], actor: str, now: datetime) -> None:
+    """Parents terminated or cancelled take their unfinished children (and theirs) with them.
+
+    Level by level in a loop, not a call per level: a chain of children deeper than
+    Python's stack (a workflow that recurses into a child per page) ends too. Each level
+    is locked after the one above it, parents before children as everywhere."""
+    while parents:
+        by_pk = {parent.pk: parent for parent in parents}
+        children = list(
+            lock_rows(
+                Instance.objects.filter(
+                    parent_id__in=list(by_pk), status__in=lifecycle.LIVE
+                ).order_by("id")
+            )
         )
-        _terminate_locked(
-            [child],
-            lambda inst: limits_for(inst.workflow, inst.version),
-            actor,
-            f"parent {parent.workflow}/{parent.instance_id} ended",
-            now,
-        )
-        # Counted once the transaction commits, as an operator's terminate is (client.py).
-        transaction.on_commit(
-            functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
-        )
-        if on_child_terminated is not None:  # a worker running the child stops its run
-            transaction.on_commit(functools.partial(on_child_terminated, child.pk))
+        for child in children:
+            parent = by_pk[child.parent_id]
+            append_history(
+                parent.pk,
+                [
+                    History(
+                        "child.terminated", {"workflow": child.workflow, "id": child.instance_id}
+                    )
+                ],
+                now,
+            )
+            _end_terminated(
+                [child],
+                lambda inst: limits_for(inst.workflow, inst.version),
+                actor,
+                f"parent {parent.workflow}/{parent.instance_id} ended",
+                now,
+            )
+            # Counted once the transaction commits, as an operator's terminate is (client.py).
+            transaction.on_commit(
+                functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
+            )
+            if on_child_terminated is not None:  # a worker running the child stops its run
+                transaction.on_commit(functools.partial(on_child_terminated, child.pk))
+        parents = children
 
 
 @retry_while_locked
@@ -1624,7 +1651,7 @@ def cancel(
         # land uncompensated), then runs the compensations; an end it reaches first is
         # refused (NO_CANCEL_PENDING) and it unwinds instead. Otherwise the next run
         # replays to collect the compensations, then runs them newest first.
-        _terminate_children(inst, actor, now)
+        _terminate_children([inst], actor, now)
         live_lease = inst.lease_token is not None and (
             inst.lease_expires_at is not None and inst.lease_expires_at > now
         )

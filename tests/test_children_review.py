@@ -1,0 +1,46 @@
+"""Child workflows under review: deep chains, restarts, the dashboard's link (SPEC §8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.engine.lifecycle import LIVE
+from workflows_app.models import Instance
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Deeper than Python's default recursion limit allows a cascade that recurses per level
+# (a terminate failed from about 480 levels, a restart that revives from about 330).
+DEEP = 520
+
+
+@pytest.fixture
+def deep_chain(registered):
+    """A chain of children DEEP levels deep (each invokes the next; the last waits), as a
+    workflow that pages through work by recursing into a child builds one."""
+
+    @register("deep-chain")
+    class DeepChain(WorkflowEntrypoint):
+        async def run(self, event, step):
+            left = event.payload["left"]
+            if not left:
+                return await step.wait_for_event("go", type="go", timeout="1 day")
+            return await step.invoke("down", "deep-chain", {"left": left - 1})
+
+    root = get_workflow("deep-chain").create(id="root", params={"left": DEEP - 1})
+    testing.run_until_idle(timeout=120)
+    assert Instance.objects.filter(workflow="deep-chain", status="waiting").count() == DEEP
+    return root
+
+
+def test_terminating_the_root_of_a_deep_chain_of_children_ends_every_level(deep_chain):
+    """SPEC §8: terminating a parent terminates its unfinished children (and theirs). The
+    cascade recursed once per level, so a deep enough chain raised RecursionError and
+    rolled the terminate back: the root could not be terminated at all."""
+    assert deep_chain.terminate() is True
+    chain = Instance.objects.filter(workflow="deep-chain")
+    assert not chain.filter(status__in=LIVE).exists()
+    assert chain.filter(status="terminated").count() == DEEP
