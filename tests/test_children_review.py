@@ -44,3 +44,16 @@ def test_terminating_the_root_of_a_deep_chain_of_children_ends_every_level(deep_
     chain = Instance.objects.filter(workflow="deep-chain")
     assert not chain.filter(status__in=LIVE).exists()
     assert chain.filter(status="terminated").count() == DEEP
+
+
+def test_restarting_the_terminated_root_of_a_deep_chain_revives_every_level(deep_chain):
+    """A restart of a parent revives the children its own terminate ended (README, Child
+    workflows), and theirs. The revival recursed through restart() once per level (a few
+    frames each), so a chain about 330 deep made the restart raise RecursionError."""
+    deep_chain.terminate()
+    assert deep_chain.restart() == "running"
+    chain = Instance.objects.filter(workflow="deep-chain")
+    assert chain.filter(status="running").count() == DEEP
+    # The revived chain runs again down to the last level, which waits for its event.
+    testing.run_until_idle(timeout=120)
+    assert chain.filter(status="waiting").count() == DEEP

@@ -1188,79 +1188,95 @@ def restart(
 ) -> str:
     """Drop checkpoints (all, or from_step and every step started after it) and run again,
     on `version` if given (the fix of a version that fails), else on the instance's own."""
-    now = clock.now()
     with transaction.atomic():
-        inst = locked_instance(name, instance_id)
-        moved = version is not None and version != inst.version
-        if moved:
-            _move_to_version(inst, version)
-        steps = StepRecord.objects.filter(instance_id=inst.pk)
-        if from_step is not None:
-            anchor = (
-                steps.exclude(kind=StepKind.COMPENSATE)
-                .filter(name=from_step)
-                .values_list("seq", flat=True)
-                .first()
-            )
-            if anchor is None:
-                raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
-            # A step a compensation undid is done again, wherever it was: its checkpoint
-            # would replay an effect no longer in force.
-            undone = steps.filter(kind=StepKind.COMPENSATE, status=StepStatus.COMPLETE)
-            steps = steps.filter(
-                Q(seq__gte=anchor)
-                | ~Q(status=StepStatus.COMPLETE)
-                | Q(kind=StepKind.COMPENSATE)
-                | Q(kind=StepKind.DO, name__in=list(undone.values_list("name", flat=True)))
-            )
-        dropped = steps.count()
-        child_steps = set(
-            steps.filter(kind__in=(StepKind.INVOKE, StepKind.START_CHILD)).values_list(
-                "name", flat=True
-            )
+        inst, child_steps, status = _restart_locked(
+            name, instance_id, limits, from_step, actor, version
         )
-        steps.delete()
-        # One that held a place keeps it; any other goes through admission with the queue.
-        keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
-        Instance.objects.filter(id=inst.pk).update(
-            status=Status.RUNNING if keeps_place else Status.QUEUED,
-            wake_at=now if keeps_place else None,
-            started_at=(inst.started_at or now) if keeps_place else None,
-            output_json=None,
-            error_name="",
-            error_message="",
-            error_stack="",
-            finished_at=None,
-            expires_at=None,
-            waiting_reason="",
-            admit_at=None,
-            debounce_key=None,  # a debounce key names the next instance to start, not this one
-            updated_at=now,
-            unproductive_claims=0,
-            compensate_on_cancel=False,
-            **clear_lease(),
-        )
-        append_history(
-            inst.pk,
-            [
-                History(
-                    "instance.restarted",
-                    {
-                        "from_step": from_step,
-                        "dropped_steps": dropped,
-                        "from": inst.status,
-                        **({"version": version, "from_version": inst.version} if moved else {}),
-                    },
-                    actor,
-                )
-            ],
-            now,
-        )
-        if not keeps_place:
-            lock_workflow(name)
-        admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
         _restart_children_it_ended(inst, child_steps, actor)
-    return Status.RUNNING if admitted else Status.QUEUED
+    return status
+
+
+def _restart_locked(
+    name: str,
+    instance_id: str,
+    limits: Limits,
+    from_step: str | None,
+    actor: str,
+    version: int | None,
+) -> tuple[Instance, set[str], str]:
+    """restart() of one instance inside the caller's transaction: the instance, the names
+    of the dropped steps that started children, and its new status."""
+    now = clock.now()
+    inst = locked_instance(name, instance_id)
+    moved = version is not None and version != inst.version
+    if moved:
+        _move_to_version(inst, version)
+    steps = StepRecord.objects.filter(instance_id=inst.pk)
+    if from_step is not None:
+        anchor = (
+            steps.exclude(kind=StepKind.COMPENSATE)
+            .filter(name=from_step)
+            .values_list("seq", flat=True)
+            .first()
+        )
+        if anchor is None:
+            raise InvalidInput(f"instance {instance_id!r} has no step named {from_step!r}")
+        # A step a compensation undid is done again, wherever it was: its checkpoint
+        # would replay an effect no longer in force.
+        undone = steps.filter(kind=StepKind.COMPENSATE, status=StepStatus.COMPLETE)
+        steps = steps.filter(
+            Q(seq__gte=anchor)
+            | ~Q(status=StepStatus.COMPLETE)
+            | Q(kind=StepKind.COMPENSATE)
+            | Q(kind=StepKind.DO, name__in=list(undone.values_list("name", flat=True)))
+        )
+    dropped = steps.count()
+    child_steps = set(
+        steps.filter(kind__in=(StepKind.INVOKE, StepKind.START_CHILD)).values_list(
+            "name", flat=True
+        )
+    )
+    steps.delete()
+    # One that held a place keeps it; any other goes through admission with the queue.
+    keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
+    Instance.objects.filter(id=inst.pk).update(
+        status=Status.RUNNING if keeps_place else Status.QUEUED,
+        wake_at=now if keeps_place else None,
+        started_at=(inst.started_at or now) if keeps_place else None,
+        output_json=None,
+        error_name="",
+        error_message="",
+        error_stack="",
+        finished_at=None,
+        expires_at=None,
+        waiting_reason="",
+        admit_at=None,
+        debounce_key=None,  # a debounce key names the next instance to start, not this one
+        updated_at=now,
+        unproductive_claims=0,
+        compensate_on_cancel=False,
+        **clear_lease(),
+    )
+    append_history(
+        inst.pk,
+        [
+            History(
+                "instance.restarted",
+                {
+                    "from_step": from_step,
+                    "dropped_steps": dropped,
+                    "from": inst.status,
+                    **({"version": version, "from_version": inst.version} if moved else {}),
+                },
+                actor,
+            )
+        ],
+        now,
+    )
+    if not keeps_place:
+        lock_workflow(name)
+    admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
+    return inst, child_steps, Status.RUNNING if admitted else Status.QUEUED
 
 
 def _move_to_version(inst: Instance, version: int) -> None:
@@ -1298,9 +1314,29 @@ def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: 
     """The children of the dropped steps that the parent's own terminate or cancel ended
     (its child.terminated records) run again with it: the replay finds them by step, and
     would otherwise fail at once on a child its terminate killed (or go on without a
-    started one). A child that failed or was terminated on its own is found as it is."""
+    started one). A child that failed or was terminated on its own is found as it is.
+    Theirs run again the same way, level by level in a loop (not a restart() per level:
+    a chain deeper than Python's stack is revived too)."""
+    level: list[tuple[Instance, Collection[str]]] = [(parent, steps)]
+    revived: list[int] = []
+    while level:
+        below: list[tuple[Instance, Collection[str]]] = []
+        for parent, steps in level:
+            for child in _children_it_ended(parent, steps):
+                limits = limits_for(child.workflow, child.version)
+                restarted, child_steps, _ = _restart_locked(
+                    child.workflow, child.instance_id, limits, None, actor, None
+                )
+                revived.append(restarted.pk)
+                below.append((restarted, child_steps))
+        level = below
+    hint_workers("restart", revived)
+
+
+def _children_it_ended(parent: Instance, steps: Collection[str]) -> list[Instance]:
+    """The children of these steps of the parent that its terminate or cancel ended."""
     if not steps:
-        return
+        return []
     ended = {
         data.get("id")
         for data in HistoryRecord.objects.filter(
@@ -1311,16 +1347,7 @@ def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: 
     children = Instance.objects.filter(
         parent_id=parent.pk, parent_step__in=list(steps), status=Status.TERMINATED
     ).order_by("id")
-    revived = [child for child in children if child.instance_id in ended]
-    for child in revived:
-        restart(
-            child.workflow,
-            child.instance_id,
-            limits_for(child.workflow, child.version),
-            None,
-            actor,
-        )
-    hint_workers("restart", [child.pk for child in revived])
+    return [child for child in children if child.instance_id in ended]
 
 
 @retry_while_locked
