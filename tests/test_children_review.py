@@ -57,3 +57,38 @@ def test_restarting_the_terminated_root_of_a_deep_chain_revives_every_level(deep
     # The revived chain runs again down to the last level, which waits for its event.
     testing.run_until_idle(timeout=120)
     assert chain.filter(status="waiting").count() == DEEP
+
+
+def test_a_restart_leaves_a_child_terminated_on_its_own_after_an_earlier_revival(registered):
+    """README: a restart of the parent revives the children its own terminate ended; "a
+    child that failed or was terminated on its own is found as it is". A child ended by
+    its parent's terminate, revived by the parent's restart and then terminated on its own
+    was revived again by the next restart: any child.terminated record of the parent, however
+    old, counted, not whether it is what ended the child this time."""
+
+    @register("review-kid")
+    class Kid(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.wait_for_event("go", type="go", timeout="1 day")
+
+    @register("review-strict-parent")
+    class StrictParent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("kid", "review-kid")
+
+    parent = get_workflow("review-strict-parent").create(id="sp")
+    testing.run_until_idle()
+    (kid,) = parent.children()
+    parent.terminate()  # the cascade ends the kid ...
+    parent.restart()  # ... and the restart revives it
+    testing.run_until_idle()
+    assert kid.status().status == "waiting" and parent.status().status == "waiting"
+
+    kid.terminate()  # now on its own: the parent's invoke fails
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "ChildWorkflowFailed"
+    parent.restart()
+    testing.run_until_idle()
+    assert kid.status().status == "terminated"
+    error = parent.status().error
+    assert error is not None and "WorkflowTerminated" in error["message"]

@@ -1334,20 +1334,22 @@ def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: 
 
 
 def _children_it_ended(parent: Instance, steps: Collection[str]) -> list[Instance]:
-    """The children of these steps of the parent that its terminate or cancel ended."""
+    """The children of these steps of the parent that its terminate or cancel ended: the
+    cascade's child.terminated record and the child's end share one instant. A child
+    revived since and then terminated on its own ended later, and is left as it is."""
     if not steps:
         return []
     ended = {
-        data.get("id")
-        for data in HistoryRecord.objects.filter(
+        (data.get("id"), created_at)
+        for data, created_at in HistoryRecord.objects.filter(
             instance_id=parent.pk, type="child.terminated"
-        ).values_list("data", flat=True)
+        ).values_list("data", "created_at")
         if isinstance(data, dict)
     }
     children = Instance.objects.filter(
         parent_id=parent.pk, parent_step__in=list(steps), status=Status.TERMINATED
     ).order_by("id")
-    return [child for child in children if child.instance_id in ended]
+    return [child for child in children if (child.instance_id, child.finished_at) in ended]
 
 
 @retry_while_locked
