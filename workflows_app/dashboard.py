@@ -936,8 +936,9 @@ def instance_detail(pk: int) -> InstanceDetail:
     errors = list(ErrorRecord.objects.filter(instance_id=pk).order_by("-id")[:20])
     inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
     parent = Instance.objects.filter(pk=instance.parent_id).first() if instance.parent_id else None
-    starts = any(s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD) for s in steps)
-    children = list(Instance.objects.filter(parent_id=pk).order_by("id")) if starts else []
+    # Looked up whatever the steps: a restart drops the steps that started the children,
+    # not the children (its replay finds them again).
+    children = list(Instance.objects.filter(parent_id=pk).order_by("id"))
     by_step = {c.parent_step: c for c in children}
     attempts = step_attempts(stored)
     for s in steps:

@@ -86,3 +86,30 @@ def test_the_admin_change_page_shows_flow_control_and_the_parent(registered):
     page = client.get(url).content.decode()
     assert "Flow control and children" in page and "child step" in page
     assert reverse("admin:workflows_app_instance_change", args=[parent.row().pk]) in page
+
+
+def test_a_restarted_parent_lists_its_children_before_its_replay_reaches_them(
+    operator_client, registered
+):
+    """A restart drops the parent's steps but not its children (the replay finds them by
+    step). The page listed children only when a step that starts one was stored, so a
+    restarted parent that had not run again (paused, queued) showed none of its live children."""
+
+    @register("dash-restarted-child")
+    class Child(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go")
+
+    @register("dash-restarted-parent")
+    class Parent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("make child", "dash-restarted-child")
+
+    parent = get_workflow("dash-restarted-parent").create(id="rp1")
+    testing.run_until_idle()
+    (child,) = parent.children()
+    parent.restart()
+    parent.pause()
+    assert parent.status().status == "paused" and child.status().status == "waiting"
+    page = operator_client.get(page_url(parent)).content.decode()
+    assert 'data-section="children"' in page and page_url(child) in page

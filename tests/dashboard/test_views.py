@@ -174,7 +174,9 @@ def test_the_detail_page_shows_steps_history_pending_events_and_only_applicable_
     operator_client, approval_workflow, django_assert_max_num_queries
 ):
     inst = waiting_instance(approval_workflow, params={"items": 3})
-    with django_assert_max_num_queries(12):
+    # 13: the children are looked up whatever the steps (a restart drops the steps that
+    # started them, not the children; test_orchestration_views).
+    with django_assert_max_num_queries(13):
         page = operator_client.get(page_url(inst.row())).content.decode()
     assert 'data-status="waiting"' in page
     assert 'data-step="prepare"' in page and 'data-step="approval"' in page
