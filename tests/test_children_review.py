@@ -92,3 +92,39 @@ def test_a_restart_leaves_a_child_terminated_on_its_own_after_an_earlier_revival
     assert kid.status().status == "terminated"
     error = parent.status().error
     assert error is not None and "WorkflowTerminated" in error["message"]
+
+
+def test_a_child_output_larger_than_the_parents_step_output_limit_fails_the_invoke(registered):
+    """The invoke is a step: its checkpoint holds the child's output. A child whose own
+    max_step_output_bytes is higher than its parent's returned more than the parent's
+    step.do could ever store, and the invoke stored it all the same. It now fails as a
+    ChildWorkflowFailed naming StepOutputError (the same on replay), the child complete."""
+    from workflows_app.engine import ChildWorkflowFailed
+    from workflows_app.models import StepRecord
+
+    @register("review-big-kid", limits={"max_step_output_bytes": 100_000})
+    class BigKid(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "x" * 50_000
+
+    @register("review-small-parent", limits={"max_step_output_bytes": 1_000})
+    class SmallParent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            try:
+                await step.invoke("big", "review-big-kid")
+            except ChildWorkflowFailed as exc:
+                caught = [exc.instance_id, exc.error_name, exc.message]
+            await step.wait_for_event("again", type="again", timeout="1 hour")
+            return caught
+
+    parent = get_workflow("review-small-parent").create(id="small")
+    testing.run_until_idle()
+    (kid,) = parent.children()
+    assert kid.status().status == "complete"
+    record = StepRecord.objects.get(instance__instance_id="small", name="big")
+    assert record.status == "failed" and len(record.output_json) < 1_000
+    parent.send_event("again")  # the replay raises the same from the checkpoint
+    testing.run_until_idle()
+    instance_id, error_name, message = parent.status().output
+    assert (instance_id, error_name) == ("small:big", "StepOutputError")
+    assert "50002 bytes" in message and "max_step_output_bytes" in message

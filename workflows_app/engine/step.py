@@ -835,7 +835,9 @@ class Step:
         }
         record.completed_at = clock.now()
         record.wake_at = None
-        if child is not None and child.status == Status.COMPLETE:
+        complete = child is not None and child.status == Status.COMPLETE
+        oversized = self._too_big(child) if child is not None and complete else None
+        if complete and oversized is None:
             record.status = StepStatus.COMPLETE
             record.output_json = child.output_json or "null"
             await run.write(record, [_child_history("child.completed", name, child)], progress=True)
@@ -847,6 +849,8 @@ class Step:
             error = ChildWorkflowFailed(
                 workflow, "", "InstanceNotFound", "the child instance no longer exists"
             )
+        elif oversized:
+            error = ChildWorkflowFailed(child.workflow, child.instance_id, *oversized)
         else:
             terminated = child.status == Status.TERMINATED
             error = ChildWorkflowFailed(
@@ -895,6 +899,20 @@ class Step:
             run.span, f"invoke {name}", record.started_at, record.completed_at, attributes, error
         )
         raise error
+
+    def _too_big(self, child: Instance) -> tuple[str, str] | None:
+        """The error of a child's output larger than this workflow's max_step_output_bytes
+        (the child's own limit may be higher): the invoke is a step, and its checkpoint
+        holds no more than step.do's may. None when it fits."""
+        run, limit = self._run, self._run.limits.max_step_output_bytes
+        size = len((unseal(child.output_json) or "null").encode())
+        if size <= limit:
+            return None
+        return (
+            "StepOutputError",
+            f"the output of {child.workflow}/{child.instance_id} is {size} bytes of JSON; "
+            f"max_step_output_bytes of {run.definition.name} is {limit}",
+        )
 
 
 FINISHED_STATUSES = frozenset({Status.COMPLETE, Status.ERRORED, Status.TERMINATED})
