@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models import Status
+from .models import Status, StepKind, StepStatus
 
 ANY: dict[str, Any] = {"description": "any JSON value"}
 TIME = {"type": "string", "format": "date-time"}
@@ -159,14 +159,9 @@ SCHEMAS: dict[str, Any] = {
     "Step": obj(
         {
             "name": {"type": "string"},
-            "kind": {
-                "type": "string",
-                "enum": ["do", "sleep", "sleepUntil", "waitForEvent", "compensate"],
-            },
-            "status": {
-                "type": "string",
-                "enum": ["running", "retrying", "waiting", "complete", "failed"],
-            },
+            # From the models, as Status: a kind added there (invoke, startChild) is documented.
+            "kind": {"type": "string", "enum": list(StepKind.values)},
+            "status": {"type": "string", "enum": list(StepStatus.values)},
             "attempts": {"type": "integer"},
             "output": ANY,
             "error": ref("ErrorInfo"),
