@@ -65,7 +65,8 @@ def responses(
     ok: dict[str, Any], *errors: str, status: str = "200", also: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {status: ok, **(also or {})}
-    for code in ("401", *errors, "429"):
+    # 400 everywhere: every operation refuses a query parameter it does not take.
+    for code in ("400", "401", *errors, "429"):
         out[code] = {"$ref": f"#/components/responses/{ERROR_RESPONSES[code]}"}
     return out
 
@@ -846,7 +847,10 @@ def document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": SCHEMAS,
             "responses": {
-                "BadRequest": failure("invalid JSON, not UTF-8, wrong types, or a limit exceeded"),
+                "BadRequest": failure(
+                    "invalid JSON, not UTF-8, wrong types, a limit exceeded, or a query "
+                    "parameter the operation does not take"
+                ),
                 "Unauthorized": failure("missing, unknown, expired or revoked token"),
                 "Forbidden": failure(
                     "the token's scope or workflows do not cover the request, or its user "
