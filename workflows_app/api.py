@@ -619,6 +619,8 @@ def change_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
 
 def delete_schedule(call: Call, name: str, schedule: str) -> JsonResponse:
     require(call, "workflows_app.delete_schedule")
+    # No options, as for an instance: `{"force": true}` is refused, not ignored.
+    call.object_body(set())
     schedule_of(name, schedule).delete()
     return ok({"name": schedule, "workflow": name, "deleted": True})
 
