@@ -638,14 +638,18 @@ def state(handle: InstanceHandle) -> dict[str, Any]:
 
 @csrf_exempt
 def openapi_document(request: HttpRequest) -> HttpResponse:
-    """Public: the description of the API, without any data."""
+    """Public: the description of the API, without any data. Marked no-store like every
+    other API answer (the document says so of all of them): it changes with a deploy."""
     if request.method not in ("GET", "HEAD"):
         response = fail(
             405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET, HEAD"
         )
         response["Allow"] = "GET, HEAD"
-        return response
-    return JsonResponse(openapi.document())
+        return uncached(response)
+    response = JsonResponse(openapi.document())
+    if request.method == "HEAD":
+        response.content = b""
+    return uncached(response)
 
 
 SSE_HEARTBEAT_SECONDS = 15.0  # a comment line this often: proxies keep an idle stream open
