@@ -685,11 +685,11 @@ def open_subscription(request: HttpRequest, name: str, instance_id: str) -> tupl
     """
     if bearer_secret(request) or not access.may_view(request.user):
         authorize(request, name)
-    if request.method != "GET":
+    if request.method not in ("GET", "HEAD"):
         error = ApiError(
-            405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET"
+            405, "MethodNotAllowed", f"{request.method} is not allowed here; allowed: GET, HEAD"
         )
-        error.headers["Allow"] = "GET"
+        error.headers["Allow"] = "GET, HEAD"
         raise error
     unknown = sorted(set(request.GET) - {"cursor"})
     if unknown:
@@ -717,6 +717,10 @@ async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpRe
         handle, cursor = await sync_to_async(open_subscription)(request, name, instance_id)
     except (ApiError, errors.WorkflowError) as exc:
         return uncached(refusal(exc))
+    if request.method == "HEAD":  # as every GET: its headers, and no stream to hold open
+        response = HttpResponse(content_type="text/event-stream")
+        response["X-Accel-Buffering"] = "no"
+        return uncached(response)
     allowed = await sync_to_async(subscription_credentials)(request, name)
     response = StreamingHttpResponse(
         history_events(handle, cursor, allowed), content_type="text/event-stream"
