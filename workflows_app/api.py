@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.signals import got_request_exception
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.cache import add_never_cache_headers
+from django.utils.log import log_response
 from django.views.decorators.csrf import csrf_exempt
 
 from . import access, dashboard, openapi, surfaces, throttle, tokens
@@ -207,6 +210,23 @@ def authorize(request: HttpRequest, workflow: str | None) -> ApiToken:
     return token
 
 
+def internal_error(request: HttpRequest) -> JsonResponse:
+    """A fault of the code (call it while handling the exception), answered in the API's
+    one error shape: Django's HTML 500 page would break every client that parses the
+    answer. Logged and signalled as Django does for any view (error reporters, the test
+    client); the cause stays in the log, not in the answer."""
+    got_request_exception.send(sender=None, request=request)
+    response = fail(500, "InternalError", "the server failed to answer; the fault is logged")
+    log_response(
+        "Internal Server Error: %s",
+        request.path,
+        response=response,
+        request=request,
+        exception=sys.exception(),
+    )
+    return response
+
+
 def uncached(response: HttpResponse) -> HttpResponse:
     add_never_cache_headers(response)  # Cache-Control: no-cache, no-store, must-revalidate, private
     return response
@@ -222,7 +242,10 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
 
     @csrf_exempt
     def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
-        response = answer(request, kwargs)
+        try:
+            response = answer(request, kwargs)
+        except Exception:
+            response = internal_error(request)
         if request.method == "HEAD":
             response.content = b""  # GET's headers, no body
         return uncached(response)
@@ -646,7 +669,10 @@ def openapi_document(request: HttpRequest) -> HttpResponse:
         )
         response["Allow"] = "GET, HEAD"
         return uncached(response)
-    response = JsonResponse(openapi.document())
+    try:
+        response = JsonResponse(openapi.document())
+    except Exception:
+        return uncached(internal_error(request))
     if request.method == "HEAD":
         response.content = b""
     return uncached(response)
@@ -717,6 +743,8 @@ async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpRe
         handle, cursor = await sync_to_async(open_subscription)(request, name, instance_id)
     except (ApiError, errors.WorkflowError) as exc:
         return uncached(refusal(exc))
+    except Exception:
+        return uncached(internal_error(request))
     if request.method == "HEAD":  # as every GET: its headers, and no stream to hold open
         response = HttpResponse(content_type="text/event-stream")
         response["X-Accel-Buffering"] = "no"

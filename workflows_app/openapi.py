@@ -869,6 +869,10 @@ def document() -> dict[str, Any]:
                 "TooManyRequests": failure(
                     "too many wrong tokens from this client: wait Retry-After seconds"
                 ),
+                "InternalServerError": failure(
+                    "a fault of the server (code InternalError); its cause is in the server's "
+                    "log, not in the answer"
+                ),
             },
         },
     }
