@@ -141,7 +141,8 @@ SCHEMAS: dict[str, Any] = {
             "status": ref("Status"),
             "created": {
                 "type": "boolean",
-                "description": "false when an idempotency key found an existing instance",
+                "description": "false when an idempotency key found an existing instance, "
+                "or a debounce_key one not started yet (it took these params)",
             },
         }
     ),
@@ -545,7 +546,8 @@ def document() -> dict[str, Any]:
                             "200": json_body(
                                 success(ref("InstanceCreated")),
                                 "not created: the instance an idempotency key "
-                                "already made (created: false)",
+                                "already made, or the pending one a debounce_key "
+                                "merged this create into (created: false)",
                             )
                         },
                     ),
