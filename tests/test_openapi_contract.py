@@ -230,6 +230,8 @@ def walk_listInstances(w: Walker) -> None:
     rest, info = ids(f"limit=2&cursor={info['cursor']}")
     assert rest == ["s-1"] and info["cursor"] is None
     w.call("listInstances", 400, query="limit=0")
+    assert len(ids("limit=1000")[0]) == 3
+    w.call("listInstances", 400, query="limit=1001")  # the documented maximum holds
     w.call("listInstances", 400, query="status=sleepy")
 
 
