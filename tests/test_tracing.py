@@ -412,3 +412,27 @@ def test_a_trace_id_of_zeros_is_no_trace_id_and_the_run_s_span_gets_a_valid_one(
     span = engine_spans.start_workflow_span("0" * 32, 1, "zeros", {})
     span.end()
     assert span.get_span_context().is_valid and span.get_span_context().trace_id != 0
+
+
+def test_a_trace_whose_spans_keep_ending_stays_known_while_newer_traces_come(monkeypatch):
+    """The instance traces known are bounded (MAX_KNOWN_TRACES), the least recent forgotten
+    first: a span of a trace ending makes it recent, so a long run's later spans are still
+    stored with its instance while newer instances' traces come and go."""
+    from workflows_app.engine import spans as engine_spans
+
+    monkeypatch.setattr(tracing, "MAX_KNOWN_TRACES", 2)
+    trace_ids = tracing.InstanceTraceIds()
+
+    def begin(trace_id: int, instance_pk: int) -> None:
+        token = engine_spans.forced_trace.set((trace_id, instance_pk))
+        try:
+            assert trace_ids.generate_trace_id() == trace_id
+        finally:
+            engine_spans.forced_trace.reset(token)
+
+    begin(1, 10)
+    begin(2, 20)
+    assert trace_ids.instance_of(1) == 10  # a span of the first run ended
+    begin(3, 30)
+    assert trace_ids.instance_of(2) is None  # the least recent was forgotten, not the first
+    assert (trace_ids.instance_of(1), trace_ids.instance_of(3)) == (10, 30)

@@ -129,15 +129,17 @@ class InstanceTraceIds(IdGenerator):
         return trace_id
 
     def instance_of(self, trace_id: int) -> int | None:
-        """The key of the instance whose trace this is; None: not an instance's trace."""
-        return self.known.get(trace_id)
-
-    def touch(self, trace_id: int) -> None:
-        """A span of an instance's trace started: keep the trace among the recent ones."""
-        if trace_id in self.known:
+        """The key of the instance whose trace this is (None: not an instance's trace),
+        kept among the recent traces: a span of it ended, so a long run's trace is not
+        forgotten while its spans still come. (Kept at each span's end rather than at its
+        start: the processor then needs no on_start, three calls a span in a herd.)"""
+        known = self.known
+        instance_pk = known.get(trace_id)
+        if instance_pk is not None:
             with self._lock:
-                if trace_id in self.known:
-                    self.known.move_to_end(trace_id)
+                if trace_id in known:
+                    known.move_to_end(trace_id)
+        return instance_pk
 
 
 class RecordInstanceTraces(Sampler):
@@ -240,9 +242,6 @@ class DatabaseSpanProcessor(SpanProcessor):
         self._lock = threading.Lock()
         self.trace_ids = trace_ids
         self.dropped = 0
-
-    def on_start(self, span: Any, parent_context: Any = None) -> None:
-        self.trace_ids.touch(span.context.trace_id)  # a long run's trace is not forgotten
 
     def on_end(self, span: ReadableSpan) -> None:
         instance_pk = self.trace_ids.instance_of(span.context.trace_id)
