@@ -3,9 +3,9 @@ and exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._METRICS_ENDPOINT
 
 The engine records its instruments through the API (engine/meters.py) in the process
 that runs each instance. In a fleet that is a worker, not the web process that serves
-/metrics, so a scrape also reads fleet-wide gauges from the database: instances by
-workflow and status (the backlog is the unfinished ones) and those that finished in the
-last hour. Those callbacks query only during a scrape, in its request thread; the OTLP
+/metrics, so a scrape also reads fleet-wide gauges from the database: unfinished
+instances by workflow and status (and their sum by status, the backlog) and those that
+finished in the last hour; never the whole history, which only grows. Those callbacks query only during a scrape, in its request thread; the OTLP
 exporter's background thread gets nothing from them (each worker would report the same
 fleet-wide numbers, and its thread would hold a database connection).
 """
@@ -16,10 +16,11 @@ import contextvars
 import os
 import threading
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count
+from django.db import connection
+from django.db.models import Count, QuerySet
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .engine import clock, lifecycle
-from .models import Instance
+from .models import LIVE_STATUSES_SQL, Instance
 
 __all__ = ["CONTENT_TYPE_LATEST", "configure", "scrape", "serve_process_metrics"]
 
@@ -83,7 +84,7 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
             "wfdash.instances",
             callbacks=[_observe_instances],
             unit="{instance}",
-            description="instances in the database by workflow and status (fleet-wide)",
+            description="unfinished instances in the database by workflow and status (fleet-wide)",
         )
         meter.create_observable_gauge(
             "wfdash.backlog",
@@ -142,10 +143,17 @@ def _counts(key: str, query: Any) -> list[dict[str, Any]] | None:
 
 
 def _by_workflow_and_status() -> list[dict[str, Any]] | None:
-    # GROUP BY over the (workflow, status, id) index: an index-only scan on PostgreSQL.
+    """Unfinished instances only, through their partial index: counting the finished ones
+    too read the whole table at every scrape (1.1 s at 3 million rows on PostgreSQL). The
+    statuses are spelled as the index's condition: SQLite uses it for literals only."""
     return _counts(
-        "all",
-        lambda: Instance.objects.order_by().values("workflow", "status").annotate(n=Count("id")),
+        "live",
+        lambda: (
+            Instance.objects.extra(where=[LIVE_STATUSES_SQL])
+            .order_by()
+            .values("workflow", "status")
+            .annotate(n=Count("id"))
+        ),
     )
 
 
@@ -170,7 +178,7 @@ def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observatio
     rows = _counts(
         "last_hour",
         lambda: (
-            Instance.objects.filter(finished_at__gte=clock.now() - timedelta(hours=1))
+            _finished_since(clock.now() - timedelta(hours=1))
             .order_by()
             .values("workflow", "status")
             .annotate(n=Count("id"))
@@ -178,3 +186,15 @@ def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observatio
     )
     for row in rows or ():
         yield Observation(row["n"], {"workflow": row["workflow"], "status": row["status"]})
+
+
+def _finished_since(since: datetime) -> QuerySet[Instance]:
+    """The finished_at index's range. SQLite plans without statistics and would rather
+    walk the whole (workflow, status) index, which gives the GROUP BY its order for free;
+    unlikely() tells it the range is narrow."""
+    if connection.vendor != "sqlite":
+        return Instance.objects.filter(finished_at__gte=since)
+    return Instance.objects.extra(
+        where=["unlikely(finished_at >= %s)"],
+        params=[connection.ops.adapt_datetimefield_value(since)],
+    )
