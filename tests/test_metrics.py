@@ -332,3 +332,27 @@ def test_a_scrape_reads_the_unfinished_and_recent_instances_not_the_whole_histor
             assert all("instance_live" in s or "instance_finished (" in s for s in steps), read
         else:
             assert read <= 3, read
+
+
+def test_a_scrape_the_database_fails_is_a_503_not_a_healthy_target_without_its_gauges(shop):
+    """The SDK logs and drops a failing gauge callback: the scrape answered 200 without
+    the fleet-wide gauges, a backlog that vanished rather than an outage Prometheus sees
+    (`up` 0). Here the instance table is gone (a migration half applied)."""
+    from django.db import connection
+
+    shop.create(id="before-the-outage", params={})
+    testing.run_until_idle()
+    _, secret = tokens.issue("outage-scraper", scope="read")
+    table = Instance._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        response = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {secret}")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
+    assert response.status_code == 503, response.content[:300]
+    assert response.json()["errors"][0]["code"] == "DatabaseUnavailable"
+    assert response["Retry-After"]
+    assert "no-store" in response["Cache-Control"]
+    assert sample(scrape(), "wfdash_backlog", status="waiting") == 1  # and back after it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.signals import got_request_exception
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.cache import add_never_cache_headers
 from django.utils.log import log_response
@@ -35,6 +37,8 @@ from .converters import MAX_PK
 from .engine import errors
 from .engine.attributes import parse_filter as parse_attribute_filter
 from .models import ApiToken, BulkAction
+
+log = logging.getLogger("workflows_app.api")
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
@@ -826,9 +830,22 @@ def prometheus_metrics(request: HttpRequest) -> HttpResponse:
                 f"{request.method} is not allowed here; allowed: GET, HEAD",
                 {"Allow": "GET, HEAD"},
             )
+        body = metrics.scrape() if request.method == "GET" else b""
     except ApiError as exc:
         return uncached(refusal(exc))
-    body = metrics.scrape() if request.method == "GET" else b""
+    except DatabaseError:
+        # Prometheus marks the target down (up 0) instead of reading gauges that are missing.
+        log.warning("GET /metrics: the database did not answer", exc_info=True)
+        return uncached(
+            refusal(
+                ApiError(
+                    503,
+                    "DatabaseUnavailable",
+                    "the database did not answer the metrics' queries; try again",
+                    {"Retry-After": "15"},
+                )
+            )
+        )
     return uncached(HttpResponse(body, content_type=metrics.CONTENT_TYPE_LATEST))
 
 

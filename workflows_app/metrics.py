@@ -128,6 +128,11 @@ def scrape() -> bytes:
     assert _registry is not None
     token = _scrape_counts.set({})
     try:
+        # Read before the callbacks do: the SDK logs and drops a callback's error, and a
+        # scrape without its database gauges looked like a healthy target whose backlog
+        # vanished. A DatabaseError raised here is the caller's (a 503 at /metrics).
+        _by_workflow_and_status()
+        _finished_last_hour()
         return generate_latest(_registry)
     finally:
         _scrape_counts.reset(token)
@@ -174,8 +179,8 @@ def _observe_backlog(options: CallbackOptions) -> Iterable[Observation]:
         yield Observation(n, {"status": status})
 
 
-def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observation]:
-    rows = _counts(
+def _finished_last_hour() -> list[dict[str, Any]] | None:
+    return _counts(
         "last_hour",
         lambda: (
             _finished_since(clock.now() - timedelta(hours=1))
@@ -184,7 +189,10 @@ def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observatio
             .annotate(n=Count("id"))
         ),
     )
-    for row in rows or ():
+
+
+def _observe_finished_last_hour(options: CallbackOptions) -> Iterable[Observation]:
+    for row in _finished_last_hour() or ():
         yield Observation(row["n"], {"workflow": row["workflow"], "status": row["status"]})
 
 
