@@ -356,3 +356,33 @@ def test_a_scrape_the_database_fails_is_a_503_not_a_healthy_target_without_its_g
     assert response["Retry-After"]
     assert "no-store" in response["Cache-Control"]
     assert sample(scrape(), "wfdash_backlog", status="waiting") == 1  # and back after it
+
+
+def test_event_types_made_per_instance_share_one_label_past_a_workflows_first_ones(
+    registered, monkeypatch
+):
+    """A type built from the instance (`paid-{order}`) was a new series of the latency
+    histogram per instance, until the SDK's 2,000 overflowed and took every workflow's
+    new series; step names were capped already."""
+    from workflows_app.engine import meters
+
+    monkeypatch.setattr(meters, "MAX_LABELS", 3)
+
+    @register("metric-paid")
+    class Paid(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.wait_for_event("paid", type=f"paid-{event.payload['order']}")
+
+    paid = get_workflow("metric-paid")
+    for n in range(5):
+        paid.create(id=f"order-{n}", params={"order": n})
+    testing.run_until_idle()
+    for n in range(5):
+        paid.get(f"order-{n}").send_event(f"paid-{n}", {})
+    testing.run_until_idle()
+    counts = {
+        dict(labels)["type"]: value
+        for (name, labels), value in scrape().items()
+        if name == "wfdash_event_latency_seconds_count" and ("workflow", "metric-paid") in labels
+    }
+    assert counts == {"paid-0": 1, "paid-1": 1, "paid-2": 1, meters.OTHER_LABEL: 2}

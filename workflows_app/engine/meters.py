@@ -119,26 +119,28 @@ def instance_finished(workflow: str, status: str) -> None:
     _finished.add(workflow, str(status))
 
 
-# Step names are unique per run, so loops make them (`item 0`, `item 1`, …): past this
-# many names of one workflow in this process, the rest share the label OTHER_STEPS rather
-# than fill the SDK's 2,000 series per instrument (the overflow takes every new series
-# of every workflow).
-MAX_STEP_LABELS = 100
-OTHER_STEPS = "(other)"
+# Step names are unique per run, so loops make them (`item 0`, `item 1`, …), and an event
+# type may be built from the instance (`paid-{order}`): past this many names (types) of
+# one workflow in this process, the rest share the label OTHER_LABEL rather than fill the
+# SDK's 2,000 series per instrument (the overflow takes every new series of every
+# workflow).
+MAX_LABELS = 100
+OTHER_LABEL = "(other)"
 _step_labels: dict[str, set[str]] = {}
-_step_labels_lock = threading.Lock()
+_event_type_labels: dict[str, set[str]] = {}
+_labels_lock = threading.Lock()
 
 
-def _step_label(workflow: str, step: str) -> str:
-    known = _step_labels.get(workflow)
-    if known is not None and step in known:
-        return step
-    with _step_labels_lock:
-        known = _step_labels.setdefault(workflow, set())
-        if step in known or len(known) < MAX_STEP_LABELS:
-            known.add(step)
-            return step
-    return OTHER_STEPS
+def _capped_label(seen: dict[str, set[str]], workflow: str, value: str) -> str:
+    known = seen.get(workflow)
+    if known is not None and value in known:
+        return value
+    with _labels_lock:
+        known = seen.setdefault(workflow, set())
+        if value in known or len(known) < MAX_LABELS:
+            known.add(value)
+            return value
+    return OTHER_LABEL
 
 
 def step_attempted(workflow: str, step: str, seconds: float, ok: bool) -> None:
@@ -146,7 +148,7 @@ def step_attempted(workflow: str, step: str, seconds: float, ok: bool) -> None:
         seconds,
         {
             "workflow": workflow,
-            "step": _step_label(workflow, step),
+            "step": _capped_label(_step_labels, workflow, step),
             "outcome": "ok" if ok else "error",
         },
     )
@@ -154,7 +156,8 @@ def step_attempted(workflow: str, step: str, seconds: float, ok: bool) -> None:
 
 def event_received(workflow: str, event_type: str, sent_at: datetime, now: datetime) -> None:
     _instruments()["event_latency"].record(
-        max(0.0, (now - sent_at).total_seconds()), {"workflow": workflow, "type": event_type}
+        max(0.0, (now - sent_at).total_seconds()),
+        {"workflow": workflow, "type": _capped_label(_event_type_labels, workflow, event_type)},
     )
 
 
