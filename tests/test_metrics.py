@@ -386,3 +386,22 @@ def test_event_types_made_per_instance_share_one_label_past_a_workflows_first_on
         if name == "wfdash_event_latency_seconds_count" and ("workflow", "metric-paid") in labels
     }
     assert counts == {"paid-0": 1, "paid-1": 1, "paid-2": 1, meters.OTHER_LABEL: 2}
+
+
+def test_a_step_whose_result_cannot_be_stored_is_an_attempt_that_failed(registered):
+    """The step fails for good (StepOutputError) when its callable's result is no JSON;
+    the attempt was counted with outcome "ok" because the encoding came after the timer."""
+    before = scrape()
+
+    @register("metric-unstorable")
+    class Unstorable(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.do("make a set", lambda: {1, 2})
+
+    inst = get_workflow("metric-unstorable").create(id="unstorable")
+    testing.run_until_idle()
+    assert inst.status().status == "errored"
+    after = scrape()
+    name, wf = "wfdash_step_duration_seconds_count", {"workflow": "metric-unstorable"}
+    assert sample(after, name, **wf, outcome="error") - sample(before, name, **wf) == 1
+    assert sample(after, name, **wf, outcome="ok") == 0

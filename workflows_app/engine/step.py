@@ -408,9 +408,10 @@ class Step:
                 ]
                 run.notify("step_started", run, record)
                 try:
+                    # A result that cannot be stored fails the step: an attempt in error.
                     with meters.timed_attempt(run.definition.name, name):
                         result = await run.attempt(record, fn, timeout_ms)
-                    output_json = encode_step_output(result, name, run.limits)
+                        output_json = encode_step_output(result, name, run.limits)
                     faults.hit("after_side_effect")
                 except (NonRetryableError, StepOutputError) as exc:
                     raise await run.fail_step(
