@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +18,7 @@ from workflows_app.engine.errors import EventTimeout, InstanceNotFound
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+REPO = Path(__file__).resolve().parent.parent
 calls: Counter[str] = Counter()
 
 
@@ -305,3 +310,36 @@ def test_the_readme_example_test_passes(registered):
         testing.run_until_idle()
     assert inst.status().status == "complete"
     assert testing.step_result(inst, "ship order")["tracking"].startswith("TRK-")
+
+
+def test_the_pytest_plugin_forgets_one_tests_mocks_before_the_next(tmp_path):
+    """A user's suite has no conftest resetting the helpers: installing wfdash's plugin
+    (entry point pytest11) is what keeps a mock keyed by a reused instance id, or a
+    disable_sleeps() for every instance, from reaching later tests."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    plugin = project["project"]["entry-points"]["pytest11"]["wfdash"]
+    assert plugin == "workflows_app.pytest_plugin"
+
+    (tmp_path / "test_users_suite.py").write_text(
+        "from workflows_app import testing\n"
+        "from workflows_app.engine.overrides import overrides\n"
+        "\n"
+        "def test_one_mocks_a_step_of_order_1():\n"
+        "    testing.mock_step('order-1', 'charge card', result={'mocked': True})\n"
+        "\n"
+        "def test_two_finds_no_mock_left():\n"
+        "    assert not overrides.step_mocks\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DJANGO_SETTINGS_MODULE": "wfdash.settings"}
+    suite = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", plugin, "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert suite.returncode == 0, suite.stdout + suite.stderr
+    assert "2 passed" in suite.stdout
