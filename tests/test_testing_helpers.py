@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -243,6 +244,37 @@ def test_wait_for_status_raises_naming_the_status_when_a_step_is_still_running(r
             testing.wait_for_status(inst, "complete", timeout=0.3)
     finally:
         gate.set()  # lets the abandoned step thread end
+
+
+def test_run_until_idle_times_out_naming_the_instances_and_steps_still_running(registered):
+    gate = threading.Event()
+
+    @register("blocks-in-a-thread")
+    class BlocksInAThread(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("quick", lambda: 1)
+            return await step.do("slow sync", lambda: gate.wait(30))
+
+    @register("awaits-forever")
+    class AwaitsForever(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def forever():
+                await asyncio.sleep(30)
+
+            return await step.do("slow async", forever)
+
+    get_workflow("blocks-in-a-thread").create(id="stuck-1")
+    get_workflow("awaits-forever").create(id="stuck-2")
+    try:
+        with pytest.raises(TimeoutError) as raised:
+            testing.run_until_idle(timeout=0.5)
+    finally:
+        gate.set()  # lets the abandoned step thread end
+    assert str(raised.value) == (
+        "run_until_idle: not idle after 0.5 s; still running: "
+        "awaits-forever 'stuck-2' in step 'slow async'; "
+        "blocks-in-a-thread 'stuck-1' in step 'slow sync'"
+    )
 
 
 def test_step_result_returns_a_completed_steps_output_and_does_not_wait(registered):

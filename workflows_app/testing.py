@@ -38,12 +38,41 @@ _MISSING = object()
 
 async def arun_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
     """Run the engine in this process until no instance is runnable now; returns runs made."""
-    worker = Worker(worker_id="testing", concurrency=concurrency, hooks=EngineHooks())
+    hooks = _AttemptsSeen()
+    worker = Worker(worker_id="testing", concurrency=concurrency, hooks=hooks)
     await worker.start()
     try:
         return await worker.run_until_idle(timeout)
+    except TimeoutError:
+        raise TimeoutError(
+            f"run_until_idle: not idle after {timeout} s; still running: {hooks.going(worker)}"
+        ) from None
     finally:
         await worker.stop(grace_seconds=0)
+
+
+class _AttemptsSeen(EngineHooks):
+    """The app's hooks, also keeping the step attempts begun, so that a timeout can say
+    which instances and steps never let the engine idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts: dict[int, dict[str, StepRecord]] = {}
+
+    def step_started(self, run: Any, record: Any) -> None:
+        self.attempts.setdefault(run.pk, {})[record.name] = record
+        super().step_started(run, record)
+
+    def going(self, worker: Worker) -> str:
+        going = []
+        for run in worker.runs.values():
+            records = self.attempts.get(run.pk, {}).values()
+            steps = ", ".join(repr(r.name) for r in records if r.status == StepStatus.RUNNING)
+            going.append(
+                f"{run.definition.name} {run.instance_id!r}"
+                + (f" in step {steps}" if steps else "")
+            )
+        return "; ".join(sorted(going)) or "nothing (its last runs were ending)"
 
 
 def run_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
