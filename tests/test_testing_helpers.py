@@ -277,6 +277,25 @@ def test_run_until_idle_times_out_naming_the_instances_and_steps_still_running(r
     )
 
 
+@pytest.mark.django_db(transaction=False)
+def test_run_until_idle_inside_the_tests_transaction_says_to_use_a_transactional_test(
+    registered,
+):
+    """Under plain django_db the instance is uncommitted: the engine would see nothing."""
+
+    @register("in-a-transaction")
+    class InATransaction(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("work", lambda: "done")
+
+    inst = get_workflow("in-a-transaction").create()
+    with pytest.raises(RuntimeError, match=r"inside a transaction on database 'default'"):
+        testing.run_until_idle()
+    with pytest.raises(RuntimeError, match=r"django_db\(transaction=True\)"):
+        testing.wait_for_status(inst, "complete")
+    assert inst.status().status == "running"
+
+
 def test_step_result_returns_a_completed_steps_output_and_does_not_wait(registered):
     @register("two-steps")
     class TwoSteps(WorkflowEntrypoint):

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from asgiref.sync import async_to_sync
+from django.db import connections
 from django.db.backends.signals import connection_created
 
 from .client import InstanceHandle
@@ -51,6 +52,21 @@ async def arun_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
         await worker.stop(grace_seconds=0)
 
 
+def _refuse_inside_a_transaction(helper: str) -> None:
+    """The engine reads and writes on connections of its own threads, which cannot see
+    rows the caller has not committed: inside a transaction (pytest-django's plain
+    `django_db`, a TestCase) it would find nothing to run and return as if idle, or wait
+    on SQLite's lock. Sync code only: in a coroutine `connections` are not this thread's."""
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            raise RuntimeError(
+                f"testing.{helper} was called inside a transaction on database "
+                f"{connection.alias!r}; the engine's own connections cannot see its "
+                "uncommitted rows. Mark the test @pytest.mark.django_db(transaction=True) "
+                "(or use TransactionTestCase), and call it outside transaction.atomic()."
+            )
+
+
 class _AttemptsSeen(EngineHooks):
     """The app's hooks, also keeping the step attempts begun, so that a timeout can say
     which instances and steps never let the engine idle."""
@@ -77,6 +93,7 @@ class _AttemptsSeen(EngineHooks):
 
 def run_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
     """Sync twin of arun_until_idle (for tests without a running event loop)."""
+    _refuse_inside_a_transaction("run_until_idle")
     try:
         asyncio.get_running_loop()
     except RuntimeError:
