@@ -296,6 +296,21 @@ def test_run_until_idle_inside_the_tests_transaction_says_to_use_a_transactional
     assert inst.status().status == "running"
 
 
+async def test_the_sync_helpers_called_from_an_async_test_name_what_to_await(registered):
+    @register("from-async")
+    class FromAsync(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("work", lambda: "done")
+
+    inst = await get_workflow("from-async").acreate()
+    with pytest.raises(RuntimeError, match=r"use await testing\.arun_until_idle\(\)$"):
+        testing.run_until_idle()
+    with pytest.raises(RuntimeError, match=r"wait_for_status is sync .* use await testing"):
+        testing.wait_for_status(inst, "complete")
+    assert await testing.arun_until_idle() == 1
+    assert (await inst.astatus()).output == "done"
+
+
 def test_step_result_returns_a_completed_steps_output_and_does_not_wait(registered):
     @register("two-steps")
     class TwoSteps(WorkflowEntrypoint):

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from asgiref.sync import async_to_sync
 from django.db import connections
 from django.db.backends.signals import connection_created
 
@@ -93,12 +92,19 @@ class _AttemptsSeen(EngineHooks):
 
 def run_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
     """Sync twin of arun_until_idle (for tests without a running event loop)."""
+    _refuse_in_a_coroutine("run_until_idle", "await testing.arun_until_idle()")
     _refuse_inside_a_transaction("run_until_idle")
+    return asyncio.run(arun_until_idle(timeout, concurrency))
+
+
+def _refuse_in_a_coroutine(helper: str, instead: str) -> None:
+    """A sync helper cannot run the engine's loop inside a running one (asyncio.run and
+    async_to_sync both refuse): say what to call from an async test instead."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(arun_until_idle(timeout, concurrency))
-    return async_to_sync(arun_until_idle)(timeout, concurrency)
+        return
+    raise RuntimeError(f"testing.{helper} is sync and was called from a coroutine; use {instead}")
 
 
 @contextmanager
@@ -176,6 +182,9 @@ def reset() -> None:
 def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 10) -> str:
     """Run the engine until the instance reaches one of the statuses (any status, not only
     final ones); waits for real timers that fall due within the timeout."""
+    _refuse_in_a_coroutine(
+        "wait_for_status", "await testing.arun_until_idle() and `await instance.astatus()`"
+    )
     deadline = time.monotonic() + timeout
     while True:
         current = instance.status().status
