@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -228,6 +229,23 @@ def test_wait_for_status_raises_naming_the_status_it_did_not_reach(registered):
         AssertionError, match=r"is 'paused', not \('complete',\), and nothing is due"
     ):
         testing.wait_for_status(paused, "complete", timeout=5)
+
+
+def test_wait_for_status_refuses_a_status_that_does_not_exist_at_once(registered):
+    @register("soon-done")
+    class SoonDone(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "5 seconds")  # a real timer due within the timeout
+            return "done"
+
+    inst = get_workflow("soon-done").create()
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"unknown status\(es\) \['completed'\]; statuses are"):
+        testing.wait_for_status(inst, "complete", "completed", timeout=10)
+    with pytest.raises(ValueError, match=r"unknown status\(es\) \[\]"):
+        testing.wait_for_status(inst)
+    assert time.monotonic() - started < 1  # not after waiting for the nap
+    assert inst.status().status == "running"  # nothing ran
 
 
 def test_wait_for_status_raises_naming_the_status_when_a_step_is_still_running(registered):

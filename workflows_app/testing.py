@@ -31,7 +31,7 @@ from .engine.errors import InstanceNotFound, InvalidInput
 from .engine.overrides import overrides
 from .engine.worker import Worker
 from .live import EngineHooks
-from .models import Instance, StepKind, StepRecord, StepStatus
+from .models import Instance, Status, StepKind, StepRecord, StepStatus
 
 _MISSING = object()
 
@@ -185,6 +185,12 @@ def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 1
     _refuse_in_a_coroutine(
         "wait_for_status", "await testing.arun_until_idle() and `await instance.astatus()`"
     )
+    unknown = [status for status in statuses if status not in Status.values]
+    if unknown or not statuses:
+        # A typo ("completed") would otherwise wait out the timeout, or for other timers.
+        raise ValueError(
+            f"wait_for_status: unknown status(es) {unknown}; statuses are {Status.values}"
+        )
     deadline = time.monotonic() + timeout
     while True:
         current = instance.status().status
