@@ -351,6 +351,30 @@ def test_step_result_returns_a_completed_steps_output_and_does_not_wait(register
         testing.step_result(inst, "no such step")
 
 
+def test_step_result_of_a_failed_or_unknown_step_says_why_there_is_no_result(registered):
+    @register("charge-fails")
+    class ChargeFails(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("reserve", lambda: "ok")
+            await step.do("charge card", lambda: 1 / 0, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow("charge-fails").create()
+    testing.run_until_idle()
+    assert inst.status().status == "errored"
+    with pytest.raises(AssertionError) as failed:
+        testing.step_result(inst, "charge card")
+    assert str(failed.value) == (
+        f"instance {inst.id!r} has no completed step 'charge card': it is 'failed' after "
+        "2 attempt(s), last error ZeroDivisionError: division by zero"
+    )
+    with pytest.raises(AssertionError) as unknown:
+        testing.step_result(inst, "charge")
+    assert str(unknown.value) == (
+        f"instance {inst.id!r} has no completed step 'charge': no step has that name; "
+        "its steps: ['reserve', 'charge card']"
+    )
+
+
 def test_reset_forgets_mocks_disabled_sleeps_and_forced_timeouts(registered):
     @register("all-kinds")
     class AllKinds(WorkflowEntrypoint):

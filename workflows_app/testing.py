@@ -217,11 +217,26 @@ def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 1
 
 
 def step_result(instance: InstanceHandle, step_name: str) -> Any:
-    """The checkpointed output of a completed step."""
-    for record in instance.steps():
-        if record.name == step_name and record.status == "complete":
+    """The checkpointed output of a completed step; otherwise an AssertionError saying
+    where the step is (failed with what, retrying, waiting) or which steps there are."""
+    records = [r for r in instance.steps() if r.kind != StepKind.COMPENSATE]
+    missing = f"instance {instance.id!r} has no completed step {step_name!r}"
+    for record in records:
+        if record.name != step_name:
+            continue
+        if record.status == StepStatus.COMPLETE:
             return record.output
-    raise AssertionError(f"instance {instance.id!r} has no completed step {step_name!r}")
+        error = (
+            f", last error {record.last_error_name}: {record.last_error_message}"
+            if record.last_error_name
+            else ""
+        )
+        raise AssertionError(
+            f"{missing}: it is {record.status!r} after {record.attempts} attempt(s){error}"
+        )
+    raise AssertionError(
+        f"{missing}: no step has that name; its steps: {[r.name for r in records]}"
+    )
 
 
 class QueryCounter:
