@@ -189,6 +189,19 @@ def test_force_event_timeout_times_a_wait_out_with_event_timeout(registered):
     assert early.status().error["name"] == "EventTimeout"
 
 
+def test_force_event_timeout_that_raised_for_an_unknown_id_forces_nothing(registered):
+    @register("awaits-order")
+    class AwaitsOrder(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("approve", type="approval", timeout="1 hour")
+
+    with pytest.raises(InstanceNotFound, match="order-7"):
+        testing.force_event_timeout("order-7", "approval")  # not created yet
+    inst = get_workflow("awaits-order").create(id="order-7")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"  # the refused call did not time this wait out
+
+
 def test_wait_for_status_runs_the_engine_until_the_status_including_real_timers(registered):
     @register("short-nap")
     class ShortNap(WorkflowEntrypoint):

@@ -169,8 +169,8 @@ def mock_event(instance_id: str, type: str, payload: Any = None) -> None:
 
 def force_event_timeout(instance_id: str, type: str) -> None:
     """The instance's next wait for `type` times out at once; makes a parked wait due."""
+    handle = _instance(instance_id)  # an unknown id raises before anything is forced
     overrides.forced_event_timeouts.add((instance_id, type))
-    handle = _instance(instance_id)
     Instance.objects.filter(pk=handle.row().pk, status="waiting").update(wake_at=engine_clock.now())
 
 
