@@ -261,6 +261,27 @@ def test_wait_for_status_refuses_a_status_that_does_not_exist_at_once(registered
     assert inst.status().status == "running"  # nothing ran
 
 
+def test_wait_for_status_under_a_fake_clock_fails_at_once_on_a_timer_it_cannot_reach(registered):
+    @register("naps-an-hour")
+    class NapsAnHour(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.sleep("nap", "1 hour")
+            return "awake"
+
+    inst = get_workflow("naps-an-hour").create()
+    started = time.monotonic()
+    with testing.fake_clock() as clock:
+        with pytest.raises(
+            AssertionError,
+            match=r"is 'waiting', not \('complete',\); the next timer is due at .* on the "
+            r"fake clock, which moves only with clock.advance\(\)",
+        ):
+            testing.wait_for_status(inst, "complete", timeout=5)
+        assert time.monotonic() - started < 4  # not after sleeping out the timeout
+        clock.advance("1 hour")
+        assert testing.wait_for_status(inst, "complete", timeout=5) == "complete"
+
+
 def test_wait_for_status_raises_naming_the_status_when_a_step_is_still_running(registered):
     gate = threading.Event()
 

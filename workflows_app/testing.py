@@ -213,6 +213,14 @@ def wait_for_status(instance: InstanceHandle, *statuses: str, timeout: float = 1
                 raise AssertionError(
                     f"instance {instance.id!r} is {current!r}, not {statuses}, and nothing is due to change it"
                 )
+            fake = isinstance(engine_clock.get_clock(), engine_clock.ControllableClock)
+            if fake and due > engine_clock.now():
+                # A fake clock stands still: sleeping in real time would not bring it due.
+                raise AssertionError(
+                    f"instance {instance.id!r} is {current!r}, not {statuses}; the next timer "
+                    f"is due at {due.isoformat()} on the fake clock, which moves only with "
+                    "clock.advance()"
+                )
             time.sleep(min(remaining, max(0.0, (due - engine_clock.now()).total_seconds())))
 
 
