@@ -51,3 +51,17 @@ def create_group(name: str) -> int:
     from django.contrib.auth.models import Group
 
     return Group.objects.create(name=name).pk
+
+
+class PaymentDeclined(Exception):
+    """A task's own exception: its TaskError must name it by a path that imports."""
+
+
+@task
+def decline(order: int) -> None:
+    raise PaymentDeclined(f"order {order} declined")
+
+
+@task
+def not_a_number() -> float:
+    return float("nan")  # normalize_json lets it through; JSON has no NaN

@@ -10,6 +10,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.test import override_settings
 
 from tests.polling import wait_until
 from tests.test_worker_operations import LoopThread
@@ -73,6 +74,37 @@ def test_a_task_that_raises_fails_once_with_django_s_error_record(tasks):
         failed.return_value  # noqa: B018  (raises for a failed task, as Django's property does)
     [step] = Instance.objects.get(instance_id=result.id).steps.all()
     assert step.attempts == 1  # Django tasks run once: no engine retries by default
+
+
+RETRYING_TASKS = {
+    "default": {
+        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+        "OPTIONS": {"retries": {"limit": 1, "delay": 0}},
+    }
+}
+
+
+@pytest.mark.parametrize("options", [{}, RETRYING_TASKS["default"]["OPTIONS"]])
+def test_a_task_s_own_exception_is_named_by_an_importable_path_with_or_without_retries(
+    tasks, options
+):
+    backend = {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend", "OPTIONS": options}
+    with override_settings(TASKS={"default": backend}):
+        result = tasks.decline.enqueue(7)
+        testing.run_until_idle()
+        [error] = tasks.decline.get_result(result.id).errors
+    assert error.exception_class_path == "tests.task_functions.PaymentDeclined"
+    assert error.exception_class is tasks.PaymentDeclined
+    assert "order 7 declined" in error.traceback
+
+
+def test_an_error_the_engine_raises_around_the_task_is_named_by_an_importable_path(tasks):
+    from workflows_app.engine.errors import StepOutputError
+
+    result = tasks.not_a_number.enqueue()
+    testing.run_until_idle()
+    [error] = tasks.not_a_number.get_result(result.id).errors
+    assert error.exception_class is StepOutputError
 
 
 def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):

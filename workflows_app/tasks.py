@@ -23,6 +23,8 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from .engine import NonRetryableError, WorkflowEntrypoint, clock, register, registry
+from .engine import errors as engine_errors
+from .engine.errors import StepRaised
 from .models import HistoryRecord, Instance, Status, StepRecord
 
 try:  # Django >= 6.0
@@ -71,11 +73,17 @@ def wfdash_priority(priority: int) -> int:
 
 
 def exception_path(error_name: str) -> str:
-    """A TaskError's exception_class_path from an instance's error name."""
+    """A TaskError's exception_class_path from an instance's error name: a task's own
+    exceptions are named by their full path already; a bare name is a builtin or one the
+    engine raised around the call (StepTimeout, StepOutputError), so that
+    TaskError.exception_class imports it."""
     if "." in error_name:
         return error_name
     if isinstance(getattr(builtins, error_name, None), type):
         return f"builtins.{error_name}"
+    engine_error = getattr(engine_errors, error_name, None)
+    if isinstance(engine_error, type) and issubclass(engine_error, BaseException):
+        return f"{engine_errors.__name__}.{error_name}"
     return error_name
 
 
@@ -100,14 +108,16 @@ class TaskWorkflow(WorkflowEntrypoint):
                 args.insert(0, TaskContext(task_result=backend.running_result(instance_id)))
             try:
                 return normalize_json(task.call(*args, **params["kwargs"]))
-            except Exception as exc:
-                if retries.get("limit", 0):
-                    raise
-                # Django tasks run once: fail at once, named by the exception's full path
-                # (what a TaskError carries), with the original chained for the stack.
-                raise NonRetryableError(
-                    str(exc), f"{exc.__class__.__module__}.{exc.__class__.__qualname__}"
-                ) from exc
+            except BaseException as exc:
+                # Named by the exception's full path (what a TaskError carries, so that its
+                # exception_class imports it), with the original chained for the stack.
+                path = f"{exc.__class__.__module__}.{exc.__class__.__qualname__}"
+                if retries.get("limit", 0) and not isinstance(exc, NonRetryableError):
+                    failed_attempt = StepRaised(exc)  # retried like any failed attempt
+                    failed_attempt.error_name = path
+                    raise failed_attempt from exc
+                # Django tasks run once: fail at once.
+                raise NonRetryableError(engine_errors.safe_str(exc), path) from exc
 
         kwargs: dict[str, Any] = {"retries": retries}
         if options.get("timeout") is not None:
