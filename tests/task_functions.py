@@ -65,3 +65,10 @@ def decline(order: int) -> None:
 @task
 def not_a_number() -> float:
     return float("nan")  # normalize_json lets it through; JSON has no NaN
+
+
+@task(takes_context=True)
+def fail_first_attempt(context: Any) -> int:
+    if context.attempt == 1:
+        raise RuntimeError("the first attempt fails")
+    return context.attempt

@@ -107,6 +107,32 @@ def test_an_error_the_engine_raises_around_the_task_is_named_by_an_importable_pa
     assert error.exception_class is StepOutputError
 
 
+def test_each_attempt_counts_when_options_retry_the_task(tasks):
+    backend = {
+        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+        "OPTIONS": {"retries": {"limit": 1, "delay": "1 minute"}},
+    }
+    with override_settings(TASKS={"default": backend}), testing.fake_clock(START) as clock:
+        result = tasks.fail_first_attempt.enqueue()
+        testing.run_until_idle()
+        clock.advance("1 minute")
+        testing.run_until_idle()
+        done = tasks.fail_first_attempt.get_result(result.id)
+    assert done.return_value == 2  # context.attempt counted the first, failed attempt
+    assert done.attempts == 2 and done.worker_ids == ["testing", "testing"]
+    assert done.started_at < START + timedelta(minutes=1) <= done.last_attempted_at
+
+
+def test_attempts_retried_within_one_run_count_each(tasks):
+    """A retry due at once is made in the run that failed (no new run.started)."""
+    with override_settings(TASKS=RETRYING_TASKS):
+        result = tasks.fail_first_attempt.enqueue()
+        testing.run_until_idle()
+        done = tasks.fail_first_attempt.get_result(result.id)
+    assert done.return_value == 2
+    assert done.attempts == 2 and done.worker_ids == ["testing", "testing"]
+
+
 def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):
     with testing.fake_clock(START) as clock:
         result = tasks.add.using(run_after=START + timedelta(hours=1)).enqueue(1, 1)

@@ -230,22 +230,33 @@ class WorkflowTaskBackend(BaseTaskBackend):
             backend=params.get("backend") or self.alias,
         )
         step = StepRecord.objects.filter(instance_id=row.pk, name=STEP, kind="do").first()
-        workers = list(
-            HistoryRecord.objects.filter(instance_id=row.pk, type="run.started")
+        # One worker per attempt of the step, the worker of the run it was made in: a run
+        # may make several (retries due soon are waited for in it), and runs that only
+        # slept until run_after, or were taken over before the step began, make none.
+        events = (
+            HistoryRecord.objects.filter(
+                instance_id=row.pk, type__in=("run.started", "step.started")
+            )
             .order_by("sequence")
-            .values_list("data", flat=True)
+            .values_list("type", "data")
         )
-        # One worker per attempt of the step: runs that only slept until run_after, or that
-        # were taken over before the step began, are no attempts.
-        workers = [w.get("worker", "") if isinstance(w, dict) else "" for w in workers]
-        current, earlier = (workers[-1:], workers[:-1]) if running else ([], workers)
-        attempts = step.attempts if step is not None else 0
-        worker_ids = (earlier[-attempts:] if attempts else []) + current
+        run_worker, worker_ids, last_attempt_at = "", [], None
+        for event_type, event_data in events:
+            data = event_data if isinstance(event_data, dict) else {}
+            if event_type == "run.started":
+                run_worker = data.get("worker", "")
+            elif data.get("step") == STEP:
+                worker_ids.append(run_worker)
+                last_attempt_at = data.get("at")
+        if running:  # this attempt's step.started is written with its outcome
+            worker_ids.append(run_worker)
         result = self._result(task, row, step, worker_ids)
         if running:
             now = clock.now()
             object.__setattr__(result, "started_at", result.started_at or now)
             object.__setattr__(result, "last_attempted_at", now)
+        elif last_attempt_at:
+            object.__setattr__(result, "last_attempted_at", datetime.fromisoformat(last_attempt_at))
         return result
 
     def _result(
