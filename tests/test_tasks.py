@@ -133,6 +133,20 @@ def test_attempts_retried_within_one_run_count_each(tasks):
     assert done.attempts == 2 and done.worker_ids == ["testing", "testing"]
 
 
+def test_a_task_enqueued_on_another_backend_runs_with_that_backend_s_options(tasks):
+    backends = {
+        "default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"},
+        "retrying": RETRYING_TASKS["default"],
+    }
+    with override_settings(TASKS=backends):
+        on_retrying = tasks.fail_first_attempt.using(backend="retrying")
+        result = on_retrying.enqueue()
+        testing.run_until_idle()
+        done = on_retrying.get_result(result.id)
+    assert done.return_value == 2  # retried, as the "retrying" backend's OPTIONS say
+    assert done.backend == "retrying"
+
+
 def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):
     with testing.fake_clock(START) as clock:
         result = tasks.add.using(run_after=START + timedelta(hours=1)).enqueue(1, 1)

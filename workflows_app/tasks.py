@@ -28,14 +28,14 @@ from .engine.errors import StepRaised
 from .models import HistoryRecord, Instance, Status, StepRecord
 
 try:  # Django >= 6.0
-    from django.tasks import task
+    from django.tasks import task, task_backends
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued
     from django.utils.json import normalize_json
 except ImportError:  # Django 5.2: the backport
-    from django_tasks import task
+    from django_tasks import task, task_backends
     from django_tasks.backends.base import BaseTaskBackend
     from django_tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
     from django_tasks.exceptions import InvalidTaskError as InvalidTask
@@ -97,7 +97,9 @@ class TaskWorkflow(WorkflowEntrypoint):
         if params.get("run_after") is not None:
             await step.sleep_until(WAIT, datetime.fromisoformat(params["run_after"]))
         task: Task = import_string(self.task_path)
-        backend = task.get_backend()
+        # The backend it was enqueued on (`using(backend=...)`), whose OPTIONS apply, not
+        # the one its decorator names.
+        backend = task_backends[params.get("backend") or task.backend]
         options = getattr(backend, "options", {}) or {}
         retries = options.get("retries", {"limit": 0})
         instance_id = event.instance_id
