@@ -147,6 +147,59 @@ def test_a_task_enqueued_on_another_backend_runs_with_that_backend_s_options(tas
     assert done.backend == "retrying"
 
 
+def test_task_started_and_task_finished_are_sent_around_the_call(tasks):
+    from workflows_app.tasks import task_finished, task_started
+
+    heard = []
+
+    def started(sender, task_result, **kwargs):
+        heard.append(("started", task_result.task.name, task_result.status, task_result.attempts))
+
+    def finished(sender, task_result, **kwargs):
+        outcome = (
+            task_result.return_value
+            if task_result.status == TaskResultStatus.SUCCESSFUL
+            else [error.exception_class for error in task_result.errors]
+        )
+        heard.append(("finished", task_result.task.name, task_result.status, outcome))
+
+    task_started.connect(started)
+    task_finished.connect(finished)
+    try:
+        tasks.add.enqueue(2, 3)
+        testing.run_until_idle()
+        tasks.explode.enqueue("boom")
+        testing.run_until_idle()
+    finally:
+        task_started.disconnect(started)
+        task_finished.disconnect(finished)
+    assert heard == [
+        ("started", "add", TaskResultStatus.RUNNING, 1),
+        ("finished", "add", TaskResultStatus.SUCCESSFUL, 5),
+        ("started", "explode", TaskResultStatus.RUNNING, 1),
+        ("finished", "explode", TaskResultStatus.FAILED, [ValueError]),
+    ]
+
+
+def test_task_finished_is_sent_once_for_a_retried_task_by_its_last_attempt(tasks):
+    from workflows_app.tasks import task_finished
+
+    heard = []
+
+    def finished(sender, task_result, **kwargs):
+        heard.append((task_result.status, task_result.attempts))
+
+    task_finished.connect(finished)
+    try:
+        with override_settings(TASKS=RETRYING_TASKS):
+            tasks.fail_first_attempt.enqueue()
+            tasks.decline.enqueue(1)
+            testing.run_until_idle()
+    finally:
+        task_finished.disconnect(finished)
+    assert sorted(heard) == [(TaskResultStatus.FAILED, 2), (TaskResultStatus.SUCCESSFUL, 2)]
+
+
 def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):
     with testing.fake_clock(START) as clock:
         result = tasks.add.using(run_after=START + timedelta(hours=1)).enqueue(1, 1)

@@ -16,7 +16,9 @@ OPTIONS: "retries" (step retries, default {"limit": 0}: Django tasks run once) a
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
+import traceback
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +27,7 @@ from django.utils.module_loading import import_string
 from .engine import NonRetryableError, WorkflowEntrypoint, clock, register, registry
 from .engine import errors as engine_errors
 from .engine.errors import StepRaised
+from .engine.step import current_step
 from .models import HistoryRecord, Instance, Status, StepRecord
 
 try:  # Django >= 6.0
@@ -32,7 +35,7 @@ try:  # Django >= 6.0
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
-    from django.tasks.signals import task_enqueued
+    from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
 except ImportError:  # Django 5.2: the backport
     from django_tasks import task, task_backends
@@ -40,7 +43,7 @@ except ImportError:  # Django 5.2: the backport
     from django_tasks.base import Task, TaskContext, TaskError, TaskResult, TaskResultStatus
     from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
-    from django_tasks.signals import task_enqueued
+    from django_tasks.signals import task_enqueued, task_finished, task_started
     from django_tasks.utils import normalize_json
 
 __all__ = [
@@ -52,6 +55,9 @@ __all__ = [
     "TaskResultStatus",
     "WorkflowTaskBackend",
     "task",
+    "task_enqueued",
+    "task_finished",
+    "task_started",
 ]
 
 PREFIX = "task:"
@@ -105,26 +111,55 @@ class TaskWorkflow(WorkflowEntrypoint):
         instance_id = event.instance_id
 
         def call() -> Any:
+            running = backend.running_result(instance_id)
+            task_started.send(type(backend), task_result=running)
             args = list(params["args"])
             if task.takes_context:
-                args.insert(0, TaskContext(task_result=backend.running_result(instance_id)))
+                args.insert(0, TaskContext(task_result=running))
             try:
-                return normalize_json(task.call(*args, **params["kwargs"]))
+                value = normalize_json(task.call(*args, **params["kwargs"]))
             except BaseException as exc:
                 # Named by the exception's full path (what a TaskError carries, so that its
                 # exception_class imports it), with the original chained for the stack.
                 path = f"{exc.__class__.__module__}.{exc.__class__.__qualname__}"
-                if retries.get("limit", 0) and not isinstance(exc, NonRetryableError):
+                limit = retries.get("limit", 0)
+                if limit and not isinstance(exc, NonRetryableError) and running.attempts <= limit:
                     failed_attempt = StepRaised(exc)  # retried like any failed attempt
                     failed_attempt.error_name = path
                     raise failed_attempt from exc
+                error = TaskError(
+                    exception_class_path=path, traceback="".join(traceback.format_exception(exc))
+                )
+                # Sent in the handler, so that Django's own receiver logs the exception.
+                send_task_finished(backend, running, TaskResultStatus.FAILED, errors=[error])
                 # Django tasks run once: fail at once.
                 raise NonRetryableError(engine_errors.safe_str(exc), path) from exc
+            send_task_finished(backend, running, TaskResultStatus.SUCCESSFUL, value=value)
+            return value
 
         kwargs: dict[str, Any] = {"retries": retries}
         if options.get("timeout") is not None:
             kwargs["timeout"] = options["timeout"]
         return await step.do(STEP, call, **kwargs)
+
+
+def send_task_finished(
+    backend: BaseTaskBackend,
+    running: TaskResult,
+    status: TaskResultStatus,
+    errors: list[TaskError] | None = None,
+    value: Any = None,
+) -> None:
+    """Django's task_finished for the attempt that settles the task, unless the engine
+    abandoned it (it timed out): then its outcome is not the task's."""
+    attempt = current_step()
+    if attempt is not None and attempt.cancelled:
+        return
+    finished = dataclasses.replace(
+        running, status=status, finished_at=clock.now(), errors=errors or []
+    )
+    object.__setattr__(finished, "_return_value", value)
+    task_finished.send(type(backend), task_result=finished)
 
 
 def register_task_workflow(task: Task) -> str:
