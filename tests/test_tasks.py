@@ -200,6 +200,23 @@ def test_task_finished_is_sent_once_for_a_retried_task_by_its_last_attempt(tasks
     assert sorted(heard) == [(TaskResultStatus.FAILED, 2), (TaskResultStatus.SUCCESSFUL, 2)]
 
 
+def test_system_checks_report_backend_options_the_worker_could_not_use():
+    from workflows_app.tasks import task_backends
+
+    broken = {
+        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+        "OPTIONS": {"retries": 3, "timeout": "10 minuets", "retry": {}},
+    }
+    with override_settings(TASKS={"default": RETRYING_TASKS["default"], "broken": broken}):
+        assert task_backends["default"].check() == []
+        messages = [message.msg for message in task_backends["broken"].check()]
+    assert messages == [
+        "TASKS['broken']: unknown option(s) ['retry']; use retries, timeout",
+        "TASKS['broken']: \"retries\" must be a dict of limit, delay, backoff, got 3",
+        'TASKS[\'broken\']: "timeout": invalid duration "10 minuets": unknown unit "minuets"',
+    ]
+
+
 def test_run_after_delays_the_task_durably_on_the_engine_clock(tasks):
     with testing.fake_clock(START) as clock:
         result = tasks.add.using(run_after=START + timedelta(hours=1)).enqueue(1, 1)

@@ -22,11 +22,14 @@ import traceback
 from datetime import datetime
 from typing import Any
 
+from django.core import checks
 from django.utils.module_loading import import_string
 
 from .engine import NonRetryableError, WorkflowEntrypoint, clock, register, registry
 from .engine import errors as engine_errors
-from .engine.errors import StepRaised
+from .engine.durations import parse_duration
+from .engine.errors import InvalidDuration, StepRaised
+from .engine.limits import BACKOFFS, MAX_RETRY_LIMIT
 from .engine.step import current_step
 from .models import HistoryRecord, Instance, Status, StepRecord
 
@@ -190,6 +193,41 @@ def resolve_task_workflow(name: str) -> None:
 registry.add_resolver(resolve_task_workflow, PREFIX)
 
 
+def options_problems(options: Any) -> list[str]:
+    """What is wrong with a backend's OPTIONS: found by `manage.py check` at start-up,
+    where otherwise every task would fail in the worker with a traceback."""
+    if not isinstance(options, dict):
+        return [f"OPTIONS must be a dict, got {options!r}"]
+    problems = []
+    unknown = set(options) - {"retries", "timeout"}
+    if unknown:
+        problems.append(f"unknown option(s) {sorted(unknown)}; use retries, timeout")
+    retries = options.get("retries", {})
+    if not isinstance(retries, dict):
+        problems.append(f'"retries" must be a dict of limit, delay, backoff, got {retries!r}')
+        retries = {}
+    unknown = set(retries) - {"limit", "delay", "backoff"}
+    if unknown:
+        problems.append(f'unknown "retries" option(s) {sorted(unknown)}; use limit, delay, backoff')
+    limit = retries.get("limit", 0)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= MAX_RETRY_LIMIT:
+        problems.append(
+            f'"retries" limit must be an integer from 0 to {MAX_RETRY_LIMIT}, got {limit!r}'
+        )
+    if retries.get("backoff", BACKOFFS[0]) not in BACKOFFS:
+        problems.append(f'"retries" backoff must be one of {BACKOFFS}, got {retries["backoff"]!r}')
+    for label, duration in (
+        ('"retries" delay', retries.get("delay")),
+        ('"timeout"', options.get("timeout")),
+    ):
+        if duration is not None:
+            try:
+                parse_duration(duration)
+            except InvalidDuration as exc:
+                problems.append(f"{label}: {exc}")
+    return problems
+
+
 class WorkflowTaskBackend(BaseTaskBackend):
     """Tasks as durable one-step workflow instances, run by wfdash's workers."""
 
@@ -197,6 +235,15 @@ class WorkflowTaskBackend(BaseTaskBackend):
     supports_async_task = True
     supports_get_result = True
     supports_priority = True
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        return [
+            *super().check(**kwargs),
+            *(
+                checks.Error(f"TASKS[{self.alias!r}]: {problem}", id="workflows_app.E001")
+                for problem in options_problems(self.options)
+            ),
+        ]
 
     def validate_task(self, task: Task) -> None:
         super().validate_task(task)
