@@ -123,6 +123,24 @@ def test_each_attempt_counts_when_options_retry_the_task(tasks):
     assert done.started_at < START + timedelta(minutes=1) <= done.last_attempted_at
 
 
+def test_a_task_waiting_for_its_retry_is_ready_again(tasks):
+    backend = {
+        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+        "OPTIONS": {"retries": {"limit": 1, "delay": "1 minute"}},
+    }
+    with override_settings(TASKS={"default": backend}), testing.fake_clock(START) as clock:
+        result = tasks.fail_first_attempt.enqueue()
+        testing.run_until_idle()
+        waiting = tasks.fail_first_attempt.get_result(result.id)
+        assert Instance.objects.get(instance_id=result.id).status == "waiting"
+        clock.advance("1 minute")
+        testing.run_until_idle()
+        done = tasks.fail_first_attempt.get_result(result.id)
+    assert waiting.status == TaskResultStatus.READY  # Django: "ready to be executed again"
+    assert waiting.attempts == 1
+    assert done.status == TaskResultStatus.SUCCESSFUL
+
+
 def test_attempts_retried_within_one_run_count_each(tasks):
     """A retry due at once is made in the run that failed (no new run.started)."""
     with override_settings(TASKS=RETRYING_TASKS):

@@ -31,7 +31,7 @@ from .engine.durations import parse_duration
 from .engine.errors import InvalidDuration, StepRaised
 from .engine.limits import BACKOFFS, MAX_RETRY_LIMIT
 from .engine.step import current_step
-from .models import HistoryRecord, Instance, Status, StepRecord
+from .models import HistoryRecord, Instance, Status, StepRecord, StepStatus
 
 try:  # Django >= 6.0
     from django.tasks import task, task_backends
@@ -377,17 +377,21 @@ RUNNING_STATUSES = {Status.RUNNING, Status.WAITING, Status.WAITING_FOR_PAUSE, St
 
 def task_status(row: Instance, step: StepRecord | None) -> TaskResultStatus:
     """Django's status of a task instance: READY until a worker runs its step (queued,
-    paused, or sleeping until run_after), RUNNING while one does or a retry is due, then
-    SUCCESSFUL, or FAILED (errored or terminated)."""
+    paused, sleeping until run_after, or waiting for a retry: Django's "ready to be
+    executed again"), RUNNING while one does, then SUCCESSFUL, or FAILED (errored or
+    terminated)."""
     if row.status == Status.COMPLETE:
         return TaskResultStatus.SUCCESSFUL
     if row.status in (Status.ERRORED, Status.TERMINATED, Status.UNKNOWN):
         return TaskResultStatus.FAILED
     if row.status in RUNNING_STATUSES:
-        if step is not None:  # an attempt finished, or failed and waits for its retry
-            return TaskResultStatus.RUNNING
+        if step is not None and step.status != StepStatus.RETRYING:
+            return TaskResultStatus.RUNNING  # its attempt is done: the instance completes
+        now = clock.now()
         run_after = row.params.get("run_after")
-        due = run_after is None or datetime.fromisoformat(run_after) <= clock.now()
+        due = run_after is None or datetime.fromisoformat(run_after) <= now
+        if step is not None and step.wake_at is not None:
+            due = step.wake_at <= now  # the retry's time
         if row.lease_token is not None and row.status == Status.RUNNING and due:
-            return TaskResultStatus.RUNNING  # the first attempt is in a worker now
+            return TaskResultStatus.RUNNING  # an attempt is in a worker now
     return TaskResultStatus.READY
