@@ -197,6 +197,19 @@ def test_values_written_before_the_codec_read_back_and_a_wrong_key_is_a_clear_er
         assert response.status_code == 200 and "cannot decode" in response.content.decode()
 
 
+def test_an_event_payload_the_codec_cannot_decode_shows_as_such_on_the_instance_page(
+    card_reader,
+):
+    with with_codec():
+        run_card_reader(card_reader)  # its event.received history record holds the sealed payload
+    with with_codec("tests.codecs.OtherKeyCodec"):
+        page = admin_client().get("/workflows/card-reader/c1/")
+        assert page.status_code == 200  # it was a 500 traceback page
+        assert "cannot decode" in page.content.decode()
+        with pytest.raises(CodecError):  # the client says so, as documented
+            get_workflow("card-reader").get("c1").history()
+
+
 @pytest.mark.parametrize(
     "value",
     [

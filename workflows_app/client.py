@@ -57,6 +57,7 @@ from .models import (
     StepRecord,
     StepStatus,
     decode_json,
+    open_history_data,
 )
 from .scheduling import ScheduleHandle, schedules
 from .tracing import flush_spans
@@ -910,7 +911,11 @@ class BulkJobHandle:
 
 def history_entry(record: HistoryRecord) -> HistoryEntry:
     return HistoryEntry(
-        record.sequence, record.created_at, record.type, record.shown_data, record.actor
+        record.sequence,
+        record.created_at,
+        record.type,
+        open_history_data(record.data),
+        record.actor,
     )
 
 

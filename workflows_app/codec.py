@@ -109,6 +109,15 @@ def open_value(value: Any) -> Any:
     return value
 
 
+def shown_value(value: Any) -> Any:
+    """A value copied into history data as a surface may show it: decoded, or a message
+    rather than an error (a page must not fail) when it cannot be decoded."""
+    try:
+        return open_value(value)
+    except ValueError as exc:  # CodecError, or an envelope damaged in the database
+        return f"[cannot decode: {exc}]"
+
+
 def shown_text(text: str | None) -> str | None:
     """Stored text as a surface may show it: REDACTED for a sensitive output, decoded
     otherwise, and a message rather than an error when it cannot be decoded."""

@@ -12,7 +12,7 @@ from typing import Any
 from django.db import models
 from django.db.models import Q
 
-from .codec import REDACTED, is_sensitive, open_value, shown_text, unseal
+from .codec import REDACTED, is_sensitive, open_value, shown_text, shown_value, unseal
 
 
 class Status(models.TextChoices):
@@ -504,12 +504,17 @@ class HistoryRecord(models.Model):
 
     @property
     def shown_data(self) -> dict[str, Any]:
-        """The data with an event payload sealed by the payload codec decoded."""
-        return open_history_data(self.data)
+        """The data as a page shows it: an event payload sealed by the payload codec
+        decoded, or [cannot decode: …] when this process cannot (the page still renders)."""
+        data = self.data
+        if isinstance(data, dict) and isinstance(data.get("payload"), dict):
+            return {**data, "payload": shown_value(data["payload"])}
+        return data
 
 
 def open_history_data(data: Any) -> Any:
-    """History data as surfaces show it: a sealed payload (event.received) decoded."""
+    """History data as the client returns it: a sealed payload (event.received) decoded;
+    CodecError when it cannot be."""
     if isinstance(data, dict) and isinstance(data.get("payload"), dict):
         return {**data, "payload": open_value(data["payload"])}
     return data
