@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import timedelta
 from io import StringIO
 from typing import Any
 
@@ -208,6 +209,52 @@ def test_an_event_payload_the_codec_cannot_decode_shows_as_such_on_the_instance_
         assert "cannot decode" in page.content.decode()
         with pytest.raises(CodecError):  # the client says so, as documented
             get_workflow("card-reader").get("c1").history()
+
+
+@pytest.fixture
+def limit_reader(registered: list[str]) -> Any:
+    @register("limit-reader")
+    class LimitReader(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            try:
+                limit = await step.do("read limit", lambda: 500)
+            except ValueError:  # the workflow's own fallback (CodecError is a ValueError)
+                limit = 0
+            await step.wait_for_event("approval", type="approve")
+            return {"limit": limit, "params": event.payload}
+
+    return get_workflow("limit-reader")
+
+
+def test_a_value_the_codec_cannot_decode_parks_the_run_naming_it_never_a_wrong_value(
+    limit_reader,
+):
+    with testing.fake_clock() as clock:
+        replayed = limit_reader.create(id="replayed")  # plain params: its step output is sealed
+        with with_codec():
+            testing.run_until_idle()
+            started = limit_reader.create(id="started", params={"customer": "cust-plain"})
+        replayed.send_event("approve", {})  # plain: any codec reads it
+        started.send_event("approve", {})
+        # A rotation lost the key: the replay of "read limit" and the params of "started"
+        # cannot be decoded. Rechecked three times: never errored as a poison instance.
+        with with_codec("tests.codecs.OtherKeyCodec"):
+            for _ in range(3):
+                testing.run_until_idle()
+                clock.advance(timedelta(seconds=61))
+        for inst, what in (
+            (replayed, 'the output of step "read limit" of limit-reader/replayed'),
+            (started, "the params of limit-reader/started"),
+        ):
+            row = inst.row()
+            assert row.status == "waiting" and row.output_json is None, (row.status, row.output)
+            assert f"cannot decode {what}: " in row.waiting_reason
+            assert "PAYLOAD_CODEC" in row.waiting_reason
+        # The key restored, each goes on with its real values.
+        with with_codec():
+            testing.run_until_idle()
+            assert replayed.status().output == {"limit": 500, "params": None}
+            assert started.status().output == {"limit": 500, "params": {"customer": "cust-plain"}}
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,6 +32,7 @@ from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
 from . import clock, lifecycle, meters, spans, store
 from .errors import (
     ChildWorkflowFailed,
+    CodecError,
     DuplicateStepName,
     EventTimeout,
     LimitExceeded,
@@ -197,6 +198,8 @@ class Run:
             for event_type, (events, complete) in loaded.events.items()
         }
         self.seen: set[str] = set()
+        # Why this run stopped on a stored value the payload codec cannot decode (None: it did not).
+        self.undecodable: str | None = None
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
         self.op_count = 0
         self.next_seq = max([loaded.instance.step_seq, *(s.seq for s in loaded.steps.values())])
@@ -260,6 +263,26 @@ class Run:
         self.compensating = True
         self.changed.set()
 
+    @contextlib.contextmanager
+    def decoding(self, what: str) -> Iterator[None]:
+        """Reading a stored value: the run stops when the payload codec cannot decode it
+        (see cannot_decode)."""
+        try:
+            yield
+        except CodecError as exc:
+            raise self.cannot_decode(what, exc) from None
+
+    def cannot_decode(self, what: str, exc: CodecError) -> RunAborted:
+        """Stop the run on a stored value the payload codec cannot decode (a key missing
+        after a rotation, a damaged envelope). Not an error raised into run(): a workflow
+        catching ValueError went on with another value. The worker parks the instance,
+        saying which value, until the codec can decode it."""
+        self.undecodable = (
+            f"cannot decode {what} of {self.definition.name}/{self.instance_id}: {exc}"
+        )
+        self.abort(self.undecodable)
+        return RunAborted(self.undecodable)
+
     def abort(self, reason: str) -> None:
         """Stop this run now (terminate, restart, lost lease): it writes nothing more."""
         if self.abort_reason is None:
@@ -275,8 +298,13 @@ class Run:
         inst = self.instance
         if inst.status == Status.WAITING_FOR_PAUSE:
             return await self._park()  # a pause asked for while a crashed run held the lease
+        try:
+            params = inst.params
+        except CodecError as exc:
+            self.cannot_decode("the params", exc)
+            return "aborted"
         event = WorkflowEvent(
-            payload=inst.params,
+            payload=params,
             instance_id=inst.instance_id,
             timestamp=inst.created_at,
             scheduled_at=inst.scheduled_at,
@@ -391,9 +419,11 @@ class Run:
                     f'step "{record.name}" has a compensation but the replay did not reach it',
                     "CompensationMissing",
                 )
+            with self.decoding(f'the output of step "{record.name}"'):
+                output = record.output
             await step._do(
                 record.name,
-                functools.partial(fn, record.output),
+                functools.partial(fn, output),
                 None,
                 None,
                 None,
@@ -1101,7 +1131,11 @@ class Run:
                     event = inbox.events[index]
                     if sent_by is not None and event.created_at > sent_by:
                         continue
-                    if validator is None or validator.is_valid(event.payload):
+                    if validator is None:
+                        return inbox.events.pop(index)
+                    with self.decoding(f"the payload of event #{event.pk}"):
+                        payload = event.payload
+                    if validator.is_valid(payload):
                         return inbox.events.pop(index)
                 checked = len(inbox.events)
                 if inbox.exhausted:

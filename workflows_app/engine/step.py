@@ -356,7 +356,8 @@ class Step:
             run.register_compensation(name, compensate)
         if record is not None:
             if record.status == StepStatus.COMPLETE:
-                return record.output
+                with run.decoding(f'the output of step "{name}"'):
+                    return record.output
             if record.status == StepStatus.FAILED:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
@@ -632,7 +633,8 @@ class Step:
         record = run.begin_op(name, StepKind.WAIT_FOR_EVENT)
         if record is not None:
             if record.status == StepStatus.COMPLETE:
-                return _event_from_json(record.output_json)
+                with run.decoding(f'the event received by step "{name}"'):
+                    return _event_from_json(record.output_json)
             if record.status == StepStatus.FAILED:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
@@ -675,7 +677,9 @@ class Step:
                 finally:
                     spans.end_span(span, record.started_at, clock.now())
                 raise failure
-            event = Event(type=type, payload=delivered.payload, timestamp=delivered.created_at)
+            with run.decoding(f"the payload of event #{delivered.pk}"):
+                payload = delivered.payload
+            event = Event(type=type, payload=payload, timestamp=delivered.created_at)
             meters.event_received(run.definition.name, type, delivered.created_at, clock.now())
             record.status = StepStatus.COMPLETE
             record.completed_at = clock.now()
@@ -683,14 +687,14 @@ class Step:
                 encode_json(
                     {
                         "type": type,
-                        "payload": delivered.payload,
+                        "payload": payload,
                         "timestamp": delivered.created_at.isoformat(),
                     },
                     f'event received by "{name}"',
                 )
             )
             record.wake_at = None
-            shown = payload_for_history(delivered.payload, unseal(delivered.payload_json) or "null")
+            shown = payload_for_history(payload, unseal(delivered.payload_json) or "null")
             data = {"step": name, "type": type, "event_id": delivered.pk, **shown}
             history.append(History("event.received", data))
             await run.write(record, history, consume_event=delivered.pk, progress=True, behind=True)
@@ -719,7 +723,8 @@ class Step:
         record = run.begin_op(name, StepKind.INVOKE)
         if record is not None:
             if record.status == StepStatus.COMPLETE:
-                return record.output
+                with run.decoding(f'the output of step "{name}"'):
+                    return record.output
             if record.status == StepStatus.FAILED:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
@@ -837,7 +842,10 @@ class Step:
         record.completed_at = clock.now()
         record.wake_at = None
         complete = child is not None and child.status == Status.COMPLETE
-        oversized = self._too_big(child) if child is not None and complete else None
+        oversized = None
+        if child is not None and complete:
+            with run.decoding(f'the output of the child of step "{name}"'):
+                oversized = self._too_big(child)
         if complete and oversized is None:
             record.status = StepStatus.COMPLETE
             record.output_json = child.output_json or "null"

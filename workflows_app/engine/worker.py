@@ -936,6 +936,13 @@ class Worker:
             )
             self.runs[pk] = run
             outcome = await run.execute()
+            if outcome == "aborted" and run.undecodable is not None:
+                # Not errored (a key restored makes it runnable again) nor left to its lease
+                # (declared poison, blaming the workflow): parked, saying why.
+                log.warning("instance #%s: %s", pk, run.undecodable)
+                reason = f'{run.undecodable}; configure the WFDASH["PAYLOAD_CODEC"] (key) it was written with'
+                await self.db(store.park_unrunnable, pk, token, reason, "")
+                return Status.WAITING
             if (
                 outcome == "aborted"
                 and store.transient(run.abort_error)

@@ -1039,8 +1039,9 @@ def begin_compensation(pk: int, token: str, data: dict[str, Any]) -> None:
 
 
 @retry_while_locked
-def park_unrunnable(pk: int, token: str, reason: str) -> None:
-    """Park an instance this process cannot run (its version is not registered here)."""
+def park_unrunnable(pk: int, token: str, reason: str, prefix: str = VERSION_MISSING) -> None:
+    """Park an instance this process cannot run (its version is not registered here; with
+    prefix "", a stored value its payload codec cannot decode), to be looked at again later."""
     now = clock.now()
     with transaction.atomic():
         try:
@@ -1053,7 +1054,7 @@ def park_unrunnable(pk: int, token: str, reason: str) -> None:
             # Looked at again later: a live worker with the version (busy until now) takes
             # it first then; one starting with it wakes it at once (wake_registered_versions).
             wake_at=None if status == Status.WAITING_FOR_PAUSE else now + VERSION_RECHECK,
-            waiting_reason=VERSION_MISSING + reason,
+            waiting_reason=prefix + reason,
             lease_token=None,
             lease_owner="",
             lease_expires_at=None,
