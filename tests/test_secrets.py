@@ -23,7 +23,14 @@ from workflows_app.client import get_workflow
 from workflows_app.codec import REDACTED, seal, unseal
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import CodecError
-from workflows_app.models import HistoryRecord, InboxEvent, Instance, Span, StepRecord
+from workflows_app.models import (
+    BulkJob,
+    HistoryRecord,
+    InboxEvent,
+    Instance,
+    Span,
+    StepRecord,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -255,6 +262,26 @@ def test_a_value_the_codec_cannot_decode_parks_the_run_naming_it_never_a_wrong_v
             testing.run_until_idle()
             assert replayed.status().output == {"limit": 500, "params": None}
             assert started.status().output == {"limit": 500, "params": {"customer": "cust-plain"}}
+
+
+def test_a_bulk_send_event_refused_by_a_schema_keeps_its_sealed_payload_out_of_the_job_errors(
+    registered,
+):
+    @register("pin-reader")
+    class PinReader(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            schema = {"type": "object", "properties": {"pin": {"type": "integer"}}}
+            await step.wait_for_event("pin", type="pin", schema=schema)
+
+    wf = get_workflow("pin-reader")
+    with with_codec():
+        wf.create(id="p1")
+        testing.run_until_idle()
+        job = wf.bulk("send_event", event_type="pin", payload={"pin": CARD})
+        testing.run_until_idle()
+        errors = BulkJob.objects.get(pk=job.id).errors
+    assert len(errors) == 1 and errors[0].startswith("pin-reader/p1: the payload does not match")
+    assert CARD not in json.dumps(errors)
 
 
 @pytest.mark.parametrize(

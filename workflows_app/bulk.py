@@ -18,7 +18,7 @@ from django.db import DatabaseError, transaction
 
 from . import live
 from .client import InstanceHandle, count_ended_on_commit
-from .codec import open_value
+from .codec import open_value, payload_codec
 from .engine import errors, store
 from .models import BulkAction, BulkJob, Status
 
@@ -115,8 +115,19 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
             except Exception as exc:
                 if not isinstance(exc, errors.WorkflowError):
                     log.exception("bulk job #%s: %s/%s", job.pk, row.workflow, row.instance_id)
-                failures.append(f"{row.workflow}/{row.instance_id}: {exc}")
+                failures.append(f"{row.workflow}/{row.instance_id}: {failure_text(exc)}")
         return store.bulk.record_batch(job, pks, applied, skipped, failures)
+
+
+def failure_text(exc: Exception) -> str:
+    """What a job's errors (stored in clear) say of a failure: a schema's violations quote
+    the payload's values, which a payload codec keeps sealed, so then only that it failed."""
+    if isinstance(exc, errors.EventPayloadInvalid) and payload_codec() is not None:
+        return (
+            "the payload does not match the schema of the step waiting for it "
+            "(the violations quote its values, sealed by the payload codec)"
+        )
+    return str(exc)
 
 
 def process_pending() -> bool:
