@@ -34,6 +34,7 @@ from .attributes import check_attributes
 from .durations import MAX_DURATION_MS, parse_duration, parse_instant
 from .errors import (
     ChildWorkflowFailed,
+    CodecError,
     EventTimeout,
     InvalidInput,
     LimitExceeded,
@@ -356,8 +357,10 @@ class Step:
             run.register_compensation(name, compensate)
         if record is not None:
             if record.status == StepStatus.COMPLETE:
-                with run.decoding(f'the output of step "{name}"'):
+                try:  # every replayed step: no context manager made on the way
                     return record.output
+                except CodecError as exc:
+                    raise run.cannot_decode(f'the output of step "{name}"', exc) from None
             if record.status == StepStatus.FAILED:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
