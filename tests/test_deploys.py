@@ -327,3 +327,71 @@ def test_an_idle_worker_waits_out_another_version_s_grace_instead_of_polling(
         finally:
             loop_thread.loop.call_soon_threadsafe(stop.set)
             serving.result(30)
+
+
+DAPHNE_BOOT = (
+    "import sys, django; django.setup(); import tests.fleet_workflows; "
+    "from daphne.cli import CommandLineInterface; "
+    "CommandLineInterface().run(['-b', '127.0.0.1', '-p', sys.argv[1], 'wfdash.asgi:application'])"
+)
+
+
+def test_sigterm_to_daphne_releases_the_embedded_worker_s_leases(registered):
+    """The README's production command is `daphne … wfdash.asgi:application`; without
+    REDIS_URL that process runs the embedded worker too (started by the first request).
+    A deploy's SIGTERM must drain it as it drains runserver's, not strand its leases."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id="daphne-mid-step")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": database_url(),
+        "DJANGO_DEBUG": "1",
+        "WFDASH_DEMO": "0",
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "WFDASH_LEASE_SECONDS": "60",
+        "FLEET_STEP_SECONDS": "120",  # the first step outlives any drain grace
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [sys.executable, "-c", DAPHNE_BOOT, str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def first_request_answered() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                    conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    return conn.recv(12).startswith(b"HTTP/1.1")
+            except OSError:
+                return False
+
+        wait_until(first_request_answered, 60, "daphne to answer")
+        wait_until(
+            lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
+            60,
+            "the embedded worker to claim the instance",
+        )
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        row = Instance.objects.get(pk=inst.row().pk)
+        log.seek(0)
+        assert row.lease_token is None, (
+            f"daphne exited ({server.returncode}) leaving instance leased to "
+            f"{row.lease_owner} until {row.lease_expires_at}. log tail: {log.read()[-800:]}"
+        )
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()

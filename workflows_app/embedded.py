@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from django.conf import settings
 
@@ -36,8 +37,25 @@ def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Work
     _worker = Worker(hooks=EngineHooks())
     _stop = asyncio.Event()
     _task = loop.create_task(_serve(_worker, _stop))
+    drain_at_daphne_shutdown(loop)
     log.info("embedded wfdash worker %s started", _worker.worker_id)
     return _worker
+
+
+def drain_at_daphne_shutdown(loop: asyncio.AbstractEventLoop) -> None:
+    """Under daphne (its runserver or the `daphne` command), SIGTERM stops Twisted's
+    reactor, which cancels the application's connections but knows nothing of the engine:
+    have the reactor wait for the drain before it shuts down, or the runs' leases stay
+    held until they expire."""
+    if "twisted.internet.reactor" not in sys.modules:
+        return  # another ASGI server: it has no reactor to hook
+    from twisted.internet import defer, reactor
+
+    reactor.addSystemEventTrigger(
+        "before",
+        "shutdown",
+        lambda: defer.Deferred.fromFuture(loop.create_task(stop_embedded_worker())),
+    )
 
 
 async def _serve(worker: Worker, stop: asyncio.Event) -> None:

@@ -17,18 +17,11 @@ class EngineServer(Server):
         ready = kwargs.get("ready_callable")
 
         def on_ready() -> None:
-            from twisted.internet import defer, reactor
+            from workflows_app.embedded import start_embedded_worker
 
-            from workflows_app.embedded import start_embedded_worker, stop_embedded_worker
-
-            loop = asyncio.get_event_loop()  # daphne's loop; runs once the reactor starts
-            if start_embedded_worker(loop) is not None:
-                # SIGTERM stops the reactor; it waits for this before it shuts down.
-                reactor.addSystemEventTrigger(
-                    "before",
-                    "shutdown",
-                    lambda: defer.Deferred.fromFuture(loop.create_task(stop_embedded_worker())),
-                )
+            # daphne's loop; runs once the reactor starts. start_embedded_worker has the
+            # reactor drain the worker before it shuts down (SIGTERM).
+            start_embedded_worker(asyncio.get_event_loop())
             if ready:
                 ready()
 
