@@ -1,11 +1,21 @@
-"""`manage.py runworker workflows` says what it does on SIGTERM: the drain, each run's end, the exit."""
+"""`manage.py runworker workflows` says what it does on SIGTERM: the drain, each run's end,
+the exit; started before `migrate`, it says to migrate (and the embedded worker waits)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
 import pytest
+from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
+from tests.workers import ROOT, database_url
 from workflows_app.client import get_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,3 +45,93 @@ def test_sigterm_logs_the_runs_finishing_how_each_ended_and_the_exit(workers):
     # The step finished inside the grace period and its checkpoint is kept; the rest waits.
     assert [s.name for s in inst.steps() if s.status == "complete"] == ["work"]
     assert inst.row().lease_owner == ""
+
+
+@pytest.fixture
+def unmigrated_database_url(tmp_path):
+    """An empty database of the test run's kind: what a worker meets when started before
+    `manage.py migrate`."""
+    if connection.vendor == "sqlite":
+        yield f"sqlite:///{tmp_path / 'unmigrated.sqlite3'}"
+        return
+    name = f"{connection.settings_dict['NAME']}_unmigrated"
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield database_url().rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_worker_started_before_migrate_refuses_with_what_to_run(unmigrated_database_url):
+    """Not a traceback every poll interval for ever: one line saying to migrate, exit 1."""
+    env = {**os.environ, "DATABASE_URL": unmigrated_database_url, "REDIS_URL": ""}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "runworker", "workflows"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "unapplied migration" in result.stderr, result.stderr
+    assert "python manage.py migrate" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_embedded_worker_waits_for_migrate_saying_so_once(unmigrated_database_url):
+    """runserver (or daphne) on a database not migrated yet: the pages serve, the engine
+    says once what to run and starts when it has been run, with no traceback loop."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "DATABASE_URL": unmigrated_database_url,
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "WFDASH_POLL_SECONDS": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "runserver", "--noreload", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def logged() -> str:
+        log.seek(0)
+        return log.read()
+
+    try:
+        wait_until(lambda: "waits: the database has" in logged(), 60, "the worker to say it waits")
+        migrate = subprocess.run(
+            [sys.executable, "manage.py", "migrate", "-v0"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert migrate.returncode == 0, migrate.stderr
+        wait_until(lambda: "the database is migrated" in logged(), 30, "the worker to start")
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        text = logged()
+        assert text.count("waits: the database has") == 1, text
+        assert "python manage.py migrate" in text, text
+        assert "Traceback" not in text, text
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()

@@ -9,6 +9,7 @@ layer only reaches consumers in the same process and event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -16,6 +17,7 @@ from django.conf import settings
 
 from .engine.worker import Worker
 from .live import EngineHooks
+from .schema import not_migrated_message, unapplied_migrations
 
 log = logging.getLogger("workflows_app.engine")
 
@@ -60,12 +62,36 @@ def drain_at_daphne_shutdown(loop: asyncio.AbstractEventLoop) -> None:
 
 async def _serve(worker: Worker, stop: asyncio.Event) -> None:
     try:
-        await worker.serve(stop)
+        if await _migrated(worker, stop):
+            await worker.serve(stop)
     except Exception:
         # Nothing runs from now on: say so as loudly as the log allows.
         log.critical(
             "embedded wfdash worker stopped: no workflow runs in this process", exc_info=True
         )
+
+
+async def _migrated(worker: Worker, stop: asyncio.Event) -> bool:
+    """Wait for `migrate`, saying so once, instead of a traceback every poll interval;
+    False if the server stops first. The pages keep serving meanwhile."""
+    loop = asyncio.get_running_loop()
+    said = False
+    while not stop.is_set():
+        pending = await loop.run_in_executor(None, unapplied_migrations)
+        if not pending:
+            if said:
+                log.info("embedded wfdash worker %s: the database is migrated", worker.worker_id)
+            return True
+        if not said:
+            log.error(
+                "embedded wfdash worker %s waits: %s",
+                worker.worker_id,
+                not_migrated_message(pending),
+            )
+            said = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), worker.poll_seconds)
+    return False
 
 
 def embedded_worker() -> Worker | None:

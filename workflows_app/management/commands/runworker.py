@@ -20,6 +20,7 @@ from typing import Any
 from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
 from django.conf import settings
+from django.core.management.base import CommandError
 
 from workflows_app.engine.worker import Worker as EngineWorker
 from workflows_app.engine.worker import notify_local
@@ -170,3 +171,12 @@ def serve_metrics() -> Any:
 
 class Command(ChannelsRunworker):
     worker_class = EngineChannelsWorker
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if ENGINE_CHANNEL in options.get("channels", ()):
+            from workflows_app.schema import not_migrated_message, unapplied_migrations
+
+            pending = unapplied_migrations()
+            if pending:
+                raise CommandError(not_migrated_message(pending))
+        super().handle(*args, **options)
