@@ -135,3 +135,29 @@ def test_the_embedded_worker_waits_for_migrate_saying_so_once(unmigrated_databas
             server.kill()
             server.wait(10)
         log.close()
+
+
+def test_a_worker_that_cannot_reach_redis_at_start_says_so_without_the_password():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens once the socket is closed
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),  # migrated: only Redis is missing
+        "REDIS_URL": f"redis://:s3cret-pw@127.0.0.1:{closed_port}/0",
+    }
+    result = subprocess.run(
+        [sys.executable, "manage.py", "runworker", "workflows"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"cannot reach Redis (REDIS_URL) at 127.0.0.1:{closed_port}" in result.stderr, (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "s3cret-pw" not in result.stderr, result.stderr

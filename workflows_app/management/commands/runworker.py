@@ -16,6 +16,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
@@ -110,7 +111,13 @@ class EngineChannelsWorker(ChannelsWorker):
             loop.add_signal_handler(sig, on_signal, sig)
         # A private channel in the workers' group, so broadcast hints (terminate) reach us.
         private = await self.channel_layer.new_channel()
-        await join_workers_group(private)
+        try:
+            await join_workers_group(private)
+        except Exception as exc:
+            # Redis down at start: one line saying which, not redis-py's traceback.
+            raise CommandError(
+                f"cannot reach Redis (REDIS_URL) at {redis_address()}: {exc}. Start Redis or fix REDIS_URL"
+            ) from None
         listeners = [
             asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
         ]
@@ -153,6 +160,14 @@ class EngineChannelsWorker(ChannelsWorker):
         while True:
             message = await self.channel_layer.receive(channel)
             notify_local(str(message.get("kind", "wake")), message.get("pk"))
+
+
+def redis_address() -> str:
+    """REDIS_URL's host and port, never its password."""
+    parts = urlsplit(getattr(settings, "REDIS_URL", ""))
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname}:{parts.port or 6379}"
 
 
 def serve_metrics() -> Any:
