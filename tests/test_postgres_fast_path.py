@@ -194,6 +194,37 @@ def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
         listener.stop()
 
 
+def test_a_child_that_ends_tells_every_worker_its_parent_is_due(registered):
+    """The parent of a child that ended is due at once, and every worker of the fleet is
+    told at the child's commit (NOTIFY "child <parent key>"): the worker that ran the
+    child may not run the parent's version, or be full, and the others found the parent
+    only at their next poll (5 s by default)."""
+    postgres_only()
+
+    @register("notify-child")
+    class Child(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("work", lambda: 7)
+
+    @register("notify-parent")
+    class Parent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("child", "notify-child", {})
+
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        parent = get_workflow("notify-parent").create(id="told")
+        testing.run_until_idle()
+        assert parent.status().output == 7
+        pk = parent.row().pk
+        wait_until(lambda: ("child", pk) in heard, 10, "the hint of the child's end")
+    finally:
+        listener.stop()
+
+
 @needs_redis
 def test_a_hint_workers_hear_by_notify_is_not_sent_through_redis_as_well(
     registered, settings, monkeypatch

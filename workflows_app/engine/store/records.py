@@ -35,6 +35,7 @@ from .dialect import (
     sql_cursor,
     utc_text_times,
 )
+from .wakes import hint_workers
 
 # json.dumps with options builds an encoder per call: a third of encoding a small record.
 compact_json = json.JSONEncoder(separators=(",", ":")).encode
@@ -199,15 +200,18 @@ def wake_parent(parent_pk: int, parent_step: str, now: datetime) -> None:
 
     Both rows, in the child's finishing transaction: a parent parked meanwhile reads the
     step's wake time when it parks, one parked before finds its own wake_at set; any worker
-    of the fleet then claims it. A paused parent stays paused (its resume makes it due).
+    of the fleet then claims it, told at commit (PostgreSQL's NOTIFY): the worker that
+    finished the child may not run the parent's version, or be full, and the others
+    would find it only at their next poll. A paused parent stays paused (its resume makes
+    it due).
     """
     woke = StepRecord.objects.filter(
         instance_id=parent_pk, kind=StepKind.INVOKE, name=parent_step, status=StepStatus.WAITING
     ).update(wake_at=now)
-    if woke:
-        Instance.objects.filter(id=parent_pk, status__in=(Status.WAITING, Status.RUNNING)).update(
-            wake_at=now
-        )
+    if woke and Instance.objects.filter(
+        id=parent_pk, status__in=(Status.WAITING, Status.RUNNING)
+    ).update(wake_at=now):
+        hint_workers("child", [parent_pk])
 
 
 def locked_instance(name: str, instance_id: str) -> Instance:
