@@ -162,14 +162,13 @@ EMBEDDED_BOOT = (
 )
 
 
-def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
-    """`manage.py runserver` runs the embedded worker (SPEC 4). A deploy/restart sends it
-    SIGTERM. runworker drains (Worker.stop: park at the boundary or release the lease);
-    the embedded worker is never stopped (embedded.py has no shutdown path, daphne only
-    cancels its connections' application instances), so the instance it was running stays
-    leased until the lease runs out, and the takeover counts toward the poison limit."""
+def sigterm_leaves_no_lease(command: str, boot: list[str], instance_id: str) -> None:
+    """Start `boot` (a server process whose embedded worker takes a fleet instance in a
+    step that outlives any drain grace), SIGTERM it once the instance is leased, and
+    assert the process released the lease on its way out. `command` names it in messages;
+    the boot's last argument is filled with a free port."""
     fleet_workflows.ensure_ledger()
-    inst = get_workflow("fleet").create(id="embedded-mid-step")
+    inst = get_workflow("fleet").create(id=instance_id)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -187,7 +186,7 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
     }
     log = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen(
-        [sys.executable, "-c", EMBEDDED_BOOT, f"127.0.0.1:{port}"],
+        [sys.executable, "-c", *boot[:-1], boot[-1].format(port=port)],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -195,6 +194,16 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
         text=True,
     )
     try:
+
+        def first_request_answered() -> bool:  # daphne starts its embedded worker then
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                    conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    return conn.recv(12).startswith(b"HTTP/1.1")
+            except OSError:
+                return False
+
+        wait_until(first_request_answered, 60, f"{command} to answer")
         wait_until(
             lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
             60,
@@ -205,7 +214,7 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
         row = Instance.objects.get(pk=inst.row().pk)
         log.seek(0)
         assert row.lease_token is None, (
-            f"runserver exited ({server.returncode}) leaving instance leased to "
+            f"{command} exited ({server.returncode}) leaving instance leased to "
             f"{row.lease_owner} until {row.lease_expires_at}: the next process waits out "
             f"the lease. log tail: {log.read()[-800:]}"
         )
@@ -214,6 +223,15 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
             server.kill()
             server.wait(10)
         log.close()
+
+
+def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
+    """`manage.py runserver` runs the embedded worker (SPEC 4). A deploy/restart sends it
+    SIGTERM. runworker drains (Worker.stop: park at the boundary or release the lease);
+    the embedded worker is never stopped (embedded.py has no shutdown path, daphne only
+    cancels its connections' application instances), so the instance it was running stays
+    leased until the lease runs out, and the takeover counts toward the poison limit."""
+    sigterm_leaves_no_lease("runserver", [EMBEDDED_BOOT, "127.0.0.1:{port}"], "embedded-mid-step")
 
 
 # --- a rolling deploy: old and new workers side by side --------------------------------------
@@ -340,58 +358,4 @@ def test_sigterm_to_daphne_releases_the_embedded_worker_s_leases(registered):
     """The README's production command is `daphne … wfdash.asgi:application`; without
     REDIS_URL that process runs the embedded worker too (started by the first request).
     A deploy's SIGTERM must drain it as it drains runserver's, not strand its leases."""
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("fleet").create(id="daphne-mid-step")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-        "DATABASE_URL": database_url(),
-        "DJANGO_DEBUG": "1",
-        "WFDASH_DEMO": "0",
-        "REDIS_URL": "",
-        "WFDASH_EMBEDDED_WORKER": "1",
-        "WFDASH_LEASE_SECONDS": "60",
-        "FLEET_STEP_SECONDS": "120",  # the first step outlives any drain grace
-        "PYTHONUNBUFFERED": "1",
-    }
-    log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen(
-        [sys.executable, "-c", DAPHNE_BOOT, str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-
-        def first_request_answered() -> bool:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-                    conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                    return conn.recv(12).startswith(b"HTTP/1.1")
-            except OSError:
-                return False
-
-        wait_until(first_request_answered, 60, "daphne to answer")
-        wait_until(
-            lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
-            60,
-            "the embedded worker to claim the instance",
-        )
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
-        row = Instance.objects.get(pk=inst.row().pk)
-        log.seek(0)
-        assert row.lease_token is None, (
-            f"daphne exited ({server.returncode}) leaving instance leased to "
-            f"{row.lease_owner} until {row.lease_expires_at}. log tail: {log.read()[-800:]}"
-        )
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
-        log.close()
+    sigterm_leaves_no_lease("daphne", [DAPHNE_BOOT, "{port}"], "daphne-mid-step")
