@@ -107,12 +107,15 @@ def test_an_error_the_engine_raises_around_the_task_is_named_by_an_importable_pa
     assert error.exception_class is StepOutputError
 
 
+# A backend whose OPTIONS retry a failed task once, a minute later.
+RETRY_ONCE = {
+    "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+    "OPTIONS": {"retries": {"limit": 1, "delay": "1 minute"}},
+}
+
+
 def test_each_attempt_counts_when_options_retry_the_task(tasks):
-    backend = {
-        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
-        "OPTIONS": {"retries": {"limit": 1, "delay": "1 minute"}},
-    }
-    with override_settings(TASKS={"default": backend}), testing.fake_clock(START) as clock:
+    with override_settings(TASKS={"default": RETRY_ONCE}), testing.fake_clock(START) as clock:
         result = tasks.fail_first_attempt.enqueue()
         testing.run_until_idle()
         clock.advance("1 minute")
@@ -124,11 +127,7 @@ def test_each_attempt_counts_when_options_retry_the_task(tasks):
 
 
 def test_a_task_waiting_for_its_retry_is_ready_again(tasks):
-    backend = {
-        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
-        "OPTIONS": {"retries": {"limit": 1, "delay": "1 minute"}},
-    }
-    with override_settings(TASKS={"default": backend}), testing.fake_clock(START) as clock:
+    with override_settings(TASKS={"default": RETRY_ONCE}), testing.fake_clock(START) as clock:
         result = tasks.fail_first_attempt.enqueue()
         testing.run_until_idle()
         waiting = tasks.fail_first_attempt.get_result(result.id)
