@@ -137,3 +137,27 @@ def test_creates_racing_in_several_connections_start_limit_and_log_each_start_on
         assert rows.count() == sessions * each
         assert rows.filter(status="running").count() == 5
         assert RateLimitStart.objects.filter(workflow="rated-race").count() == 5
+
+
+def test_restarting_a_live_instance_is_a_start_and_waits_for_the_window(registered):
+    """A live instance's restart kept its place and ran again at once, counted nowhere:
+    restarts of waiting instances started any number per period."""
+    register_gated("rated-live-restart", rate_limit={"limit": 2, "period": "1 hour"})
+    wf = get_workflow("rated-live-restart")
+    with testing.fake_clock() as clock:
+        live = wf.create(id="live")
+        testing.run_until_idle()
+        assert live.status().status == "waiting"
+        assert live.restart() == "running"  # the second start of the hour
+        assert RateLimitStart.objects.filter(workflow="rated-live-restart").count() == 2
+        testing.run_until_idle()
+        assert live.restart() == "queued"  # a third start waits for the window
+        status = live.status()
+        assert status.status == "queued"
+        assert status.waiting_reason.startswith("rate_limit (2 per 1 hour) reached")
+        other = wf.create(id="other")
+        assert other.status().status == "queued"
+        clock.advance("1 hour")  # both starts leave the window
+        testing.run_until_idle()
+        assert statuses([live, other]) == ["waiting", "waiting"]
+        finish([live, other])

@@ -147,6 +147,19 @@ def _log_starts(name: str, count: int, now: datetime, window: timedelta) -> None
         )
 
 
+def _take_rate_start(name: str, limits: Limits, now: datetime) -> bool:
+    """Log one start of a rate-limited workflow now if its window has one left (under
+    its admission lock): an instance that holds its place starts again (a restart)."""
+    rate = limits.rate_limit
+    assert rate is not None
+    window = timedelta(milliseconds=rate.period_ms)
+    started, _ = _starts_since(name, now - window)
+    if started >= rate.limit:
+        return False
+    _log_starts(name, 1, now, window)
+    return True
+
+
 # --- admission ------------------------------------------------------------------------
 #
 # A queued instance starts when every bound allows it: max_concurrent_instances,
@@ -1239,6 +1252,11 @@ def _restart_locked(
     steps.delete()
     # One that held a place keeps it; any other goes through admission with the queue.
     keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
+    if keeps_place and limits.rate_limit is not None:
+        # Running again is a start the rate limit counts, as a finished one's restart is:
+        # it keeps its place if the window has a start left, else waits in the queue.
+        lock_workflow(name)
+        keeps_place = _take_rate_start(name, limits, now)
     Instance.objects.filter(id=inst.pk).update(
         status=Status.RUNNING if keeps_place else Status.QUEUED,
         wake_at=now if keeps_place else None,
