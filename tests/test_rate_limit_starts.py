@@ -161,3 +161,39 @@ def test_restarting_a_live_instance_is_a_start_and_waits_for_the_window(register
         testing.run_until_idle()
         assert statuses([live, other]) == ["waiting", "waiting"]
         finish([live, other])
+
+
+def test_starts_from_before_the_log_existed_count_in_the_first_window(registered):
+    """An upgrade to the start log found it empty: the instances that started in the
+    window before it counted for nothing, and `limit` more started at once."""
+    register_gated("rated-upgrade", rate_limit={"limit": 2, "period": "1 hour"})
+    wf = get_workflow("rated-upgrade")
+    with testing.fake_clock() as clock:
+        before = [wf.create(id="a"), wf.create(id="b")]
+        testing.run_until_idle()
+        RateLimitStart.objects.all().delete()  # as they were before the log existed
+        clock.advance("30 minutes")
+        after = wf.create(id="c")
+        status = after.status()
+        assert status.status == "queued"
+        assert status.waiting_reason.startswith("rate_limit (2 per 1 hour) reached")
+        clock.advance("30 minutes")  # a and b leave the window
+        testing.run_until_idle()
+        assert after.status().status == "waiting"
+        finish([*before, after])
+
+
+def test_an_empty_start_log_is_seeded_once_and_counts_no_start_outside_the_window(registered):
+    register_gated("rated-seed", rate_limit={"limit": 1, "period": "1 minute"})
+    wf = get_workflow("rated-seed")
+    with testing.fake_clock() as clock:
+        old = wf.create(id="old")
+        finish([old])
+        RateLimitStart.objects.all().delete()
+        clock.advance("2 minutes")  # its start is out of the window: nothing holds back
+        new = wf.create(id="new")
+        testing.run_until_idle()
+        assert new.status().status == "waiting"
+        # Only the new start is left once admission dropped what the window does not hold.
+        assert list(RateLimitStart.objects.values_list("started_at", flat=True)) == [clock.now()]
+        finish([new])

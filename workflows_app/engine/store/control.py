@@ -120,15 +120,46 @@ def _free_slots(name: str, limits: Limits) -> int | None:
 
 def _starts_since(name: str, since: datetime) -> tuple[int, datetime | None]:
     """How many starts of a rate-limited workflow its log holds after `since`, and the
-    first of them (RateLimitStart: instance rows lose starts to deletes and restarts)."""
+    first of them (RateLimitStart: instance rows lose starts to deletes and restarts).
+
+    A workflow whose log has no row at all (its instances started before the log
+    existed, or it had no rate_limit until now) gets its log seeded first (under the
+    admission lock) with the starts its instances' started_at show in the window, the
+    count admission made before the log: an empty log let up to `limit` more start in
+    the first period after the upgrade."""
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT count(*), MIN(started_at) FROM {RATE_START_TABLE} "
-            "WHERE workflow = %s AND started_at > %s",
-            [name, db_time(since)],
+        count_sql = (
+            f"SELECT count(*), MIN(started_at), (SELECT 1 FROM {RATE_START_TABLE} "
+            "WHERE workflow = %s LIMIT 1) "
+            f"FROM {RATE_START_TABLE} WHERE workflow = %s AND started_at > %s"
         )
-        count, first = cursor.fetchone()
+        params = [name, name, db_time(since)]
+        cursor.execute(count_sql, params)
+        count, first, logged = cursor.fetchone()
+        if logged is None:
+            _seed_start_log(cursor, name, since)
+            cursor.execute(count_sql, params)
+            count, first, _ = cursor.fetchone()
     return count, from_db_time(first)
+
+
+def _seed_start_log(cursor: Any, name: str, since: datetime) -> None:
+    """The window's starts of a workflow whose log is empty, from its instances, and a
+    row at `since` itself, which no later window of the same period counts (a window
+    counts after its `since`, which only grows): the log is never empty again, and this
+    scan of the workflow's instances is not repeated at every admission while nothing
+    starts. (A period made longer may count that row once: a start held back, never one
+    let through.)"""
+    cursor.execute(
+        f"INSERT INTO {RATE_START_TABLE} (workflow, started_at) "
+        f"SELECT workflow, started_at FROM {INSTANCE_TABLE} "
+        "WHERE workflow = %s AND started_at > %s",
+        [name, db_time(since)],
+    )
+    cursor.execute(
+        f"INSERT INTO {RATE_START_TABLE} (workflow, started_at) VALUES (%s, %s)",
+        [name, db_time(since)],
+    )
 
 
 def _log_starts(name: str, count: int, now: datetime, window: timedelta) -> None:
