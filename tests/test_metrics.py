@@ -405,3 +405,32 @@ def test_a_step_whose_result_cannot_be_stored_is_an_attempt_that_failed(register
     name, wf = "wfdash_step_duration_seconds_count", {"workflow": "metric-unstorable"}
     assert sample(after, name, **wf, outcome="error") - sample(before, name, **wf) == 1
     assert sample(after, name, **wf, outcome="ok") == 0
+
+
+def test_a_restarted_instance_is_counted_as_started_again_as_it_is_as_finished(shop):
+    """A restart of a finished instance counted its second end but not its second start:
+    started − finished went below zero. A live instance's restart counts neither (its
+    first run never ended)."""
+    before = scrape()
+    done = shop.create(id="m-again", params={})
+    live = shop.create(id="m-live", params={})
+    testing.run_until_idle()
+    done.send_event("shipped", {})
+    testing.run_until_idle()
+    assert done.status().status == "complete"
+    done.restart()
+    live.restart()
+    testing.run_until_idle()
+    done.send_event("shipped", {})
+    live.send_event("shipped", {})
+    testing.run_until_idle()
+    assert done.status().status == live.status().status == "complete"
+    after = scrape()
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    wf = {"workflow": "metric-shop"}
+    assert delta("wfdash_instances_finished_total", **wf, status="complete") == 3
+    assert delta("wfdash_instances_started_total", **wf) == 3
+    assert delta("wfdash_queue_wait_seconds_count", **wf) == 2  # a restart has no create

@@ -114,6 +114,13 @@ def instance_started(workflow: str, created_at: datetime, started_at: datetime |
         instruments["queue_wait"].record(waited, {"workflow": workflow})
 
 
+def instance_restarted(workflow: str) -> None:
+    """A finished instance runs again: a start of its own, as its end is counted again
+    (no queue wait: no create began it). A live one's restart is not: it never ended."""
+    _instruments()
+    _started.add(workflow)
+
+
 def instance_finished(workflow: str, status: str) -> None:
     _instruments()  # the counters exist once anything is counted
     _finished.add(workflow, str(status))

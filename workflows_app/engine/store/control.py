@@ -1322,6 +1322,11 @@ def _restart_locked(
         ],
         now,
     )
+    if inst.status in lifecycle.FINISHED and inst.run_count > 0:
+        # Its end was counted and it will be counted as ending again: its start is counted
+        # now (at its first claim, run_count 1, before), as an operator's terminate is
+        # counted where it is made. One that never ran is counted at its first claim.
+        transaction.on_commit(functools.partial(meters.instance_restarted, name))
     if not keeps_place:
         lock_workflow(name)
     admitted = keeps_place or inst.pk in promote_queued(name, limits, now, created={inst.pk})
