@@ -359,3 +359,51 @@ def test_sigterm_to_daphne_releases_the_embedded_worker_s_leases(registered):
     REDIS_URL that process runs the embedded worker too (started by the first request).
     A deploy's SIGTERM must drain it as it drains runserver's, not strand its leases."""
     sigterm_leaves_no_lease("daphne", [DAPHNE_BOOT, "{port}"], "daphne-mid-step")
+
+
+# --- a rollout that drops a flow limit -------------------------------------------------------
+
+
+def define_limited(limited: bool) -> None:
+    """deploy-limit v1 as the previous release declares it (at most one at a time), or v1
+    and v2 as the new release does: v2 dropped the limit, the workflow's flow limits are
+    its newest version's."""
+
+    @register("deploy-limit", version=1, limits={"max_concurrent_instances": 1})
+    class LimitV1(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("go", type="go", timeout="1 day")).payload
+
+    if not limited:
+
+        @register("deploy-limit", version=2)
+        class LimitV2(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return (await step.wait_for_event("go", type="go", timeout="1 day")).payload
+
+
+def test_what_the_previous_release_queued_under_a_limit_the_new_one_dropped_starts(
+    registered, loop_thread
+):
+    """The new release dropped max_concurrent_instances; a web process of the previous
+    release, still serving, queued a create behind an instance holding its one place,
+    after the new worker had started. Under no flow control the new worker admitted at no
+    end and at no admission time: the instance stayed queued until a worker restarted."""
+    define_limited(True)  # the previous release's process
+    new = new_worker(concurrency=4)
+    with testing.fake_clock():
+        loop_thread.call(new.start())
+        try:
+            workflow = get_workflow("deploy-limit")
+            holder = workflow.create(id="holder")
+            behind = workflow.create(id="queued-by-old-web")
+            assert behind.row().status == "queued"
+            define_limited(False)  # the new release, in the new worker's process
+            run_as(loop_thread, new)
+            assert behind.row().status == "waiting"  # started: waiting for its event
+            holder.send_event("go", 1)
+            behind.send_event("go", 2)
+            run_as(loop_thread, new)
+            assert (holder.status().output, behind.status().output) == (1, 2)
+        finally:
+            loop_thread.call(new.stop(grace_seconds=0))

@@ -456,6 +456,7 @@ class Worker:
         self._flushing: asyncio.Future[None] | None = None  # see flush_in_background
         self._flush_again = False
         self._next_maintain = 0.0  # time.monotonic() of the next look for background work
+        self._next_stranded = 0.0  # time.monotonic() of the next look at unlimited queues
         # time.monotonic() of the next look at the tables' growth (SQLite keeps no plans).
         self._next_plan_check = 0.0 if connection.vendor == "postgresql" else float("inf")
         # Finished instances past their retention are deleted this often (engine clock; 0: only
@@ -793,6 +794,21 @@ class Worker:
         self._next_maintain = now if did else now + self.poll_seconds
         return did
 
+    async def admit_stranded_once(self, force: bool = False) -> int:
+        """At most every poll interval: start what a process of another release queued
+        under a limit this release dropped (store.promote_stranded_queues); returns how
+        many started."""
+        now = time.monotonic()
+        if self._stopping or (not force and now < self._next_stranded):
+            return 0
+        self._next_stranded = now + self.poll_seconds
+        assert self.db is not None
+        try:
+            return int(await self.db(store.promote_stranded_queues, self._admission_limits()))
+        except DatabaseError:  # not this loop pass's claim: it goes on, and tries next time
+            log.warning("worker %s: could not look at the unlimited queues", self.worker_id)
+            return 0
+
     async def refresh_plans_once(self) -> None:
         """At most every PLAN_CHECK_SECONDS: analyze a hot table that outgrew the plans
         kept for it (store.plans), while the growth is under way, not a minute later."""
@@ -1021,6 +1037,8 @@ class Worker:
                     started = await self.claim_and_start()
                     await self.refresh_plans_once()
                     await self.keep_catalog_once()
+                    if await self.admit_stranded_once():
+                        continue  # they are due now: claimed by the next pass
                     full = self._full = self.free_slots() <= 0
                     # Claim again at once only if the claim was cut short by the free places
                     # while places remain (more is due than it took).
@@ -1104,6 +1122,8 @@ class Worker:
                 runs += started
                 if await self.maintain_once(force=True):
                     continue  # a bulk batch may have made instances runnable
+                if await self.admit_stranded_once(force=True):
+                    continue
                 if not self.tasks:
                     # The runs all ended while the claim or maintain_once was out: their
                     # places are free, and their ends may have made others due. Idle only

@@ -1009,6 +1009,31 @@ def promote_all_queued(workflows: Sequence[tuple[str, Limits]]) -> int:
     return total
 
 
+@retry_while_locked
+def promote_stranded_queues(workflows: Sequence[tuple[str, Limits]]) -> int:
+    """Start the queued instances of the workflows these limits put under no flow control.
+
+    A process of the previous release, whose code still has a limit the new code dropped,
+    queues the creates it takes and starts its queue at its own runs' ends. Under no flow
+    control here, nothing in this process admits (an end promotes only under flow
+    control, admit_due only instances with an admit_at), so what it queued after this
+    worker started waited for the next worker start. One read of the queue index."""
+    names = [name for name, limits in workflows if not limits.flow_controlled]
+    if not names:
+        return 0
+    stranded = set(
+        _queued_in(names).order_by().values_list("workflow", flat=True).distinct()[: len(names)]
+    )
+    return promote_all_queued([(name, limits) for name, limits in workflows if name in stranded])
+
+
+def _queued_in(names: Sequence[str]) -> Any:
+    """Queued for a place, not for a time (admit_due starts those: a debounce, a rate window)."""
+    return Instance.objects.filter(
+        workflow__in=list(names), status=Status.QUEUED, admit_at__isnull=True
+    )
+
+
 def get_instance(name: str, instance_id: str) -> Instance:
     try:
         return Instance.objects.get(workflow=name, instance_id=instance_id)
