@@ -208,8 +208,14 @@ class WorkflowBinding:
         return self._create(items, actor, version)
 
     def _create(
-        self, items: Sequence[dict[str, Any]], actor: Any, version: int | None
+        self,
+        items: Sequence[dict[str, Any]],
+        actor: Any,
+        version: int | None,
+        queue: str | None = None,
     ) -> list[InstanceHandle]:
+        """queue: a Django task's queue_name (workflows_app.tasks): the instances' queue,
+        which workers started for some queues only claim by."""
         definition = self.definition(version)
         limits = definition.limits()
         new: list[NewInstance] = []
@@ -253,6 +259,7 @@ class WorkflowBinding:
                         item.get("attributes"), f"attributes of instance {instance_id!r}"
                     ),
                     **flow_control(item, limits),
+                    queue=queue,
                 )
             )
         created = store.create_instances(

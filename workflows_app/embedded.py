@@ -15,7 +15,7 @@ import sys
 
 from django.conf import settings
 
-from .engine.worker import Worker
+from .engine.worker import Worker, worker_queues
 from .live import EngineHooks
 from .schema import not_migrated_message, unapplied_migrations
 
@@ -30,13 +30,30 @@ def embedded_enabled() -> bool:
     return bool(getattr(settings, "WFDASH", {}).get("EMBEDDED_WORKER", False))
 
 
+def embedded_queues() -> tuple[str, ...] | None:
+    """WFDASH["EMBEDDED_WORKER_QUEUES"]: the Django task queues the embedded worker runs
+    (then nothing else; default: everything). ValueError naming the setting when malformed."""
+    setting = 'WFDASH["EMBEDDED_WORKER_QUEUES"]'
+    queues = worker_queues(getattr(settings, "WFDASH", {}).get("EMBEDDED_WORKER_QUEUES"), setting)
+    if queues is not None:
+        with contextlib.suppress(ImportError):  # no tasks framework: nothing to check against
+            from .tasks import unknown_queues
+
+            unknown = unknown_queues(queues)
+            if unknown:
+                log.warning(
+                    "%s: no task backend in TASKS has the queue(s) %s", setting, ", ".join(unknown)
+                )
+    return queues
+
+
 def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:
     """Start the engine in `loop` (default: the running loop) once per process."""
     global _worker, _task, _stop
     if _worker is not None or not embedded_enabled():
         return _worker
     loop = loop or asyncio.get_running_loop()
-    _worker = Worker(hooks=EngineHooks())
+    _worker = Worker(hooks=EngineHooks(), queues=embedded_queues())
     _stop = asyncio.Event()
     _task = loop.create_task(_serve(_worker, _stop))
     drain_at_daphne_shutdown(loop)

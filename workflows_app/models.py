@@ -129,6 +129,9 @@ class Instance(models.Model):
     # Search attributes (str/int/float/bool values) as given, never NULL; the list's
     # exact-match filters read their mirror, InstanceAttribute (one indexed row per key).
     attributes = models.JSONField(default=dict, blank=True)
+    # A Django task's queue_name (NULL for every other instance): a worker started for some
+    # queues only (runworker --queues) claims the instances of those queues only.
+    queue = models.CharField(max_length=100, null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -161,6 +164,13 @@ class Instance(models.Model):
             # claim_runnable: WHERE wake_at <= now AND lease free ORDER BY wake_at
             models.Index(
                 fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)
+            ),
+            # a worker of some queues only: WHERE queue = ? AND wake_at <= now ORDER BY
+            # wake_at (tasks only; other instances, queue NULL, are not in it)
+            models.Index(
+                fields=["queue", "wake_at"],
+                name="instance_queue_runnable",
+                condition=Q(queue__isnull=False, wake_at__isnull=False),
             ),
             # heartbeat: WHERE lease_token IN (the worker's tokens); only leased rows are in it
             models.Index(

@@ -19,6 +19,7 @@ import builtins
 import dataclasses
 import json
 import traceback
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -70,6 +71,7 @@ WAIT = "run_after"  # the sleep before it, when the task was enqueued with run_a
 # Django's priorities run from -100 to 100 (higher first, default 0); wfdash's from 0 to 9
 # (lower first, default 5): 0 maps to 5, 100 to 0, -100 to 9.
 DJANGO_TO_WFDASH_PRIORITY_STEP = 20
+MAX_QUEUE_NAME = Instance._meta.get_field("queue").max_length
 
 
 def workflow_name(task: Task) -> str:
@@ -193,6 +195,20 @@ def resolve_task_workflow(name: str) -> None:
 registry.add_resolver(resolve_task_workflow, PREFIX)
 
 
+def unknown_queues(queues: Iterable[str]) -> list[str]:
+    """Queues no WorkflowTaskBackend in TASKS lets a task be enqueued on (each backend's
+    QUEUES; one whose QUEUES is empty takes any name): a worker started for them only
+    would wait for nothing."""
+    known: set[str] = set()
+    for backend in task_backends.all():
+        if not isinstance(backend, WorkflowTaskBackend):
+            continue
+        if not backend.queues:
+            return []
+        known |= set(backend.queues)
+    return [queue for queue in queues if queue not in known]
+
+
 def options_problems(options: Any) -> list[str]:
     """What is wrong with a backend's OPTIONS: found by `manage.py check` at start-up,
     where otherwise every task would fail in the worker with a traceback."""
@@ -261,6 +277,11 @@ class WorkflowTaskBackend(BaseTaskBackend):
             json.dumps(payload, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidTask(f"Task arguments must be JSON-serialisable: {exc}") from None
+        if not isinstance(task.queue_name, str) or not 0 < len(task.queue_name) <= MAX_QUEUE_NAME:
+            raise InvalidTask(
+                f"queue_name must be a string of 1-{MAX_QUEUE_NAME} characters, "
+                f"got {task.queue_name!r}"
+            )
         binding = get_workflow(workflow_name(task))
         if task.run_after is not None:
             max_sleep = binding.definition().limits().max_sleep
@@ -275,8 +296,11 @@ class WorkflowTaskBackend(BaseTaskBackend):
             queue_name=task.queue_name,
             backend=self.alias,
         )
-        handle = binding.create(
-            params=payload, actor="django.tasks", priority=wfdash_priority(task.priority)
+        [handle] = binding._create(
+            [{"params": payload, "priority": wfdash_priority(task.priority)}],
+            "django.tasks",
+            None,
+            queue=task.queue_name,
         )
         result = self._result(task, handle.row(refresh=False), None, [])
         task_enqueued.send(type(self), task_result=result)

@@ -36,10 +36,11 @@ from .models import Instance, Status, StepKind, StepRecord, StepStatus
 _MISSING = object()
 
 
-async def arun_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
-    """Run the engine in this process until no instance is runnable now; returns runs made."""
+async def arun_until_idle(timeout: float = 10, concurrency: int = 50, queues: Any = None) -> int:
+    """Run the engine in this process until no instance is runnable now; returns runs made.
+    queues: as a worker started for those Django task queues only (`runworker --queues`)."""
     hooks = _AttemptsSeen()
-    worker = Worker(worker_id="testing", concurrency=concurrency, hooks=hooks)
+    worker = Worker(worker_id="testing", concurrency=concurrency, hooks=hooks, queues=queues)
     await worker.start()
     try:
         return await worker.run_until_idle(timeout)
@@ -90,11 +91,11 @@ class _AttemptsSeen(EngineHooks):
         return "; ".join(sorted(going)) or "nothing (its last runs were ending)"
 
 
-def run_until_idle(timeout: float = 10, concurrency: int = 50) -> int:
+def run_until_idle(timeout: float = 10, concurrency: int = 50, queues: Any = None) -> int:
     """Sync twin of arun_until_idle (for tests without a running event loop)."""
     _refuse_in_a_coroutine("run_until_idle", "await testing.arun_until_idle()")
     _refuse_inside_a_transaction("run_until_idle")
-    return asyncio.run(arun_until_idle(timeout, concurrency))
+    return asyncio.run(arun_until_idle(timeout, concurrency, queues))
 
 
 def _refuse_in_a_coroutine(helper: str, instead: str) -> None:

@@ -420,6 +420,22 @@ def tune_garbage_collector() -> None:
         gc.set_threshold(GC_FIRST_GENERATION, *older)
 
 
+def worker_queues(value: Any, source: str) -> tuple[str, ...] | None:
+    """The task queues a worker is started for (a list, or names separated by commas),
+    None for every queue. ValueError, naming `source`, for anything else."""
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"{source}: expected queue names (a list, or separated by commas), got {value!r}"
+        )
+    queues = tuple(dict.fromkeys(n.strip() for n in names))
+    if not queues or "" in queues:
+        raise ValueError(f"{source}: a queue name is empty in {value!r}")
+    return queues
+
+
 def db_threads_default() -> int:
     # SQLite has one writer at a time: one thread avoids lock contention altogether.
     return 1 if connection.vendor == "sqlite" else 4
@@ -435,8 +451,12 @@ class Worker:
         poll_seconds: float | None = None,
         db_threads: int | None = None,
         hooks: Any = None,
+        queues: Any = None,
     ) -> None:
+        """queues: the Django task queues this worker runs (names, or a string of them
+        separated by commas); it then runs no other instance. None: every instance."""
         conf = engine_settings()
+        self.queues = worker_queues(queues, "queues")
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.concurrency = concurrency or int(conf.get("WORKER_CONCURRENCY", 200))
         self.lease_seconds = lease_seconds or float(conf.get("LEASE_SECONDS", 30))
@@ -714,7 +734,7 @@ class Worker:
         versions = {(d.name, d.version) for d in registry.all_definitions()}
         names = sorted({name for name, _ in versions}) if look and not due else []
         result = store.claim_and_load(
-            self.worker_id, free, self.lease_seconds, exclude, versions, names
+            self.worker_id, free, self.lease_seconds, exclude, versions, names, self.queues
         )
         if names:
             self.next_admission_at = result.first_admit_at
@@ -728,7 +748,7 @@ class Worker:
             # Everything due is claimed. With one database thread (SQLite) the next timer
             # is looked up in this trip: a trip of its own would queue ahead of the runs
             # just claimed. With several, it goes beside them (serve).
-            self.next_timer = store.next_wake_at()
+            self.next_timer = self._next_wake_at()
             self.next_timer_known = True
         return claimed
 
@@ -1050,7 +1070,7 @@ class Worker:
                         due = (
                             self.next_timer
                             if self.next_timer_known
-                            else await self.db(store.next_wake_at)
+                            else await self.db(self._next_wake_at)
                         )
                         admission = self.next_admission_at  # a debounce ends, a rate window opens
                         if admission is not None and (due is None or admission < due):
@@ -1083,13 +1103,19 @@ class Worker:
             if listener is not None:
                 await asyncio.get_running_loop().run_in_executor(None, listener.stop)
 
+    def _next_wake_at(self) -> datetime | None:
+        """The next timer this worker could claim (of its queues, when started for some)."""
+        if self.queues is None:
+            return store.next_wake_at()
+        return store.next_wake_at(self.queues)
+
     async def _contended_wait(self) -> float:
         """Seconds to wait when a timer is due but the claim took nothing. Another worker
         committing its claim: look again soon rather than spin on the same answer. Only
         another version's instances due, in their grace: wait until it ends."""
         versions = [(d.name, d.version) for d in registry.all_definitions()]
         try:
-            claimable = await self.db(store.next_claimable_at, versions)
+            claimable = await self.db(store.next_claimable_at, versions, self.queues)
         except DatabaseError:
             log.warning("could not read the next claimable time", exc_info=True)
             claimable = None

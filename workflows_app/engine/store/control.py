@@ -799,6 +799,7 @@ def _new_row(
         parent_id=item.parent_pk,
         parent_step=item.parent_step,
         parent_span=item.parent_span,
+        queue=item.queue,
     )
     return new_model_object(Instance, given)
 

@@ -139,6 +139,7 @@ def claim_and_load(
     exclude: Iterable[int] = (),
     versions: Collection[tuple[str, int]] | None = None,
     admission: Sequence[str] = (),
+    queues: Sequence[str] | None = None,
 ) -> Claimed:
     """claim_runnable, then load_runs of what was claimed: one trip to the database thread.
     On PostgreSQL the next timer (next_wake_at) is read in the same round trip.
@@ -147,13 +148,15 @@ def claim_and_load(
     sleeps of those only (None: of every instance). Another is parked with a reason, and
     the worker that runs it later ends its sleep and reports it (its span).
     admission: workflows whose queues' first admit_at to read in the same trip (when
-    admit_due is due next; PostgreSQL reads it in the claim's round trip)."""
+    admit_due is due next; PostgreSQL reads it in the claim's round trip).
+    queues: the task queues of a worker started for some only (Instance.queue): it claims
+    their instances only, and its next timer is theirs (None: every instance)."""
     if writes_in_one_statement():
         return _claim_and_load_pipelined(
-            worker_id, limit, lease_seconds, exclude, versions, admission
+            worker_id, limit, lease_seconds, exclude, versions, admission, queues
         )
     first_admit_at = first_admit(admission) if admission else None
-    rows = _claim(worker_id, limit, lease_seconds, exclude, versions)
+    rows = _claim(worker_id, limit, lease_seconds, exclude, versions, queues)
     if not rows:
         return Claimed([], first_admit_at=first_admit_at)
     claimed = [(pk, token) for pk, token, _ in rows]
@@ -199,12 +202,15 @@ def _claim(
     lease_seconds: float,
     exclude: Iterable[int],
     versions: Collection[tuple[str, int]] | None = None,
+    queues: Sequence[str] | None = None,
 ) -> list[tuple[int, str, list[str]]]:
     """claim_runnable, with the names of the sleeps each claim ended (see claim_and_load)."""
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
-        return _claim_at_once(_claim_params(worker_id, limit, now, lease_until, exclude, versions))
+        return _claim_at_once(
+            _claim_params(worker_id, limit, now, lease_until, exclude, versions, queues)
+        )
     mine = _versions_json(versions)
     due = [
         db_time(now),
@@ -215,16 +221,19 @@ def _claim(
         mine,
         json.dumps(registry.resolved_prefixes()),
     ]
+    where = RUNNABLE_WHERE
+    if queues is not None:
+        where, due = RUNNABLE_IN_QUEUES_WHERE, [*due, json.dumps(list(queues))]
     # Look before taking the write lock (SQLite takes it at BEGIN): an idle worker's poll
     # then never queues behind, nor blocks, the writers that have work.
     with sql_cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {INSTANCE_TABLE} WHERE {RUNNABLE_WHERE} LIMIT 1", due)
+        cursor.execute(f"SELECT 1 FROM {INSTANCE_TABLE} WHERE {where} LIMIT 1", due)
         if cursor.fetchone() is None:
             return []
     with transaction.atomic(), sql_cursor() as cursor:
         cursor.execute(
             "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
-            f"FROM {INSTANCE_TABLE} WHERE {RUNNABLE_WHERE} ORDER BY wake_at LIMIT %s",
+            f"FROM {INSTANCE_TABLE} WHERE {where} ORDER BY wake_at LIMIT %s",
             [*due, limit],
         )
         rows = cursor.fetchall()
@@ -240,6 +249,10 @@ RUNNABLE_WHERE = (
     "AND (wake_at <= %s OR %s IS NULL OR workflow || '@' || version IN "
     "(SELECT value FROM json_each(%s)) OR EXISTS (SELECT 1 FROM json_each(%s) AS p "
     "WHERE substr(workflow, 1, length(p.value)) = p.value))"
+)
+# The same for a worker of some task queues only (a JSON list), by instance_queue_runnable.
+RUNNABLE_IN_QUEUES_WHERE = (
+    f"{RUNNABLE_WHERE} AND queue IS NOT NULL AND queue IN (SELECT value FROM json_each(%s))"
 )
 
 # A claim takes the due instances of the versions its worker runs (or may register on
@@ -362,20 +375,35 @@ def lease_token_sql(base: str, n: str) -> str:
 # writes afterwards is a synchronous commit, and a flush of its WAL flushes the claim's
 # before it. Until then the lost claim leaves the instance as it was: unleased, due, and
 # run again, as a step whose checkpoint was lost is run again.
-_CLAIM_TEMPLATE = f"""
-WITH picked AS (
-    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
-        workflow, version
-    FROM {INSTANCE_TABLE}
-    WHERE wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
+_RUNNABLE = """wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires_at <= %(now)s)
       AND id <> ALL(CAST(%(exclude)s AS bigint[]))
       AND (wake_at <= %(foreign_due)s OR CAST(%(versions)s AS jsonb) IS NULL
         OR workflow || '@' || version IN (
           SELECT jsonb_array_elements_text(CAST(%(versions)s AS jsonb)))
         OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(CAST(%(prefixes)s AS jsonb)) AS p
-          WHERE starts_with(workflow, p.value)))
+          WHERE starts_with(workflow, p.value)))"""
+_PICKED = f"""
+    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
+        workflow, version
+    FROM {INSTANCE_TABLE}
+    WHERE {_RUNNABLE}
     ORDER BY wake_at LIMIT %(limit)s
-    FOR NO KEY UPDATE SKIP LOCKED
+    FOR NO KEY UPDATE SKIP LOCKED"""
+# A worker of some task queues only: the first due of each queue by its index
+# (instance_queue_runnable), then the first of those. A queue's rows locked beyond the
+# limit are let go at the statement's end.
+_PICKED_IN_QUEUES = f"""
+    SELECT i.id, i.old_token, i.old_status, i.compensate_on_cancel, i.workflow, i.version
+    FROM unnest(CAST(%(queues)s AS text[])) AS q(name), LATERAL (
+        SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
+            workflow, version, wake_at
+        FROM {INSTANCE_TABLE}
+        WHERE queue = q.name AND {_RUNNABLE}
+        ORDER BY wake_at LIMIT %(limit)s
+        FOR NO KEY UPDATE SKIP LOCKED) AS i
+    ORDER BY i.wake_at LIMIT %(limit)s"""
+_CLAIM_TEMPLATE = f"""
+WITH picked AS ({{picked}}
 ), ended AS (
     UPDATE {STEP_TABLE} AS s SET status = %(complete)s, completed_at = %(now)s,
         output_json = 'null'
@@ -429,13 +457,15 @@ FROM claimed AS c, async_commit
 """
 
 
-def _claim_sql(with_rows: bool) -> str:
+def _claim_sql(with_rows: bool, in_queues: bool = False) -> str:
     """CLAIM_SQL, or (with_rows) CLAIM_SQL that also returns each claimed instance's row as
     its update left it, every column in field order after (id, token, slept): the
     pipelined claim then needs no read of its own for them (a statement and half a
-    millisecond of the server's time per claim)."""
+    millisecond of the server's time per claim). in_queues: of a worker of some task
+    queues only (the %(queues)s parameter)."""
     columns = [f.column for f in Instance._meta.concrete_fields] if with_rows else []
     return _CLAIM_TEMPLATE.format(
+        picked=_PICKED_IN_QUEUES if in_queues else _PICKED,
         returned_rows="".join(f', i."{c}" AS "row_{c}"' for c in columns),
         selected_rows="".join(f', c."row_{c}"' for c in columns),
     )
@@ -443,6 +473,8 @@ def _claim_sql(with_rows: bool) -> str:
 
 CLAIM_SQL = _claim_sql(False)
 CLAIM_WITH_ROWS_SQL = _claim_sql(True)
+CLAIM_IN_QUEUES_SQL = _claim_sql(False, in_queues=True)
+CLAIM_IN_QUEUES_WITH_ROWS_SQL = _claim_sql(True, in_queues=True)
 
 
 def lease_token_base() -> str:
@@ -468,8 +500,9 @@ def _claim_params(
     lease_until: datetime,
     exclude: Iterable[int],
     versions: Collection[tuple[str, int]] | None,
+    queues: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    return {
+    params = {
         # The versions the worker runs: whose instances it takes at once, whose sleeps it
         # ends (None: all).
         "versions": _versions_json(versions),
@@ -489,12 +522,15 @@ def _claim_params(
         "sleep": StepKind.SLEEP,
         "sleep_until": StepKind.SLEEP_UNTIL,
     }
+    if queues is not None:  # the claim is CLAIM_IN_QUEUES_SQL's (only then a parameter more)
+        params["queues"] = list(queues)
+    return params
 
 
 def _claim_at_once(params: dict[str, Any]) -> list[tuple[int, str, list[str]]]:
-    """CLAIM_SQL alone, with _claim_params' parameters."""
+    """CLAIM_SQL (CLAIM_IN_QUEUES_SQL) alone, with _claim_params' parameters."""
     with statement_cursor() as cursor:
-        cursor.execute(CLAIM_SQL, params)
+        cursor.execute(CLAIM_IN_QUEUES_SQL if "queues" in params else CLAIM_SQL, params)
         return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
 
 
@@ -505,6 +541,7 @@ def _claim_and_load_pipelined(
     exclude: Iterable[int],
     versions: Collection[tuple[str, int]] | None,
     admission: Sequence[str] = (),
+    queues: Sequence[str] | None = None,
 ) -> Claimed:
     """claim_and_load in one round trip (PostgreSQL): the claim, which returns the claimed
     rows, then the reads of their checkpoints and the events of their waiting steps, sent
@@ -512,11 +549,13 @@ def _claim_and_load_pipelined(
     chose."""
     now = clock.now()
     lease_until = now + timedelta(seconds=lease_seconds)
-    params = _claim_params(worker_id, limit, now, lease_until, exclude, versions)
+    params = _claim_params(worker_id, limit, now, lease_until, exclude, versions, queues)
     reads = _load_statements([params["token_base"], limit], EVENTS_PER_LOAD * limit, by_token=True)
     with pipeline():
         claim = statement_cursor()
-        claim.execute(CLAIM_WITH_ROWS_SQL, params)
+        claim.execute(
+            CLAIM_WITH_ROWS_SQL if queues is None else CLAIM_IN_QUEUES_WITH_ROWS_SQL, params
+        )
         cursors = []
         for sql, read_params in reads:
             cursor = statement_cursor()
@@ -525,7 +564,7 @@ def _claim_and_load_pipelined(
         # The worker's idle wait needs the next timer: asked here it costs no trip of its
         # own (a trip beside the claimed runs took the GIL from them as they started).
         timer = statement_cursor()
-        timer.execute(NEXT_WAKE_SQL)
+        timer.execute(*_next_wake_statement(queues))
         # After a create's hint: a trip of its own before the claim was a tenth of the
         # database threads' time in a stream of one-step creates.
         if admission:
@@ -648,18 +687,41 @@ def release(leases: Sequence[tuple[int, str]]) -> None:
 NEXT_WAKE_SQL = (
     f"SELECT MIN(wake_at) FROM {INSTANCE_TABLE} WHERE wake_at IS NOT NULL AND lease_token IS NULL"
 )
+# A worker of some task queues only: the earliest timer of each (instance_queue_runnable).
+NEXT_WAKE_IN_QUEUES_SQL = (
+    f"SELECT MIN(w.at) FROM unnest(CAST(%s AS text[])) AS q(name), LATERAL (SELECT MIN(wake_at) "
+    f"AS at FROM {INSTANCE_TABLE} WHERE queue = q.name AND wake_at IS NOT NULL "
+    "AND lease_token IS NULL) AS w"
+)
+NEXT_WAKE_IN_QUEUES_SQLITE = (
+    f"SELECT MIN(wake_at) FROM {INSTANCE_TABLE} WHERE queue IS NOT NULL "
+    "AND queue IN (SELECT value FROM json_each(%s)) AND wake_at IS NOT NULL "
+    "AND lease_token IS NULL"
+)
 
 
-def next_wake_at() -> datetime | None:
-    """The earliest timer among unleased instances, for the worker's idle wait (the same
-    read the PostgreSQL claim pipelines)."""
+def _next_wake_statement(queues: Sequence[str] | None) -> tuple[Any, ...]:
+    """next_wake_at's statement and its parameters (NEXT_WAKE_SQL has none)."""
+    if queues is None:
+        return (NEXT_WAKE_SQL,)
+    if connection.vendor == "postgresql":
+        return NEXT_WAKE_IN_QUEUES_SQL, [list(queues)]
+    return NEXT_WAKE_IN_QUEUES_SQLITE, [json.dumps(list(queues))]
+
+
+def next_wake_at(queues: Sequence[str] | None = None) -> datetime | None:
+    """The earliest timer among unleased instances (of these task queues only: a worker
+    started for some), for the worker's idle wait (the same read the PostgreSQL claim
+    pipelines)."""
     with statement_cursor() as cursor:
-        cursor.execute(NEXT_WAKE_SQL)
+        cursor.execute(*_next_wake_statement(queues))
         (found,) = cursor.fetchone()
     return from_db_time(found)
 
 
-def next_claimable_at(versions: Collection[tuple[str, int]]) -> datetime | None:
+def next_claimable_at(
+    versions: Collection[tuple[str, int]], queues: Sequence[str] | None = None
+) -> datetime | None:
     """When this worker's claim can next take something: the earliest timer of its own
     versions, or another version's plus FOREIGN_VERSION_GRACE. Asked only when a timer is
     due but the claim took nothing, so a worker whose only due instances are another
@@ -670,6 +732,8 @@ def next_claimable_at(versions: Collection[tuple[str, int]]) -> datetime | None:
     for prefix in registry.resolved_prefixes():
         own |= Q(workflow__startswith=prefix)
     unleased = Instance.objects.filter(wake_at__isnull=False, lease_token__isnull=True)
+    if queues is not None:  # a worker of some task queues: only theirs are claimable
+        unleased = unleased.filter(queue__in=list(queues))
     mine = unleased.filter(own).aggregate(at=Min("wake_at"))["at"]
     theirs = unleased.exclude(own).aggregate(at=Min("wake_at"))["at"]
     if theirs is not None:

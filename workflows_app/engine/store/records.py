@@ -90,6 +90,7 @@ class NewInstance:
     scheduled_at: datetime | None = None
     retention_error_ms: int | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
+    queue: str | None = None  # a Django task's queue_name (Instance.queue)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Channels' runworker; on the `workflows` channel it also runs the wfdash engine.
 
     python manage.py runworker workflows
+    python manage.py runworker workflows --queues emails,reports   # those task queues only
 
 Hints arrive on the channel and on the workers' group; the engine claims instances from
 the database under leases, so any number of these processes can run on any machines.
@@ -11,6 +12,7 @@ the log says what was running, how each of those runs ended, and when the proces
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import signal
@@ -24,7 +26,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from workflows_app.engine.worker import Worker as EngineWorker
-from workflows_app.engine.worker import notify_local
+from workflows_app.engine.worker import notify_local, worker_queues
 from workflows_app.live import EngineHooks, join_workers_group
 
 log = logging.getLogger("workflows_app.engine")
@@ -93,12 +95,16 @@ class DrainReport(EngineHooks):
 
 
 class EngineChannelsWorker(ChannelsWorker):
+    def __init__(self, *args: Any, queues: tuple[str, ...] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queues = queues  # --queues: the Django task queues it runs (None: everything)
+
     async def handle(self) -> None:
         if ENGINE_CHANNEL not in self.channels:
             await super().handle()
             return
         report = DrainReport()
-        engine = EngineWorker(hooks=report)
+        engine = EngineWorker(hooks=report, queues=self.queues)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -124,7 +130,12 @@ class EngineChannelsWorker(ChannelsWorker):
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
         listeners.append(asyncio.ensure_future(self.stay_in_workers_group(private)))
         metrics_server = serve_metrics()
-        log.info("wfdash worker %s running (concurrency %s)", engine.worker_id, engine.concurrency)
+        log.info(
+            "wfdash worker %s running (concurrency %s%s)",
+            engine.worker_id,
+            engine.concurrency,
+            f"; task queues {', '.join(engine.queues)} only" if engine.queues else "",
+        )
         try:
             await engine.serve(stop)
         finally:
@@ -162,6 +173,26 @@ class EngineChannelsWorker(ChannelsWorker):
             notify_local(str(message.get("kind", "wake")), message.get("pk"))
 
 
+def checked_queues(value: str) -> tuple[str, ...]:
+    """--queues as names; CommandError for an empty name or one no task backend has."""
+    try:
+        queues = worker_queues(value, "--queues")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    assert queues is not None
+    try:
+        from workflows_app.tasks import unknown_queues
+    except ImportError:  # no tasks framework installed: nothing to check against
+        return queues
+    unknown = unknown_queues(queues)
+    if unknown:
+        raise CommandError(
+            f"--queues: no task backend in TASKS has the queue(s) {', '.join(unknown)} "
+            "(each backend's QUEUES)"
+        )
+    return queues
+
+
 def redis_address() -> str:
     """REDIS_URL's host and port, never its password."""
     parts = urlsplit(getattr(settings, "REDIS_URL", ""))
@@ -187,7 +218,22 @@ def serve_metrics() -> Any:
 class Command(ChannelsRunworker):
     worker_class = EngineChannelsWorker
 
+    def add_arguments(self, parser: Any) -> None:
+        super().add_arguments(parser)
+        parser.add_argument(
+            "--queues",
+            default=None,
+            help="Run only the Django tasks of these queues, separated by commas (and no "
+            "other workflow instance). Default: every instance, every queue.",
+        )
+
     def handle(self, *args: Any, **options: Any) -> None:
+        queues = options.get("queues")
+        if queues is not None:
+            if ENGINE_CHANNEL not in options.get("channels", ()):
+                raise CommandError(f"--queues is for the {ENGINE_CHANNEL!r} channel's engine")
+            queues = checked_queues(queues)
+            self.worker_class = functools.partial(EngineChannelsWorker, queues=queues)
         if ENGINE_CHANNEL in options.get("channels", ()):
             from workflows_app.schema import not_migrated_message, unapplied_migrations
 

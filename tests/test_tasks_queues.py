@@ -1,0 +1,204 @@
+"""Task queues: a worker started for some Django task queues only (`runworker --queues`,
+WFDASH["EMBEDDED_WORKER_QUEUES"], `testing.run_until_idle(queues=...)`) runs the tasks of
+those queues and nothing else; a worker started without runs everything."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test import override_settings
+
+from workflows_app import testing
+from workflows_app.engine import WorkflowEntrypoint, register, store
+from workflows_app.engine.worker import CONTENDED_WAIT_SECONDS, Worker
+from workflows_app.models import Instance
+from workflows_app.tasks import InvalidTask, TaskResultStatus
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+START = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+QUEUED_TASKS = {
+    "default": {
+        "BACKEND": "workflows_app.tasks.WorkflowTaskBackend",
+        "QUEUES": ["default", "emails", "reports"],
+    }
+}
+
+
+@pytest.fixture
+def tasks(registered):
+    from tests import task_functions
+
+    with override_settings(TASKS=QUEUED_TASKS):
+        yield task_functions
+
+
+def plain_workflow() -> str:
+    @register("queues-plain", version=1)
+    class Plain(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("one", lambda: "done")
+
+    return "queues-plain"
+
+
+def test_a_worker_of_some_queues_runs_only_their_tasks_and_the_others_stay_ready(tasks):
+    from workflows_app.client import get_workflow
+
+    emails = tasks.add.using(queue_name="emails").enqueue(1, 2)
+    reports = tasks.add.using(queue_name="reports").enqueue(3, 4)
+    plain = get_workflow(plain_workflow()).create()
+    assert Instance.objects.get(instance_id=emails.id).queue == "emails"
+    assert Instance.objects.get(instance_id=plain.id).queue is None
+
+    assert testing.run_until_idle(queues=["emails"]) == 1
+    assert tasks.add.get_result(emails.id).status == TaskResultStatus.SUCCESSFUL
+    assert tasks.add.get_result(reports.id).status == TaskResultStatus.READY
+    row = Instance.objects.get(instance_id=reports.id)
+    assert (row.run_count, row.lease_token) == (0, None)  # never claimed
+    assert (
+        plain.status().status == "running"
+        and Instance.objects.get(instance_id=plain.id).run_count == 0
+    )
+
+    assert testing.run_until_idle(queues="reports") == 1  # a string of names, as --queues
+    assert tasks.add.get_result(reports.id).return_value == 7
+    assert Instance.objects.get(instance_id=plain.id).run_count == 0  # other workflows: not theirs
+
+    assert testing.run_until_idle() == 1  # a worker of every queue runs everything
+    assert plain.status().status == "complete"
+
+
+def test_a_worker_of_several_queues_takes_the_earliest_due_of_them(tasks):
+    with testing.fake_clock(START) as clock:
+        late = tasks.add.using(queue_name="emails").enqueue(1, 1)
+        clock.advance("1 second")
+        early_other = tasks.add.using(queue_name="default").enqueue(2, 2)
+        clock.advance("1 second")
+        reports = tasks.add.using(queue_name="reports").enqueue(3, 3)
+        assert testing.run_until_idle(queues=["emails", "reports"], concurrency=1) == 2
+        assert tasks.add.get_result(late.id).is_finished
+        assert tasks.add.get_result(reports.id).is_finished
+        assert tasks.add.get_result(early_other.id).status == TaskResultStatus.READY
+
+
+def test_a_worker_of_some_queues_waits_for_their_timers_only(tasks):
+    """Its idle wait ends at its own queues' next timer: another queue's task (due, with
+    no worker of its queue) or another workflow's timer woke it to claim nothing, every
+    CONTENDED_WAIT_SECONDS."""
+    with testing.fake_clock(START):
+        tasks.add.using(queue_name="reports").enqueue(1, 1)  # due now, nobody for it here
+        tasks.add.using(queue_name="emails", run_after=START + timedelta(hours=1)).enqueue(2, 2)
+        get_plain = plain_workflow()
+        from workflows_app.client import get_workflow
+
+        get_workflow(get_plain).create()  # due now, not a task
+        testing.run_until_idle(queues=["emails"])  # the emails task sleeps until run_after
+        assert store.next_wake_at() == START
+        assert store.next_wake_at(["emails"]) == START + timedelta(hours=1)
+        assert store.next_wake_at(["nothing-here"]) is None
+
+        async def waits() -> float:
+            worker = Worker(worker_id="emails-only", queues=["emails"], poll_seconds=5)
+            await worker.start()
+            try:
+                assert await worker.claim_and_start() == 0
+                assert await worker.db(worker._next_wake_at) == START + timedelta(hours=1)
+                return await worker._contended_wait()
+            finally:
+                await worker.stop(grace_seconds=0)
+
+        waited = asyncio.run(waits())
+    assert waited > CONTENDED_WAIT_SECONDS  # the poll interval, not a spin
+
+
+def test_enqueue_refuses_a_queue_name_the_instance_cannot_keep(registered):
+    from tests import task_functions
+
+    anything = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend", "QUEUES": []}}
+    with override_settings(TASKS=anything):
+        with pytest.raises(InvalidTask, match="queue_name must be a string of 1-100"):
+            task_functions.add.using(queue_name="q" * 101).enqueue(1, 2)
+        assert task_functions.add.using(queue_name="q" * 100).enqueue(1, 2).task.queue_name
+    assert Instance.objects.count() == 1
+
+
+def test_worker_queues_are_checked():
+    with pytest.raises(ValueError, match="a queue name is empty"):
+        Worker(queues="emails,,reports")
+    with pytest.raises(ValueError, match="expected queue names"):
+        Worker(queues=["emails", 3])
+    assert Worker(queues=" emails , reports,emails").queues == ("emails", "reports")
+    assert Worker().queues is None
+
+
+def test_runworker_queues_are_checked_against_the_task_backends(tasks, monkeypatch):
+    from workflows_app.management.commands import runworker
+
+    with pytest.raises(CommandError, match=r"no task backend in TASKS has the queue\(s\) mails"):
+        call_command("runworker", "workflows", "--queues", "emails,mails")
+    with pytest.raises(CommandError, match="a queue name is empty"):
+        call_command("runworker", "workflows", "--queues", "emails,")
+    with pytest.raises(CommandError, match="--queues is for the 'workflows' channel"):
+        call_command("runworker", "other", "--queues", "emails")
+
+    started = []
+    monkeypatch.setattr(runworker.EngineChannelsWorker, "run", lambda self: started.append(self))
+    call_command("runworker", "workflows", "--queues", "emails,reports")
+    call_command("runworker", "workflows")
+    assert [worker.queues for worker in started] == [("emails", "reports"), None]
+
+
+def test_the_embedded_worker_takes_its_queues_from_the_setting(tasks):
+    from workflows_app import embedded
+
+    with override_settings(WFDASH={"EMBEDDED_WORKER_QUEUES": ["emails"]}):
+        assert embedded.embedded_queues() == ("emails",)
+    with (
+        override_settings(WFDASH={"EMBEDDED_WORKER_QUEUES": ""}),
+        pytest.raises(ValueError, match=r'WFDASH\["EMBEDDED_WORKER_QUEUES"\]'),
+    ):
+        embedded.embedded_queues()
+    with override_settings(WFDASH={}):
+        assert embedded.embedded_queues() is None
+
+
+def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql(tasks):
+    """The generic plan of its claim finds each queue's due tasks by
+    instance_queue_runnable, never by reading the table; the claim of every queue is
+    the statement it was."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only")
+    from tests.test_postgres_fast_path import _bulk_instances, _generic_plan
+    from workflows_app.engine import clock
+    from workflows_app.engine.store import leases
+
+    _bulk_instances("plans", 3000)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE workflows_app_instance")
+    now = clock.now()
+    params = leases._claim_params(
+        "w", 50, now, now + timedelta(seconds=30), [], None, queues=["emails"]
+    )
+    plan = _generic_plan(leases.CLAIM_IN_QUEUES_SQL, params)
+    assert "instance_queue_runnable" in plan, plan
+    assert "Seq Scan on workflows_app_instance" not in plan, plan
+    assert "queues" not in leases._claim_params("w", 50, now, now, [], None)
+
+
+def test_the_migration_gives_unfinished_tasks_made_before_it_their_queue(tasks):
+    from tests.test_migrations import migrate
+
+    waiting = tasks.add.using(queue_name="emails").enqueue(1, 2)
+    done = tasks.add.using(queue_name="reports").enqueue(3, 4)
+    testing.run_until_idle(queues=["reports"])
+    migrate([("workflows_app", "0019_live_instances_index")])  # the column goes
+    migrate()  # and comes back, filled in from the params
+    queues = dict(Instance.objects.values_list("instance_id", "queue"))
+    assert queues == {waiting.id: "emails", done.id: None}  # a finished task needs none
+    assert testing.run_until_idle(queues=["emails"]) == 1
