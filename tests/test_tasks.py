@@ -359,3 +359,37 @@ def test_a_terminated_task_is_failed(tasks):
     row = Instance.objects.get(instance_id=result.id)
     assert task_status(row, None) == TaskResultStatus.FAILED
     assert tasks.add.get_result(result.id).status == TaskResultStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        (None, "its params are NoneType, not an enqueue's object"),
+        ({}, 'its params have no "args" list and "kwargs" object'),
+        ({"args": [1, 2]}, 'its params have no "args" list and "kwargs" object'),
+        ({"args": 5, "kwargs": {}}, 'its params have no "args" list and "kwargs" object'),
+        (
+            {"args": [1, 2], "kwargs": {}, "run_after": "soon"},
+            "its \"run_after\" 'soon' is not an ISO 8601 date and time",
+        ),
+    ],
+)
+def test_an_instance_of_a_task_s_workflow_not_made_by_enqueue_fails_saying_so(
+    tasks, params, problem
+):
+    """Started as a workflow (the dashboard's create, `wf start`, the API) with params
+    that are not an enqueue's: it failed with a bare KeyError or AttributeError, and
+    get_result raised the same instead of Django's TaskResultDoesNotExist."""
+    from workflows_app.client import get_workflow
+
+    tasks.add.get_backend().validate_task(tasks.add)  # registers its workflow
+    handle = get_workflow("task:tests.task_functions.add").create(params)
+    testing.run_until_idle()
+    row = Instance.objects.get(instance_id=handle.id)
+    assert (row.status, row.error_name) == ("errored", "InvalidTask")
+    assert row.error_message == (
+        f"not a task enqueued by Django's tasks framework: {problem}. Start "
+        "tests.task_functions.add with its enqueue() (or aenqueue()), not as a workflow instance"
+    )
+    with pytest.raises(TaskResultDoesNotExist, match="not a task enqueued"):
+        tasks.add.get_result(handle.id)

@@ -98,6 +98,29 @@ def exception_path(error_name: str) -> str:
     return error_name
 
 
+def params_problem(params: Any) -> str | None:
+    """What makes an instance's params not an enqueue's (an instance of a task's workflow
+    started another way: the dashboard, `wf start`, the API), or None."""
+    if not isinstance(params, dict):
+        return f"its params are {type(params).__name__}, not an enqueue's object"
+    if not isinstance(params.get("args"), list) or not isinstance(params.get("kwargs"), dict):
+        return 'its params have no "args" list and "kwargs" object'
+    run_after = params.get("run_after")
+    if run_after is not None:
+        try:
+            datetime.fromisoformat(run_after)
+        except (TypeError, ValueError):
+            return f'its "run_after" {run_after!r} is not an ISO 8601 date and time'
+    return None
+
+
+def not_enqueued_message(task_path: str, problem: str) -> str:
+    return (
+        f"not a task enqueued by Django's tasks framework: {problem}. Start "
+        f"{task_path} with its enqueue() (or aenqueue()), not as a workflow instance"
+    )
+
+
 class TaskWorkflow(WorkflowEntrypoint):
     """The workflow of one task: sleep until run_after (if any), then one step calls it."""
 
@@ -105,6 +128,9 @@ class TaskWorkflow(WorkflowEntrypoint):
 
     async def run(self, event: Any, step: Any) -> Any:
         params = event.payload
+        problem = params_problem(params)
+        if problem is not None:
+            raise NonRetryableError(not_enqueued_message(self.task_path, problem), "InvalidTask")
         if params.get("run_after") is not None:
             await step.sleep_until(WAIT, datetime.fromisoformat(params["run_after"]))
         task: Task = import_string(self.task_path)
@@ -329,6 +355,11 @@ class WorkflowTaskBackend(BaseTaskBackend):
                 f"{result_id}: its task cannot be imported: {exc}"
             ) from None
         params = row.params
+        problem = params_problem(params)
+        if problem is not None:
+            raise TaskResultDoesNotExist(
+                f"{result_id}: {not_enqueued_message(task.module_path, problem)}"
+            )
         task = task.using(
             priority=params.get("priority"),
             queue_name=params.get("queue_name"),
