@@ -300,3 +300,58 @@ def test_values_that_look_like_an_envelope_round_trip_exactly(value):
         with with_codec(path):
             assert json.loads(unseal(seal(text))) == value
             assert json.loads(unseal(seal(text, sensitive=True))) == value
+
+
+def test_the_compensation_of_a_sensitive_step_is_redacted_on_every_surface(registered):
+    """The compensation is given the sensitive output; what it returns (a refund of that
+    card) was checkpointed and shown in clear on the dashboard, admin, API, CLI and spans."""
+
+    @register("card-refund")
+    class CardRefund(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.do(
+                "charge card",
+                lambda: {"number": CARD},
+                compensate=lambda card: {"refunded": card["number"]},
+                sensitive=True,
+            )
+            await step.do("plain", lambda: "plain", compensate=lambda out: f"undid {out}")
+            await step.wait_for_event("approval", type="approve")
+
+    _exporter.clear()
+    inst = get_workflow("card-refund").create(id="r1")
+    testing.run_until_idle()
+    inst.cancel(actor="test")
+    testing.run_until_idle()
+    assert inst.status().status == "terminated"
+    undo = StepRecord.objects.get(instance=inst.row(), name="charge card", kind="compensate")
+    assert undo.output == {"refunded": CARD} and undo.shown_output == REDACTED
+    other = StepRecord.objects.get(instance=inst.row(), name="plain", kind="compensate")
+    assert other.shown_output == "undid plain"  # redaction stays per step
+
+    admin = admin_client()
+    _, secret = tokens.issue("reader", scope="read")
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {secret}"}
+    shown = {
+        "dashboard": admin.get(f"/workflows/card-refund/{inst.id}/"),
+        "admin step": admin.get(f"/admin/workflows_app/steprecord/{undo.pk}/change/"),
+        "api": Client().get(f"/api/workflows/card-refund/instances/{inst.id}", **auth),
+    }
+    for name, response in shown.items():
+        assert response.status_code == 200, name
+        assert CARD not in response.content.decode(), f"the secret shows in {name}"
+    for verb in ("status", "history"):
+        for json_flag in ([], ["--json"]):
+            out = StringIO()
+            call_command("wf", verb, inst.id, *json_flag, stdout=out, stderr=StringIO())
+            assert CARD not in out.getvalue(), f"the secret shows in wf {verb} {json_flag}"
+    api_steps = json.loads(shown["api"].content)["result"]["steps"]
+    assert REDACTED in [s["output"] for s in api_steps if s["kind"] == "compensate"]
+    history = list(HistoryRecord.objects.filter(instance=inst.row()).values_list("data", flat=True))
+    assert CARD not in json.dumps(history)
+    spans = [
+        (dict(s.attributes), [dict(e.attributes) for e in s.events])
+        for s in _exporter.get_finished_spans()
+    ]
+    assert CARD not in json.dumps(spans)
+    assert CARD not in json.dumps(list(Span.objects.values_list("attributes", "events")))

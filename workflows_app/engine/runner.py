@@ -27,7 +27,7 @@ from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..codec import seal
+from ..codec import is_sensitive, seal
 from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
 from . import clock, lifecycle, meters, spans, store
 from .errors import (
@@ -428,6 +428,8 @@ class Run:
                 None,
                 None,
                 kind=StepKind.COMPENSATE,
+                # What undoes a sensitive step is given its secret: its result is as secret.
+                sensitive=is_sensitive(record.output_json),
             )
 
     def _quiescent(self) -> bool:
