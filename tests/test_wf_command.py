@@ -549,3 +549,95 @@ def test_bulk_refuses_bad_input_before_starting_anything():
     assert "needs event_type" in refused("bulk", "send_event", "-w", APPROVAL)
     assert "unknown status" in refused("bulk", "pause", "-w", APPROVAL, "--status", "sleepy")
     assert not BulkJob.objects.exists()
+
+
+class BatchRollbacks:
+    """A real trigger that makes the database refuse recording a bulk batch's progress, as a
+    deadlock, serialization failure or lock timeout would: the batch's transaction rolls
+    back whole. PostgreSQL: the first `fails` batches only (a sequence, which no rollback
+    undoes); SQLite: every one."""
+
+    def __init__(self, fails: int | None = None) -> None:
+        from django.db import connection
+
+        from workflows_app.models import BulkJob
+
+        self.connection, self.table = connection, BulkJob._meta.db_table
+        self.fails = fails
+
+    def __enter__(self) -> BatchRollbacks:
+        with self.connection.cursor() as cursor:
+            if self.connection.vendor == "sqlite":
+                assert self.fails is None, "SQLite has nothing a rollback leaves counted"
+                cursor.execute(
+                    f"CREATE TRIGGER test_batch_rollback BEFORE UPDATE ON {self.table} "
+                    "WHEN NEW.processed > 0 BEGIN SELECT RAISE(ABORT, 'database is locked'); END"
+                )
+                return self
+            limit = "true" if self.fails is None else f"nextval('test_batch_tries') <= {self.fails}"
+            cursor.execute("CREATE SEQUENCE test_batch_tries")
+            cursor.execute(
+                "CREATE FUNCTION test_batch_rollback() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                f"BEGIN IF NEW.processed > 0 AND {limit} THEN RAISE EXCEPTION "
+                "'could not serialize access due to concurrent update' USING ERRCODE = '40001', "
+                "DETAIL = 'a second line'; END IF; RETURN NEW; END $$"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER test_batch_rollback BEFORE UPDATE ON {self.table} "
+                "FOR EACH ROW EXECUTE FUNCTION test_batch_rollback()"
+            )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.connection.cursor() as cursor:
+            if self.connection.vendor == "sqlite":
+                cursor.execute("DROP TRIGGER test_batch_rollback")
+                return
+            cursor.execute(f"DROP TRIGGER test_batch_rollback ON {self.table}")
+            cursor.execute("DROP FUNCTION test_batch_rollback()")
+            cursor.execute("DROP SEQUENCE test_batch_tries")
+
+
+def test_bulk_whose_batches_the_database_rolls_back_ends_in_one_line_keeping_the_job(
+    monkeypatch,
+):
+    """A batch the database rolled back (the job itself is safe) ended `wf bulk` in a
+    traceback. It is tried again; if the database keeps refusing, one line says so and
+    the command exits non-zero, the job kept for the workers."""
+    from workflows_app.management.commands import wf as wf_command
+    from workflows_app.models import BulkJob
+
+    monkeypatch.setattr(wf_command, "POLL_SECONDS", 0)
+    waiting_approval("o-0")
+    waiting_approval("o-1")
+    with BatchRollbacks(), pytest.raises(CommandError) as excinfo:
+        wf("bulk", "pause", "-w", APPROVAL)
+    message = str(excinfo.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        r"bulk pause #\d+: the database rolled a batch back 3 times \(.+\); 0 of 2 instances "
+        r"done, the job is kept and workers finish it",
+        message,
+    ), message
+    job = BulkJob.objects.get()
+    assert (job.processed, job.finished_at) == (0, None)
+    assert {i.status for i in Instance.objects.all()} == {"waiting"}
+    testing.run_until_idle()  # a worker takes the job up
+    job.refresh_from_db()
+    assert (job.applied, job.finished_at is not None) == (2, True)
+    assert {i.status for i in Instance.objects.all()} == {"paused"}
+
+
+def test_bulk_takes_a_batch_the_database_rolled_back_again(monkeypatch):
+    from django.db import connection
+
+    from workflows_app.management.commands import wf as wf_command
+
+    if connection.vendor != "postgresql":
+        pytest.skip("a batch failing only once needs a sequence (PostgreSQL)")
+    monkeypatch.setattr(wf_command, "POLL_SECONDS", 0)
+    waiting_approval("o-0")
+    with BatchRollbacks(fails=2):
+        text = wf("bulk", "pause", "-w", APPROVAL)
+    assert "matched 1, applied 1, skipped 0, failed 0" in text
+    assert Instance.objects.get().status == "paused"

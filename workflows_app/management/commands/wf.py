@@ -15,7 +15,8 @@
 Instance ids are scoped by workflow; without --workflow an id is looked up in every
 workflow and refused if it is ambiguous. Every verb takes --json for scripts. Bad input
 exits non-zero with one line naming what was wrong; so does `wf bulk` (after its report)
-when the action failed on some instances.
+when the action failed on some instances, or when the database rolled a batch back
+BULK_BATCH_TRIES times in a row (the job is kept; workers finish it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DatabaseError
 from tqdm import tqdm
 
 from workflows_app import bulk, live, surfaces, testing, tokens
@@ -45,6 +47,13 @@ from workflows_app.models import ApiToken, BulkAction, Instance
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
+BULK_BATCH_TRIES = 3  # `wf bulk`: a batch the database rolls back this often ends the command
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message on one line (a database's may add DETAIL and HINT lines)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__
 
 
 def parse_json_arg(value: str | None, flag: str) -> Any:
@@ -604,9 +613,27 @@ class Command(BaseCommand):
         )
         if not opts.background:
             with self.progress(opts, job.matched, f"bulk {opts.action}") as bar:
+                rolled_back = 0
                 while not job.done:
                     before = job.processed
-                    if bulk.process_batch(job.id) is None:  # a worker holds its next batch
+                    try:
+                        taken = bulk.process_batch(job.id)
+                    except DatabaseError as exc:
+                        # The batch rolled back whole (a deadlock, a serialization failure,
+                        # a lock timeout): nothing of it applied, so it is taken again.
+                        rolled_back += 1
+                        if rolled_back >= BULK_BATCH_TRIES:
+                            job.refresh()
+                            raise CommandError(
+                                f"bulk {job.action} #{job.id}: the database rolled a batch back "
+                                f"{rolled_back} times ({first_line(exc)}); {job.processed} of "
+                                f"{job.matched} instances done, the job is kept and workers "
+                                f"finish it"
+                            ) from exc
+                        time.sleep(POLL_SECONDS * rolled_back)
+                        continue
+                    rolled_back = 0
+                    if taken is None:  # a worker holds its next batch
                         time.sleep(POLL_SECONDS)
                     job.refresh()
                     bar.update(job.processed - before)
