@@ -105,3 +105,48 @@ def test_the_demo_is_off_in_production_unless_asked_for():
 def test_weak_passwords_are_refused(password):
     with pytest.raises(ValidationError):
         validate_password(password)
+
+
+SHOW_ENGINE_SETTINGS = [
+    "shell",
+    "--no-imports",
+    "-c",
+    "from django.conf import settings as s; w = s.WFDASH; print(s.DEBUG, "
+    "s.SECURE_HSTS_SECONDS, s.AXES_FAILURE_LIMIT, w['LEASE_SECONDS'], "
+    "w['WORKER_CONCURRENCY'], w['POLL_SECONDS'], w['SLEEP_IN_PROCESS_MS'], "
+    "w['METRICS_PORT'], w['METRICS_ADDR'], w['TRACING'], s.LOGGING['loggers']['workflows_app'])",
+]
+EVERY_VARIABLE = [
+    *("DJANGO_DEBUG", "DJANGO_HSTS_SECONDS", "DJANGO_HTTPS", "WFDASH_LOGIN_FAILURE_LIMIT"),
+    *("WFDASH_LOGIN_LOCKOUT_SECONDS", "WFDASH_DB_POOL_SIZE", "WFDASH_LEASE_SECONDS"),
+    *("WFDASH_WORKER_CONCURRENCY", "WFDASH_POLL_SECONDS", "WFDASH_SLEEP_IN_PROCESS_MS"),
+    *("WFDASH_METRICS_PORT", "WFDASH_METRICS_ADDR", "WFDASH_TRACING", "WFDASH_LOG_LEVEL"),
+]
+
+
+def test_a_variable_set_but_empty_counts_as_unset():
+    """`WFDASH_WORKER_CONCURRENCY=` (an env file, a compose file) ended the start in a raw
+    ValueError naming no variable; an empty WFDASH_METRICS_ADDR bound the metrics port on
+    every interface."""
+    unset = manage(*SHOW_ENGINE_SETTINGS)
+    empty = manage(*SHOW_ENGINE_SETTINGS, **dict.fromkeys(EVERY_VARIABLE, ""))
+    assert empty.returncode == 0, empty.stderr
+    assert empty.stdout == unset.stdout
+    assert "True 0 10 30.0 200 5.0 1000 None 127.0.0.1 True" in empty.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("WFDASH_WORKER_CONCURRENCY", "many", "must be a whole number of at least 1; got 'many'"),
+        ("WFDASH_WORKER_CONCURRENCY", "0", "must be a whole number of at least 1; got '0'"),
+        ("WFDASH_LEASE_SECONDS", "nan", "must be a number of at least 0.1; got 'nan'"),
+        ("WFDASH_METRICS_PORT", "70000", "must be a whole number from 0 to 65535; got '70000'"),
+        ("DJANGO_DEBUG", "maybe", "must be 1, true, yes or on, or 0, false, no or off"),
+        ("WFDASH_LOG_LEVEL", "loud", "must be DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    ],
+)
+def test_a_malformed_variable_is_refused_naming_it_and_what_it_must_be(name, value, message):
+    result = manage("check", **{name: value})
+    assert result.returncode != 0
+    assert f"ImproperlyConfigured: {name} {message}" in result.stderr, result.stderr[-600:]

@@ -9,10 +9,14 @@ demo). With DJANGO_DEBUG=0 the project refuses to start on the built-in SECRET_K
 empty DJANGO_ALLOWED_HOSTS; DJANGO_HTTPS=1 (HTTPS redirect, secure cookies, HSTS),
 DJANGO_HSTS_* and DJANGO_BEHIND_PROXY=1 (trust X-Forwarded-Proto) make
 `manage.py check --deploy` clean (see the README's production block).
+
+A variable set but empty counts as unset; a malformed one (a number, a boolean, a log
+level) stops the start with an error naming it and what it must be.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -24,19 +28,54 @@ from django.core.exceptions import ImproperlyConfigured
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
+def env(name: str, default: str = "") -> str:
+    """A variable's value; set but empty counts as unset (as `VAR=` in a compose file or
+    an env file leaves it), for every variable this file reads."""
+    value = os.environ.get(name, "")
+    return value if value.strip() else default
+
+
+TRUE_WORDS, FALSE_WORDS = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
+    value = env(name).strip().lower()
+    if not value:
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    if value not in TRUE_WORDS | FALSE_WORDS:
+        raise ImproperlyConfigured(
+            f"{name} must be 1, true, yes or on, or 0, false, no or off; got {os.environ[name]!r}"
+        )
+    return value in TRUE_WORDS
+
+
+def env_number(
+    name: str, default: float, minimum: float, whole: bool = True, maximum: float = math.inf
+) -> Any:
+    """A numeric variable, refused in one line naming it when it is not a number (of at
+    least minimum): a raw ValueError from int() did not say which variable."""
+    value = env(name).strip()
+    if not value:
+        return default
+    kind = "a whole number" if whole else "a number"
+    try:
+        number = int(value) if whole else float(value)
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number) or not minimum <= number <= maximum:
+        shown = f"{kind} from {minimum:g} to {maximum:g}" if maximum < math.inf else None
+        raise ImproperlyConfigured(
+            f"{name} must be {shown or f'{kind} of at least {minimum:g}'}; got {value!r}"
+        )
+    return number
 
 
 def env_list(name: str, default: str = "") -> list[str]:
-    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+    return [item.strip() for item in env(name, default).split(",") if item.strip()]
 
 
 DEVELOPMENT_SECRET_KEY = "wfdash-dev-insecure-change-me"
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", DEVELOPMENT_SECRET_KEY)
+SECRET_KEY = env("DJANGO_SECRET_KEY", DEVELOPMENT_SECRET_KEY)
 DEBUG = env_bool("DJANGO_DEBUG", True)
 DEVELOPMENT_HOSTS = "localhost,127.0.0.1,[::1],testserver"
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", DEVELOPMENT_HOSTS if DEBUG else "")
@@ -59,7 +98,7 @@ if not DEBUG:
 HTTPS = env_bool("DJANGO_HTTPS", False)
 SECURE_SSL_REDIRECT = HTTPS
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
-SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", str(365 * 86400) if HTTPS else "0"))
+SECURE_HSTS_SECONDS = env_number("DJANGO_HSTS_SECONDS", 365 * 86400 if HTTPS else 0, 0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
 if env_bool("DJANGO_BEHIND_PROXY", False):
@@ -102,8 +141,8 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
 ]
-AXES_FAILURE_LIMIT = int(os.environ.get("WFDASH_LOGIN_FAILURE_LIMIT", "10"))
-AXES_COOLOFF_TIME = timedelta(seconds=int(os.environ.get("WFDASH_LOGIN_LOCKOUT_SECONDS", "900")))
+AXES_FAILURE_LIMIT = env_number("WFDASH_LOGIN_FAILURE_LIMIT", 10, 1)
+AXES_COOLOFF_TIME = timedelta(seconds=env_number("WFDASH_LOGIN_LOCKOUT_SECONDS", 900, 1))
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "workflows_app.throttle.login_locked_out"
@@ -150,7 +189,7 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
+        env("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
         conn_max_age=0,
     )
 }
@@ -164,7 +203,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
     # Tests run on a real file (WAL, several connections) rather than shared-cache memory.
     DATABASES["default"]["TEST"] = {
-        "NAME": os.environ.get("WFDASH_TEST_SQLITE", str(BASE_DIR / ".test-db.sqlite3"))
+        "NAME": env("WFDASH_TEST_SQLITE", str(BASE_DIR / ".test-db.sqlite3"))
     }
 else:
     DATABASES["default"].setdefault("OPTIONS", {})
@@ -177,7 +216,7 @@ else:
         # worker thread (4 workers x 50 threads exceeded max_connections = 100).
         DATABASES["default"]["OPTIONS"]["pool"] = {
             "min_size": 2,
-            "max_size": int(os.environ.get("WFDASH_DB_POOL_SIZE", "16")),
+            "max_size": env_number("WFDASH_DB_POOL_SIZE", 16, 2),  # at least min_size
             "timeout": 30,  # seconds a thread waits for a free connection before an error
         }
 
@@ -197,7 +236,7 @@ def redis_channel_layer(url: str) -> dict[str, Any]:
     }
 
 
-REDIS_URL = os.environ.get("REDIS_URL", "")
+REDIS_URL = env("REDIS_URL")
 if REDIS_URL:
     CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
 else:
@@ -224,6 +263,11 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGIN_URL = "/admin/login/"
 
+LOG_LEVEL = env("WFDASH_LOG_LEVEL", "INFO").strip().upper()
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    raise ImproperlyConfigured(
+        f"WFDASH_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL; got {LOG_LEVEL!r}"
+    )
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -231,7 +275,7 @@ LOGGING = {
     "loggers": {
         "workflows_app": {
             "handlers": ["console"],
-            "level": os.environ.get("WFDASH_LOG_LEVEL", "INFO"),
+            "level": LOG_LEVEL,
         }
     },
 }
@@ -244,24 +288,24 @@ TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
 
 WFDASH = {
     "LIMITS": {},
-    "LEASE_SECONDS": float(os.environ.get("WFDASH_LEASE_SECONDS", "30")),
-    "WORKER_CONCURRENCY": int(os.environ.get("WFDASH_WORKER_CONCURRENCY", "200")),
+    "LEASE_SECONDS": env_number("WFDASH_LEASE_SECONDS", 30.0, 0.1, whole=False),
+    "WORKER_CONCURRENCY": env_number("WFDASH_WORKER_CONCURRENCY", 200, 1),
     # Run the engine inside the ASGI process (runserver). Off by default when Redis is
     # configured: then `manage.py runworker workflows` processes run it.
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
-    "POLL_SECONDS": float(os.environ.get("WFDASH_POLL_SECONDS", "5")),
+    "POLL_SECONDS": env_number("WFDASH_POLL_SECONDS", 5.0, 0.01, whole=False),
     "DEMO": env_bool("WFDASH_DEMO", DEBUG),  # the demo workflows: on in development only
     # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
     "TRACING": env_bool("WFDASH_TRACING", True),
     # Refuse a changed class under an already-registered version (see registry.py).
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
     # A sleep ending within this many ms is waited for by its run, not parked and woken.
-    "SLEEP_IN_PROCESS_MS": int(os.environ.get("WFDASH_SLEEP_IN_PROCESS_MS", "1000")),
+    "SLEEP_IN_PROCESS_MS": env_number("WFDASH_SLEEP_IN_PROCESS_MS", 1000, 0),
     # A `runworker workflows` process serves its own metrics (runs, steps, latencies) in
     # Prometheus text on this port (unset: it serves none); the web process's /metrics has
     # the fleet-wide database gauges. Bound to METRICS_ADDR: loopback unless set.
-    "METRICS_PORT": int(os.environ.get("WFDASH_METRICS_PORT") or 0) or None,
-    "METRICS_ADDR": os.environ.get("WFDASH_METRICS_ADDR", "127.0.0.1"),
+    "METRICS_PORT": env_number("WFDASH_METRICS_PORT", 0, 0, maximum=65535) or None,
+    "METRICS_ADDR": env("WFDASH_METRICS_ADDR", "127.0.0.1"),
     # Checkpoints and ends of concurrent runs share one transaction (group commit). On by
     # default. SQLite: one writer, fewer commits and thread hops (~1.7x faster per step).
     # PostgreSQL: the group's checkpoints are pipelined and its ends are one statement
