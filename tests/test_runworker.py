@@ -162,3 +162,70 @@ def test_a_worker_that_cannot_reach_redis_at_start_says_so_without_the_password(
     )
     assert "Traceback" not in result.stderr, result.stderr
     assert "s3cret-pw" not in result.stderr, result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answered(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            return conn.recv(12).startswith(b"HTTP/1.1")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("server", "started"),
+    [
+        # The README's production command: daphne sets up the root logger's handler first.
+        ("daphne", "embedded wfdash worker"),
+        ("runserver", "embedded wfdash worker"),
+        ("runworker", "running (concurrency"),
+    ],
+)
+def test_each_engine_log_line_is_written_once(server, started):
+    """Under daphne every engine line was written twice: by the wfdash logger's handler
+    and by the handler daphne's command line gives the root logger, which it reached
+    too. runserver and runworker wrote it once; so must each of the three."""
+    port = free_port()
+    command = {
+        "daphne": ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "wfdash.asgi:application"],
+        "runserver": ["manage.py", "runserver", "--noreload", f"127.0.0.1:{port}"],
+        "runworker": ["manage.py", "runworker", "workflows"],
+    }[server]
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "WFDASH_DEMO": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(
+        [sys.executable, *command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+    def logged() -> str:
+        log.seek(0)
+        return log.read()
+
+    try:
+        if server != "runworker":  # daphne starts the embedded worker at the first request
+            wait_until(lambda: answered(port), 60, f"{server} to answer")
+        wait_until(lambda: started in logged(), 60, f"{server}'s engine to start")
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+        lines = [line for line in logged().splitlines() if started in line]
+        assert len(lines) == 1, logged()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        log.close()

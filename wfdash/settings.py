@@ -271,7 +271,8 @@ if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # Written once whoever set up logging: under daphne the root logger's handler writes them.
+    "handlers": {"console": {"class": "wfdash.logs.ConsoleHandler"}},
     "loggers": {
         "workflows_app": {
             "handlers": ["console"],
