@@ -106,12 +106,16 @@ def test_start_count_creates_many_in_batches_with_a_progress_bar(monkeypatch):
     assert data["count"] == 3 and len(set(data["ids"])) == 3
 
 
-def test_start_count_refuses_an_id_or_key_and_a_count_below_one():
+def test_start_count_refuses_an_id_or_key_and_a_count_out_of_range():
     assert "leave them out with --count" in refused("start", SIMPLE, "--count", "2", "--id", "x")
     assert "leave them out with --count" in refused(
         "start", SIMPLE, "--count", "2", "--idempotency-key", "k"
     )
-    assert refused("start", SIMPLE, "--count", "0") == "--count must be at least 1, got 0"
+    assert refused("start", SIMPLE, "--count", "0") == (
+        "--count must be from 1 to 100000 (start more in several commands), got 0"
+    )
+    # A few zeros too many started instances for hours (half a million in minutes).
+    assert "--count must be from 1 to 100000" in refused("start", SIMPLE, "--count", "100001")
     assert "version 9" in refused("start", SIMPLE, "--count", "2", "--version", "9")
 
 

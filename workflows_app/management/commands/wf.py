@@ -47,6 +47,9 @@ from workflows_app.models import ApiToken, BulkAction, Instance
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
+# `start --count` at most: a slip of the keyboard (a few more zeros) would otherwise fill the
+# database for hours, a batch at a time, each committed.
+START_COUNT_MAX = 100_000
 BULK_BATCH_TRIES = 3  # `wf bulk`: a batch the database rolls back this often ends the command
 
 
@@ -498,8 +501,11 @@ class Command(BaseCommand):
 
     def start_many(self, opts: argparse.Namespace, params: Any) -> None:
         """--count N: N instances with the same params, in batches (START_BATCH at most)."""
-        if opts.count < 1:
-            raise CommandError(f"--count must be at least 1, got {opts.count}")
+        if not 1 <= opts.count <= START_COUNT_MAX:
+            raise CommandError(
+                f"--count must be from 1 to {START_COUNT_MAX} (start more in several commands), "
+                f"got {opts.count}"
+            )
         if opts.instance_id or opts.idempotency_key:
             raise CommandError(
                 "--id and --idempotency-key name one instance; leave them out with --count"
