@@ -436,6 +436,15 @@ def test_watch_gives_up_after_its_timeout():
     )
 
 
+def test_watch_refuses_a_timeout_that_is_not_a_number_of_seconds():
+    """--timeout nan never gave up (nan compares false with the deadline)."""
+    waiting_approval("o-1")
+    for value in ("-5", "nan", "inf"):
+        assert refused("watch", "o-1", "--timeout", value) == (
+            f"--timeout must be a number of seconds, 0 or more, got {float(value)}"
+        )
+
+
 def test_demo_creates_instances_and_a_superuser_once():
     out = wf("demo", "--superuser", "admin:secret")
     assert "created superuser 'admin'" in out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import re
 import subprocess
 import sys
@@ -820,6 +821,11 @@ class Command(BaseCommand):
 
     def do_watch(self, opts: argparse.Namespace) -> None:
         """Poll the database (and optionally run the engine) and print what is new."""
+        if opts.timeout is not None and not (math.isfinite(opts.timeout) and opts.timeout >= 0):
+            # nan compared false with every deadline: watch never gave up.
+            raise CommandError(
+                f"--timeout must be a number of seconds, 0 or more, got {opts.timeout}"
+            )
         handle = find_instance(opts.id, opts.workflow)
         deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
         seen_history = 0
