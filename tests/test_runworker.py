@@ -84,6 +84,31 @@ def test_a_worker_started_before_migrate_refuses_with_what_to_run(unmigrated_dat
     assert "Traceback" not in result.stderr, result.stderr
 
 
+def test_wf_on_a_database_it_cannot_use_says_why_in_one_line(unmigrated_database_url, tmp_path):
+    """`wf list` before `migrate`, or on a database it cannot open, ended in a traceback."""
+
+    def wf_list(url: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": ""}
+        return subprocess.run(
+            [sys.executable, "manage.py", "wf", "list"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    for url, said in [
+        (unmigrated_database_url, "run `python manage.py migrate` before using wf"),
+        (f"sqlite:///{tmp_path / 'no-such-dir' / 'db.sqlite3'}", "the database refused: "),
+    ]:
+        result = wf_list(url)
+        assert result.returncode == 1, result.stderr
+        assert said in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().count("\n") == 0, result.stderr
+
+
 def test_the_embedded_worker_waits_for_migrate_saying_so_once(unmigrated_database_url):
     """runserver (or daphne) on a database not migrated yet: the pages serve, the engine
     says once what to run and starts when it has been run, with no traceback loop."""

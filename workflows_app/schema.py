@@ -20,9 +20,9 @@ def unapplied_migrations(using: str = "default") -> list[str] | None:
     return [f"{migration.app_label}.{migration.name}" for migration, _ in plan]
 
 
-def not_migrated_message(pending: list[str]) -> str:
+def not_migrated_message(pending: list[str], before: str = "starting the wfdash engine") -> str:
     shown = ", ".join(pending[:3]) + (", …" if len(pending) > 3 else "")
     return (
         f"the database has {len(pending)} unapplied migration(s) ({shown}): run "
-        "`python manage.py migrate` before starting the wfdash engine"
+        f"`python manage.py migrate` before {before}"
     )

@@ -16,7 +16,8 @@ Instance ids are scoped by workflow; without --workflow an id is looked up in ev
 workflow and refused if it is ambiguous. Every verb takes --json for scripts. Bad input
 exits non-zero with one line naming what was wrong; so does `wf bulk` (after its report)
 when the action failed on some instances, or when the database rolled a batch back
-BULK_BATCH_TRIES times in a row (the job is kept; workers finish it).
+BULK_BATCH_TRIES times in a row (the job is kept; workers finish it), and any verb on
+a database it cannot use (not migrated: it says what to run).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from workflows_app.client import InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.models import ApiToken, BulkAction, Instance
+from workflows_app.schema import not_migrated_message, unapplied_migrations
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -357,6 +359,13 @@ class Command(BaseCommand):
             options["handler"](namespace)
         except (errors.WorkflowError, tokens.TokenError) as exc:
             raise CommandError(" ".join(str(exc).split())) from exc
+        except DatabaseError as exc:
+            # One line, as for bad input (--traceback shows the rest): most often a database
+            # not migrated yet, or one that cannot be reached.
+            pending = unapplied_migrations()
+            if pending:
+                raise CommandError(not_migrated_message(pending, "using wf")) from exc
+            raise CommandError(f"the database refused: {first_line(exc)}") from exc
         finally:
             live.flush()  # open pages in other processes hear of this command's changes
 
