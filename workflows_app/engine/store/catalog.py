@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Exists, Max, OuterRef, Q
+from django.db.models import Exists, Max, OuterRef, Q, QuerySet
 
 from ...models import (
     Instance,
@@ -114,6 +114,17 @@ def wake_registered_versions(versions: Sequence[tuple[str, int]]) -> int:
     return woken
 
 
+def _awaited_by_parent() -> QuerySet[StepRecord]:
+    """The step.invoke of an instance's parent still waiting for it (OuterRef: the child):
+    the parent has not taken the child's output yet, and would fail without it."""
+    return StepRecord.objects.filter(
+        instance_id=OuterRef("parent_id"),
+        name=OuterRef("parent_step"),
+        kind=StepKind.INVOKE,
+        status=StepStatus.WAITING,
+    )
+
+
 def prunable(now: datetime | None = None) -> int:
     """How many finished instances are past their retention."""
     return Instance.objects.filter(expires_at__lte=now or clock.now()).count()
@@ -138,14 +149,8 @@ def prune(
     total = 0
     # A finished child whose parent's step.invoke has not taken its output yet (the
     # parent paused, parked for a missing version, or not claimed yet) stays until it has.
-    awaited = StepRecord.objects.filter(
-        instance_id=OuterRef("parent_id"),
-        name=OuterRef("parent_step"),
-        kind=StepKind.INVOKE,
-        status=StepStatus.WAITING,
-    )
     expired = Instance.objects.filter(expires_at__lte=now, status__in=lifecycle.FINISHED).exclude(
-        Exists(awaited)
+        Exists(_awaited_by_parent())
     )
     _prune_orphan_spans(now, batch)
     for _ in itertools.count() if max_batches is None else range(max_batches):
@@ -233,5 +238,26 @@ def delete_instances(name: str, instance_ids: Sequence[str]) -> list[int]:
                 "(complete, errored, terminated) instances can be deleted: terminate it first"
             )
         pks = [pk for pk, _, _ in rows]
+        _refuse_awaited(pks)
         delete_rows(pks)
     return pks
+
+
+def _refuse_awaited(pks: Sequence[int]) -> None:
+    """A finished child whose parent's step.invoke has not taken its output yet (the parent
+    paused, parked, or not run since) cannot be deleted: the parent would fail for want of
+    it (ChildWorkflowFailed, InstanceNotFound). Retention keeps it the same way (prune)."""
+    awaited = (
+        Instance.objects.filter(id__in=list(pks))
+        .filter(Exists(_awaited_by_parent()))
+        .order_by("instance_id")
+        .values_list("instance_id", "parent__workflow", "parent__instance_id", "parent_step")
+        .first()
+    )
+    if awaited is not None:
+        instance_id, workflow, parent_id, step = awaited
+        raise InvalidTransition(
+            f"cannot delete instance {instance_id!r}: its parent {workflow}/{parent_id} has not "
+            f'taken its output yet (step "{step}" waits for it); delete it once the parent has '
+            "run on, or terminate the parent first"
+        )
