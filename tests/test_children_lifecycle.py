@@ -3,18 +3,25 @@ compensations, deleting a child its parent still waits for."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
-from workflows_app.engine.errors import InvalidTransition
+from workflows_app.engine import WorkflowEntrypoint, clock, register
+from workflows_app.engine.errors import InvalidTransition, NonRetryableError
+from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+address = {"bad": True}  # what post-and-check's check step finds
 
 
 @pytest.fixture(autouse=True)
 def _flows(registered):
+    address["bad"] = True
+
     @register("parcel")
     class Parcel(WorkflowEntrypoint):
         async def run(self, event, step):
@@ -27,6 +34,46 @@ def _flows(registered):
     class Post(WorkflowEntrypoint):
         async def run(self, event, step):
             return await step.invoke("send", "parcel", params={"wait": True, "n": 7})
+
+    def refuse():
+        raise NonRetryableError("no address", "BadAddress")
+
+    @register("post-and-check")
+    class PostAndCheck(WorkflowEntrypoint):
+        """Starts a child, then invokes one and, beside it, a step that fails while the
+        invoked child still runs."""
+
+        async def run(self, event, step):
+            await step.start("notify", "parcel", params={"wait": True, "n": 2})
+
+            async def check():
+                if address["bad"]:
+                    await step.do("check", refuse)
+
+            sent, _ = await asyncio.gather(
+                step.invoke("send", "parcel", params={"wait": True, "n": 1}), check()
+            )
+            return sent
+
+    @register("post-or-timeout")
+    class PostOrTimeout(WorkflowEntrypoint):
+        """Invokes a child, but returns after a second if it has not finished by then."""
+
+        async def run(self, event, step):
+            sent = asyncio.ensure_future(step.invoke("send", "parcel", params={"wait": True}))
+            timer = asyncio.ensure_future(step.sleep("give up", "1 second"))
+            await asyncio.wait([sent, timer], return_when=asyncio.FIRST_COMPLETED)
+            return sent.result() if sent.done() else "gave up"
+
+    @register("post-and-forget")
+    class PostAndForget(WorkflowEntrypoint):
+        """Starts a child and does not wait for it (step.start)."""
+
+        async def run(self, event, step):
+            await step.start("notify", "parcel", params={"wait": True, "n": 2})
+            if (event.payload or {}).get("fail"):
+                await step.do("check", refuse)
+            return "posted"
 
 
 def test_a_finished_child_its_parent_still_waits_for_cannot_be_deleted():
@@ -51,3 +98,70 @@ def test_a_finished_child_its_parent_still_waits_for_cannot_be_deleted():
     assert parent.status().output == {"parcel": 7}
     child.delete()
     assert parent.children() == []
+
+
+def test_a_parent_that_errors_while_its_invoke_waits_terminates_that_child():
+    """A gathered branch failed while step.invoke waited: the parent errored and its child
+    ran on, waiting for ever for an event with nobody to take its output (Temporal's
+    default parent-close policy terminates it). It ends with its parent now, recorded on
+    both; a restart of the parent revives it, and the invoke then takes its output. The
+    child of its step.start runs on (detached)."""
+    parent = get_workflow("post-and-check").create(id="pc1")
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "BadAddress"
+    started, child = parent.children()
+    assert (started.id, started.status().status) == ("pc1:notify", "waiting")
+    assert child.status().status == "terminated"
+    assert "parent post-and-check/pc1 ended" in child.history()[-1].data["reason"]
+    assert [h.type for h in parent.history()][-2:] == ["instance.errored", "child.terminated"]
+    address["bad"] = False  # fixed, as a restart's operator would have it
+    parent.restart()
+    testing.run_until_idle()
+    assert child.status().status == "waiting" and parent.status().status == "waiting"
+    child.send_event("go")
+    testing.run_until_idle()
+    assert parent.status().output == {"parcel": 1}
+
+
+def test_a_parent_that_completes_without_awaiting_its_invoke_terminates_that_child():
+    parent = get_workflow("post-or-timeout").create(id="pt1")
+    with testing.fake_clock() as fake:
+        testing.run_until_idle()
+        (child,) = parent.children()
+        assert child.status().status == "waiting"
+        fake.advance("2 seconds")
+        testing.run_until_idle()
+    assert parent.status().output == "gave up"
+    assert child.status().status == "terminated"
+
+
+def test_step_start_children_outlive_a_parent_that_completes_or_errors():
+    """step.start is "start, don't wait": its child is detached, and runs on whatever
+    becomes of the parent on its own (only a terminate or cancel of the parent ends it)."""
+    done = get_workflow("post-and-forget").create(id="pf1")
+    failed = get_workflow("post-and-forget").create(id="pf2", params={"fail": True})
+    testing.run_until_idle()
+    assert done.status().output == "posted" and failed.status().status == "errored"
+    for parent in (done, failed):
+        (child,) = parent.children()
+        assert child.status().status == "waiting"
+        child.send_event("go")
+    testing.run_until_idle()
+    assert [c.status().output for c in (*done.children(), *failed.children())] == [
+        {"parcel": 2},
+        {"parcel": 2},
+    ]
+
+
+def test_a_poison_parent_errored_by_its_worker_terminates_the_child_it_waits_for():
+    """The worker errors an instance whose runs keep killing their worker (PoisonInstance)
+    without running it: a step.invoke it waited in ends with it, as at any other end."""
+    parent = get_workflow("post").create(id="pp1")
+    testing.run_until_idle()
+    (child,) = parent.children()
+    Instance.objects.filter(pk=parent.row().pk).update(
+        unproductive_claims=3, status="running", wake_at=clock.now()
+    )
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "PoisonInstance"
+    assert child.status().status == "terminated"

@@ -17,7 +17,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -599,7 +599,9 @@ class Run:
         self.compensating = self.cancelled_before_end = True
 
     async def _finish(self, end: store.FinishWrite) -> bool:
-        if self.end_in_group:
+        # A run that ends on its own while a step.invoke waits ends that child with it.
+        end_children = end.status != Status.TERMINATED and self.awaits_child()
+        if self.end_in_group and not end_children:
             return bool(await self.checkpoint(end))
         return bool(
             await self.db(
@@ -614,8 +616,15 @@ class Run:
                 end.error_record,
                 self.instance.parent_id,  # a child's finish locks its parent first and wakes it
                 end.step,
+                end_children,
             )
         )
+
+    def awaits_child(self) -> bool:
+        """Whether a step.invoke of this run may still wait for its child (its waiting
+        checkpoint is in self.checkpoints as soon as the child is started: no await
+        between the two)."""
+        return awaits_child(self.checkpoints.values())
 
     def error_record(
         self,
@@ -1154,6 +1163,11 @@ class Run:
         if overrides.take_forced_timeout(self.instance_id, record.event_type):
             return True
         return record.wake_at is not None and record.wake_at <= clock.now()
+
+
+def awaits_child(steps: Iterable[StepRecord]) -> bool:
+    """Whether any of these checkpoints is a step.invoke still waiting for its child."""
+    return any(r.kind == StepKind.INVOKE and r.status == StepStatus.WAITING for r in steps)
 
 
 def _step_label(name: str) -> str:

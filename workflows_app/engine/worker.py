@@ -29,7 +29,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from ..models import Status
 from . import clock, meters, registry, spans, store
-from .runner import Run
+from .runner import Run, awaits_child
 from .store import History
 
 log = logging.getLogger("workflows_app.engine")
@@ -956,6 +956,9 @@ class Worker:
                         "trace_id": inst.trace_id,
                         "span_id": "",
                     },
+                    inst.parent_id,  # a child's end locks its parent first and wakes it
+                    None,
+                    awaits_child(loaded.steps.values()),  # its step.invoke's child ends too
                 )
                 if ended:  # not when the lease was lost meanwhile
                     meters.instance_finished(inst.workflow, Status.ERRORED)

@@ -1205,21 +1205,36 @@ def _end_terminated(
             promote_queued(workflow, limits, now)
 
 
-def _terminate_children(parents: Sequence[Instance], actor: str, now: datetime) -> None:
-    """Parents terminated or cancelled take their unfinished children (and theirs) with them.
+def end_awaited_children(pk: int, now: datetime) -> None:
+    """A parent that ended on its own (complete or errored) while a step.invoke of it still
+    waited (a gathered branch failed, or run() returned without awaiting it) terminates that
+    child, and the child's children: nothing will take its output. The children of its
+    step.start steps run on: "start, don't wait" outlives the parent (detached). Inside
+    the parent's finishing transaction, its row locked; a restart revives them (the
+    child.terminated records)."""
+    parent = Instance.objects.only("id", "workflow", "instance_id").get(id=pk)
+    detached = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values_list(
+        "name", flat=True
+    )
+    _terminate_children([parent], "", now, detached=set(detached))
+
+
+def _terminate_children(
+    parents: Sequence[Instance], actor: str, now: datetime, detached: Collection[str] = ()
+) -> None:
+    """Parents terminated or cancelled take their unfinished children (and theirs) with them;
+    `detached`: the steps of the (one) first parent whose children are left running.
 
     Level by level in a loop, not a call per level: a chain of children deeper than
     Python's stack (a workflow that recurses into a child per page) ends too. Each level
     is locked after the one above it, parents before children as everywhere."""
     while parents:
         by_pk = {parent.pk: parent for parent in parents}
-        children = list(
-            lock_rows(
-                Instance.objects.filter(
-                    parent_id__in=list(by_pk), status__in=lifecycle.LIVE
-                ).order_by("id")
-            )
-        )
+        live = Instance.objects.filter(parent_id__in=list(by_pk), status__in=lifecycle.LIVE)
+        if detached:
+            live = live.exclude(parent_step__in=list(detached))
+            detached = ()
+        children = list(lock_rows(live.order_by("id")))
         for child in children:
             parent = by_pk[child.parent_id]
             append_history(

@@ -32,7 +32,7 @@ from ..durations import LATEST_INSTANT
 from ..errors import LimitExceeded
 from ..limits import Limits
 from .catalog import VERSION_MISSING
-from .control import promote_queued
+from .control import end_awaited_children, promote_queued
 from .dialect import (
     array_literal,
     close_if_dropped,
@@ -568,17 +568,25 @@ def finish(
     error_record: dict[str, Any] | None = None,
     parent_pk: int | None = None,
     step: StepWrite | None = None,
+    end_children: bool = False,
 ) -> bool:
     """End the instance (complete, errored, terminated), free its place, start queued ones.
 
     A child wakes its parent in the same transaction; parent_pk (the child's parent, when
     the caller knows it) is locked first, the order every parent-and-child change keeps.
     `step`: the run's last checkpoint, not written yet (Run.write's hold), goes with the
-    end: in its one statement (PostgreSQL) or its transaction.
+    end: in its one statement (PostgreSQL) or its transaction. `end_children`: the run
+    ends while a step.invoke of it waits for its child, which is terminated in the same
+    transaction (end_awaited_children); only such a run pays for the look.
     """
     # What both ways of finishing write, in _finish_rows' order.
     end = (pk, token, status, limits, clock.now(), output_json, error or ("", "", ""))
-    at_once = writes_in_one_statement() and parent_pk is None and not limits.flow_controlled
+    at_once = (
+        writes_in_one_statement()
+        and parent_pk is None
+        and not limits.flow_controlled
+        and not end_children
+    )
     if at_once and step is not None:
         faults.hit("before_checkpoint")
     if at_once and _finish_at_once(*end, history, error_record, step):
@@ -593,6 +601,8 @@ def finish(
         if step is not None and not _write_held_step(step):
             return False
         finished = _finish_rows(*end, history, error_record)
+        if finished and end_children:
+            end_awaited_children(pk, end[4])
     if finished and step is not None:
         faults.hit("after_checkpoint")
     return finished
