@@ -16,11 +16,31 @@ from workflows_app.models import Instance
 pytestmark = pytest.mark.django_db(transaction=True)
 
 address = {"bad": True}  # what post-and-check's check step finds
+undone: list[str] = []  # the compensations that ran, in order
 
 
 @pytest.fixture(autouse=True)
 def _flows(registered):
     address["bad"] = True
+    undone.clear()
+
+    @register("leg")
+    class Leg(WorkflowEntrypoint):
+        """Books a leg (undone by its compensation), then the next leg as its child, or
+        waits at the last one."""
+
+        async def run(self, event, step):
+            n = event.payload["n"]
+            await step.do("book", lambda: f"leg {n}", compensate=undone.append)
+            if n == 1:
+                return await step.wait_for_event("go", type="go", timeout="1 day")
+            return await step.invoke("next", "leg", params={"n": n - 1})
+
+    @register("trip")
+    class Trip(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("pay", lambda: "payment", compensate=undone.append)
+            return await step.invoke("legs", "leg", params={"n": 2})
 
     @register("parcel")
     class Parcel(WorkflowEntrypoint):
@@ -165,3 +185,36 @@ def test_a_poison_parent_errored_by_its_worker_terminates_the_child_it_waits_for
     testing.run_until_idle()
     assert parent.status().error["name"] == "PoisonInstance"
     assert child.status().status == "terminated"
+
+
+def test_cancelling_a_parent_with_compensation_runs_its_childrens_compensations():
+    """cancel(compensate=True) undoes the parent's completed steps; its children were only
+    terminated, their booked legs left in force. Each unfinished child (and theirs) is now
+    cancelled the same way: it compensates, then ends terminated; a restart of the parent
+    revives them as after a terminate. cancel(compensate=False) still only terminates."""
+    trip = get_workflow("trip").create(id="t1")
+    testing.run_until_idle()
+    (leg,) = trip.children()
+    (last,) = leg.children()
+    assert last.status().status == "waiting"
+    assert trip.cancel(compensate=True) == "compensating"
+    assert leg.status().status == "compensating" and last.status().status == "compensating"
+    assert "child.cancelled" in [h.type for h in trip.history()]
+    testing.run_until_idle()
+    assert sorted(undone) == ["leg 1", "leg 2", "payment"]
+    for inst in (trip, leg, last):
+        assert inst.status().status == "terminated"
+        assert [h.type for h in inst.history()][-2:] == [
+            "compensation.completed",
+            "instance.cancelled",
+        ]
+    assert any(h.data.get("cancelled") == "parent trip/t1 cancelled" for h in leg.history())
+
+    trip.restart()
+    testing.run_until_idle()
+    assert last.status().status == "waiting" and trip.status().status == "waiting"
+    undone.clear()
+    trip.cancel(compensate=False)
+    assert last.status().status == "terminated" and leg.status().status == "terminated"
+    testing.run_until_idle()
+    assert undone == []

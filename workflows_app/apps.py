@@ -27,6 +27,7 @@ class WorkflowsAppConfig(AppConfig):
         store.control.on_promoted = live.instances_promoted
         store.control.on_queue_timed = live.queue_timed
         store.control.on_child_terminated = live.instance_terminated
+        store.control.on_child_compensating = live.instance_compensating
         store.schedules.on_fired = live.instances_scheduled
         if getattr(settings, "WFDASH", {}).get("TRACING", True):
             from . import tracing

@@ -344,6 +344,12 @@ def instance_terminated(pk: int) -> None:
     instance_changed("terminate", pk)
 
 
+def instance_compensating(pk: int) -> None:
+    """An instance was cancelled with compensation with its parent: a worker running it lets
+    its steps in flight finish, then compensates; otherwise a worker runs its compensations."""
+    instance_changed("compensate", pk)
+
+
 def instances_scheduled(pks: list[int]) -> None:
     """Schedules started instances (a worker fired their ticks): tell dashboards."""
     for pk in pks:

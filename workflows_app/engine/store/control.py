@@ -81,6 +81,9 @@ on_promoted: Callable[[list[int]], None] | None = None
 on_queue_timed: Callable[[], None] | None = None
 # Told (after commit) of a child terminated with its parent, so a worker running it stops.
 on_child_terminated: Callable[[int], None] | None = None
+# Told (after commit) of a child cancelled with compensation with its parent: a worker
+# running it lets its steps in flight finish, then compensates; else one runs it.
+on_child_compensating: Callable[[int], None] | None = None
 
 
 def lock_workflow(name: str) -> None:
@@ -1434,17 +1437,37 @@ def _children_it_ended(parent: Instance, steps: Collection[str]) -> list[Instanc
     revived since and then terminated on its own ended later, and is left as it is."""
     if not steps:
         return []
-    ended = {
-        (data.get("id"), created_at)
-        for data, created_at in HistoryRecord.objects.filter(
-            instance_id=parent.pk, type="child.terminated"
-        ).values_list("data", "created_at")
-        if isinstance(data, dict)
-    }
+    ended: set[tuple[Any, datetime]] = set()
+    cancelled: dict[Any, datetime] = {}  # child id -> its parent's latest cancel of it
+    for kind, data, created_at in HistoryRecord.objects.filter(
+        instance_id=parent.pk, type__in=("child.terminated", "child.cancelled")
+    ).values_list("type", "data", "created_at"):
+        if not isinstance(data, dict):
+            continue
+        if kind == "child.terminated":
+            ended.add((data.get("id"), created_at))
+        else:
+            cancelled[data.get("id")] = max(created_at, cancelled.get(data.get("id"), created_at))
     children = Instance.objects.filter(
         parent_id=parent.pk, parent_step__in=list(steps), status=Status.TERMINATED
     ).order_by("id")
-    return [child for child in children if (child.instance_id, child.finished_at) in ended]
+    return [
+        child
+        for child in children
+        if (child.instance_id, child.finished_at) in ended
+        or _compensated_with_parent(child, cancelled.get(child.instance_id))
+    ]
+
+
+def _compensated_with_parent(child: Instance, cancelled_at: datetime | None) -> bool:
+    """A child its parent's cancel(compensate=True) cancelled ends when its compensations
+    are done, later than the cascade's child.cancelled record: it ended with its parent
+    unless it was restarted since (and then ended on its own)."""
+    if cancelled_at is None:
+        return False
+    return not HistoryRecord.objects.filter(
+        instance_id=child.pk, type="instance.restarted", created_at__gte=cancelled_at
+    ).exists()
 
 
 @retry_while_locked
@@ -1745,7 +1768,8 @@ class Cancelled(NamedTuple):
 def cancel(
     name: str, instance_id: str, limits: Limits, compensate: bool, actor: str = ""
 ) -> Cancelled:
-    """Cancel: terminate at once, or first run the compensations of completed steps."""
+    """Cancel: terminate at once, or first run the compensations of completed steps; its
+    unfinished children are cancelled the same way (SPEC §8)."""
     now = clock.now()
     with transaction.atomic():
         inst = locked_with_parent(name, instance_id)
@@ -1754,38 +1778,89 @@ def cancel(
             # Its compensations run already: taking the lease from the run doing them
             # would run the one in flight a second time.
             return Cancelled(Status.COMPENSATING, changed=False)
-        compensable = (
-            compensate
-            and StepRecord.objects.filter(
-                instance_id=inst.pk,
-                kind=StepKind.DO,
-                status=StepStatus.COMPLETE,
-                has_compensation=True,
-            ).exists()
-        )
-        if not compensable:
+        if not compensate:
             append_history(
-                inst.pk, [History("instance.cancelled", {"compensate": compensate}, actor)], now
+                inst.pk, [History("instance.cancelled", {"compensate": False}, actor)], now
             )
             _terminate_locked([inst], lambda _: limits, actor, "cancelled", now)
             return Cancelled(Status.TERMINATED, changed=True)
-        # Its children end now, as with a terminate. A run holding a live lease keeps it:
-        # told (hint, or its next checkpoint), it starts no more work, lets the steps in
-        # flight finish and checkpoint (a sync step cannot be stopped: its effect would
-        # land uncompensated), then runs the compensations; an end it reaches first is
-        # refused (NO_CANCEL_PENDING) and it unwinds instead. Otherwise the next run
-        # replays to collect the compensations, then runs them newest first.
-        _terminate_children([inst], actor, now)
-        live_lease = inst.lease_token is not None and (
-            inst.lease_expires_at is not None and inst.lease_expires_at > now
+        status = _cancel_compensating(inst, limits, actor, "cancelled", now)
+        _cancel_children([inst], actor, now)
+        return Cancelled(status, changed=True)
+
+
+def _cancel_compensating(
+    inst: Instance, limits: Limits, actor: str, reason: str, now: datetime
+) -> str:
+    """cancel(compensate=True) of one live, locked instance, without its children: ended at
+    once if no completed step has a compensation, else compensating; returns which."""
+    compensable = StepRecord.objects.filter(
+        instance_id=inst.pk,
+        kind=StepKind.DO,
+        status=StepStatus.COMPLETE,
+        has_compensation=True,
+    ).exists()
+    if not compensable:
+        append_history(inst.pk, [History("instance.cancelled", {"compensate": True}, actor)], now)
+        _end_terminated([inst], lambda _: limits, actor, reason, now)
+        return Status.TERMINATED
+    # A run holding a live lease keeps it: told (hint, or its next checkpoint), it starts
+    # no more work, lets the steps in flight finish and checkpoint (a sync step cannot be
+    # stopped: its effect would land uncompensated), then runs the compensations; an end
+    # it reaches first is refused (NO_CANCEL_PENDING) and it unwinds instead. Otherwise
+    # the next run replays to collect the compensations, then runs them newest first.
+    live_lease = inst.lease_token is not None and (
+        inst.lease_expires_at is not None and inst.lease_expires_at > now
+    )
+    Instance.objects.filter(id=inst.pk).update(
+        status=Status.COMPENSATING,
+        compensate_on_cancel=True,
+        wake_at=now,
+        updated_at=now,
+        waiting_reason="",
+        **({} if live_lease else clear_lease()),
+    )
+    data = {"reason": "cancel", **({"cancelled": reason} if reason != "cancelled" else {})}
+    append_history(inst.pk, [History("compensation.started", data, actor)], now)
+    return Status.COMPENSATING
+
+
+def _cancel_children(parents: Sequence[Instance], actor: str, now: datetime) -> None:
+    """Parents cancelled with compensation cancel their unfinished children (and theirs)
+    the same way: each runs its own compensations, newest first, then ends terminated, as
+    its own cancel(compensate=True) would (a child with none ends at once). A child
+    compensating already (its own cancel, or compensate_on_failure) goes on undisturbed.
+    Level by level, parents locked before children, as _terminate_children."""
+    while parents:
+        by_pk = {parent.pk: parent for parent in parents}
+        children = list(
+            lock_rows(
+                Instance.objects.filter(
+                    parent_id__in=list(by_pk), status__in=lifecycle.LIVE
+                ).order_by("id")
+            )
         )
-        Instance.objects.filter(id=inst.pk).update(
-            status=Status.COMPENSATING,
-            compensate_on_cancel=True,
-            wake_at=now,
-            updated_at=now,
-            waiting_reason="",
-            **({} if live_lease else clear_lease()),
-        )
-        append_history(inst.pk, [History("compensation.started", {"reason": "cancel"}, actor)], now)
-        return Cancelled(Status.COMPENSATING, changed=True)
+        below = []
+        for child in children:
+            if child.status == Status.COMPENSATING:
+                continue
+            parent = by_pk[child.parent_id]
+            reason = f"parent {parent.workflow}/{parent.instance_id} cancelled"
+            limits = limits_for(child.workflow, child.version)
+            status = _cancel_compensating(child, limits, actor, reason, now)
+            ended = status == Status.TERMINATED
+            # child.terminated: the cascade ended it at this instant; child.cancelled: it
+            # compensates first. A restart of the parent revives either (_children_it_ended).
+            kind = "child.terminated" if ended else "child.cancelled"
+            data = {"workflow": child.workflow, "id": child.instance_id}
+            append_history(parent.pk, [History(kind, data)], now)
+            if ended:
+                transaction.on_commit(
+                    functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
+                )
+                if on_child_terminated is not None:
+                    transaction.on_commit(functools.partial(on_child_terminated, child.pk))
+            elif on_child_compensating is not None:
+                transaction.on_commit(functools.partial(on_child_compensating, child.pk))
+            below.append(child)
+        parents = below
