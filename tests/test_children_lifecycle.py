@@ -218,3 +218,33 @@ def test_cancelling_a_parent_with_compensation_runs_its_childrens_compensations(
     assert last.status().status == "terminated" and leg.status().status == "terminated"
     testing.run_until_idle()
     assert undone == []
+
+
+def test_a_parent_moved_to_a_version_that_invokes_another_workflow_fails_clearly(registered):
+    """restart(version=N) drops the parent's checkpoints; its replay finds the child its
+    step started by the step's name. A new version whose step of that name invokes another
+    workflow took that child's output as the new workflow's (silently the wrong one): it
+    now fails, naming both workflows, as a changed step's kind does."""
+    parent = get_workflow("post").create(id="pv1")
+    testing.run_until_idle()
+
+    @register("parcel-tracked")
+    class Tracked(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return {"tracked": True}
+
+    @register("post", version=2)
+    class PostV2(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("send", "parcel-tracked", params={"n": 7})
+
+    parent.restart(version=2)
+    testing.run_until_idle()
+    (child,) = parent.children()
+    child.send_event("go")
+    testing.run_until_idle()
+    status = parent.status()
+    assert status.status == "errored", status
+    assert status.error["name"] == "NonDeterminismError"
+    assert 'step "send" started pv1:send, a child of workflow "parcel"' in status.error["message"]
+    assert '"parcel-tracked"' in status.error["message"]

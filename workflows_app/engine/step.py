@@ -38,6 +38,7 @@ from .errors import (
     EventTimeout,
     InvalidInput,
     LimitExceeded,
+    NonDeterminismError,
     NonRetryableError,
     RunAborted,
     StepOutputError,
@@ -827,6 +828,17 @@ class Step:
         except store.LeaseLost as exc:
             run.abort(str(exc))
             raise RunAborted(str(exc)) from None
+        if not created and child.workflow != definition.name:
+            # A replay finds the child by the step's name: after a restart on another
+            # version, that step may now ask for another workflow, whose output it would
+            # take from the wrong one.
+            run.fatal = NonDeterminismError(
+                f'step "{name}" started {child.instance_id}, a child of workflow '
+                f'"{child.workflow}", but the workflow now asks it for workflow '
+                f'"{definition.name}": a step that starts another workflow needs another '
+                "name (or restart the instance on the version it started the child with)"
+            )
+            raise run.fatal
         if created:  # in the parent's context: the creation span links to the parent's span
             created_span = spans.creation_span(
                 child.trace_id, child.pk, definition.name, child.instance_id, actor
