@@ -248,3 +248,29 @@ def test_a_parent_moved_to_a_version_that_invokes_another_workflow_fails_clearly
     assert status.error["name"] == "NonDeterminismError"
     assert 'step "send" started pv1:send, a child of workflow "parcel"' in status.error["message"]
     assert '"parcel-tracked"' in status.error["message"]
+
+
+def test_a_cancel_whose_compensation_fails_for_good_ends_the_instance_errored(registered):
+    """README: a compensation that fails for good ends the instance errored with its own
+    error. After cancel(compensate=True) that end was refused by the fence meant for
+    other ends while the cancel is pending (compensate_on_cancel), so the instance stayed
+    compensating and was run again at once, for ever (a run every few milliseconds). A
+    child its parent's cancel sets compensating meets it as well."""
+
+    def undo_payment(output):
+        raise NonRetryableError("refunds are closed", "RefundRefused")
+
+    @register("strict-pay")
+    class StrictPay(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("pay", lambda: "payment", compensate=undo_payment)
+            return await step.wait_for_event("go", type="go", timeout="1 day")
+
+    inst = get_workflow("strict-pay").create(id="sp1")
+    testing.run_until_idle()
+    assert inst.cancel(compensate=True) == "compensating"
+    testing.run_until_idle()
+    status = inst.status()
+    assert (status.status, status.error["name"]) == ("errored", "RefundRefused")
+    assert inst.row().compensate_on_cancel is False
+    assert [h.type for h in inst.history()].count("run.started") == 2

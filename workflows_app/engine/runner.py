@@ -601,7 +601,10 @@ class Run:
     async def _finish(self, end: store.FinishWrite) -> bool:
         # A run that ends on its own while a step.invoke waits ends that child with it.
         end_children = end.status != Status.TERMINATED and self.awaits_child()
-        if self.end_in_group and not end_children:
+        # The end of a cancel's unwinding (errored: a compensation failed for good) is that
+        # cancel's own: the fence that refuses other ends while it is pending lets it pass.
+        unwound = self.unwinding and self.compensating and end.status != Status.TERMINATED
+        if self.end_in_group and not end_children and not unwound:
             return bool(await self.checkpoint(end))
         return bool(
             await self.db(
@@ -617,6 +620,7 @@ class Run:
                 self.instance.parent_id,  # a child's finish locks its parent first and wakes it
                 end.step,
                 end_children,
+                unwound,
             )
         )
 

@@ -569,6 +569,7 @@ def finish(
     parent_pk: int | None = None,
     step: StepWrite | None = None,
     end_children: bool = False,
+    unwound: bool = False,
 ) -> bool:
     """End the instance (complete, errored, terminated), free its place, start queued ones.
 
@@ -577,7 +578,9 @@ def finish(
     `step`: the run's last checkpoint, not written yet (Run.write's hold), goes with the
     end: in its one statement (PostgreSQL) or its transaction. `end_children`: the run
     ends while a step.invoke of it waits for its child, which is terminated in the same
-    transaction (end_awaited_children); only such a run pays for the look.
+    transaction (end_awaited_children); only such a run pays for the look. `unwound`: the
+    end of the run that unwound a cancel(compensate=True), errored when a compensation
+    failed for good, passes the fence that refuses other ends while that cancel is pending.
     """
     # What both ways of finishing write, in _finish_rows' order.
     end = (pk, token, status, limits, clock.now(), output_json, error or ("", "", ""))
@@ -586,6 +589,7 @@ def finish(
         and parent_pk is None
         and not limits.flow_controlled
         and not end_children
+        and not unwound
     )
     if at_once and step is not None:
         faults.hit("before_checkpoint")
@@ -600,7 +604,7 @@ def finish(
             list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id", flat=True))
         if step is not None and not _write_held_step(step):
             return False
-        finished = _finish_rows(*end, history, error_record)
+        finished = _finish_rows(*end, history, error_record, unwound)
         if finished and end_children:
             end_awaited_children(pk, end[4])
     if finished and step is not None:
@@ -627,6 +631,7 @@ def _finish_rows(
     error: tuple[str, str, str],
     history: Sequence[History],
     error_record: dict[str, Any] | None,
+    unwound: bool = False,
 ) -> bool:
     """finish's writes, inside the caller's transaction; the first statement is the fence."""
     name, message, stack = error
@@ -651,7 +656,7 @@ def _finish_rows(
                 False,
                 pk,
                 token,
-                status == Status.TERMINATED,
+                status == Status.TERMINATED or unwound,
             ],
         )
         row = cursor.fetchone()
