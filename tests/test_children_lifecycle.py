@@ -274,3 +274,43 @@ def test_a_cancel_whose_compensation_fails_for_good_ends_the_instance_errored(re
     assert (status.status, status.error["name"]) == ("errored", "RefundRefused")
     assert inst.row().compensate_on_cancel is False
     assert [h.type for h in inst.history()].count("run.started") == 2
+
+
+def test_a_parent_whose_compensation_fails_leaves_its_childs_compensations_running(registered):
+    """cancel(compensate=True) set parent and child compensating; the parent's own
+    compensation failed for good, so the parent ended errored while the step.invoke it
+    replayed still waited: that end must not cut the child's compensations short."""
+    attempts: list[str] = []
+
+    def undo_leg(output):
+        attempts.append(output)
+        if len(attempts) == 1:
+            raise RuntimeError("the airline is down")  # retried after 10 s, on the engine clock
+
+    def undo_payment(output):
+        raise NonRetryableError("refunds are closed", "RefundRefused")
+
+    @register("slow-leg")
+    class SlowLeg(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("book", lambda: "leg", compensate=undo_leg)
+            return await step.wait_for_event("go", type="go", timeout="1 day")
+
+    @register("strict-trip")
+    class StrictTrip(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("pay", lambda: "payment", compensate=undo_payment)
+            return await step.invoke("leg", "slow-leg")
+
+    trip = get_workflow("strict-trip").create(id="st1")
+    with testing.fake_clock() as fake:
+        testing.run_until_idle()
+        (leg,) = trip.children()
+        trip.cancel(compensate=True)
+        testing.run_until_idle()
+        assert trip.status().error["name"] == "RefundRefused"
+        assert leg.status().status == "compensating" and attempts == ["leg"]
+        fake.advance("1 minute")
+        testing.run_until_idle()
+    assert attempts == ["leg", "leg"]
+    assert [h.type for h in leg.history()][-2:] == ["compensation.completed", "instance.cancelled"]

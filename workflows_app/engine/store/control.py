@@ -1212,21 +1212,23 @@ def end_awaited_children(pk: int, now: datetime) -> None:
     """A parent that ended on its own (complete or errored) while a step.invoke of it still
     waited (a gathered branch failed, or run() returned without awaiting it) terminates that
     child, and the child's children: nothing will take its output. The children of its
-    step.start steps run on: "start, don't wait" outlives the parent (detached). Inside
-    the parent's finishing transaction, its row locked; a restart revives them (the
-    child.terminated records)."""
+    step.start steps run on: "start, don't wait" outlives the parent (detached), as does a
+    child compensating (its parent's cancel(compensate=True), whose own compensation
+    failed: the child's are not cut short). Inside the parent's finishing transaction, its
+    row locked; a restart revives them (the child.terminated records)."""
     parent = Instance.objects.only("id", "workflow", "instance_id").get(id=pk)
     detached = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values_list(
         "name", flat=True
     )
-    _terminate_children([parent], "", now, detached=set(detached))
+    spared = Q(parent_step__in=list(detached)) | Q(status=Status.COMPENSATING)
+    _terminate_children([parent], "", now, spared=spared)
 
 
 def _terminate_children(
-    parents: Sequence[Instance], actor: str, now: datetime, detached: Collection[str] = ()
+    parents: Sequence[Instance], actor: str, now: datetime, spared: Q | None = None
 ) -> None:
     """Parents terminated or cancelled take their unfinished children (and theirs) with them;
-    `detached`: the steps of the (one) first parent whose children are left running.
+    `spared`: the children of the first level left running.
 
     Level by level in a loop, not a call per level: a chain of children deeper than
     Python's stack (a workflow that recurses into a child per page) ends too. Each level
@@ -1234,9 +1236,8 @@ def _terminate_children(
     while parents:
         by_pk = {parent.pk: parent for parent in parents}
         live = Instance.objects.filter(parent_id__in=list(by_pk), status__in=lifecycle.LIVE)
-        if detached:
-            live = live.exclude(parent_step__in=list(detached))
-            detached = ()
+        if spared is not None:
+            live, spared = live.exclude(spared), None
         children = list(lock_rows(live.order_by("id")))
         for child in children:
             parent = by_pk[child.parent_id]
