@@ -20,7 +20,7 @@ from django.test import Client
 from tests.dashboard.helpers import make_user
 from tests.surface_flows import snapshot
 from wfdash.asgi import router
-from workflows_app import access, testing, tokens
+from workflows_app import access, fanout, testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import (
@@ -740,13 +740,17 @@ async def test_a_socket_closes_when_the_group_that_let_its_user_view_loses_that(
 async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_or_recheck(
     waiter, monkeypatch
 ):
+    # A message re-checks with an answer at most fanout.ACCESS_SHARED_SECONDS old.
+    monkeypatch.setattr(fanout, "ACCESS_SHARED_SECONDS", 3600)
     _, cookie = await database_sync_to_async(logged_in)("quiet", "view_instance")
     communicator, connected = await connect("/ws/instances/", cookie)
     assert connected and await answers_ping(communicator)
     await database_sync_to_async(
         lambda: User.objects.filter(username="quiet").update(is_active=False)
     )()
-    assert not await answers_ping(communicator)  # the client's next message re-checks first
+    assert await answers_ping(communicator)  # within the window: the answer read stands
+    monkeypatch.setattr(fanout, "ACCESS_SHARED_SECONDS", 0.0)  # the window has passed
+    assert not await answers_ping(communicator)  # the next message reads the change
 
     await database_sync_to_async(
         lambda: User.objects.filter(username="quiet").update(is_active=True)
@@ -758,6 +762,42 @@ async def test_a_change_no_signal_reports_closes_the_socket_at_its_next_message_
         lambda: User.objects.filter(username="quiet").update(is_active=False)
     )()
     assert await close_code(communicator) == 4403  # the periodic re-check, with no message at all
+
+
+def session_reads(monkeypatch: Any) -> list[str]:
+    """Every SQL statement that reads a session, from any thread, until the test ends."""
+    from django.db.backends import utils
+
+    seen: list[str] = []
+    execute = utils.CursorWrapper.execute
+
+    def counting(self: Any, sql: str, params: Any = None) -> Any:
+        if "django_session" in sql:
+            seen.append(sql)
+        return execute(self, sql, params)
+
+    monkeypatch.setattr(utils.CursorWrapper, "execute", counting)
+    return seen
+
+
+async def test_a_flood_of_client_frames_reads_the_session_once_not_per_frame(waiter, monkeypatch):
+    # Each frame used to run the full access check (session, user, two permission
+    # queries) on the thread every synchronous view waits for.
+    monkeypatch.setattr(fanout, "ACCESS_SHARED_SECONDS", 3600)  # no window ends mid-test
+    _, cookie = await database_sync_to_async(logged_in)("flooder", "view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    reads = session_reads(monkeypatch)
+    for _ in range(50):
+        await communicator.send_json_to({"type": "ping"})
+        await communicator.send_to(text_data="{")
+    pongs = errors = 0
+    while pongs < 50 or errors < 50:
+        message = await communicator.receive_json_from(timeout=5)
+        pongs += message["type"] == "pong"
+        errors += message["type"] == "error"
+    assert len(reads) == 1, reads
+    await communicator.disconnect()
 
 
 def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(

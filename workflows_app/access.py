@@ -1,9 +1,10 @@
 """Who may watch the dashboard, decided again while a socket stays open.
 
 A page checks its user once per request; a WebSocket lives for hours. So a socket re-checks
-its session and user on every client message, every RECHECK_SECONDS, and at once when the
-user changes (deactivated, permissions or groups edited, password changed); logging out
-closes every socket of that session. The signal receivers here only publish a notice to
+its session and user every RECHECK_SECONDS, on a client message (with an answer at most
+fanout.ACCESS_SHARED_SECONDS old), and at once when the user changes (deactivated,
+permissions or groups edited, password changed); logging out closes every socket of that
+session. The signal receivers here only publish a notice to
 the session's or user's group (live.py); the consumers decide.
 """
 

@@ -9,7 +9,8 @@ that this process's fan-out hub (fanout.py) hands it, each numbered in its strea
 Clients may only send `ping`, `resync` (and `watch` on the list); anything else gets an
 `error` frame and changes nothing. A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
-on every client message, every access.RECHECK_SECONDS and whenever the user changes.
+whenever the user changes, every access.RECHECK_SECONDS, and on a client message with an
+answer at most fanout.ACCESS_SHARED_SECONDS old.
 """
 
 from __future__ import annotations
@@ -155,6 +156,20 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def still_allowed(self) -> bool:
         return await database_sync_to_async(access.session_may_view)(self.session_key, self.user_pk)
 
+    async def may_still_view(self) -> bool:
+        """A client message's access check: the session's answer as the hub read it in the
+        last fanout.ACCESS_SHARED_SECONDS, on the hub's own thread. Read afresh for every
+        frame, it cost four queries on the thread every synchronous view waits for, and a
+        page's (or a forged) flood of frames held up every page of the process. A change
+        the signals report closes the socket at once (wf_access, wf_logout); one they do
+        not, at the first message after that many seconds, or at the periodic re-check."""
+        hub = self.hub
+        if hub is None:
+            return await self.still_allowed()
+        return await hub.session_may_view(
+            self.session_key, self.user_pk, fanout.ACCESS_SHARED_SECONDS
+        )
+
     async def recheck_periodically(self) -> None:
         shared = min(fanout.ACCESS_SHARED_SECONDS, access.RECHECK_SECONDS / 2)
         while not self.ended:
@@ -191,7 +206,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
     ) -> None:
-        if not await self.still_allowed():
+        if self.ended:
+            return  # closed already: what the page sent meanwhile is dropped
+        if not await self.may_still_view():
             await self.end()
         elif text_data is None:
             await self.reject("binary frames are not accepted")
