@@ -374,3 +374,51 @@ async def test_a_hub_that_finds_no_page_open_sends_its_sockets_their_snapshots_a
         await asyncio.wait_for(later.resynced.wait(), 10)
     finally:
         await hub.unsubscribe(later, fanout.instance_stream(2))
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+async def test_a_dashboard_opened_and_closed_many_times_leaves_no_buffers_behind(
+    redis_layer, monkeypatch
+):
+    """channels_redis buffers each message popped for a process-local channel until a
+    receive on that channel takes it. A socket closing as its user's `wf.access` arrived
+    left that message buffered, and a receive cancelled mid-pop left its empty buffer,
+    for the life of the process: about one buffer per three sockets ever opened."""
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from tests.dashboard.helpers import make_user
+    from tests.dashboard.test_consumers import connect, receive_until
+
+    def login() -> bytes:
+        client = Client()
+        client.force_login(User.objects.get(username="opener"))
+        return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    now = [0.0]
+    monkeypatch.setattr(redis_layer, "monotonic", lambda: now[0], raising=False)
+    await sync_to_async(make_user)("opener", "view_instance")
+    cookie = await sync_to_async(login)()
+    kept, connected = await connect("/ws/overview/", cookie)  # the hub stays, receiving
+    assert connected
+    await receive_until(kept, "snapshot")
+    for _ in range(30):
+        page, connected = await connect("/ws/instances/", cookie)
+        assert connected
+        await receive_until(page, "snapshot")
+        # A login or an edit of the user: each of their sockets re-checks (wf.access).
+        await sync_to_async(lambda: User.objects.get(username="opener").save())()
+        await page.disconnect()
+
+    # At most the few that got a message as they closed, kept until `expiry` has passed,
+    # and the two with a receive waiting (the kept socket's and its hub's).
+    assert len(redis_layer.receive_buffer) <= 2 + 30
+    now[0] += redis_layer.expiry + 60
+    await sync_to_async(lambda: User.objects.get(username="opener").save())()
+    async with asyncio.timeout(10):  # the kept socket's next receive sweeps
+        while len(redis_layer.receive_buffer) > 2:
+            await asyncio.sleep(0.05)
+    assert set(redis_layer.unreceived_since) <= set(redis_layer.receive_buffer)
+    await kept.disconnect()

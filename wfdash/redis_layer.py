@@ -10,14 +10,27 @@ receive(). The pop blocks for 2 s rather than 5, so a cancelled receive ends wit
 
 A receive cancelled while it waits for the cleaning of the message before it leaves no
 lock behind (CleanLocks).
+
+The buffers of channels nobody receives on any more are dropped. channels_redis receives
+every process-local channel through one Redis key and buffers each message for its
+channel until a receive() on that channel takes it: a message for a socket that has just
+closed (its user's `wf.access`, sent as it closed) was kept for the life of the process,
+and so was the empty buffer of every receive cancelled while it popped (each closing
+socket's, about one in three). A dashboard opened and closed all day grew the process.
+Now a channel's buffer goes when its last receive ends with it empty, and one that no
+receive has waited on for `expiry` seconds (Redis would have dropped its messages by
+then) goes with what it holds (see sweep()).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
+import time
 from typing import Any
 
-from channels_redis.core import ChannelLock
+from channels_redis.core import BoundedQueue, ChannelLock
 from channels_redis.core import RedisChannelLayer as BaseRedisChannelLayer
 
 
@@ -46,12 +59,71 @@ class CleanLocks(ChannelLock):
             raise
 
 
+class Buffers(collections.defaultdict[str, BoundedQueue]):
+    """channels_redis's receive buffers (channel -> queue), noting when one is made for a
+    channel no receive waits on: a message popped for it by another channel's receive."""
+
+    def __init__(self, layer: RedisChannelLayer) -> None:
+        super().__init__(functools.partial(BoundedQueue, layer.capacity))
+        self.layer = layer
+
+    def __missing__(self, channel: str) -> BoundedQueue:
+        if channel not in self.layer.receivers:
+            self.layer.unreceived_since.setdefault(channel, self.layer.monotonic())
+        return super().__missing__(channel)
+
+
 class RedisChannelLayer(BaseRedisChannelLayer):
     brpop_timeout = 2
+    SWEEP_SECONDS = 1.0  # buffers without a receiver are looked for at most this often
+    monotonic = staticmethod(time.monotonic)  # tests control it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.receive_clean_locks = CleanLocks()
+        self.receivers: dict[str, int] = {}  # process-local channel -> receives waiting on it
+        # channel -> since when its buffer has had no receive waiting on it
+        self.unreceived_since: dict[str, float] = {}
+        self.swept_at = -float("inf")
+        self.receive_buffer = Buffers(self)
+
+    async def receive(self, channel: str) -> Any:
+        if "!" not in channel:
+            return await super().receive(channel)
+        self.receivers[channel] = self.receivers.get(channel, 0) + 1
+        self.unreceived_since.pop(channel, None)
+        try:
+            return await super().receive(channel)
+        finally:
+            self.receivers[channel] -= 1
+            if not self.receivers[channel]:
+                del self.receivers[channel]
+                buffer = self.receive_buffer.get(channel)
+                if buffer is None or buffer.empty():
+                    # A receive cancelled mid-pop leaves its channel's empty buffer behind.
+                    self.receive_buffer.pop(channel, None)
+                else:
+                    self.unreceived_since[channel] = self.monotonic()
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the buffers of channels no receive has waited on for `expiry` seconds:
+        their consumers are gone (a closed socket, a stopped hub). Messages are popped
+        for them by other channels' receives, which call this, at most once a
+        SWEEP_SECONDS."""
+        now = self.monotonic()
+        if now - self.swept_at < self.SWEEP_SECONDS:
+            return
+        self.swept_at = now
+        for channel in list(self.receive_buffer):
+            if channel in self.receivers:
+                continue
+            since = self.unreceived_since.setdefault(channel, now)
+            if now - since >= self.expiry:
+                del self.receive_buffer[channel]
+        for channel in list(self.unreceived_since):
+            if channel not in self.receive_buffer:
+                del self.unreceived_since[channel]
 
     async def _brpop_with_clean(self, index: int, channel: Any, timeout: float) -> Any:
         member = await super()._brpop_with_clean(index, channel, timeout)
