@@ -20,8 +20,9 @@ from django.test import Client
 from tests.dashboard.helpers import make_user
 from tests.surface_flows import snapshot
 from wfdash.asgi import router
-from workflows_app import access, fanout, testing, tokens
+from workflows_app import access, consumers, fanout, testing, tokens
 from workflows_app.client import get_workflow
+from workflows_app.consumers import CLIENT_FRAMES_BURST, CLIENT_FRAMES_PER_SECOND
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.errors import (
     InstanceNotFound,
@@ -788,16 +789,45 @@ async def test_a_flood_of_client_frames_reads_the_session_once_not_per_frame(wai
     communicator, connected = await connect("/ws/instances/", cookie)
     assert connected
     reads = session_reads(monkeypatch)
-    for _ in range(50):
+    for _ in range(CLIENT_FRAMES_BURST // 2):  # the most a socket may send at once
         await communicator.send_json_to({"type": "ping"})
         await communicator.send_to(text_data="{")
     pongs = errors = 0
-    while pongs < 50 or errors < 50:
+    while pongs < CLIENT_FRAMES_BURST // 2 or errors < CLIENT_FRAMES_BURST // 2:
         message = await communicator.receive_json_from(timeout=5)
         pongs += message["type"] == "pong"
         errors += message["type"] == "error"
     assert len(reads) == 1, reads
     await communicator.disconnect()
+
+
+async def test_a_flood_of_frames_past_the_rate_is_dropped_with_one_error_and_the_socket_lives(
+    waiter, monkeypatch
+):
+    now = [0.0]  # the sockets' clock, stopped: no frame is refilled unless it moves
+    monkeypatch.setattr(consumers.DashboardConsumer, "monotonic", staticmethod(lambda: now[0]))
+    pk = (await database_sync_to_async(waiter.row)()).pk
+    cookie = await database_sync_to_async(staff_cookie)("view_instance")
+    flooder, connected = await connect(f"/ws/instances/{pk}/", cookie)
+    neighbour, also = await connect(f"/ws/instances/{pk}/", cookie)
+    assert connected and also
+    for _ in range(CLIENT_FRAMES_BURST + 100):
+        await flooder.send_json_to({"type": "ping"})
+    assert await answers_ping(neighbour)  # another socket of the same user is served
+    received = []
+    while len(received) < CLIENT_FRAMES_BURST + 1:
+        message = await flooder.receive_json_from(timeout=5)
+        if message["type"] not in ("snapshot", "heartbeat"):
+            received.append(message)
+    assert [m["type"] for m in received].count("pong") == CLIENT_FRAMES_BURST
+    (error,) = [m for m in received if m["type"] == "error"]
+    assert error["error"].startswith(f"too many messages: at most {CLIENT_FRAMES_BURST} at once")
+    # The other 99 are dropped unanswered (with the clock stopped, none ever is).
+    assert await flooder.receive_nothing(timeout=0.2)
+    now[0] += CLIENT_FRAMES_BURST / CLIENT_FRAMES_PER_SECOND  # the allowance is back
+    assert await answers_ping(flooder)
+    await flooder.disconnect()
+    await neighbour.disconnect()
 
 
 def test_a_staff_user_without_change_permission_pressing_terminate_gets_403_and_nothing_changes(

@@ -7,7 +7,8 @@ that this process's fan-out hub (fanout.py) hands it, each numbered in its strea
 `heartbeat` with the last number. A page that sees a number skipped sends `resync` and gets a new snapshot
 (one at a time, at most one per RESYNC_MIN_SECONDS: more requests meanwhile are folded into the next).
 Clients may only send `ping`, `resync` (and `watch` on the list); anything else gets an
-`error` frame and changes nothing. A socket follows its session:
+`error` frame and changes nothing, and so does a flood (past CLIENT_FRAMES_BURST frames at
+once, CLIENT_FRAMES_PER_SECOND after: dropped unread). A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
 whenever the user changes, every access.RECHECK_SECONDS, and on a client message with an
 answer at most fanout.ACCESS_SHARED_SECONDS old.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from channels.consumer import AsyncConsumer
@@ -38,6 +40,11 @@ MAX_WATCHED = 500  # rows a list page may ask about (a page shows 50)
 # asks only when it saw a gap, so this costs a real page nothing; a forged flood of
 # frames costs a snapshot per interval, not one per frame.
 RESYNC_MIN_SECONDS = 1.0
+# A page sends a frame when it navigates or sees a gap; a socket's client may send
+# CLIENT_FRAMES_BURST at once and CLIENT_FRAMES_PER_SECOND after that. Frames past it (a
+# runaway or forged page) are dropped unread: the first of a run gets an error frame.
+CLIENT_FRAMES_BURST = 60
+CLIENT_FRAMES_PER_SECOND = 20.0
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
@@ -88,6 +95,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     snapshot_wanted = False
     requested_snapshots: asyncio.Task[None] | None = None
     requested_snapshot_at = -float("inf")  # loop time the last one's read began
+    # The client's frames it may still send now (see CLIENT_FRAMES_BURST), as of frames_at.
+    frames_left = 0.0
+    frames_at: float | None = None  # None: no frame yet, the whole burst is left
+    dropping = False  # frames are being dropped; the page was told at the first
+    monotonic = staticmethod(time.monotonic)  # tests control it
 
     def stream(self) -> str:
         raise NotImplementedError
@@ -208,6 +220,16 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     ) -> None:
         if self.ended:
             return  # closed already: what the page sent meanwhile is dropped
+        if not self.frame_allowed():
+            if not self.dropping:
+                self.dropping = True
+                await self.reject(
+                    f"too many messages: at most {CLIENT_FRAMES_BURST} at once and "
+                    f"{CLIENT_FRAMES_PER_SECOND:g} a second; this one and those after it "
+                    "are dropped until the rate falls"
+                )
+            return
+        self.dropping = False
         if not await self.may_still_view():
             await self.end()
         elif text_data is None:
@@ -221,6 +243,21 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 await self.reject("frame is not JSON (or is nested too deeply)")
                 return
             await self.receive_json(content)
+
+    def frame_allowed(self) -> bool:
+        """Take one of the client's frames from its allowance (a token bucket)."""
+        now = self.monotonic()
+        refilled = (
+            CLIENT_FRAMES_BURST
+            if self.frames_at is None
+            else self.frames_left + (now - self.frames_at) * CLIENT_FRAMES_PER_SECOND
+        )
+        self.frames_left = min(float(CLIENT_FRAMES_BURST), refilled)
+        self.frames_at = now
+        if self.frames_left < 1:
+            return False
+        self.frames_left -= 1
+        return True
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if not isinstance(content, dict) or content.get("type") not in self.client_types:

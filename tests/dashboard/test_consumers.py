@@ -349,6 +349,7 @@ async def test_resyncs_asked_for_while_a_snapshot_is_read_are_folded_into_one_re
     from workflows_app import consumers, fanout
 
     monkeypatch.setattr(consumers, "RESYNC_MIN_SECONDS", 0.0)  # the folding alone
+    monkeypatch.setattr(consumers, "CLIENT_FRAMES_BURST", 1000)  # no frame is dropped
     inst = await get_workflow(approval_workflow).acreate(id="flood-1")
     reads = 0
     held, release = asyncio.Event(), asyncio.Event()
@@ -395,6 +396,7 @@ async def test_a_page_s_requested_snapshots_start_at_most_once_per_interval(
     from workflows_app import consumers, fanout
 
     monkeypatch.setattr(consumers, "RESYNC_MIN_SECONDS", 3600.0)
+    monkeypatch.setattr(consumers, "CLIENT_FRAMES_BURST", 1000)  # no frame is dropped
     inst = await get_workflow(approval_workflow).acreate(id="flood-2")
     pk = (await database_sync_to_async(inst.row)()).pk
     reads = 0
