@@ -218,6 +218,9 @@ class Hub:
             if subscribers:
                 return
             self.streams.pop(stream, None)
+            # Nothing is numbered for a stream nobody follows; a page that opens it again
+            # gets its snapshot with the number as it then is (0).
+            self.seqs.pop(stream, None)
             group = self.group_of(stream)
             if group is not None and group in self.joined:
                 await self.leave(group)
@@ -563,6 +566,8 @@ class Hub:
 
     async def broadcast(self, stream: str, message: dict[str, Any]) -> None:
         """Serialize once, number it in its stream and hand it to every subscriber."""
+        if stream not in self.streams:
+            return  # its last page closed meanwhile (an await since the caller looked)
         seq = self.seqs[stream] = self.seq(stream) + 1
         text = json.dumps({**message, "seq": seq})
         for subscriber in list(self.streams.get(stream, ())):

@@ -663,3 +663,32 @@ async def test_wf_prune_tells_an_open_overview_once_for_a_batch_of_several_workf
         await asyncio.wait_for(heard.batches.wait(), RECEIVE_TIMEOUT)
     assert heard.messages == [{"type": "wf.pruned", "workflows": sorted(brief)}]
     await communicator.disconnect()
+
+
+async def test_the_hub_forgets_the_numbering_of_a_page_s_stream_when_its_last_socket_closes(
+    approval_workflow,
+):
+    """The hub numbers each stream's messages for the pages following it. An instance
+    page's numbering stayed for the life of the hub (the process's, while any page is
+    open): a dashboard left open while operators looked at instance after instance
+    grew by one entry per instance page that ever got a message."""
+    from workflows_app import fanout
+
+    cookie = await staff_cookie()
+    overview, connected = await connect("/ws/overview/", cookie)
+    assert connected  # keeps the hub running throughout
+    await receive_until(overview, "snapshot")
+    hub = fanout.hub()
+    for n in range(5):
+        inst = await get_workflow(approval_workflow).acreate(id=f"looked-at-{n}")
+        pk = (await database_sync_to_async(inst.row)()).pk
+        page, connected = await connect(f"/ws/instances/{pk}/", cookie)
+        assert connected
+        await receive_until(page, "snapshot")
+        await inst.aterminate(actor="test")
+        await receive_until(page, "instance.status")
+        assert hub.seq(fanout.instance_stream(pk)) > 0
+        await page.disconnect()
+        assert fanout.instance_stream(pk) not in hub.seqs
+    assert not [s for s in hub.seqs if s.startswith(fanout.INSTANCE_STREAM_PREFIX)]
+    await overview.disconnect()
