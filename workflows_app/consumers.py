@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from channels.consumer import AsyncConsumer
@@ -187,14 +188,27 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         while not self.ended:
             await asyncio.sleep(access.RECHECK_SECONDS - shared)
             hub = self.hub
-            if hub is not None and not await hub.session_may_view(
-                self.session_key, self.user_pk, shared
-            ):
+            if hub is None:
+                continue
+            check = hub.session_may_view(self.session_key, self.user_pk, shared)
+            if await self.checked(check) is False:
                 await self.end()
 
+    async def checked(self, check: Awaitable[bool]) -> bool | None:
+        """An access check's answer; None if the database did not give one (it is down or
+        failing over). The socket then stays as it is and the next check asks again:
+        raised, the failure ended the consumer without its disconnect (the hub kept it
+        subscribed for the life of the process) or the periodic re-check's task."""
+        try:
+            return await check
+        except Exception:
+            log.warning("could not check a dashboard socket's access", exc_info=True)
+            return None
+
     async def wf_access(self, message: dict[str, Any]) -> None:
-        """The user changed: close unless they may still view (read afresh, not shared)."""
-        if not self.ended and not await self.still_allowed():
+        """The user changed: close unless they may still view (read afresh, not shared;
+        if that fails, the periodic re-check decides)."""
+        if not self.ended and await self.checked(self.still_allowed()) is False:
             await self.end()
 
     async def wf_logout(self, message: dict[str, Any]) -> None:
@@ -230,7 +244,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 )
             return
         self.dropping = False
-        if not await self.may_still_view():
+        allowed = await self.checked(self.may_still_view())
+        if allowed is None:
+            await self.reject("could not check access just now; this message was not handled")
+        elif not allowed:
             await self.end()
         elif text_data is None:
             await self.reject("binary frames are not accepted")

@@ -692,3 +692,58 @@ async def test_the_hub_forgets_the_numbering_of_a_page_s_stream_when_its_last_so
         assert fanout.instance_stream(pk) not in hub.seqs
     assert not [s for s in hub.seqs if s.startswith(fanout.INSTANCE_STREAM_PREFIX)]
     await overview.disconnect()
+
+
+def rename_sessions(to: str, back: str) -> None:
+    """A real database failure of the access check: the session table is not there."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {to} RENAME TO {back}")
+
+
+async def test_an_access_check_that_fails_answers_an_error_frame_and_the_socket_lives_on(
+    monkeypatch, caplog
+):
+    """The database failing (over) while a socket re-checked its user crashed the
+    consumer: the socket closed with no disconnect, so the hub kept it subscribed for
+    the life of the process, and the periodic re-check died with its task."""
+    from workflows_app import fanout
+
+    monkeypatch.setattr(fanout, "ACCESS_SHARED_SECONDS", 0.0)  # every message reads
+    cookie = await staff_cookie()
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    await receive_until(communicator, "snapshot")
+    await database_sync_to_async(rename_sessions)("django_session", "django_session_away")
+    try:
+        await communicator.send_json_to({"type": "ping"})
+        error = await receive_until(communicator, "error")
+        assert error["error"].startswith("could not check access")
+    finally:
+        await database_sync_to_async(rename_sessions)("django_session_away", "django_session")
+    await communicator.send_json_to({"type": "ping"})
+    await receive_until(communicator, "pong")
+
+    # The periodic re-check fails once, and goes on: a later silent change still closes.
+    from django.contrib.auth.models import User
+
+    from workflows_app import access
+
+    monkeypatch.setattr(access, "RECHECK_SECONDS", 0.05)
+    periodic, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    caplog.clear()
+    await database_sync_to_async(rename_sessions)("django_session", "django_session_away")
+    try:
+        async with asyncio.timeout(RECEIVE_TIMEOUT):
+            while "could not check a dashboard socket's access" not in caplog.text:
+                await asyncio.sleep(0.01)
+    finally:
+        await database_sync_to_async(rename_sessions)("django_session_away", "django_session")
+    await database_sync_to_async(lambda: User.objects.update(is_active=False))()
+    while (output := await periodic.receive_output(RECEIVE_TIMEOUT))["type"] != "websocket.close":
+        pass
+    assert output["code"] == 4403
+    await communicator.disconnect()
+    assert fanout.LIST_STREAM not in fanout.hub().streams
