@@ -225,6 +225,46 @@ def test_a_child_that_ends_tells_every_worker_its_parent_is_due(registered):
         listener.stop()
 
 
+@pytest.mark.parametrize("action", ["terminate", "cancel"])
+def test_children_ended_with_their_parent_are_told_to_every_worker_at_commit(registered, action):
+    """A parent's terminate (or cancel with compensation) ends its children in its
+    transaction, and every worker hears each child's end at that commit (NOTIFY "terminate"
+    or "compensate" <child key>): through the channel layer only, the worker running a
+    child in a fleet without Redis went on running it until its next poll."""
+    postgres_only()
+
+    @register("notify-cascade-child")
+    class Child(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("book", lambda: 1, compensate=lambda booked: None)
+            await step.wait_for_event("go", type="go")
+
+    @register("notify-cascade-parent")
+    class Parent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.start("audit", "notify-cascade-child", {})
+            await step.wait_for_event("go", type="go")
+
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        parent = get_workflow("notify-cascade-parent").create(id=f"cascade-{action}")
+        testing.run_until_idle()
+        (child,) = parent.children()
+        assert child.status().status == "waiting"
+        if action == "terminate":
+            parent.terminate()
+        else:
+            parent.cancel(compensate=True)
+        expected = "terminate" if action == "terminate" else "compensate"
+        pk = child.row().pk
+        wait_until(lambda: (expected, pk) in heard, 10, f"the hint of the child's {action}")
+    finally:
+        listener.stop()
+
+
 @needs_redis
 def test_a_hint_workers_hear_by_notify_is_not_sent_through_redis_as_well(
     registered, settings, monkeypatch

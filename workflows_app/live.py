@@ -339,15 +339,17 @@ def queue_timed() -> None:
     instance_changed("queued", None, notified=store.workers_listen())
 
 
-def instance_terminated(pk: int) -> None:
-    """An instance was terminated with its parent: a worker running it stops its run."""
-    instance_changed("terminate", pk)
+def instance_terminated(pk: int, notified: bool = False) -> None:
+    """An instance was terminated with its parent: a worker running it stops its run.
+    notified: as instance_changed's."""
+    instance_changed("terminate", pk, notified=notified)
 
 
-def instance_compensating(pk: int) -> None:
+def instance_compensating(pk: int, notified: bool = False) -> None:
     """An instance was cancelled with compensation with its parent: a worker running it lets
-    its steps in flight finish, then compensates; otherwise a worker runs its compensations."""
-    instance_changed("compensate", pk)
+    its steps in flight finish, then compensates; otherwise a worker runs its compensations.
+    notified: as instance_changed's."""
+    instance_changed("compensate", pk, notified=notified)
 
 
 def instances_scheduled(pks: list[int]) -> None:

@@ -70,7 +70,7 @@ from .records import (
     wake_parent,
 )
 from .search import ATTRIBUTE_TABLE, index_attributes
-from .wakes import WAKE_CHANNEL, hint_workers
+from .wakes import WAKE_CHANNEL, hint_workers, workers_listen
 
 RATE_START_TABLE = RateLimitStart._meta.db_table
 
@@ -79,11 +79,12 @@ on_promoted: Callable[[list[int]], None] | None = None
 # Told (after commit) that queued instances got a time to start (a rate window, a debounce):
 # workers read the queues again and wait for it. Set by the app's live layer.
 on_queue_timed: Callable[[], None] | None = None
-# Told (after commit) of a child terminated with its parent, so a worker running it stops.
-on_child_terminated: Callable[[int], None] | None = None
+# Told (after commit) of a child terminated with its parent, so a worker running it stops,
+# and whether every worker heard it by NOTIFY already (live.instance_changed's notified).
+on_child_terminated: Callable[[int, bool], None] | None = None
 # Told (after commit) of a child cancelled with compensation with its parent: a worker
 # running it lets its steps in flight finish, then compensates; else one runs it.
-on_child_compensating: Callable[[int], None] | None = None
+on_child_compensating: Callable[[int, bool], None] | None = None
 
 
 def lock_workflow(name: str) -> None:
@@ -1239,6 +1240,10 @@ def _terminate_children(
         if spared is not None:
             live, spared = live.exclude(spared), None
         children = list(lock_rows(live.order_by("id")))
+        # Every worker hears it at commit (PostgreSQL), the one running a child stops it:
+        # through the channel layer only, a fleet without Redis heard it at its next poll.
+        hint_workers("terminate", [child.pk for child in children])
+        notified = workers_listen()
         for child in children:
             parent = by_pk[child.parent_id]
             append_history(
@@ -1262,7 +1267,7 @@ def _terminate_children(
                 functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
             )
             if on_child_terminated is not None:  # a worker running the child stops its run
-                transaction.on_commit(functools.partial(on_child_terminated, child.pk))
+                transaction.on_commit(functools.partial(on_child_terminated, child.pk, notified))
         parents = children
 
 
@@ -1842,6 +1847,7 @@ def _cancel_children(parents: Sequence[Instance], actor: str, now: datetime) -> 
             )
         )
         below = []
+        notified = workers_listen()
         for child in children:
             if child.status == Status.COMPENSATING:
                 continue
@@ -1855,13 +1861,17 @@ def _cancel_children(parents: Sequence[Instance], actor: str, now: datetime) -> 
             kind = "child.terminated" if ended else "child.cancelled"
             data = {"workflow": child.workflow, "id": child.instance_id}
             append_history(parent.pk, [History(kind, data)], now)
+            # As _terminate_children: every worker hears it at commit (PostgreSQL).
+            hint_workers("terminate" if ended else "compensate", [child.pk])
             if ended:
                 transaction.on_commit(
                     functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
                 )
                 if on_child_terminated is not None:
-                    transaction.on_commit(functools.partial(on_child_terminated, child.pk))
+                    transaction.on_commit(
+                        functools.partial(on_child_terminated, child.pk, notified)
+                    )
             elif on_child_compensating is not None:
-                transaction.on_commit(functools.partial(on_child_compensating, child.pk))
+                transaction.on_commit(functools.partial(on_child_compensating, child.pk, notified))
             below.append(child)
         parents = below
