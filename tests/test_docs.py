@@ -1,0 +1,119 @@
+"""What README.md and docs/*.md show a user works as written: every `wf` command line
+parses with the real command, every variable, setting, URL, API name and keyword they
+name exists. Cheap (no database, no server): a doc that drifts from the code fails here."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.core.management.base import CommandError
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def fenced_blocks(path: Path) -> Iterator[tuple[str, int, str]]:
+    """(language, line of the opening fence, text) of every ``` block, list-indented ones too."""
+    lines = read(path).splitlines()
+    i = 0
+    while i < len(lines):
+        opening = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, lang = opening.groups()
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith("```"):
+            body.append(lines[j].removeprefix(indent))
+            j += 1
+        yield lang, i + 1, "\n".join(body)
+        i = j + 1
+
+
+def shell_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Each command of the bash blocks (continuations joined) and each inline `code` span."""
+    for lang, start, text in fenced_blocks(path):
+        if lang != "bash":
+            continue
+        joined = text.replace("\\\n", " ")
+        for offset, line in enumerate(joined.splitlines(), 1):
+            yield start + offset, line
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group().count("\n"), read(path), flags=re.S)
+    for span in re.finditer(r"`([^`]+)`", text):
+        yield text.count("\n", 0, span.start()) + 1, span.group(1).replace("\n", " ")
+
+
+def where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+# --- `manage.py wf` and `runworker` command lines --------------------------------------
+
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*(=[A-Z_]+)?$")  # ID, N, NAME, K=V: a template
+
+
+def wf_commands() -> Iterator[tuple[str, list[str]]]:
+    """Every `wf <verb> …` the docs show with its arguments (templates with placeholders,
+    alternatives `a|b` or optional `[…]` parts are left out: they are not meant literally)."""
+    from workflows_app.management.commands.wf import Command
+
+    verbs = set(Command().create_parser("manage.py", "wf")._subparsers._group_actions[0].choices)
+    for path in DOCS:
+        for line, text in shell_lines(path):
+            for found in re.finditer(r"(?:^|[\s(])wf ([a-z-]+)\b([^#`]*)", text):
+                verb, rest = found.groups()
+                if verb not in verbs:
+                    continue
+                command = (verb + rest).split(" && ")[0].split(" | ")[0].strip().rstrip(".,;:)")
+                if any(mark in command for mark in ("|", "[", "…", "...")):
+                    continue
+                try:
+                    argv = shlex.split(command)
+                except ValueError:
+                    continue
+                if any(PLACEHOLDER.match(arg) for arg in argv):
+                    continue
+                # A bare verb named in prose (`wf status`) shows no arguments to check.
+                if len(argv) == 1 and not text.lstrip().startswith(("python", ".venv")):
+                    continue
+                yield where(path, line), argv
+
+
+def test_every_wf_command_in_the_docs_parses_with_the_real_command():
+    from workflows_app.management.commands.wf import Command
+
+    commands = list(wf_commands())
+    assert len(commands) > 50, "the docs' wf commands were not found"
+    refused = []
+    for place, argv in commands:
+        parser = Command().create_parser("manage.py", "wf")
+        try:
+            parser.parse_args(argv)
+        except (CommandError, SystemExit) as exc:
+            refused.append(f"{place}: wf {shlex.join(argv)}: {exc}")
+    assert not refused, "\n".join(refused)
+
+
+def test_every_runworker_command_in_the_docs_parses():
+    from workflows_app.management.commands.runworker import Command
+
+    seen = 0
+    for path in DOCS:
+        for line, text in shell_lines(path):
+            for found in re.finditer(r"manage\.py runworker ([^#`|]*)", text):
+                seen += 1
+                parser = Command().create_parser("manage.py", "runworker")
+                try:
+                    parser.parse_args(shlex.split(found.group(1)))
+                except (CommandError, SystemExit) as exc:
+                    pytest.fail(f"{where(path, line)}: runworker {found.group(1)}: {exc}")
+    assert seen >= 3
