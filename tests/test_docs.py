@@ -117,3 +117,29 @@ def test_every_runworker_command_in_the_docs_parses():
                 except (CommandError, SystemExit) as exc:
                     pytest.fail(f"{where(path, line)}: runworker {found.group(1)}: {exc}")
     assert seen >= 3
+
+
+def test_the_surfaces_examples_name_only_demo_workflows():
+    """docs/surfaces.md says every example ran against the demo: the workflows its
+    commands and API calls name must be demo workflows, or a reader copying them gets
+    UnknownWorkflow (the schedule examples named a `digest` the demo does not have)."""
+    import workflows_app.demo  # noqa: F401  (registers the demo workflows when WFDASH_DEMO is off)
+    from workflows_app.engine import registry
+
+    demo = {
+        d.name for d in registry.all_definitions() if d.cls.__module__.endswith(".demo.workflows")
+    }
+    path = ROOT / "docs" / "surfaces.md"
+    named: list[tuple[int, str]] = []
+    for line, text in shell_lines(path):
+        for pattern in (
+            r"wf start ([\w-]+)",
+            r"wf schedules create [\w-]+ ([\w-]+)",
+            r"(?:-w|--workflow) ([\w-]+)",
+            r"(?:\$API|/api/workflows)/([\w-]+)/",
+        ):
+            found = (m.group(1) for m in re.finditer(pattern, text))
+            named += [(line, name) for name in found if not PLACEHOLDER.match(name)]
+    assert len(named) > 20
+    unknown = [f"{where(path, line)}: {name}" for line, name in named if name not in demo]
+    assert not unknown, f"not demo workflows ({sorted(demo)}):\n" + "\n".join(unknown)
