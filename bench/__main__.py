@@ -8,6 +8,7 @@ and, as the last line, one JSON object with every figure (null where not measure
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -137,34 +138,39 @@ def scaled(quick: bool) -> dict[str, Any]:
 
 
 def plan(size: dict[str, Any]) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    from . import measures as m
-    from . import operating as ops
-    from . import streams
-    from .fanout import fanout
+    """The measurements in the order they run. Their modules are imported when one runs
+    (they need Django set up), so `--help` lists these very names."""
 
+    def run(module: str, function: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        def measure() -> Any:
+            return getattr(importlib.import_module(f"bench.{module}"), function)(*args, **kwargs)
+
+        return measure
+
+    m, ops, streams = "measures", "operating", "streams"
     # Parked memory last: its 100k rows would otherwise sit under every later measurement.
     return [
-        ("baseline", lambda: m.baseline(*size["baseline"])),
-        ("per_step", lambda: m.per_step(size["per_step"])),
-        ("throughput", lambda: m.throughput(size["throughput"])),
-        ("admission", lambda: m.admission(size["admission"])),
-        ("event", lambda: m.event_latency(size["event"])),
-        ("event_worker", lambda: m.event_latency_worker(size["event"])),
-        ("event_notify", lambda: m.event_latency_worker(size["event"], via="notify")),
-        ("start", lambda: m.start_latency(size["start"])),
-        ("timers", lambda: m.timer_lateness(size["timers"])),
-        ("schedule", lambda: m.schedule_latency(size["schedule"])),
-        ("herd", lambda: m.herd(size["herd"], size["herd_lead_s"])),
-        ("replay", lambda: m.replay(size["replay"])),
-        ("recovery", lambda: m.recovery(size["recovery"])),
-        ("fleet", lambda: m.fleet(size["fleet"])),
-        ("attributes", lambda: ops.attribute_filter(size["attributes"])),
-        ("attr_create", lambda: ops.attribute_create(size["attr_create"])),
-        ("bulk", lambda: ops.bulk_terminate(size["bulk"])),
-        ("sse", lambda: streams.sse_latency(size["sse"])),
-        ("metrics", lambda: streams.metrics_scrape(size["metrics"], 50)),
-        ("fanout", lambda: fanout(**size["fanout"])),
-        ("parked_memory", lambda: m.parked_memory(size["parked_memory"], size["settle_s"])),
+        ("baseline", run(m, "baseline", *size["baseline"])),
+        ("per_step", run(m, "per_step", size["per_step"])),
+        ("throughput", run(m, "throughput", size["throughput"])),
+        ("admission", run(m, "admission", size["admission"])),
+        ("event", run(m, "event_latency", size["event"])),
+        ("event_worker", run(m, "event_latency_worker", size["event"])),
+        ("event_notify", run(m, "event_latency_worker", size["event"], via="notify")),
+        ("start", run(m, "start_latency", size["start"])),
+        ("timers", run(m, "timer_lateness", size["timers"])),
+        ("schedule", run(m, "schedule_latency", size["schedule"])),
+        ("herd", run(m, "herd", size["herd"], size["herd_lead_s"])),
+        ("replay", run(m, "replay", size["replay"])),
+        ("recovery", run(m, "recovery", size["recovery"])),
+        ("fleet", run(m, "fleet", size["fleet"])),
+        ("attributes", run(ops, "attribute_filter", size["attributes"])),
+        ("attr_create", run(ops, "attribute_create", size["attr_create"])),
+        ("bulk", run(ops, "bulk_terminate", size["bulk"])),
+        ("sse", run(streams, "sse_latency", size["sse"])),
+        ("metrics", run(streams, "metrics_scrape", size["metrics"], 50)),
+        ("fanout", run("fanout", "fanout", **size["fanout"])),
+        ("parked_memory", run(m, "parked_memory", size["parked_memory"], size["settle_s"])),
     ]
 
 
@@ -219,29 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated measurements: "
-        + ",".join(
-            [
-                "baseline",
-                "per_step",
-                "throughput",
-                "admission",
-                "event",
-                "event_worker",
-                "timers",
-                "schedule",
-                "herd",
-                "replay",
-                "recovery",
-                "fleet",
-                "attributes",
-                "attr_create",
-                "bulk",
-                "sse",
-                "metrics",
-                "fanout",
-                "parked_memory",
-            ]
-        ),
+        + ",".join(name for name, _ in plan(scaled(quick=False))),
     )
     args = parser.parse_args(argv)
 
@@ -252,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
     vendor = connection.vendor
     size = scaled(args.quick)
+    for module in ("measures", "operating", "streams", "fanout"):  # registers bench workflows
+        importlib.import_module(f"bench.{module}")
     steps = plan(size)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - {name for name, _ in steps}
