@@ -175,3 +175,33 @@ def test_the_bulk_api_fields_operating_md_lists_are_the_apis():
     listed = re.search(r"`POST /api/workflows/\{name\}/bulk` with `\{([^}]*)\}`", text)
     assert listed, "operating.md no longer lists the bulk API's fields"
     assert set(re.findall(r'"(\w+)"', listed.group(1))) == api.BULK_FIELDS
+
+
+def test_every_wf_option_is_shown_in_the_docs():
+    """The other way round: each option of each `wf` verb appears in a `wf <verb> …` line
+    of the docs (`wf list --cursor`, `wf watch --timeout` and `wf bulk --background` had
+    none), so a flag added to the command is a flag a reader can find."""
+    from workflows_app.management.commands.wf import Command
+
+    shown: dict[str, str] = {}
+    for path in DOCS:
+        for _, text in shell_lines(path):
+            for found in re.finditer(r"wf ([a-z-]+)\b([^#`]*)", text):
+                shown[found.group(1)] = shown.get(found.group(1), "") + " " + found.group(2)
+    command = Command()
+    command.create_parser("manage.py", "wf")
+    missing = []
+    # --workflow of the verbs that take an instance id is said once for all of them.
+    by_id = "Without `--workflow W` the id is looked up in every workflow"
+    assert by_id in " ".join(read(ROOT / "docs" / "surfaces.md").split())
+    for verb, parser in command.verb_parsers.items():
+        takes_id = any(action.dest == "id" for action in parser._actions)
+        for action in parser._actions:
+            names = [o for o in action.option_strings if o not in ("-h", "--help", "--json")]
+            if not names or (takes_id and "--workflow" in names):
+                continue
+            if not any(
+                re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", shown.get(verb, "")) for o in names
+            ):
+                missing.append(f"wf {verb} {max(names, key=len)}")
+    assert not missing, "options no doc shows: " + ", ".join(missing)
