@@ -205,3 +205,24 @@ def test_every_wf_option_is_shown_in_the_docs():
             ):
                 missing.append(f"wf {verb} {max(names, key=len)}")
     assert not missing, "options no doc shows: " + ", ".join(missing)
+
+
+def test_the_readme_layout_names_files_that_exist():
+    """Each `name.py` and `name/` the README's Layout block lists under a folder is in that
+    folder (it named an engine `store.py` that had become the package `store/`)."""
+    (layout,) = [
+        text for lang, _, text in fenced_blocks(ROOT / "README.md") if text.startswith("wfdash/")
+    ]
+    folder, missing = ROOT, []
+    for line in layout.splitlines():
+        rest = line
+        if not line.startswith(" "):
+            heads = re.match(r"((?:[\w/]+/ )+)", line + " ").group(1).split()
+            folder = ROOT / heads[0]
+            rest = line[len(" ".join(heads)) :]
+            missing += [head for head in heads if not (ROOT / head).is_dir()]
+        for name in re.findall(r"(?<![\w/.-])([a-z_]+\.py|[a-z_]+/(?:[a-z_]+)?)(?![\w.])", rest):
+            target = folder / name if name.endswith((".py", "/")) else ROOT / name
+            if not (target.is_file() if name.endswith(".py") else target.exists()):
+                missing.append(str(target.relative_to(ROOT)))
+    assert not missing, f"README Layout names what is not there: {missing}"
