@@ -4,16 +4,20 @@ name exists. Cheap (no database, no server): a doc that drifts from the code fai
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management.base import CommandError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PyCF_TOP_LEVEL_AWAIT = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT  # the examples `await` at top level
 
 
 def read(path: Path) -> str:
@@ -94,8 +98,8 @@ def test_every_wf_command_in_the_docs_parses_with_the_real_command():
     commands = list(wf_commands())
     assert len(commands) > 50, "the docs' wf commands were not found"
     refused = []
+    parser = Command().create_parser("manage.py", "wf")
     for place, argv in commands:
-        parser = Command().create_parser("manage.py", "wf")
         try:
             parser.parse_args(argv)
         except (CommandError, SystemExit) as exc:
@@ -107,11 +111,11 @@ def test_every_runworker_command_in_the_docs_parses():
     from workflows_app.management.commands.runworker import Command
 
     seen = 0
+    parser = Command().create_parser("manage.py", "runworker")
     for path in DOCS:
         for line, text in shell_lines(path):
             for found in re.finditer(r"manage\.py runworker ([^#`|]*)", text):
                 seen += 1
-                parser = Command().create_parser("manage.py", "runworker")
                 try:
                     parser.parse_args(shlex.split(found.group(1)))
                 except (CommandError, SystemExit) as exc:
@@ -226,3 +230,164 @@ def test_the_readme_layout_names_files_that_exist():
             if not (target.is_file() if name.endswith(".py") else target.exists()):
                 missing.append(str(target.relative_to(ROOT)))
     assert not missing, f"README Layout names what is not there: {missing}"
+
+
+# --- names: environment variables, settings, URLs, the Python API ----------------------
+
+SOURCES = [
+    *(ROOT / "wfdash").rglob("*.py"),
+    *(ROOT / "workflows_app").rglob("*.py"),
+    *(ROOT / "bench").rglob("*.py"),
+]
+# Named by the docs, read by the user's own code, not wfdash's.
+USERS_OWN = {"WFDASH_FERNET_KEYS"}  # README's Fernet codec example
+
+
+def test_every_environment_variable_and_wfdash_setting_the_docs_name_is_read():
+    code = "\n".join(read(path) for path in SOURCES)
+    script = read(ROOT / "scripts" / "test")
+    tests = "\n".join(read(path) for path in (ROOT / "tests").rglob("*.py"))
+    docs = "\n".join(read(path) for path in DOCS)
+    unread = []
+    # (A family such as `DJANGO_HSTS_*` ends in "_" and is not matched; its members are.)
+    for name in sorted(set(re.findall(r"\b(?:WFDASH|DJANGO)_[A-Z0-9_]*[A-Z0-9]\b", docs))):
+        if (
+            name not in USERS_OWN
+            and not re.search(rf"[\"']{name}[\"']", code)
+            and not re.search(rf"\b{name}\b", script)
+            and not re.search(rf"environ\.get\([\"']{name}[\"']", tests)  # a test's own knob
+        ):
+            unread.append(name)
+    for key in sorted(set(re.findall(r'WFDASH\[\\?"([A-Z_]+)\\?"\]', docs))):
+        if not re.search(rf"[\"']{key}[\"']", code):
+            unread.append(f'WFDASH["{key}"]')
+    assert not unread, f"named by the docs, read nowhere: {unread}"
+
+
+def test_every_http_path_the_docs_show_is_routed():
+    """Each `/api/…`, `/metrics`, `/stats/`, … the docs show resolves to a view (`{name}`,
+    `{id}` and `$API` filled in); sockets' `/ws/…` paths to a consumer."""
+    from django.urls import Resolver404, resolve
+
+    from workflows_app.routing import websocket_urlpatterns
+
+    sockets = [p for p in websocket_urlpatterns if str(p.pattern)]  # not the catch-all
+    found, unrouted = 0, []
+    for path in DOCS:
+        text = read(path).replace("$API", "/api/workflows")
+        for match in re.finditer(
+            r"(?:https?://[\w.:]+|(?<=[`\s(\"]))(/(?:api|metrics|stats|ws|admin|instances|"
+            r"errors|schedules)\b[^\s`\"'),;?]*)",
+            text,
+        ):
+            url = match.group(1).replace("{name}", "order-approval").replace("{id}", "1")
+            url = url.replace("<id>", "1").replace("…", "x")
+            if url == "/api/":  # "any other path under /api/ is a JSON 404"
+                continue
+            found += 1
+            if url.startswith("/ws/"):
+                if not any(p.pattern.match(url[1:]) for p in sockets):
+                    unrouted.append(
+                        f"{where(path, text.count(chr(10), 0, match.start()) + 1)}: {url}"
+                    )
+                continue
+            try:
+                view = resolve(url)
+            except Resolver404:
+                view = None
+            if view is None or view.url_name in (None, "not_found"):
+                unrouted.append(f"{where(path, text.count(chr(10), 0, match.start()) + 1)}: {url}")
+    assert found > 30
+    assert not unrouted, "\n".join(unrouted)
+
+
+def api_names() -> dict[str, Any]:
+    """What the docs' examples call their objects, and what each is."""
+    from workflows_app import client, scheduling, testing
+    from workflows_app.engine import clock, step
+
+    return {
+        "wf": client.WorkflowBinding,
+        "inst": client.InstanceHandle,
+        "page": client.Page,
+        "record": client.HistoryEntry,
+        "job": client.BulkJobHandle,
+        "schedules": scheduling.Schedules,
+        "s": scheduling.ScheduleHandle,
+        "step": step.Step,
+        "ctx": step.StepContext,
+        "event": step.WorkflowEvent,
+        "clock": clock.ControllableClock,
+        "testing": testing,
+    }
+
+
+def has(owner: Any, attr: str) -> bool:
+    fields = getattr(owner, "__dataclass_fields__", {})
+    if hasattr(owner, attr) or attr in fields:
+        return True
+    # Attributes set in __init__ (InstanceHandle.created): named as self.<attr> there.
+    init = getattr(owner, "__init__", None)
+    try:
+        return f"self.{attr} =" in inspect.getsource(init)
+    except (TypeError, OSError):
+        return False
+
+
+def test_the_python_examples_compile_and_call_what_exists_with_keywords_it_takes():
+    """Every ```python block compiles; its imports from workflows_app exist; and a call or
+    attribute on the objects the examples use (wf, inst, step, testing, schedules, job, …)
+    names a real method or field, with keyword arguments that method takes."""
+    import importlib
+
+    from workflows_app import client
+    from workflows_app.engine import register
+
+    names = api_names()
+    checked, wrong = 0, []
+    for path in DOCS:
+        for lang, start, text in fenced_blocks(path):
+            if lang != "python":
+                continue
+            source = text.replace("{...,", "{")  # `WFDASH = {..., "KEY": …}`: the rest of yours
+            tree = compile(source, str(path), "exec", ast.PyCF_ONLY_AST | PyCF_TOP_LEVEL_AWAIT)
+            for node in ast.walk(tree):
+                place = where(path, start + getattr(node, "lineno", 0))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "workflows_app"
+                ):
+                    module = importlib.import_module(node.module)
+                    wrong += [
+                        f"{place}: {node.module}.{a.name}"
+                        for a in node.names
+                        if not hasattr(module, a.name)
+                    ]
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                    owner = names.get(node.value.id)
+                    if owner is not None:
+                        checked += 1
+                        if not has(owner, node.attr):
+                            wrong.append(f"{place}: {node.value.id}.{node.attr}")
+                if not isinstance(node, ast.Call) or not node.keywords:
+                    continue
+                function: Any = None
+                if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+                    owner = names.get(node.func.value.id)
+                    function = getattr(owner, node.func.attr, None) if owner is not None else None
+                elif isinstance(node.func, ast.Name):
+                    function = {"register": register, "get_workflow": client.get_workflow}.get(
+                        node.func.id
+                    )
+                if not callable(function):
+                    continue
+                parameters = inspect.signature(function).parameters.values()
+                if any(p.kind is p.VAR_KEYWORD for p in parameters):
+                    continue
+                accepted = {p.name for p in parameters}
+                wrong += [
+                    f"{place}: {ast.unparse(node.func)}({k.arg}=…)"
+                    for k in node.keywords
+                    if k.arg and k.arg not in accepted
+                ]
+    assert checked > 60
+    assert not wrong, "\n".join(wrong)
