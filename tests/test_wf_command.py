@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -654,3 +657,42 @@ def test_bulk_takes_a_batch_the_database_rolled_back_again(monkeypatch):
         text = wf("bulk", "pause", "-w", APPROVAL)
     assert "matched 1, applied 1, skipped 0, failed 0" in text
     assert Instance.objects.get().status == "paused"
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """`wf watch --json | head -1`: head's exit left a BrokenPipeError traceback on stderr
+    at watch's next line."""
+    from tests import fleet_workflows
+    from tests.workers import ROOT, database_url
+
+    inst = get_workflow("fleet-waiter").create(id="piped")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": "",
+        "WFDASH_DEMO": "0",
+        "WFDASH_POLL_SECONDS": "0.2",
+    }
+    # As `manage.py wf watch`, with the test's workflows registered for its engine.
+    command = (
+        f"import django; django.setup(); import {fleet_workflows.__name__}; "
+        "from django.core.management import call_command; "
+        "call_command('wf', 'watch', 'piped', '--json', '--run-engine', '--timeout', '60')"
+    )
+    watch = subprocess.Popen(
+        [sys.executable, "-c", command],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert watch.stdout is not None and watch.stderr is not None
+    assert json.loads(watch.stdout.readline())["history"]["type"] == "instance.created"
+    watch.stdout.close()  # the reader goes; the event makes watch write again
+    inst.send_event("go", {})
+    stderr = watch.stderr.read()
+    watch.stderr.close()
+    assert watch.wait(60) == 1
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr

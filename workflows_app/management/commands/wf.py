@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -357,6 +358,7 @@ class Command(BaseCommand):
             raise refusal
         try:
             options["handler"](namespace)
+            self.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
         except (errors.WorkflowError, tokens.TokenError) as exc:
             raise CommandError(" ".join(str(exc).split())) from exc
         except DatabaseError as exc:
@@ -366,6 +368,13 @@ class Command(BaseCommand):
             if pending:
                 raise CommandError(not_migrated_message(pending, "using wf")) from exc
             raise CommandError(f"the database refused: {first_line(exc)}") from exc
+        except BrokenPipeError:
+            # The reader went away (`wf list --json | head`): stop quietly, as `ls | head`
+            # does. What stdout still buffers goes to /dev/null, or the interpreter's last
+            # flush would print the BrokenPipeError after all.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(1)
         finally:
             live.flush()  # open pages in other processes hear of this command's changes
 
