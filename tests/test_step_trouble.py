@@ -498,3 +498,44 @@ def test_an_async_step_that_swallows_its_cancellation_is_held_to_its_timeout(reg
     output = inst.status().output
     assert output == {"error": 'step "stubborn" attempt 1 timed out after 200 ms'}, output
     assert calls == Counter(attempts=1, swallowed=1)
+
+
+# --- 11. an async step raising a BaseException of its own -------------------------------------
+
+
+class Interrupted(BaseException):
+    """A library's own BaseException (gevent's Timeout, a test runner's Failed…)."""
+
+
+@pytest.mark.parametrize("exc_type", [GeneratorExit, Interrupted, SystemExit])
+def test_an_async_step_raising_a_base_exception_is_a_failed_attempt_recorded_and_retried(
+    registered, exc_type
+):
+    """Only SystemExit and KeyboardInterrupt of an async step were made failed attempts
+    (Run.attempt); any other BaseException (GeneratorExit, a library's own) went past
+    _attempts' `except Exception` and out of run(): the instance errored at once, its
+    retries skipped, with no step record and no step.failed history: the dashboard showed
+    an instance that failed with no step that did. A sync step's was retried already."""
+    name = f"async-raises-{exc_type.__name__}"
+
+    @register(name)
+    class Raises(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def fetch():
+                calls["f"] += 1
+                await asyncio.sleep(0)  # raised after a suspension as well as before
+                if calls["f"] == 1:
+                    raise exc_type()
+                raise exc_type("again")
+
+            return await step.do("fetch", fetch, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow(name).create()
+    assert run_engine(timeout=10) == "idle"
+    row = Instance.objects.get(pk=inst.row().pk)
+    records = list(
+        StepRecord.objects.filter(instance=row).values_list("name", "status", "attempts")
+    )
+    failed = HistoryRecord.objects.filter(instance=row, type="step.failed").count()
+    assert (calls["f"], records, failed) == (2, [("fetch", "failed", 2)], 2), row.error_name
+    assert (row.status, row.error_name) == ("errored", exc_type.__name__)

@@ -233,6 +233,11 @@ async def await_returned(
                 first = result.send(None)
             except StopIteration as returned:
                 return returned.value
+            except BaseException as raised:
+                own = _as_attempt_error(raised)
+                if own is raised:
+                    raise
+                raise own from raised
             result = _Resumed(result, first)
         deadline = asyncio.timeout_at(ends_at)
         try:
@@ -244,6 +249,17 @@ async def await_returned(
             raise
     finally:
         _current_step.reset(token)
+
+
+def _as_attempt_error(exc: BaseException, thrown: BaseException | None = None) -> BaseException:
+    """What a step coroutine raised, as the attempt's error: a BaseException of the step's
+    own (GeneratorExit, SystemExit, a library's) becomes StepRaised, a failed attempt like
+    any other, not an end of run() that skips the retries and the step's record. Not the
+    exception thrown into it (its cancellation, passed on) nor a CancelledError (the
+    runner tells the step's own from its run's)."""
+    if isinstance(exc, (Exception, asyncio.CancelledError)) or exc is thrown:
+        return exc
+    return StepRaised(exc)
 
 
 _abandoned: set[asyncio.Task[Any]] = set()  # held: the loop keeps only weak references
@@ -290,6 +306,11 @@ class _Resumed:
                     value = coroutine.throw(exc)
                 except StopIteration as returned:
                     return returned.value
+                except BaseException as raised:
+                    own = _as_attempt_error(raised, thrown=exc)
+                    if own is raised:
+                        raise
+                    raise own from raised
                 if isinstance(exc, asyncio.CancelledError):
                     # It swallowed the cancellation (its timeout's, or the run's) and waits
                     # on: it goes on in a task of its own, abandoned as a timed-out sync
@@ -301,6 +322,11 @@ class _Resumed:
                     value = coroutine.send(sent)
                 except StopIteration as returned:
                     return returned.value
+                except BaseException as raised:
+                    own = _as_attempt_error(raised)
+                    if own is raised:
+                        raise
+                    raise own from raised
 
 
 class Step:
