@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 from collections import Counter
@@ -539,3 +540,67 @@ def test_an_async_step_raising_a_base_exception_is_a_failed_attempt_recorded_and
     failed = HistoryRecord.objects.filter(instance=row, type="step.failed").count()
     assert (calls["f"], records, failed) == (2, [("fetch", "failed", 2)], 2), row.error_name
     assert (row.status, row.error_name) == ("errored", exc_type.__name__)
+
+
+# --- 12. an error with a huge message ----------------------------------------------------------
+
+
+def stored_text_sizes(row: Instance) -> dict[str, int]:
+    """The longest text each place stores of an instance's errors, in characters."""
+    from workflows_app.models import ErrorRecord, Span
+
+    def longest(values) -> int:
+        return max((len(v if isinstance(v, str) else json.dumps(v)) for v in values), default=0)
+
+    steps = StepRecord.objects.filter(instance=row)
+    errors = ErrorRecord.objects.filter(instance=row)
+    return {
+        "instance.error_message": len(row.error_message),
+        "instance.error_stack": len(row.error_stack),
+        "step.last_error_message": longest(steps.values_list("last_error_message", flat=True)),
+        "step.last_error_stack": longest(steps.values_list("last_error_stack", flat=True)),
+        "error.message": longest(errors.values_list("message", flat=True)),
+        "error.stack": longest(errors.values_list("stack", flat=True)),
+        "history.data": longest(
+            HistoryRecord.objects.filter(instance=row).values_list("data", flat=True)
+        ),
+        "span.status_message": longest(
+            Span.objects.filter(instance=row).values_list("status_message", flat=True)
+        ),
+        "span.events": longest(Span.objects.filter(instance=row).values_list("events", flat=True)),
+    }
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_an_error_with_a_huge_message_is_stored_shortened(registered, sync):
+    """Error messages and stacks were stored whole: a step raising ValueError(text of a
+    whole response) wrote it, and a stack repeating it, into the step record, the
+    instance, the errors table, the history and the span of every attempt: 4 MB here
+    became tens of MB of rows that every dashboard page and API answer of the instance
+    then read. They are shortened to MAX_ERROR_MESSAGE_CHARS, saying by how much."""
+    name = f"huge-error-{sync}"
+    body = "x" * 4_000_000
+
+    def parse():
+        calls["f"] += 1
+        raise ValueError(f"cannot parse response: {body}")
+
+    async def parse_async():
+        return parse()
+
+    @register(name)
+    class HugeError(WorkflowEntrypoint):
+        async def run(self, event, step):
+            fn = parse if sync else parse_async
+            return await step.do("parse", fn, retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow(name).create()
+    assert run_engine(timeout=30) == "idle"
+    row = Instance.objects.get(pk=inst.row().pk)
+    assert (calls["f"], row.status, row.error_name) == (2, "errored", "ValueError")
+    sizes = stored_text_sizes(row)
+    # A span holds two events (the attempt's error, the exception), each message and stack.
+    span_events = sizes.pop("span.events")
+    assert max(sizes.values()) <= 17_000 and span_events <= 60_000, (sizes, span_events)
+    assert row.error_message.startswith("cannot parse response: xxx"), row.error_message[:80]
+    assert "characters more" in row.error_message, row.error_message[-200:]

@@ -27,6 +27,10 @@ BACKOFFS = ("constant", "linear", "exponential")
 # integer columns (PostgreSQL's integer).
 MAX_RETRY_LIMIT = 2**31 - 2
 MAX_ERROR_NAME_LENGTH = 200  # the error name columns (instance, step, error record)
+# An error's message and stack as stored (step record, instance, errors table, history,
+# span): one a step raised with a whole response in it is shortened, saying by how much.
+MAX_ERROR_MESSAGE_CHARS = 8192
+MAX_ERROR_STACK_CHARS = 16384
 # An event payload is copied into its event.received history record up to this size; a
 # larger one leaves its size and start there (the whole payload is in the step's output).
 HISTORY_PAYLOAD_MAX_BYTES = 16 * 1024
@@ -339,6 +343,25 @@ def error_name(name: str) -> str:
     if len(name) <= MAX_ERROR_NAME_LENGTH:
         return name
     return name[: MAX_ERROR_NAME_LENGTH - 1] + "…"
+
+
+def shortened_message(text: str) -> str:
+    """An error message as stored: its first MAX_ERROR_MESSAGE_CHARS characters, and how
+    many more there were."""
+    if len(text) <= MAX_ERROR_MESSAGE_CHARS:
+        return text
+    left_out = len(text) - MAX_ERROR_MESSAGE_CHARS
+    return f"{text[:MAX_ERROR_MESSAGE_CHARS]}… ({left_out} characters more)"
+
+
+def shortened_stack(text: str) -> str:
+    """A stack as stored: its beginning and its end (where it was raised, and what), the
+    middle left out past MAX_ERROR_STACK_CHARS characters."""
+    if len(text) <= MAX_ERROR_STACK_CHARS:
+        return text
+    half = MAX_ERROR_STACK_CHARS // 2
+    left_out = len(text) - 2 * half
+    return f"{text[:half]}\n… ({left_out} characters left out) …\n{text[-half:]}"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

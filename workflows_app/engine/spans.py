@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import secrets
 import time
+import traceback
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,6 +22,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from . import clock
 from .errors import safe_str
+from .limits import shortened_message, shortened_stack
 
 # Read by the tracer provider's id generator: the trace id of the span about to start, and
 # the primary key of the instance whose trace it is (span storage needs no look-up by it).
@@ -223,11 +225,19 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
     if span is None:
         return
     if exc is not None:
+        # Its message and stack shortened as the error's record is (a message holding a
+        # whole response is not stored again whole in the span).
+        shown = {
+            "exception.message": shortened_message(safe_str(exc)),
+            "exception.stacktrace": shortened_stack("".join(traceback.format_exception(exc))),
+        }
         try:
-            span.record_exception(exc, timestamp=now_ns())
+            span.record_exception(exc, attributes=shown, timestamp=now_ns())
         except Exception:  # its str() raises: the step's failure is recorded all the same
-            span.add_event("exception", {"exception.type": type(exc).__name__})
-    span.set_status(Status(StatusCode.ERROR, message or (safe_str(exc) if exc is not None else "")))
+            span.add_event("exception", {"exception.type": type(exc).__name__, **shown})
+    if not message and exc is not None:
+        message = safe_str(exc)
+    span.set_status(Status(StatusCode.ERROR, shortened_message(message)))
 
 
 def creation_span(

@@ -59,6 +59,8 @@ from .limits import (
     encode_step_output,
     error_name,
     payload_for_history,
+    shortened_message,
+    shortened_stack,
     storable_text,
 )
 from .store import History, NewInstance, new_model_object
@@ -167,7 +169,8 @@ class RetryPolicy:
 
 def error_fields(exc: BaseException) -> tuple[str, str, str]:
     """(name, message, stack) of an exception, as stored and shown: text both databases
-    store whatever the exception holds (a NUL, a lone surrogate, a str() that raises)."""
+    store whatever the exception holds (a NUL, a lone surrogate, a str() that raises),
+    shortened when long (a message holding a whole response)."""
     if isinstance(exc, (NonRetryableError, StepRaised)):
         # A subclass whose own __init__ skips NonRetryableError's has no error_name (or
         # one set to something else than a name): its class names it.
@@ -180,8 +183,8 @@ def error_fields(exc: BaseException) -> tuple[str, str, str]:
         name = type(exc).__name__
     return (
         error_name(storable_text(name)),
-        storable_text(safe_str(exc)),
-        storable_text("".join(traceback.format_exception(exc))),
+        storable_text(shortened_message(safe_str(exc))),
+        storable_text(shortened_stack("".join(traceback.format_exception(exc)))),
     )
 
 
