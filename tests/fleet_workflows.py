@@ -278,3 +278,61 @@ class TracedFleet(WorkflowEntrypoint):
     async def run(self, event, step):
         await step.do("first", project_work)
         return await step.do("second", project_work)
+
+
+# --- workflows of tests/test_step_trouble_fleet.py (steps that hang or block the loop) -----
+
+
+def _ledger_row(instance_id: str, step: str) -> None:
+    now = time.time()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_ledger (instance_id, step, pid, started, ended) VALUES (%s, %s, %s, %s, %s)",
+            [instance_id, step, os.getpid(), now, now],
+        )
+    connection.close()
+
+
+def hang_forever() -> str:
+    """A sync step stuck for good (a socket read with no timeout): it never returns."""
+    record_execution()
+    import threading
+
+    threading.Event().wait()
+    return "never"
+
+
+@register("trouble-hung-sync")
+class TroubleHungSync(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do(
+            "hang", hang_forever, timeout="1 second", retries={"limit": 2, "delay": 0}
+        )
+
+
+@register("trouble-blocks-loop")
+class TroubleBlocksLoop(WorkflowEntrypoint):
+    """An async step that blocks the event loop (time.sleep, requests.get in async def)."""
+
+    async def run(self, event, step):
+        async def blocking():
+            import threading
+
+            ctx = current_step()
+            writer = threading.Thread(target=lambda: _ledger_row(ctx.instance_id, ctx.step_name))
+            writer.start()
+            writer.join()
+            time.sleep(float(os.environ.get("FLEET_BLOCK_SECONDS", "6")))
+            return os.getpid()
+
+        return await step.do("block", blocking, timeout="1 minute", retries={"limit": 0})
+
+
+@register("trouble-spins")
+class TroubleSpins(WorkflowEntrypoint):
+    """A run() that loops without awaiting anything."""
+
+    async def run(self, event, step):
+        await step.do("before", record_execution)
+        while True:
+            pass

@@ -319,4 +319,9 @@ WFDASH = {
     # generation less often (engine/worker.py, tune_garbage_collector). Off: left alone.
     "GC_TUNING": env_bool("WFDASH_GC_TUNING", True),
     "GROUP_COMMIT": env_bool("WFDASH_GROUP_COMMIT", True),
+    # A worker whose event loop is blocked (an async step calling time.sleep) keeps its
+    # leases from a thread for up to this many seconds; then other workers take over.
+    "LOOP_STALL_RENEW_SECONDS": env_number(
+        "WFDASH_LOOP_STALL_RENEW_SECONDS", 300.0, 0, whole=False
+    ),
 }

@@ -16,8 +16,10 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -276,6 +278,109 @@ class StepThreads:
             self._queue.put(None)
 
 
+class LoopWatch:
+    """Keeps a worker's leases while its event loop is blocked, and says where it is stuck.
+
+    Heartbeats run on the event loop: an async step that blocks it (time.sleep, a blocking
+    HTTP client in an `async def`) or a run() looping without an await stopped them, the
+    leases ran out under a step still running, and other workers ran it again beside it
+    (then made the instance poison). This thread asks the loop for an answer every sixth
+    of a lease; when a heartbeat is overdue it renews the leases itself, from a connection
+    of its own, logging once where the loop is. A loop blocked longer than
+    LOOP_STALL_RENEW_SECONDS (a run() spinning for good) is given up: its leases run out
+    and other workers take its instances over. Nothing runs on the loop's side but a
+    callback every sixth of a lease."""
+
+    def __init__(self, worker: Worker, loop: asyncio.AbstractEventLoop, limit: float) -> None:
+        self.worker = worker
+        self.loop = loop
+        self.limit = limit
+        self.loop_thread = threading.get_ident()
+        self.answered = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name=f"wfdash-loop-watch-{worker.worker_id}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _answer(self) -> None:
+        self.answered = time.monotonic()
+
+    def _watch(self) -> None:
+        lease = self.worker.lease_seconds
+        renewed = 0.0  # time.monotonic() of this thread's last renewal
+        stalled_since: float | None = None
+        gave_up = False
+        try:
+            while not self._stop.wait(lease / 6):
+                try:
+                    self.loop.call_soon_threadsafe(self._answer)
+                except RuntimeError:  # the loop closed
+                    return
+                now = time.monotonic()
+                silent = now - self.answered
+                if silent <= lease / 3:
+                    if stalled_since is not None:
+                        log.warning(
+                            "worker %s: its event loop answers again, after %.1f s",
+                            self.worker.worker_id,
+                            now - stalled_since,
+                        )
+                    stalled_since, gave_up = None, False
+                    continue
+                if stalled_since is None:
+                    stalled_since = self.answered
+                    self._report_stall(silent)
+                if silent > self.limit:
+                    if not gave_up:
+                        gave_up = True
+                        log.error(
+                            "worker %s: its event loop has been blocked for %.0f s; its leases "
+                            "are no longer renewed: other workers take its instances over "
+                            "when they run out",
+                            self.worker.worker_id,
+                            silent,
+                        )
+                    continue
+                if now - renewed >= lease / 3:
+                    renewed = now
+                    self._renew()
+        finally:
+            connections.close_all()
+
+    def _report_stall(self, silent: float) -> None:
+        frame = sys._current_frames().get(self.loop_thread)
+        where = (
+            "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(unknown)\n"
+        )
+        log.warning(
+            "worker %s: its event loop has not answered for %.1f s: an async step or a "
+            "run() is blocking it (time.sleep, a blocking client in async code, a loop "
+            "without await); nothing else on this worker runs meanwhile. Its leases are "
+            "renewed from a thread for up to %.0f s. The loop is at:\n%s",
+            self.worker.worker_id,
+            silent,
+            self.limit,
+            where.rstrip(),
+        )
+
+    def _renew(self) -> None:
+        try:
+            tokens = list(self.worker.tokens.values())
+        except RuntimeError:  # changed while read: the loop moved after all
+            return
+        try:
+            store.heartbeat(tokens, self.worker.lease_seconds)
+        except Exception:
+            log.exception("worker %s: could not renew its leases", self.worker.worker_id)
+            _close_broken(connections.all(initialized_only=True))
+
+
 class GroupCommit:
     """Checkpoints of concurrent runs share transactions: one commit for many steps.
 
@@ -482,6 +587,8 @@ class Worker:
         # Finished instances past their retention are deleted this often (engine clock; 0: only
         # by `wf prune`), a batch at a time between runs.
         self.prune_seconds = float(conf.get("PRUNE_SECONDS", 300))
+        # How long serve()'s LoopWatch keeps the leases of a blocked event loop.
+        self.loop_stall_renew_seconds = float(conf.get("LOOP_STALL_RENEW_SECONDS", 300))
         self._next_prune: datetime | None = None
         self._next_catalog_touch = clock.now()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1045,6 +1152,8 @@ class Worker:
         """Run until `stop` is set (or stop() is called)."""
         await self.start()
         self._heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        watch = LoopWatch(self, asyncio.get_running_loop(), self.loop_stall_renew_seconds)
+        watch.start()
         listener = None
         if store.workers_listen():
             listener = store.WakeListener(self.hint)  # hints from every process, no Redis
@@ -1103,6 +1212,7 @@ class Worker:
                 await self.stop()  # first: the drain must not wait for the listener
             finally:
                 self._heartbeat.cancel()  # stop() ended it once the runs had (then a no-op)
+                watch.stop()
             if listener is not None:
                 await asyncio.get_running_loop().run_in_executor(None, listener.stop)
 
