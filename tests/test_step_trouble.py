@@ -604,3 +604,34 @@ def test_an_error_with_a_huge_message_is_stored_shortened(registered, sync):
     assert max(sizes.values()) <= 17_000 and span_events <= 60_000, (sizes, span_events)
     assert row.error_message.startswith("cannot parse response: xxx"), row.error_message[:80]
     assert "characters more" in row.error_message, row.error_message[-200:]
+
+
+# --- 13. a retry without delay while a pause is pending ----------------------------------------
+
+
+def test_a_retry_without_delay_is_not_attempted_once_a_pause_was_asked_for(registered):
+    """A step retried with delay 0 went straight on to its next attempt: a pause (or a
+    worker's drain at SIGTERM) asked for during an attempt did not stop it, every retry
+    ran (each a new execution of the step's side effect) until the step succeeded or
+    failed for good; a hung step's retries drew out the drain to its grace period. The
+    run now parks at the failed attempt, its retry due at once, as at a step boundary."""
+
+    @register("retry-under-pause")
+    class RetryUnderPause(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def flaky(ctx):
+                calls["f"] += 1
+                if ctx.attempt == 1:
+                    get_workflow("retry-under-pause").get(ctx.instance_id).pause()
+                    raise ConnectionError("reset by peer")
+                return "ok"
+
+            return await step.do("flaky", flaky, retries={"limit": 3, "delay": 0})
+
+    inst = get_workflow("retry-under-pause").create()
+    assert run_engine(timeout=10) == "idle"
+    assert (inst.status().status, calls["f"]) == ("paused", 1)
+    inst.resume()
+    assert run_engine(timeout=10) == "idle"
+    status = inst.status()
+    assert (status.status, status.output, calls["f"]) == ("complete", "ok", 2)

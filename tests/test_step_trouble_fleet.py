@@ -96,3 +96,21 @@ def test_hung_sync_steps_time_out_are_retried_and_sigterm_still_drains_at_once(w
     assert worker.terminate(timeout=20) == 0
     assert time.monotonic() - began < 10
     assert not Instance.objects.filter(lease_token__isnull=False).exists()
+
+
+def test_sigterm_during_a_hung_step_parks_it_at_its_timeout_without_running_its_retries(
+    workers,
+):
+    """At SIGTERM a drain lets the running attempt end (here: its 1 s timeout) but
+    starts no new one: the retries (delay 0) of a hung step ran in the draining worker,
+    each another execution, until the step failed for good. Now the run parks after the
+    attempt, its retry due at once for the next worker."""
+    fleet_workflows.ensure_ledger()
+    hung = get_workflow("trouble-hung-sync").create()
+    (worker,) = workers(1)
+    wait_until(lambda: executions(), 30, "the first attempt")
+    assert worker.terminate(timeout=20) == 0
+    row = Instance.objects.get(pk=hung.row().pk)
+    steps = list(StepRecord.objects.filter(instance=row).values_list("status", "attempts"))
+    assert (row.status, row.lease_token, steps) == ("waiting", None, [("retrying", 1)])
+    assert sum(executions().values()) == 1

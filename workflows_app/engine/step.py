@@ -458,7 +458,9 @@ class Step:
                         ) from exc
                     delay = policy.delay_after(record.attempts)
                     await run.schedule_retry(record, exc, delay, history=started)
-                    if delay > 0:
+                    if delay > 0 or run.holding:
+                        # A pause or a drain asked for meanwhile: no new attempt here; the
+                        # run parks, its retry due at once (for another worker, at a drain).
                         await activity.block(wake_at=record.wake_at)
                     continue
                 record.status = StepStatus.COMPLETE
