@@ -635,3 +635,38 @@ def test_a_retry_without_delay_is_not_attempted_once_a_pause_was_asked_for(regis
     assert run_engine(timeout=10) == "idle"
     status = inst.status()
     assert (status.status, status.output, calls["f"]) == ("complete", "ok", 2)
+
+
+# --- 14. a sync step that hangs past its timeout -------------------------------------------
+
+
+def test_a_sync_step_hanging_past_its_timeout_is_reported_with_the_threads_it_leaves(
+    registered, caplog
+):
+    """A timed-out sync attempt keeps its thread (it cannot be killed), and each retry of
+    a step that hangs for good leaves one more: nothing said so, so a worker collecting
+    hung threads (and their database connections) gave no sign of it. Each timeout now
+    logs a warning naming the instance and step and how many are left running."""
+    release = threading.Event()
+
+    @register("hangs")
+    class Hangs(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def stuck():
+                calls["f"] += 1
+                release.wait(30)  # a socket read without a timeout
+                return "late"
+
+            return await step.do("read", stuck, timeout="200 ms", retries={"limit": 1, "delay": 0})
+
+    inst = get_workflow("hangs").create()
+    try:
+        with caplog.at_level("WARNING", logger="workflows_app.engine"):
+            assert run_engine(timeout=10) == "idle"
+    finally:
+        release.set()
+    assert (inst.status().error["name"], calls["f"]) == ("StepTimeout", 2)
+    reports = [r.getMessage() for r in caplog.records if "thread still runs" in r.getMessage()]
+    assert len(reports) == 2, [r.getMessage() for r in caplog.records]
+    assert f"hangs/{inst.id}" in reports[0] and 'step "read" attempt 1' in reports[0]
+    assert reports[1].endswith("still running in this process: 2"), reports[1]

@@ -61,6 +61,9 @@ from .step import (
 from .store import History, LeaseLost
 
 log = logging.getLogger("workflows_app.engine")
+# The threads of timed-out sync attempts still running: each is a thread, and maybe a
+# database connection, held until its callable returns (reported at every timeout).
+_hung_threads: set[concurrent.futures.Future[Any]] = set()
 
 DbCall = Callable[..., Awaitable[Any]]
 QUIESCENCE_TICKS = 10  # loop iterations to let sibling branches start before calling a run blocked
@@ -976,6 +979,18 @@ class Run:
         context.abandon()
         self.abandoned[record.name] = thread_future
         future.cancel()
+        if not thread_future.done():
+            _hung_threads.add(thread_future)
+            thread_future.add_done_callback(_hung_threads.discard)
+            log.warning(
+                "%s/%s: %s; its thread still runs (a thread cannot be killed) and its "
+                "result will be discarded. Timed-out step threads still running in this "
+                "process: %d",
+                self.definition.name,
+                self.instance_id,
+                timed_out,
+                len(_hung_threads),
+            )
         raise timed_out
 
     def _sync_attempt_ended(self, context: StepContext, _: Any) -> None:
