@@ -40,8 +40,17 @@ class OtlpReceiver(BaseHTTPRequestHandler):
             ExportTraceServiceRequest,
         )
 
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path != "/v1/traces":
+            # The process's metrics go to the same OTEL_EXPORTER_OTLP_ENDPOINT (/v1/metrics):
+            # taken and dropped. Parsed as traces they failed, the connection closed and the
+            # metrics exporter retried with back-off at the process's exit, for ~7 s a test.
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+            return
         request = ExportTraceServiceRequest()
-        request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        request.ParseFromString(body)
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
                 self.spans.extend((span.trace_id.hex(), span.name) for span in scope_spans.spans)
