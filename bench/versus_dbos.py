@@ -54,7 +54,11 @@ FIGURES = [
 ]
 
 
-def sizes(quick: bool) -> dict[str, int]:
+def sizes(quick: bool, smoke: bool = False) -> dict[str, int]:
+    """smoke: every workload at its smallest that still measures each figure (two of each;
+    one one-step workflow per thread), for the test that both sides run, not for figures."""
+    if smoke:
+        return {k: THREADS if k == "one_step" else 2 for k in FULL}
     return {k: max(5, v // 10) for k, v in FULL.items()} if quick else dict(FULL)
 
 
@@ -254,10 +258,14 @@ def dbos_side(size: dict[str, int], poll_seconds: float | None = None) -> dict[s
 # --- the driver ------------------------------------------------------------------------
 
 
-def run_child(engine: str, quick: bool, dbos_poll: float | None = None) -> dict[str, Any]:
+def run_child(
+    engine: str, quick: bool, dbos_poll: float | None = None, smoke: bool = False
+) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.versus_dbos", "--child", engine]
     if quick:
         command.append("--quick")
+    if smoke:
+        command.append("--smoke")
     if dbos_poll is not None:
         command += ["--dbos-poll", str(dbos_poll)]
     done = subprocess.run(
@@ -285,12 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         "its default is 1",
     )
     parser.add_argument("--child", choices=("wfdash", "dbos"), help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # the test's
     args = parser.parse_args(argv)
     if args.child == "dbos":
-        print(json.dumps(dbos_side(sizes(args.quick), args.dbos_poll)))
+        print(json.dumps(dbos_side(sizes(args.quick, args.smoke), args.dbos_poll)))
         return 0
     if args.child == "wfdash":
-        print(json.dumps(wfdash_side(sizes(args.quick))))
+        print(json.dumps(wfdash_side(sizes(args.quick, args.smoke))))
         return 0
 
     runs: dict[str, list[dict[str, Any]]] = {"wfdash": [], "dbos": []}
@@ -298,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for engine in ("wfdash", "dbos"):
             t0 = time.perf_counter()
-            runs[engine].append(run_child(engine, args.quick, args.dbos_poll))
+            runs[engine].append(run_child(engine, args.quick, args.dbos_poll, args.smoke))
             print(
                 f"[{engine} {r + 1}/{args.rounds}] {time.perf_counter() - t0:.1f} s",
                 file=sys.stderr,
@@ -311,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     server = urlsplit(url).hostname if url else "SQLite files"
     base = median("wfdash", "baseline_commit_ms")
     poll = "" if args.dbos_poll is None else f", DBOS polling every {args.dbos_poll} s"
+    scale = "smoke" if args.smoke else "quick" if args.quick else "full"
     print(
-        f"wfdash against DBOS on {server}, {'quick' if args.quick else 'full'} sizes, "
+        f"wfdash against DBOS on {server}, {scale} sizes, "
         f"median of {args.rounds} rounds; baseline commit {base:.3f} ms{poll}"
     )
     print(f"{'figure':<22} {'wfdash':>10} {'DBOS':>10}  wfdash ahead")

@@ -83,15 +83,18 @@ def test_quick_bench_prints_json_last(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_the_comparison_with_dbos_runs_both_engines_and_ends_with_its_json(tmp_path: Path) -> None:
-    """`python -m bench.versus_dbos --quick --rounds 1`: each figure measured for wfdash and
-    for DBOS (a fresh SQLite file each), and wfdash's lead computed (no speed assertions)."""
+    """`python -m bench.versus_dbos --rounds 1` at its smoke sizes (two of each workload):
+    each figure measured for wfdash and for DBOS (a fresh SQLite file each), and wfdash's
+    lead computed (no speed assertions). DBOS polls for messages every 50 ms instead of its
+    1 s, so its event figures take no second each."""
     from bench.versus_dbos import FIGURES
 
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "wfdash.settings"}
     env.pop("DATABASE_URL", None)  # each engine gets a SQLite file of its own
-    done = run_bench(["bench.versus_dbos", "--quick", "--rounds", "1"], env)
+    done = run_bench(["bench.versus_dbos", "--smoke", "--rounds", "1", "--dbos-poll", "0.05"], env)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["rounds"] == 1 and figures["baseline_commit_ms"] > 0
+    assert figures["dbos_poll_s"] == 0.05
     for key, _ in FIGURES:
         both = figures[key]
         assert both["wfdash"] > 0 and both["dbos"] > 0, (key, both)
