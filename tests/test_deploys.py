@@ -181,7 +181,8 @@ def sigterm_leaves_no_lease(command: str, boot: list[str], instance_id: str) -> 
         "REDIS_URL": "",
         "WFDASH_EMBEDDED_WORKER": "1",
         "WFDASH_LEASE_SECONDS": "60",
-        "FLEET_STEP_SECONDS": "120",  # the first step outlives any drain grace
+        "FLEET_STEP_SECONDS": "120",  # the first step outlives the drain's grace
+        "WFDASH_DRAIN_SECONDS": "0.5",  # which is not waited out for 10 s
         "PYTHONUNBUFFERED": "1",
     }
     log = tempfile.TemporaryFile(mode="w+")

@@ -47,6 +47,29 @@ def test_sigterm_logs_the_runs_finishing_how_each_ended_and_the_exit(workers):
     assert inst.row().lease_owner == ""
 
 
+def test_wfdash_drain_seconds_sets_how_long_sigterm_lets_a_step_finish(workers):
+    """The drain's grace was fixed at 10 s: a deploy whose orchestrator kills sooner lost
+    the lease release, and one that allows longer could not give long steps the time.
+    WFDASH_DRAIN_SECONDS sets it; a step outliving it is cut short, its lease given back."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-zombie").create(id="cut-short")
+    pk = inst.row().pk
+    (worker,) = workers(1, FLEET_STEP_SECONDS="120", WFDASH_DRAIN_SECONDS="0.5")
+    wait_until(
+        lambda: any(row[1] == "work" and row[4] is None for row in fleet_workflows.ledger_rows()),
+        30,
+        "the worker to be inside the step",
+    )
+    assert worker.terminate() == 0
+    worker.log.seek(0)
+    log = worker.log.read()
+    assert f"finishing their current step (instances #{pk}), for up to 0.5 s" in log, log
+    assert f"instance #{pk} cut short; its lease is released for another worker" in log, log
+    row = inst.row()
+    assert (row.lease_token, row.lease_owner) == (None, "")
+    assert not [s.name for s in inst.steps() if s.status == "complete"]
+
+
 @pytest.fixture
 def unmigrated_database_url(tmp_path):
     """An empty database of the test run's kind: what a worker meets when started before

@@ -295,6 +295,9 @@ WFDASH = {
     # configured: then `manage.py runworker workflows` processes run it.
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
     "POLL_SECONDS": env_number("WFDASH_POLL_SECONDS", 5.0, 0.01, whole=False),
+    # At SIGTERM a worker lets running steps finish for this long, then cuts them short
+    # and gives their leases back (keep it under the orchestrator's kill timeout).
+    "DRAIN_SECONDS": env_number("WFDASH_DRAIN_SECONDS", 10.0, 0, whole=False),
     "DEMO": env_bool("WFDASH_DEMO", DEBUG),  # the demo workflows: on in development only
     # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
     "TRACING": env_bool("WFDASH_TRACING", True),

@@ -41,6 +41,7 @@ MAX_UNPRODUCTIVE_CLAIMS = 3
 FLUSH_SECONDS = 0.1
 CONTENDED_WAIT_SECONDS = 0.02  # a due instance that could not be claimed is looked at again after this  # spans are stored in batches at most this often while busy
 PRUNE_BATCH = 500  # instances a worker deletes per transaction when pruning
+DRAIN_SECONDS = 10.0  # at shutdown, how long running steps may finish (WFDASH_DRAIN_SECONDS)
 ABORT_WAIT_SECONDS = 5.0  # at shutdown, how long aborted runs may take to unwind
 STARTUP_ATTEMPTS = 30  # a database restarting at start-up is waited out for about this many seconds
 
@@ -566,6 +567,8 @@ class Worker:
         self.concurrency = concurrency or int(conf.get("WORKER_CONCURRENCY", 200))
         self.lease_seconds = lease_seconds or float(conf.get("LEASE_SECONDS", 30))
         self.poll_seconds = poll_seconds or float(conf.get("POLL_SECONDS", 5))
+        # How long stop() lets running steps finish before cutting them short.
+        self.drain_seconds = float(conf.get("DRAIN_SECONDS", DRAIN_SECONDS))
         self.db_threads = db_threads or db_threads_default()
         self.sleep_in_process = float(conf.get("SLEEP_IN_PROCESS_MS", 1000)) / 1000
         self.hooks = hooks
@@ -675,10 +678,13 @@ class Worker:
         except DatabaseError:  # not this loop pass's claim: it goes on, and tries next time
             log.warning("worker %s: could not refresh its catalog rows", self.worker_id)
 
-    async def stop(self, grace_seconds: float = 10.0) -> None:
-        """Stop claiming; running steps may finish for a grace period but no new step
-        starts: each run parks at its next step boundary, due at once for another worker.
-        Runs still going after the grace period are cut short and their leases released."""
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Stop claiming; running steps may finish for a grace period (the worker's
+        drain_seconds unless given) but no new step starts: each run parks at its next step
+        boundary, due at once for another worker. Runs still going after the grace period
+        are cut short and their leases released."""
+        if grace_seconds is None:
+            grace_seconds = self.drain_seconds
         self._stopping = True
         self.hint("stop")
         for run in list(self.runs.values()):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -37,8 +36,6 @@ LISTEN_RETRY_SECONDS = 1.0
 REJOIN_SECONDS = 3600.0
 
 
-# How the engine's Worker.stop() waits for running steps before cutting them short.
-DRAIN_GRACE_SECONDS = inspect.signature(EngineWorker.stop).parameters["grace_seconds"].default
 DRAIN_OUTCOMES = {
     "waiting": "parked at a step boundary, due at once for another worker",
     "paused": "paused at a step boundary",
@@ -67,7 +64,7 @@ class DrainReport(EngineHooks):
             signal_name,
             len(self.draining),
             running,
-            DRAIN_GRACE_SECONDS,
+            engine.drain_seconds,
         )
 
     def run_finished(self, pk: int, outcome: str) -> None:
