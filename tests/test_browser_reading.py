@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.test_browser import (  # noqa: F401  (fixtures)
+    SQLITE_LEG_ONLY,
     LiveServer,
     _reason,
     browser,
@@ -21,7 +22,7 @@ from tests.test_browser import (  # noqa: F401  (fixtures)
     page,
 )
 
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), SQLITE_LEG_ONLY]
 
 if _reason is None:
     from playwright.sync_api import Page, expect
