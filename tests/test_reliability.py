@@ -510,11 +510,20 @@ def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fl
     size = 300
     fleet_workflows.ensure_ledger()
     wf = get_workflow("rel-race")
+    # Long leases: no lease can run out under load, so any overlap is a double claim.
+    fleet = workers(
+        fleet_size,
+        WFDASH_LEASE_SECONDS="60",
+        WFDASH_POLL_SECONDS="0.2",
+        WFDASH_WORKER_CONCURRENCY="25",
+    )
+    # Every worker up before the first instance exists: with the instances made first, the
+    # first two workers to boot ran all 300 before the others started (steps per worker
+    # [300, 600] with four), and four never raced.
+    wait_until(lambda: all(w.serving() for w in fleet), 60, "every worker to start serving")
+    started = time.monotonic()
     for start in range(0, size, 100):
         wf.create_batch([{"id": f"r{n}"} for n in range(start, start + 100)])
-    # Long leases: no lease can run out under load, so any overlap is a double claim.
-    started = time.monotonic()
-    fleet = workers(fleet_size, WFDASH_LEASE_SECONDS="60", WFDASH_POLL_SECONDS="0.2")
     wait_until(
         lambda: Instance.objects.filter(workflow="rel-race", status="complete").count() == size,
         60,
@@ -536,7 +545,7 @@ def test_racing_workers_never_run_one_instance_in_two_places_at_once(workers, fl
     assert len(ran) == size * 3 and set(ran.values()) == {1}
     assert_one_checkpoint_per_step("rel-race", 3, size)
     share = Counter(pid for _, _, pid, _, _ in rows)
-    assert set(share) <= {w.pid for w in fleet}
+    assert set(share) == {w.pid for w in fleet}  # each worker took part in the race
     print(
         f"\nrace: {size} instances, {fleet_size} workers, {elapsed:.1f} s; steps per worker {sorted(share.values())}"
     )

@@ -72,6 +72,15 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
 
+    def logged(self) -> str:
+        """What the worker has logged so far."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def serving(self) -> bool:
+        """It has started its engine (it claims from now on)."""
+        return "running (concurrency" in self.logged()
+
     def describe(self) -> str:
         """One line: alive (and where its threads are) or its exit code, how many
         tracebacks it logged, its last line. For the failure message of a test."""
