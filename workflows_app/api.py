@@ -24,6 +24,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.exceptions import SuspiciousOperation
 from django.core.signals import got_request_exception
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -231,6 +232,14 @@ def internal_error(request: HttpRequest) -> JsonResponse:
     return response
 
 
+def suspicious(exc: SuspiciousOperation) -> JsonResponse:
+    """Django's refusal of a request it will not parse (over DATA_UPLOAD_MAX_NUMBER_FIELDS
+    query parameters, say): a 400 naming it, as Django answers outside the API, logged
+    where Django logs those. Caught as any fault, it was a 500 InternalError."""
+    logging.getLogger(f"django.security.{type(exc).__name__}").error(str(exc))
+    return fail(400, "InvalidInput", f"request refused: {exc}")
+
+
 def uncached(response: HttpResponse) -> HttpResponse:
     add_never_cache_headers(response)  # Cache-Control: no-cache, no-store, must-revalidate, private
     return response
@@ -248,6 +257,8 @@ def endpoint(**methods: Handler) -> Callable[..., HttpResponse]:
     def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
         try:
             response = answer(request, kwargs)
+        except SuspiciousOperation as exc:
+            response = suspicious(exc)
         except Exception:
             response = internal_error(request)
         if request.method == "HEAD":
@@ -747,6 +758,8 @@ async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpRe
         handle, cursor = await sync_to_async(open_subscription)(request, name, instance_id)
     except (ApiError, errors.WorkflowError) as exc:
         return uncached(refusal(exc))
+    except SuspiciousOperation as exc:
+        return uncached(suspicious(exc))
     except Exception:
         return uncached(internal_error(request))
     if request.method == "HEAD":  # as every GET: its headers, and no stream to hold open
