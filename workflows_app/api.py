@@ -600,8 +600,13 @@ def skip_sleep(call: Call, name: str, instance_id: str) -> JsonResponse:
 def schedule_of(name: str, schedule: str) -> ScheduleHandle:
     """The schedule, only under the workflow it starts (token limits are per workflow)."""
     surfaces.binding(name)  # UnknownWorkflow first, as for instances
-    found = schedules.get(schedule)
-    if found.workflow != name:
+    try:
+        found = schedules.get(schedule)
+    except errors.ScheduleNotFound:
+        found = None
+    if found is None or found.workflow != name:
+        # One answer whether the name is free or another workflow's: a token limited to
+        # this workflow must not learn which schedules others have.
         raise errors.ScheduleNotFound(f"workflow {name!r} has no schedule {schedule!r}")
     return found
 
