@@ -826,9 +826,12 @@ async def history_events(
         await records.aclose()
 
 
+@csrf_exempt
 def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     """GET /metrics: every wfdash metric in Prometheus text. A bearer token that may read
-    every workflow (read or write scope), or a staff session that may view the dashboard."""
+    every workflow (read or write scope), or a staff session that may view the dashboard.
+    CSRF-exempt as the API is: it changes nothing, whatever the method, and a token client's
+    POST must get the JSON 405, not Django's HTML page about a missing CSRF cookie."""
     from . import metrics
 
     try:
