@@ -262,6 +262,10 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGIN_URL = "/admin/login/"
+# Where a login goes when its ?next= is missing or not on this site (an open redirect
+# refused): the admin's index, as the admin's login does without one. Django's default,
+# /accounts/profile/, is no page here: the user landed on a 404.
+LOGIN_REDIRECT_URL = "/admin/"
 
 LOG_LEVEL = env("WFDASH_LOG_LEVEL", "INFO").strip().upper()
 if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
