@@ -59,6 +59,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "register_flaky(); "
         "run_flaky('e2e-flaky', {'note': '<b>bold</b>', 'deep': {'list': [1, True, None]}})",
     )
+    live.manage(
+        "shell",
+        "-c",
+        "from tests.trace_clock import NIGHT_ENDER, register_night_ender, run_to_the_end; "
+        "register_night_ender(); run_to_the_end(NIGHT_ENDER, 'e2e-night')",
+    )
     live.start()
     yield live
     live.stop()
@@ -131,6 +137,25 @@ def test_zoom_in_out_and_reset_move_the_axis(page: Page) -> None:  # noqa: F811
 
     page.get_by_role("button", name="zoom out", exact=True).click()
     assert axis_labels(page) != zoomed
+
+
+def test_axis_labels_stay_inside_the_track_when_a_break_ends_the_trace(page: Page) -> None:  # noqa: F811
+    # The day-long sleep is the trace's last stretch: its break's label, centred on the
+    # break, would hang past the track's right edge and be cut ("⋯ 1 d" with no end).
+    page.goto("/workflows/night-ender/e2e-night/")
+    expect(page.locator(".trace-axis .axis-gap")).to_have_text("⋯ 1 d ⋯")
+    for width in (1400, 390):
+        page.set_viewport_size({"width": width, "height": 900})
+        track = page.locator(".trace-axis .axis-track").bounding_box()
+        assert track is not None
+        for label in page.locator(".trace-axis .axis-track > span").all():
+            box = label.bounding_box()
+            assert box is not None
+            text = label.text_content()
+            assert box["x"] >= track["x"] - 0.5, f"{text!r} starts left of the axis at {width} px"
+            assert box["x"] + box["width"] <= track["x"] + track["width"] + 0.5, (
+                f"{text!r} runs past the axis's right edge at {width} px"
+            )
 
 
 def test_json_is_a_folding_tree_and_a_stack_reads_as_lines(page: Page) -> None:  # noqa: F811

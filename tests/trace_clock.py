@@ -98,3 +98,35 @@ def run_flaky(instance_id: str, params: object = None) -> None:
         for _ in range(3):
             testing.run_until_idle()
             fake.advance("1 second")
+
+
+NIGHT_ENDER = "night-ender"
+
+
+def register_night_ender() -> None:
+    """Register NIGHT_ENDER: step "first" (10 ms), then sleep "overnight" (1 day), and end:
+    the trace's long break is its last stretch, its label at the axis's right edge."""
+    from workflows_app.engine import WorkflowEntrypoint, register
+
+    def ten_ms() -> dict[str, str]:
+        clock.get_clock().advance(10)  # type: ignore[union-attr]
+        return {"done": "first"}
+
+    @register(NIGHT_ENDER)
+    class NightEnder(WorkflowEntrypoint):
+        async def run(self, event, step):  # type: ignore[no-untyped-def]
+            await step.do("first", ten_ms)
+            await step.sleep("overnight", "1 day")
+            return {"slept": True}
+
+
+def run_to_the_end(workflow: str, instance_id: str, advance: str = "1 day") -> None:
+    """Start `workflow` and run it to its end on a fake clock advanced by `advance` once."""
+    from workflows_app import testing
+    from workflows_app.client import get_workflow
+
+    with testing.fake_clock() as fake, spans_on_the_engine_clock():
+        get_workflow(workflow).create(id=instance_id)
+        testing.run_until_idle()
+        fake.advance(advance)
+        testing.run_until_idle()

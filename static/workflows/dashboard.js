@@ -531,7 +531,24 @@
       }
     }
     axis.replaceChildren(...labels);
+    keepLabelsInside(axis, labels);
     axis.dataset.zoomed = traceZoom ? "true" : "false";
+  }
+
+  // A label centred on its time (a break's length near either end, a long tick label) would
+  // be cut by the track's edge: it is aligned to that edge instead, a tick keeping its mark.
+  function keepLabelsInside(axis, labels) {
+    const box = axis.getBoundingClientRect();
+    if (!box.width) return; // not laid out (a hidden panel): drawn again on resize
+    for (const label of labels) {
+      const r = label.getBoundingClientRect();
+      if (r.right > box.right + 0.5) {
+        if (label.classList.contains("axis-tick")) label.classList.add("axis-end");
+        else label.classList.add("axis-flush-end");
+      } else if (r.left < box.left - 0.5) {
+        label.classList.add(label.classList.contains("axis-tick") ? "axis-start" : "axis-flush-start");
+      }
+    }
   }
 
   function zoomTrace(factor, center) {
