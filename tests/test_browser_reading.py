@@ -21,6 +21,7 @@ from tests.test_browser import (  # noqa: F401  (fixtures)
     free_port,
     page,
 )
+from tests.trace_clock import LONG_WORDS
 
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), SQLITE_LEG_ONLY]
 
@@ -62,8 +63,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     live.manage(
         "shell",
         "-c",
-        "from tests.trace_clock import NIGHT_ENDER, register_night_ender, run_to_the_end; "
-        "register_night_ender(); run_to_the_end(NIGHT_ENDER, 'e2e-night')",
+        "from tests.trace_clock import NIGHT_ENDER, LONG_WORDS, run_to_the_end; "
+        "from tests.trace_clock import register_night_ender, register_long_words; "
+        "register_night_ender(); run_to_the_end(NIGHT_ENDER, 'e2e-night'); "
+        "register_long_words(); run_to_the_end(LONG_WORDS, 'e2e-long')",
     )
     live.start()
     yield live
@@ -156,6 +159,25 @@ def test_axis_labels_stay_inside_the_track_when_a_break_ends_the_trace(page: Pag
             assert box["x"] + box["width"] <= track["x"] + track["width"] + 0.5, (
                 f"{text!r} runs past the axis's right edge at {width} px"
             )
+
+
+def test_long_names_and_an_error_with_a_long_word_do_not_widen_the_page(page: Page) -> None:  # noqa: F811
+    # A 400-character token in an error message, a long exception class name and a step
+    # name too long for the restart picker stay inside their boxes, at both widths.
+    for width in (1400, 390):
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(f"/workflows/{LONG_WORDS}/e2e-long/")
+        expect(page.locator('[data-section="head"] .badge')).to_have_text("errored")
+        expect(page.locator(".error-panel")).to_contain_text("tok_xxx")
+        scroll = page.evaluate("document.documentElement.scrollWidth")
+        assert scroll <= width, f"the instance page is {scroll} px wide at {width} px"
+        group = page.locator(".action-group", has=page.locator("select")).bounding_box()
+        picker = page.locator('select[name="from_step"]').bounding_box()
+        assert group is not None and picker is not None
+        assert picker["x"] + picker["width"] <= group["x"] + group["width"], "the picker overflows"
+        page.goto("/instances/")  # the workflow filter lists the long workflow names too
+        scroll = page.evaluate("document.documentElement.scrollWidth")
+        assert scroll <= width, f"the instance list is {scroll} px wide at {width} px"
 
 
 def test_json_is_a_folding_tree_and_a_stack_reads_as_lines(page: Page) -> None:  # noqa: F811

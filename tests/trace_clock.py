@@ -120,6 +120,27 @@ def register_night_ender() -> None:
             return {"slept": True}
 
 
+LONG_WORDS = "quarterly-reconciliation-of-international-subsidiary-ledgers-in-all-regions"
+LONG_STEP = "fetch the ledger snapshot of every subsidiary " + "in-every-region-" * 8
+LONG_TOKEN = "tok_" + "x" * 400  # an error message's one long word: a token, a URL, an id
+LONG_ERROR = "LedgerReconciliationMismatchErrorWithAVeryLongClassName"
+
+
+def register_long_words() -> None:
+    """Register LONG_WORDS: a step with a long name completes, then one fails for good with
+    a long class name and a message holding one 400-character word."""
+    from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
+
+    def reject() -> None:
+        raise NonRetryableError(f"the ledger service refused {LONG_TOKEN}\nsecond line", LONG_ERROR)
+
+    @register(LONG_WORDS)
+    class LongWords(WorkflowEntrypoint):
+        async def run(self, event, step):  # type: ignore[no-untyped-def]
+            await step.do(LONG_STEP, lambda: {"ok": True})
+            await step.do("reconcile", reject)
+
+
 def run_to_the_end(workflow: str, instance_id: str, advance: str = "1 day") -> None:
     """Start `workflow` and run it to its end on a fake clock advanced by `advance` once."""
     from workflows_app import testing
