@@ -21,6 +21,8 @@ from .dashboard import CHART_HEIGHT, STEP_CUT_SHORT, bar_chart, chart_peak, time
 from .models import Instance, Status, StepKind, StepRecord, StepStatus
 
 MAX_SAMPLES = 10_000  # rows read for the percentiles of one window (instances; steps)
+MAX_DURATION_BARS = 12  # steps drawn in a workflow's duration chart, the slowest by p95
+STEP_TABLE_OPEN = 25  # a longer per-step table starts folded
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,25 @@ class WorkflowMetrics:
         return sorted(self.steps.values(), key=lambda s: s.name)
 
     @property
+    def slowest_steps(self) -> list[StepMetrics]:
+        """The steps with a duration, slowest p95 first (then by name); at most
+        MAX_DURATION_BARS, so a workflow of 200 steps draws a chart, not a page of bars."""
+        timed = [s for s in self.steps.values() if s.durations.p95 is not None]
+        timed.sort(key=lambda s: (-(s.durations.p95 or 0), s.name))
+        return timed[:MAX_DURATION_BARS]
+
+    @property
+    def steps_not_drawn(self) -> int:
+        """Steps with a duration left out of the chart (they are in the table)."""
+        timed = sum(1 for s in self.steps.values() if s.durations.p95 is not None)
+        return max(timed - MAX_DURATION_BARS, 0)
+
+    @property
     def duration_bars(self) -> list[dict[str, Any]]:
-        """p50 and p95 bars of the workflow and each step, widths relative to the longest."""
+        """p50 and p95 bars of the workflow and of its slowest steps, widths relative to the
+        longest."""
         rows = [("(whole instance)", self.durations)] + [
-            (s.name, s.durations) for s in self.step_list
+            (s.name, s.durations) for s in self.slowest_steps
         ]
         longest = max([d.p95 or 0 for _, d in rows] + [1e-9])
         bars = []

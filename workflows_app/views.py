@@ -84,6 +84,7 @@ def metrics_page(request: HttpRequest) -> HttpResponse:
             "m": dashboard_metrics.metrics_page(request.GET.get("window", "hour")),
             "windows": dashboard_metrics.WINDOWS,
             "max_samples": dashboard_metrics.MAX_SAMPLES,
+            "step_table_open": dashboard_metrics.STEP_TABLE_OPEN,
             "page": "metrics",
         },
     )

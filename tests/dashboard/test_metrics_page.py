@@ -101,3 +101,45 @@ def test_the_page_needs_a_staff_user_who_may_view():
 )
 def test_percentile_is_nearest_rank(values, q, expected):
     assert percentile(values, q) == expected
+
+
+def test_a_workflow_of_many_steps_draws_its_slowest_and_folds_its_step_table(registered):
+    # 30 steps, step i taking i ms: the chart draws the whole instance and the 12 slowest
+    # steps (slowest first), not 30 bars; the table of every step starts folded.
+    from workflows_app.dashboard_metrics import MAX_DURATION_BARS
+    from workflows_app.engine import clock as engine_clock
+
+    @register("many-steps")
+    class ManySteps(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            for i in range(30):
+
+                def work(i: int = i) -> int:
+                    engine_clock.get_clock().advance(i)  # type: ignore[union-attr]
+                    return i
+
+                await step.do(f"s{i:02d}", work)
+
+    with testing.fake_clock(timezone.now()):
+        get_workflow("many-steps").create(id="many", params={})
+        testing.run_until_idle()
+        (w,) = metrics_page("hour").workflows
+        drawn = [bar["label"] for bar in w.duration_bars]
+        assert drawn == ["(whole instance)"] + [f"s{i:02d}" for i in range(29, 17, -1)]
+        assert len(drawn) == MAX_DURATION_BARS + 1 and w.steps_not_drawn == 18
+
+        client = Client()
+        client.force_login(make_user("metrics-many", "view_instance"))
+        html = client.get("/stats/").content.decode()
+    assert html.count('class="duration-row"') == MAX_DURATION_BARS + 1
+    assert 'data-field="steps-not-drawn">18<' in html
+    assert html.count("<tr data-step=") == 30  # every step is in the table …
+    assert '<details class="step-table"><summary>' in html  # … folded
+
+
+def test_a_workflow_of_few_steps_shows_its_step_table_open(measured):
+    client = Client()
+    client.force_login(make_user("metrics-few", "view_instance"))
+    html = client.get("/stats/?window=hour").content.decode()
+    assert '<details class="step-table" open>' in html
+    assert "more in the table" not in html
