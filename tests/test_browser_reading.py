@@ -226,3 +226,26 @@ def test_the_admin_instance_list_fits_1400_px_with_ids_on_one_line(page: Page) -
     for cell in page.locator("#result_list th.field-instance_label").all():
         assert cell.bounding_box()["height"] <= line * 1.5  # one line, not four
         assert cell.locator(".wf-cut").get_attribute("title")
+
+
+def test_a_time_names_its_zone_when_hovered(browser, server: LiveServer) -> None:  # noqa: F811
+    # Times read "2 minutes ago"; the hover title is the viewer's local date and time, which
+    # is ambiguous unless it says which zone it is in.
+    context = browser.new_context(
+        base_url=server.url, locale="en-US", timezone_id="America/New_York"
+    )
+    try:
+        page = context.new_page()
+        page.goto("/admin/login/?next=/")
+        page.fill("#id_username", "admin")
+        page.fill("#id_password", "admin")
+        page.click("input[type=submit]")
+        page.goto("/workflows/day-sleeper/e2e-day/")
+        created = page.locator('[data-section="head"] .meta time').first
+        expect(created).to_have_text(re.compile(r"ago$"))
+        title = created.get_attribute("title") or ""
+        assert re.search(r"\b(EST|EDT)\b", title), f"the hover time names no zone: {title!r}"
+        page.goto("/schedules/")
+        assert "Times are UTC" not in page.locator("main").inner_text()  # they are local
+    finally:
+        context.close()

@@ -10,7 +10,8 @@
 
   // --- times: <time datetime> → local time + relative age ------------------------------
   const rtf = new Intl.RelativeTimeFormat(undefined, { numeric: "auto" });
-  const dtf = new Intl.DateTimeFormat(undefined, { dateStyle: "medium", timeStyle: "medium" });
+  // The hover title is the viewer's local time, so it names its zone ("long" time style).
+  const dtf = new Intl.DateTimeFormat(undefined, { dateStyle: "medium", timeStyle: "long" });
   const UNITS = [["year", 31536e6], ["month", 2592e6], ["day", 864e5], ["hour", 36e5], ["minute", 6e4], ["second", 1e3]];
 
   function relative(date) {
