@@ -659,6 +659,25 @@ def test_a_390px_wide_page_does_not_scroll_sideways(page: Page) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= NARROW["width"]
 
 
+def test_the_bulk_buttons_wait_for_a_ticked_row(page: Page) -> None:
+    create_from_form(page, "trial-reminder", "e2e-tick", '{"trial": "14 days"}')
+    expect(badge(page)).to_have_attribute("data-status", "waiting")
+    page.goto("/instances/?q=e2e-tick")
+    buttons = [page.get_by_role("button", name=f"{a} selected") for a in ("Pause", "Terminate")]
+    for button in buttons:  # nothing ticked: a click could only be refused
+        expect(button).to_be_disabled()
+    page.get_by_label("select e2e-tick").check()
+    expect(page.locator("[data-selected-count]")).to_have_text("1")
+    for button in buttons:
+        expect(button).to_be_enabled()
+    expect(buttons[1]).to_have_attribute(
+        "data-confirm", "Terminate the 1 selected instance? This cannot be reversed."
+    )
+    page.get_by_label("select e2e-tick").uncheck()
+    for button in buttons:
+        expect(button).to_be_disabled()
+
+
 def test_attribute_filter_and_bulk_terminate_with_a_live_progress_bar(page: Page) -> None:
     """Issue 16: create with attributes, filter the list by them, apply to all matching."""
     for name, tier in (("gold-0", "gold"), ("gold-1", "gold"), ("gold-2", "gold"), ("tin", "tin")):

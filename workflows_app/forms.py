@@ -103,7 +103,11 @@ MAX_BULK = 500  # one engine transaction per instance: keep a request bounded
 
 class BulkActionForm(forms.Form):
     action = forms.ChoiceField(choices=[(a, a.title()) for a in BULK_ACTIONS])
-    pk = forms.TypedMultipleChoiceField(coerce=int, choices=[])
+    pk = forms.TypedMultipleChoiceField(
+        coerce=int,
+        choices=[],
+        error_messages={"required": "select at least one instance in the list first"},
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

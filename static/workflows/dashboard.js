@@ -59,12 +59,23 @@
     if (ev.target.matches('input[name="pk"], [data-select-all]')) updateSelection(ev.target);
   });
 
+  // The bulk bar's buttons act on the ticked rows: with none ticked they are disabled (a
+  // click would only be refused), and Terminate's confirmation says how many it stops.
   function updateSelection(changed) {
     const boxes = [...document.querySelectorAll('#bulk input[name="pk"]')];
     if (changed && changed.matches("[data-select-all]")) boxes.forEach((b) => { b.checked = changed.checked; });
+    const selected = boxes.filter((b) => b.checked).length;
     const count = document.querySelector("[data-selected-count]");
-    if (count) count.textContent = String(boxes.filter((b) => b.checked).length);
+    if (count) count.textContent = String(selected);
+    for (const button of document.querySelectorAll("#bulk [data-needs-selection]")) {
+      button.disabled = selected === 0;
+      if (button.dataset.confirm) {
+        button.dataset.confirm = `${button.textContent.replace(/ selected$/, "")} the ${selected} selected instance${selected === 1 ? "" : "s"}? This cannot be reversed.`;
+      }
+    }
   }
+  updateSelection();
+  addEventListener("pageshow", () => updateSelection()); // ticks a Back navigation restored
 
   document.addEventListener("click", (ev) => {
     const row = ev.target.closest(".span-row");

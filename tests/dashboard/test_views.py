@@ -399,6 +399,13 @@ def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_
     assert a.status().status == "terminated" and b.status().status == "terminated"
 
 
+def test_bulk_with_nothing_selected_says_what_is_missing(operator_client, approval_workflow):
+    response = operator_client.post(reverse("workflows:bulk"), {"action": "pause"}, follow=True)
+    page = response.content.decode()
+    assert "select at least one instance in the list first" in page
+    assert "This field is required" not in page
+
+
 def test_bulk_refuses_unknown_actions(operator_client, approval_workflow):
     inst = waiting_instance(approval_workflow)
     operator_client.post(reverse("workflows:bulk"), {"action": "restart", "pk": [inst.row().pk]})
