@@ -68,6 +68,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "register_night_ender(); run_to_the_end(NIGHT_ENDER, 'e2e-night'); "
         "register_long_words(); run_to_the_end(LONG_WORDS, 'e2e-long')",
     )
+    live.manage(
+        "shell",
+        "-c",
+        "from tests.trace_clock import DAY_SLEEPER, register_day_sleeper; "
+        "from workflows_app.client import schedules; "
+        "register_day_sleeper(); schedules.create('digest-every-5-minutes-for-the-eu-region', DAY_SLEEPER, '*/5 * * * *', timezone='America/Argentina/Buenos_Aires')"
+        ".trigger()",
+    )
     live.start()
     yield live
     live.stop()
@@ -249,3 +257,18 @@ def test_a_time_names_its_zone_when_hovered(browser, server: LiveServer) -> None
         assert "Times are UTC" not in page.locator("main").inner_text()  # they are local
     finally:
         context.close()
+
+
+def test_a_phone_sees_every_page_link_and_a_cron_on_one_line(page: Page) -> None:  # noqa: F811
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto("/schedules/")
+    cron = page.locator('tr[data-schedule="digest-every-5-minutes-for-the-eu-region"] td.cron')
+    expect(cron).to_have_text("*/5 * * * *")
+    lines = cron.evaluate(
+        "td => { const r = document.createRange(); r.selectNodeContents(td);"
+        " return new Set([...r.getClientRects()].map((box) => Math.round(box.top))).size; }"
+    )
+    assert lines == 1, f"the cron expression wraps over {lines} lines"
+    for link in page.locator("header.top nav a").all():  # none hidden past the edge
+        edge = link.bounding_box()
+        assert edge is not None and edge["x"] + edge["width"] <= 390, link.text_content()
