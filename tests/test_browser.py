@@ -666,6 +666,7 @@ def test_the_bulk_buttons_wait_for_a_ticked_row(page: Page) -> None:
     buttons = [page.get_by_role("button", name=f"{a} selected") for a in ("Pause", "Terminate")]
     for button in buttons:  # nothing ticked: a click could only be refused
         expect(button).to_be_disabled()
+        assert float(button.evaluate("b => getComputedStyle(b).opacity")) < 1  # and looks it
     page.get_by_label("select e2e-tick").check()
     expect(page.locator("[data-selected-count]")).to_have_text("1")
     for button in buttons:
