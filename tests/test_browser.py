@@ -701,10 +701,15 @@ def test_attribute_filter_and_bulk_terminate_with_a_live_progress_bar(page: Page
     page.get_by_text("Apply to all matching…").click()
     expect(page.locator("[data-matching]")).to_have_text("3")  # counted when opened
     page.select_option("#id_action", "terminate")
-    page.once("dialog", lambda dialog: dialog.accept())
+    asked: list[str] = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
     page.get_by_role("button", name="Apply to all 3 matching").click()
     panel = page.locator("[data-bulk-job-url]")
     expect(panel).to_contain_text("Bulk terminate")
+    # The confirmation named what it was about to do, not "this action".
+    assert asked == [
+        "Terminate all 3 matching instances? It runs in the background. This cannot be reversed."
+    ]
     rendered_done = panel.get_attribute("data-done") == "1"
     mark_page(page)
     expect(page.locator("[data-bulk-summary]")).to_contain_text(

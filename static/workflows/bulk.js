@@ -89,6 +89,21 @@
     else poll();
   }
 
+  // The confirmation names the chosen action and the count ("Delete all 32 matching
+  // instances?"), and says when it cannot be undone.
+  const FOR_GOOD = new Set(["terminate", "cancel", "delete"]);
+  function nameTheAction(form) {
+    const select = form.querySelector('select[name="action"]');
+    const matching = form.dataset.matchCount;
+    if (!select || matching === undefined) return;
+    const label = select.options[select.selectedIndex].text;
+    form.dataset.confirm = `${label} all ${matching} matching instance${matching === "1" ? "" : "s"}? ` +
+      "It runs in the background." + (FOR_GOOD.has(select.value) ? " This cannot be reversed." : "");
+  }
+  document.addEventListener("change", (ev) => {
+    if (ev.target.matches('[data-count-url] select[name="action"]')) nameTheAction(ev.target.form);
+  });
+
   // "Apply to all N matching": counted when opened, so the list itself never pays for it.
   function countWhenOpened(details) {
     const form = details.querySelector("form");
@@ -105,8 +120,8 @@
         if (!response.ok) throw new Error(`HTTP ${response.status}`);
         const { matching } = await response.json();
         shown.textContent = String(matching);
-        form.dataset.confirm = `Apply this action to all ${matching} matching instance` +
-          `${matching === 1 ? "" : "s"}? It runs in the background.`;
+        form.dataset.matchCount = String(matching);
+        nameTheAction(form);
         button.disabled = matching === 0;
       } catch (e) {
         shown.textContent = "?";
