@@ -3,6 +3,7 @@ what every surface shows of them stays bounded, and a step costs what it costs a
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -12,13 +13,14 @@ from django.test import Client
 from django.urls import reverse
 
 from workflows_app import admin as admin_module
-from workflows_app import testing
+from workflows_app import dashboard, testing
 from workflows_app.client import InstanceHandle, get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 LOOP = "big-loop"
+BESIDE = "big-beside"  # the loop beside an event wait started first
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +33,16 @@ def loop(registered: list[str]) -> None:
             await step.wait_for_event("ev", type="go", timeout="10 days")
             for i in range(event.payload.get("then", 0)):
                 await step.do(f"t{i}", lambda: {"ok": 1})
+            return "done"
+
+    @register(BESIDE, limits={"max_steps_per_workflow": 10_000})
+    class Beside(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            async def loop() -> None:
+                for i in range(event.payload["steps"]):
+                    await step.do(f"s{i}", lambda: {"ok": 1}, compensate=lambda out: None)
+
+            await asyncio.gather(step.wait_for_event("early", type="go", timeout="10 days"), loop())
             return "done"
 
 
@@ -81,3 +93,59 @@ def test_the_admin_instance_page_of_a_small_instance_shows_every_row(admin_clien
     text = text.content.decode()
     assert cells(text, "name") == ["s0", "s1", "s2", "ev"]
     assert "the newest" not in text
+
+
+# --- the dashboard's instance page ---------------------------------------------------------
+
+
+def step_names(page: str) -> list[str]:
+    return re.findall(r'<tr data-step="([^"]*)"', page)
+
+
+def span_names(page: str) -> list[str]:
+    return re.findall(r'<span class="span-name">([^<]*)</span>', page)
+
+
+def test_the_dashboard_shows_the_newest_steps_and_spans_and_every_open_step(
+    admin_client, monkeypatch
+):
+    monkeypatch.setattr(dashboard, "STEPS_ON_PAGE", 5, raising=False)
+    monkeypatch.setattr(dashboard, "SPANS_ON_PAGE", 6, raising=False)
+    handle = get_workflow(BESIDE).create(id="beside-1", params={"steps": 12})
+    testing.run_until_idle()
+    assert handle.status().status == "waiting"
+    for url in (
+        reverse("workflows:instance", args=[BESIDE, "beside-1"]),
+        reverse("workflows:instance-live", args=[handle.row().pk]),
+    ):
+        page = admin_client.get(url).content.decode()
+        # the wait started first is still open: shown, with the newest five steps
+        assert step_names(page) == ["early", "s7", "s8", "s9", "s10", "s11"]
+        assert "The newest 6 of 13 steps" in page
+        assert "waiting for event “go” (early)" in page  # why it waits, from the open step
+        assert re.search(r"<td>early</td><td class=\"mono\">go</td>", page)  # pending events
+        # the newest six stored spans, the run they belong to, and the open wait drawn
+        names = span_names(page)
+        assert names == [
+            f"workflow {BESIDE}",
+            *(f"step s{i}" for i in range(6, 12)),
+            "waitForEvent early",
+        ]
+        assert "The newest spans of 14" in page
+        # a cancel would compensate every completed step, not only those shown
+        assert "“s11”, “s10”" in page and "and 2 more, newest first" in page
+
+
+def test_the_dashboard_shows_every_step_and_span_of_a_small_instance(admin_client):
+    handle = grown(3)
+    page = admin_client.get(reverse("workflows:instance", args=[LOOP, handle.id])).content.decode()
+    assert step_names(page) == ["s0", "s1", "s2", "ev"]
+    assert "The newest" not in page
+    assert span_names(page) == [
+        f"create {LOOP}",
+        f"workflow {LOOP}",
+        "step s0",
+        "step s1",
+        "step s2",
+        "waitForEvent ev",
+    ]

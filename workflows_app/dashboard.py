@@ -40,6 +40,10 @@ CHART_BUCKET_MINUTES = 5
 CHART_HEIGHT = 30  # SVG user units; the chart's viewBox is 100 x CHART_HEIGHT
 LARGE_OUTPUT_CHARS = 160  # step outputs longer than this start collapsed
 HISTORY_ON_PAGE = 500  # newest history records on an instance page (the rest: API, `wf history`)
+# A year-long instance has tens of thousands of steps and spans: the page shows the newest
+# ones (and every open step), as it does history; the rest: `wf status`, the API, the admin.
+STEPS_ON_PAGE = 200
+SPANS_ON_PAGE = 500
 
 # Which actions apply to which status; the detail page shows a button only when it applies.
 LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
@@ -802,6 +806,12 @@ class InstanceDetail:
     parent: Instance | None = None
     children: list[Instance] = field(default_factory=list)
     now_ms: int = 0  # when it was read: the page grows in-flight spans from there
+    # How many there are when the page shows only some (the newest, see STEPS_ON_PAGE):
+    steps_total: int = 0
+    spans_total: int = 0
+    # Completed steps a cancel would compensate, newest first (all of them, also those
+    # not shown); None: read from the steps shown, which are then all the steps.
+    compensable: list[str] | None = None
 
     @property
     def params_pretty(self) -> str:
@@ -888,8 +898,15 @@ class InstanceDetail:
         return self.pending[0].schema if self.pending and not event_type else ""
 
     @property
+    def spans_cut(self) -> bool:
+        """The waterfall draws only the newest of the instance's spans (SPANS_ON_PAGE)."""
+        return self.spans_total > SPANS_ON_PAGE
+
+    @property
     def compensable_steps(self) -> list[str]:
         """Completed steps whose compensation a cancel would run, newest first."""
+        if self.compensable is not None:
+            return self.compensable
         return [
             s.record.name
             for s in reversed(self.steps)
@@ -914,7 +931,8 @@ class InstanceDetail:
 def instance_detail(pk: int) -> InstanceDetail:
     """Everything the detail page shows: one query per table."""
     instance = Instance.objects.get(pk=pk)
-    steps = [StepView(s) for s in StepRecord.objects.filter(instance_id=pk).order_by("seq")]
+    step_rows, steps_total, compensable = _shown_steps(pk)
+    steps = [StepView(s) for s in step_rows]
     pending = [
         PendingEventView(
             s.record.name,
@@ -928,7 +946,7 @@ def instance_detail(pk: int) -> InstanceDetail:
     history = list(
         HistoryRecord.objects.filter(instance_id=pk).order_by("-sequence")[:HISTORY_ON_PAGE]
     )
-    stored = list(Span.objects.filter(instance_id=pk).order_by("start_time"))
+    stored, spans_total = _shown_spans(pk)
     now = clock.now()
     records = [s.record for s in steps]
     drawn = in_flight_spans(instance, records, now) + cut_short_spans(instance, records)
@@ -959,7 +977,49 @@ def instance_detail(pk: int) -> InstanceDetail:
         parent,
         children,
         int(now.timestamp() * 1000),
+        steps_total,
+        spans_total,
+        compensable,
     )
+
+
+def _shown_steps(pk: int) -> tuple[list[StepRecord], int, list[str] | None]:
+    """The steps the page shows, in start order: every one, or for a big instance the
+    newest STEPS_ON_PAGE and every older one still open (a running step, a sleep, a wait,
+    a retry) or cut short by the instance's end (the trace draws those); how many there
+    are; and, for a big instance, the names of the completed steps a cancel would
+    compensate, newest first (None: the page reads them from the steps shown)."""
+    rows = StepRecord.objects.filter(instance_id=pk)
+    newest = list(rows.order_by("-seq")[: STEPS_ON_PAGE + 1])
+    if len(newest) <= STEPS_ON_PAGE:
+        return newest[::-1], len(newest), None
+    newest = newest[:STEPS_ON_PAGE]
+    older = rows.filter(seq__lt=newest[-1].seq).filter(
+        Q(status__in=IN_FLIGHT) | Q(kind__in=WAIT_KINDS, last_error_name=STEP_CUT_SHORT)
+    )
+    compensable = rows.filter(
+        kind=StepKind.DO, status=StepStatus.COMPLETE, has_compensation=True
+    ).order_by("-seq")
+    return (
+        [*older.order_by("seq"), *newest[::-1]],
+        rows.count(),
+        list(compensable.values_list("name", flat=True)),
+    )
+
+
+def _shown_spans(pk: int) -> tuple[list[Span], int]:
+    """The stored spans the waterfall draws, by start: every one, or for a big instance
+    the newest SPANS_ON_PAGE and the spans they are children of; and how many there are."""
+    rows = Span.objects.filter(instance_id=pk)
+    newest = list(rows.order_by("-start_time")[: SPANS_ON_PAGE + 1])
+    if len(newest) <= SPANS_ON_PAGE:
+        return newest[::-1], len(newest)
+    newest = newest[:SPANS_ON_PAGE]
+    ids = {s.span_id for s in newest}
+    parents = {s.parent_span_id for s in newest if s.parent_span_id} - ids
+    if parents:
+        newest += rows.filter(span_id__in=parents)
+    return sorted(newest, key=lambda s: s.start_time), rows.count()
 
 
 class InstanceSummaryJSON(TypedDict):
