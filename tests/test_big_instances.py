@@ -16,6 +16,7 @@ from workflows_app import admin as admin_module
 from workflows_app import dashboard, testing
 from workflows_app.client import InstanceHandle, get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.models import HistoryRecord, Instance, Span, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -149,3 +150,17 @@ def test_the_dashboard_shows_every_step_and_span_of_a_small_instance(admin_clien
         "step s2",
         "waitForEvent ev",
     ]
+
+
+def test_deleting_an_instance_in_the_admin_counts_its_rows_instead_of_listing_them(admin_client):
+    handle = grown(12)
+    handle.terminate()
+    url = reverse("admin:workflows_app_instance_delete", args=[handle.row().pk])
+    history = HistoryRecord.objects.count()
+    page = admin_client.get(url).content.decode()
+    assert "<li>13 step records</li>" in page and f"<li>{history} history records</li>" in page
+    assert "s11" not in page  # no line per step (nor per history record or span)
+    assert re.search(r"<li>Step records: 13</li>", page)
+    assert admin_client.post(url, {"post": "yes"}).status_code == 302
+    assert not StepRecord.objects.exists() and not HistoryRecord.objects.exists()
+    assert not Span.objects.exists() and not Instance.objects.exists()

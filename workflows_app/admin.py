@@ -16,6 +16,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
 from django.db.models import OuterRef, QuerySet, Subquery
 from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
@@ -480,9 +481,29 @@ class InstanceAdmin(admin.ModelAdmin):
         self, objs: Any, request: HttpRequest
     ) -> tuple[Any, Any, set[str], Any]:
         # Steps, events, history and spans belong to the instance: deleting it may take them
-        # although their own admins refuse deleting them one by one.
-        deleted, counts, _perms_needed, protected = super().get_deleted_objects(objs, request)
-        return deleted, counts, set(), protected
+        # although their own admins refuse deleting them one by one. They are counted, not
+        # collected: Django's collector loads every row, and the page listed each one (a
+        # year-long instance has tens of thousands; 5,000 steps took 85 MB and 20 s, for
+        # the confirmation page and again for the delete itself).
+        deleted: list[Any] = []
+        counts: dict[str, int] = {}
+        for obj in objs:
+            owned = []
+            for relation in Instance._meta.related_objects:
+                if relation.on_delete is not models.CASCADE:
+                    continue  # a child instance outlives its parent (parent set to NULL)
+                model = relation.related_model
+                n = model._default_manager.filter(**{relation.field.name: obj.pk}).count()
+                if n:
+                    plural = str(model._meta.verbose_name_plural)
+                    counts[plural] = counts.get(plural, 0) + n
+                    owned.append(f"{n:,} {plural}")
+            url = reverse("admin:workflows_app_instance_change", args=[obj.pk])
+            deleted.append(format_html('Instance: <a href="{}">{}</a>', url, obj))
+            if owned:
+                deleted.append(owned)
+        counts = {str(Instance._meta.verbose_name_plural): len(objs), **counts}
+        return deleted, counts, set(), []
 
     def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
         # action_location: Django 6.1+ passes it (the change list or change form); 5.2 never does.
