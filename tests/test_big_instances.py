@@ -164,3 +164,24 @@ def test_deleting_an_instance_in_the_admin_counts_its_rows_instead_of_listing_th
     assert admin_client.post(url, {"post": "yes"}).status_code == 302
     assert not StepRecord.objects.exists() and not HistoryRecord.objects.exists()
     assert not Span.objects.exists() and not Instance.objects.exists()
+
+
+# --- the engine: a step of a big instance costs what it costs a small one -----------------
+
+
+def statements_to_resume(steps: int, then: int) -> int:
+    handle = grown(steps, then, instance_id=f"big-{steps}-{then}")
+    handle.send_event("go")
+    with testing.QueryCounter() as counter:
+        testing.run_until_idle()
+    assert handle.status().status == "complete", handle.status()
+    return counter.count
+
+
+def test_a_resume_and_its_new_steps_take_as_many_statements_however_many_steps_came_before():
+    small = statements_to_resume(0, 20)
+    big = statements_to_resume(400, 20)
+    # loading the checkpoints is one read whatever their number; replaying them reads and
+    # writes nothing; each new step writes what it writes in a small instance
+    assert big == small
+    assert statements_to_resume(400, 40) - big == statements_to_resume(0, 40) - small
