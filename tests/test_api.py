@@ -399,6 +399,41 @@ def test_history_lists_the_records_in_order(service):
     assert records[-1]["type"] == "instance.completed"
 
 
+def test_history_comes_in_pages_of_at_most_limit_records(service, monkeypatch):
+    # A year-long instance has 100,000s of records: one response held them all (17 MB, 7 s).
+    monkeypatch.setattr(api, "HISTORY_PAGE", 4, raising=False)
+    service.post(base(SIMPLE), {"id": "h"})
+    testing.run_until_idle()
+    url = base(SIMPLE, "h") + "/history"
+    everything = [r["sequence"] for r in instance_records("h")]
+    pages, cursor = [], None
+    while True:
+        body = service.get(url + (f"?cursor={cursor}" if cursor else "")).json()
+        pages.append([r["sequence"] for r in body["result"]])
+        assert body["result_info"]["per_page"] == 4
+        cursor = body["result_info"]["cursor"]
+        if cursor is None:
+            break
+    assert len(everything) > 4 and all(len(p) <= 4 for p in pages)
+    assert [s for p in pages for s in p] == everything
+    two = service.get(url + "?limit=2&cursor=1").json()
+    assert [r["sequence"] for r in two["result"]] == [2, 3] and two["result_info"]["cursor"] == "3"
+    for query, wrong in (
+        ("?limit=0", "limit"),
+        ("?limit=5", "limit"),  # over the page size
+        ("?cursor=x", "cursor"),
+        ("?cursor=-1", "cursor"),
+        ("?after=2", "unknown query parameter(s) ['after']"),
+        ("?limit=1&limit=2", "limit given more than once"),
+    ):
+        status, code, message = error_of(service.get(url + query))
+        assert (status, code) == (400, "InvalidInput") and wrong in message, (query, message)
+
+
+def instance_records(instance_id: str) -> list[dict[str, Any]]:
+    return [{"sequence": h.sequence} for h in get_workflow(SIMPLE).get(instance_id).history()]
+
+
 # --- actions ----------------------------------------------------------------------------
 
 

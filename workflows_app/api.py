@@ -371,11 +371,6 @@ def list_instances(call: Call, name: str) -> JsonResponse:
 ATTR_PREFIX = "attr."
 
 
-# The handlers that read a query string (their own check names what is allowed); every
-# other one refuses any (endpoint).
-TAKES_QUERY = frozenset({list_instances})
-
-
 def attribute_filter(query: Any) -> dict[str, Any]:
     """`?attr.customer=c-9&attr.seats=5`: exact matches; a number, true or false is typed
     (quote it, attr.seats="5", to find the string)."""
@@ -540,8 +535,51 @@ def get_bulk_job(call: Call, name: str, job_id: int) -> JsonResponse:
     return ok(surfaces.bulk_job_json(surfaces.binding(name).bulk_job(job_id)))
 
 
+HISTORY_PAGE = 1000  # records in a …/history response at most (a year-long instance has 100,000s)
+HISTORY_PARAMETERS = ("cursor", "limit")
+
+
 def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
-    return ok([surfaces.history_json(h) for h in instance(name, instance_id).history()])
+    """The records after ?cursor= (a history sequence; 0: from the start), at most ?limit=
+    of them; result_info.cursor is the cursor of the next page (null on the last)."""
+    query = call.request.GET
+    unknown = sorted(k for k in query if k not in HISTORY_PARAMETERS)
+    if unknown:
+        raise ApiError(
+            400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor, limit"
+        )
+    repeated = sorted(k for k in HISTORY_PARAMETERS if len(query.getlist(k)) > 1)
+    if repeated:
+        raise ApiError(
+            400, "InvalidInput", f"{', '.join(repeated)} given more than once; give each once"
+        )
+    limit_text = query.get("limit", str(HISTORY_PAGE))
+    if not LIMIT_PATTERN.fullmatch(limit_text) or not 1 <= int(limit_text) <= HISTORY_PAGE:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"limit must be an integer from 1 to {HISTORY_PAGE}, got {limit_text[:20]!r}",
+        )
+    cursor_text = query.get("cursor", "0")
+    if not CURSOR_PATTERN.fullmatch(cursor_text) or int(cursor_text) > MAX_PK:
+        raise ApiError(
+            400,
+            "InvalidInput",
+            f"cursor must be a history sequence (0 to {MAX_PK}), got {cursor_text[:30]!r}",
+        )
+    limit = int(limit_text)
+    entries = instance(name, instance_id).history(after=int(cursor_text), limit=limit + 1)
+    more = len(entries) > limit
+    entries = entries[:limit]
+    return ok(
+        [surfaces.history_json(h) for h in entries],
+        result_info={"cursor": str(entries[-1].sequence) if more else None, "per_page": limit},
+    )
+
+
+# The handlers that read a query string (their own check names what is allowed); every
+# other one refuses any (endpoint).
+TAKES_QUERY = frozenset({list_instances, get_history})
 
 
 def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:

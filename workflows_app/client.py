@@ -620,11 +620,21 @@ class InstanceHandle:
         row = self.row()
         return InstanceStatus(row.status, row.output, row.error, row.waiting_reason)
 
-    def history(self) -> list[HistoryEntry]:
-        return [
-            history_entry(h)
-            for h in HistoryRecord.objects.filter(instance_id=self.row().pk).order_by("sequence")
-        ]
+    def history(self, after: int = 0, limit: int | None = None) -> list[HistoryEntry]:
+        """The records after sequence `after` (0: from the start), in order; at most `limit`
+        of them (None: every one)."""
+        if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
+            raise errors.InvalidInput(
+                f"after must be a history sequence from 0 to {MAX_PK}, got {after!r}"
+            )
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            raise errors.InvalidInput(f"limit must be a positive integer or None, got {limit!r}")
+        records = HistoryRecord.objects.filter(
+            instance_id=self.row().pk, sequence__gt=after
+        ).order_by("sequence")
+        return [history_entry(h) for h in (records if limit is None else records[:limit])]
 
     def subscribe(self, cursor: int = 0) -> Iterator[HistoryEntry]:
         """History records after `cursor` (a history sequence; 0: from the start), then

@@ -650,12 +650,34 @@ def document() -> dict[str, Any]:
                 "get": {
                     "summary": "The instance's append-only history",
                     "operationId": "getHistory",
-                    "description": READ,
+                    "description": READ
+                    + " At most `limit` records a page, in order: pass result_info.cursor back"
+                    " as ?cursor= for the next (null after the last record).",
+                    "parameters": [
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 0},
+                            "description": "the records after this history sequence "
+                            "(result_info.cursor of the previous page; default 0: from the start)",
+                        },
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": 1000,
+                                "default": 1000,
+                            },
+                        },
+                    ],
                     "responses": responses(
                         json_body(
-                            success({"type": "array", "items": ref("HistoryEntry")}),
+                            success({"type": "array", "items": ref("HistoryEntry")}, paged=True),
                             "records in order",
                         ),
+                        "400",
                         "403",
                         "404",
                     ),
