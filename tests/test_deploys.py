@@ -25,7 +25,7 @@ import pytest
 from tests import fleet_workflows
 from tests.polling import wait_until
 from tests.test_worker_operations import LoopThread, new_worker
-from tests.workers import ROOT, database_url
+from tests.workers import ROOT, answers_http, database_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry, store
@@ -195,16 +195,8 @@ def sigterm_leaves_no_lease(command: str, boot: list[str], instance_id: str) -> 
         text=True,
     )
     try:
-
-        def first_request_answered() -> bool:  # daphne starts its embedded worker then
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-                    conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                    return conn.recv(12).startswith(b"HTTP/1.1")
-            except OSError:
-                return False
-
-        wait_until(first_request_answered, 60, f"{command} to answer")
+        # daphne starts its embedded worker at its first request
+        wait_until(lambda: answers_http(port), 60, f"{command} to answer")
         wait_until(
             lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
             60,

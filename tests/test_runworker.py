@@ -15,19 +15,18 @@ from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
-from tests.workers import ROOT, database_url
+from tests.workers import ROOT, answers_http, database_url
 from workflows_app.client import get_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_sigterm_logs_the_runs_finishing_how_each_ended_and_the_exit(workers):
+def sigterm_mid_step(workers, instance_id: str, **settings: str):
+    """A worker inside the step "work" of a new rel-zombie instance gets SIGTERM; returns
+    the instance, its key and the worker's log once it has exited 0."""
     fleet_workflows.ensure_ledger()
-    inst = get_workflow("rel-zombie").create(id="drained")
-    pk = inst.row().pk
-    # The step "work" takes 1.5 s: long enough to be mid-step when the signal arrives,
-    # well inside the engine's 10 s grace period.
-    (worker,) = workers(1, FLEET_STEP_SECONDS="1.5")
+    inst = get_workflow("rel-zombie").create(id=instance_id)
+    (worker,) = workers(1, **settings)
     wait_until(
         lambda: any(row[1] == "work" and row[4] is None for row in fleet_workflows.ledger_rows()),
         30,
@@ -35,7 +34,13 @@ def test_sigterm_logs_the_runs_finishing_how_each_ended_and_the_exit(workers):
     )
     assert worker.terminate() == 0
     worker.log.seek(0)
-    log = worker.log.read()
+    return inst, inst.row().pk, worker.log.read()
+
+
+def test_sigterm_logs_the_runs_finishing_how_each_ended_and_the_exit(workers):
+    # The step "work" takes 1.5 s: long enough to be mid-step when the signal arrives,
+    # well inside the engine's 10 s grace period.
+    inst, pk, log = sigterm_mid_step(workers, "drained", FLEET_STEP_SECONDS="1.5")
     assert (
         f"SIGTERM received; claiming nothing new. 1 run(s) finishing their current step (instances #{pk})"
         in log
@@ -51,18 +56,9 @@ def test_wfdash_drain_seconds_sets_how_long_sigterm_lets_a_step_finish(workers):
     """The drain's grace was fixed at 10 s: a deploy whose orchestrator kills sooner lost
     the lease release, and one that allows longer could not give long steps the time.
     WFDASH_DRAIN_SECONDS sets it; a step outliving it is cut short, its lease given back."""
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("rel-zombie").create(id="cut-short")
-    pk = inst.row().pk
-    (worker,) = workers(1, FLEET_STEP_SECONDS="120", WFDASH_DRAIN_SECONDS="0.5")
-    wait_until(
-        lambda: any(row[1] == "work" and row[4] is None for row in fleet_workflows.ledger_rows()),
-        30,
-        "the worker to be inside the step",
+    inst, pk, log = sigterm_mid_step(
+        workers, "cut-short", FLEET_STEP_SECONDS="120", WFDASH_DRAIN_SECONDS="0.5"
     )
-    assert worker.terminate() == 0
-    worker.log.seek(0)
-    log = worker.log.read()
     assert f"finishing their current step (instances #{pk}), for up to 0.5 s" in log, log
     assert f"instance #{pk} cut short; its lease is released for another worker" in log, log
     row = inst.row()
@@ -218,15 +214,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def answered(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-            conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            return conn.recv(12).startswith(b"HTTP/1.1")
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize(
     ("server", "started"),
     [
@@ -266,7 +253,7 @@ def test_each_engine_log_line_is_written_once(server, started):
 
     try:
         if server != "runworker":  # daphne starts the embedded worker at the first request
-            wait_until(lambda: answered(port), 60, f"{server} to answer")
+            wait_until(lambda: answers_http(port), 60, f"{server} to answer")
         wait_until(lambda: started in logged(), 60, f"{server}'s engine to start")
         process.send_signal(signal.SIGTERM)
         process.wait(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,16 @@ def database_url() -> str:
     user = s.get("USER") or ""
     auth = f"{user}@" if user else ""
     return f"postgres://{auth}{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+
+
+def answers_http(port: int) -> bool:
+    """Whether a server on this local port answers an HTTP request (a page of the admin)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            return conn.recv(12).startswith(b"HTTP/1.1")
+    except OSError:
+        return False
 
 
 class WorkerProcess:
