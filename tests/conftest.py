@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -28,7 +34,7 @@ def _clean_engine() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_every_connection_before_the_test_database_is_dropped(
-    django_db_setup: None,
+    django_db_setup: None, django_db_blocker: Any
 ) -> Iterator[None]:
     """Async tests run sync code in asgiref's one shared thread, also while their event
     loop closes, and the engine's threads borrow from psycopg's pool: connections they
@@ -51,6 +57,118 @@ def _close_every_connection_before_the_test_database_is_dropped(
     for conn in connections.all():
         if getattr(conn, "pool", None) is not None:
             conn.close_pool()
+    with django_db_blocker.unblock():
+        leaks = _connections_left_open()
+    if leaks:
+        pytest.fail(
+            "connections to the test database were left open at the end of the session "
+            "(PostgreSQL refuses to drop a database in use); each is closed now:\n"
+            + "\n".join(leaks),
+            pytrace=False,
+        )
+
+
+class _Holders:
+    """Who took each PostgreSQL connection last (a connection taken from psycopg's pool or
+    opened anew), for the session-end check. The connection is kept referenced here: one
+    a thread ended holding, never given back, would otherwise be closed whenever the
+    garbage collector reached it, so whether the test database could be dropped depended
+    on test order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders: dict[Any, tuple[str, str, traceback.StackSummary]] = {}
+        self.test = "(no test: collection or a session fixture)"
+
+    def taken(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        if connection.vendor != "postgresql":
+            return
+        stack = traceback.StackSummary.extract(
+            traceback.walk_stack(sys._getframe(1)), lookup_lines=False
+        )
+        holder = (threading.current_thread().name, self.test, stack)
+        with self.lock:
+            self.holders[connection.connection] = holder
+            if len(self.holders) > 1000:  # forget those closed since (given back ones stay)
+                self.holders = {c: h for c, h in self.holders.items() if not c.closed}
+
+    def left_open(self) -> list[tuple[Any, str, str, traceback.StackSummary]]:
+        with self.lock:
+            return [(c, *h) for c, h in self.holders.items() if not c.closed]
+
+
+_holders = _Holders()
+
+
+def _where(stack: traceback.StackSummary) -> str:
+    """The project's frames of a stack (innermost last): the libraries' say nothing of
+    which test or code took the connection."""
+    ours = [f for f in reversed(stack) if "/site-packages/" not in f.filename][-8:]
+    return "".join(f"      {f.filename}:{f.lineno} in {f.name}\n" for f in ours)
+
+
+def _local_tcp_ports() -> set[int]:
+    """The local ports of this process's TCP sockets (Linux; none known elsewhere)."""
+    try:
+        links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+        inodes = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as lines:
+                for line in list(lines)[1:]:
+                    fields = line.split()
+                    if fields[9] in inodes:
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        return ports
+    except OSError:
+        return set()
+
+
+def _connections_left_open() -> list[str]:
+    """Each connection to the test database still open once every connection the session
+    knows of is closed, named by its origin, then closed: this process's by the thread and
+    test that took it last (and where), another process's (a worker or server a test did
+    not stop) as PostgreSQL sees it."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return []
+    leaks, ours = [], set()
+    for conn, thread, test, stack in _holders.left_open():
+        ours.add(conn.info.backend_pid)
+        leaks.append(
+            f"  - backend {conn.info.backend_pid}, taken by thread {thread!r} in {test}, at\n"
+            f"{_where(stack)}"
+        )
+        conn.close()
+    with connection._nodb_cursor() as cursor:
+        # Those of processes just stopped may take a moment to go: DROP DATABASE itself
+        # waits up to 5 s for other sessions to end before it refuses.
+        for _ in range(50):
+            cursor.execute(
+                "SELECT pid, application_name, client_port, backend_start, state, query "
+                "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                [connection.settings_dict["NAME"]],
+            )
+            others = [row for row in cursor.fetchall() if row[0] not in ours]
+            if not others:
+                break
+            time.sleep(0.1)
+        mine = _local_tcp_ports()
+        for pid, application, port, started, state, query in others:
+            whose = (
+                "of this process, not opened through Django (a LISTEN connection, a "
+                "psycopg.connect?)"
+                if port in mine
+                else "of another process (a worker, daphne or runserver left running?)"
+            )
+            leaks.append(
+                f"  - backend {pid} {whose}: client port {port}, application "
+                f"{application!r}, since {started:%H:%M:%S}, {state}; last query "
+                f"{(query or '')[:200]!r}"
+            )
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    return leaks
 
 
 @pytest.fixture
@@ -85,5 +203,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """Tests create users by the hundred: a fast hasher instead of a million PBKDF2
     rounds each (the subprocesses the tests start keep the project's real hashers)."""
     from django.conf import settings
+    from django.db.backends.signals import connection_created
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    connection_created.connect(_holders.taken, dispatch_uid="tests-connection-holders")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    _holders.test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _holders.test = "(after the last test: session teardown)"

@@ -247,6 +247,7 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     """A woken timer stores three spans in one flush; its page reads its whole detail on
     any of them, so the page's group gets one span message, not three."""
     from asgiref.sync import sync_to_async
+    from channels.db import database_sync_to_async
 
     from workflows_app import live
     from workflows_app.engine import WorkflowEntrypoint, register
@@ -263,9 +264,12 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     channel = await redis_layer.new_channel()
     group = live.instance_group(row.pk)
     await redis_layer.group_add(group, channel)
-    loop = asyncio.get_running_loop()
     await live.mark_pages_open(redis_layer)  # as the page's hub would
-    await loop.run_in_executor(None, live.EngineHooks().flush)  # spans queued before
+    # In a thread that gives its database connection back after the call, as the
+    # engine's database thread does: the loop's executor's thread ended holding it, open
+    # until the garbage collector found it (the test database could not be dropped).
+    flush = database_sync_to_async(live.EngineHooks().flush)
+    await flush()  # spans queued before
     await _until_sentinel(redis_layer, channel, group)
     root = engine_spans.start_workflow_span(row.trace_id, row.pk, "span-messages", {})
     engine_spans.finished_span(
@@ -274,7 +278,7 @@ async def test_a_flush_tells_an_instance_s_page_once_of_its_stored_spans(redis_l
     with engine_spans.child_span(root, "step s", {}):
         pass
     root.end()
-    await loop.run_in_executor(None, live.EngineHooks().flush)
+    await flush()
     received = await _until_sentinel(redis_layer, channel, group)
     assert [m["type"] for m in received] == ["wf.span"]
     assert received[0]["name"] == "workflow span-messages"  # the flush's last of that instance
