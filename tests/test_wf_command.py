@@ -696,3 +696,49 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     watch.stderr.close()
     assert watch.wait(60) == 1
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+@pytest.mark.parametrize("server", ["refusing", "silent"])
+def test_a_command_on_an_unreachable_database_fails_within_seconds_naming_where(server):
+    """psycopg's pool waits its whole timeout (30 s, meant for a busy pool) for a
+    connection it cannot make: `wf list` on a wrong DATABASE_URL answered after a minute
+    (once more for the migrations check). A silent server (a blackholed address) is a
+    socket that takes the connection and never answers."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def run_wf(url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "manage.py", "wf", *(args or ["list"])],
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "DATABASE_URL": url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return result, time.monotonic() - started
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        url = f"postgres://wf:s3cret-pw@127.0.0.1:{port}/orders"
+        # What starting Python, Django and the command takes on this machine now (a busy
+        # CI runner's several seconds are not the database's): --help asks no database.
+        _, start_up = run_wf(url, "--help")
+        if server == "silent":
+            listener.listen(8)  # the kernel completes the handshake; nobody ever speaks
+        else:
+            listener.close()  # nothing listens: connections are refused
+        result, took = run_wf(url)
+    assert result.returncode == 1, result.stderr
+    assert took - start_up < 10, f"{took:.1f} s ({start_up:.1f} s to start): {result.stderr}"
+    assert f"cannot connect to the database (DATABASE_URL) at 127.0.0.1:{port}/orders" in (
+        result.stderr
+    ), result.stderr
+    assert "s3cret-pw" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -17,7 +17,8 @@ workflow and refused if it is ambiguous. Every verb takes --json for scripts. Ba
 exits non-zero with one line naming what was wrong; so does `wf bulk` (after its report)
 when the action failed on some instances, or when the database rolled a batch back
 BULK_BATCH_TRIES times in a row (the job is kept; workers finish it), and any verb on
-a database it cannot use (not migrated: it says what to run).
+a database it cannot use (not migrated: it says what to run; a PostgreSQL it cannot
+connect to within seconds: it says where it looked).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from workflows_app.client import InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.models import ApiToken, BulkAction, Instance
-from workflows_app.schema import not_migrated_message, unapplied_migrations
+from workflows_app.schema import not_migrated_message, unapplied_migrations, unreachable_database
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -356,6 +357,9 @@ class Command(BaseCommand):
         refusal = not_utf8(self.verb_parsers[options["verb"]], options)
         if refusal:
             raise refusal
+        unreachable = unreachable_database() if options["verb"] != "bench" else None
+        if unreachable:  # in seconds, not after the pool's wait for a connection
+            raise CommandError(unreachable)
         try:
             options["handler"](namespace)
             self.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
