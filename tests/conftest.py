@@ -101,10 +101,13 @@ _holders = _Holders()
 
 
 def _where(stack: traceback.StackSummary) -> str:
-    """The project's frames of a stack (innermost last): the libraries' say nothing of
-    which test or code took the connection."""
-    ours = [f for f in reversed(stack) if "/site-packages/" not in f.filename][-8:]
-    return "".join(f"      {f.filename}:{f.lineno} in {f.name}\n" for f in ours)
+    """Where a connection was taken (innermost last): the frames outside site-packages
+    (the test's, the project's, a thread's start), then the first three library calls
+    the innermost of them made (a test client's request, say)."""
+    frames = list(reversed(stack))
+    outside = [i for i, f in enumerate(frames) if "/site-packages/" not in f.filename]
+    shown = [frames[i] for i in outside[-8:]] + frames[outside[-1] + 1 : outside[-1] + 4]
+    return "".join(f"      {f.filename}:{f.lineno} in {f.name}\n" for f in shown)
 
 
 def _local_tcp_ports() -> set[int]:

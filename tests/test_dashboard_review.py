@@ -89,7 +89,10 @@ async def test_logging_out_while_a_socket_reads_its_snapshot_still_closes_it(mon
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
     connecting = asyncio.ensure_future(connect("/ws/overview/", cookie))
     await asyncio.wait_for(reading.wait(), RECEIVE_TIMEOUT)
-    await asyncio.to_thread(client.post, "/admin/logout/")  # the session is gone now
+    # The session is gone now. (In a thread that closes its database connection after
+    # the request: the test client keeps it open, and asyncio.to_thread's thread ended
+    # holding it, so PostgreSQL could not drop the test database.)
+    await database_sync_to_async(client.post)("/admin/logout/")
     go.set()
     communicator, connected = await connecting
     if connected:
