@@ -687,8 +687,18 @@ class InstanceHandle:
             history_listener.ensure_started(live.result_waiters.wake)
         return follower
 
-    def steps(self) -> list[StepRecord]:
-        return list(StepRecord.objects.filter(instance_id=self.row().pk).order_by("seq"))
+    def steps(self, last: int | None = None) -> list[StepRecord]:
+        """The steps in order; with `last`, only the newest `last` of them (a long-running
+        instance has tens of thousands)."""
+        steps = StepRecord.objects.filter(instance_id=self.row().pk)
+        if last is None:
+            return list(steps.order_by("seq"))
+        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+            raise errors.InvalidInput(f"last must be 0 or a positive integer, got {last!r}")
+        return list(reversed(steps.order_by("-seq")[:last])) if last else []
+
+    def step_count(self) -> int:
+        return StepRecord.objects.filter(instance_id=self.row(refresh=False).pk).count()
 
     def parent_row(self) -> Instance | None:
         """The row of the instance that started this one (step.invoke / step.start)."""

@@ -103,10 +103,11 @@ def ref_json(row: Instance | None, step: str) -> dict[str, Any] | None:
     return {"id": row.instance_id, "workflow": row.workflow, "status": row.status, "step": step}
 
 
-def instance_json(handle: InstanceHandle) -> dict[str, Any]:
-    """Everything an operator asks about one instance: status, params, output, steps."""
+def instance_json(handle: InstanceHandle, steps: int | None = None) -> dict[str, Any]:
+    """Everything an operator asks about one instance: status, params, output, steps.
+    With `steps`, only the newest that many steps, and steps_total: how many it has."""
     row = handle.row()
-    return {
+    data = {
         "id": row.instance_id,
         "workflow": row.workflow,
         "version": row.version,
@@ -125,9 +126,13 @@ def instance_json(handle: InstanceHandle) -> dict[str, Any]:
         "updated_at": iso(row.updated_at),
         "started_at": iso(row.started_at),
         "finished_at": iso(row.finished_at),
-        "steps": [step_json(s) for s in handle.steps()],
+        "steps": [step_json(s) for s in handle.steps(last=steps)],
         "pending_events": [pending_json(p) for p in handle.pending_events()],
     }
+    if steps is not None:
+        shown = len(data["steps"])
+        data["steps_total"] = shown if shown < steps else handle.step_count()
+    return data
 
 
 def created_json(handle: InstanceHandle) -> dict[str, Any]:

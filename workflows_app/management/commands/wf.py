@@ -1,7 +1,8 @@
 """Operate workflows from a shell: `python manage.py wf <verb>`.
 
     wf list [--workflow W] [--status S] [--attr K=V]...  wf start W [--params JSON|@file] [--id ID | --count N]
-    wf status ID | history ID                            wf send-event ID TYPE [--payload JSON]
+    wf status ID [--steps N] | history ID [--after SEQ] [--limit N]
+    wf send-event ID TYPE [--payload JSON]
     wf pause|resume|terminate|skip-sleep|delete ID       wf restart ID [--from-step NAME] [--to-version N]
     wf cancel ID [--no-compensate]                       wf prune
     wf bulk ACTION -w W [--status S] [--attr K=V]... [--created-before ISO] [--background]
@@ -56,6 +57,10 @@ START_BATCH = 100  # instances per create_batch of `start --count`
 # database for hours, a batch at a time, each committed.
 START_COUNT_MAX = 100_000
 BULK_BATCH_TRIES = 3  # `wf bulk`: a batch the database rolls back this often ends the command
+# `wf history` prints at most this many records a run, and `wf status --steps` as many steps
+# (as the API's history pages): an instance with 50,000 steps printed 10 MB of history.
+PAGE_MAX = 1000
+STATUS_STEPS = 50  # `wf status`: the newest steps it shows by default
 
 
 def first_line(exc: BaseException) -> str:
@@ -238,14 +243,36 @@ class Command(BaseCommand):
         )
         attr_option(sub, "give the instance this search attribute")
 
-        by_id(
+        sub = by_id(
             verb(
                 "status",
                 self.do_status,
                 "show an instance: status, output, error, steps, pending events",
             )
         )
-        by_id(verb("history", self.do_history, "show an instance's history records"))
+        sub.add_argument(
+            "--steps",
+            type=int,
+            default=STATUS_STEPS,
+            metavar="N",
+            help=f"show the newest N steps (default {STATUS_STEPS}, at most {PAGE_MAX}; "
+            "also with --json)",
+        )
+        sub = by_id(verb("history", self.do_history, "show an instance's history records"))
+        sub.add_argument(
+            "--limit",
+            "-n",
+            type=int,
+            default=PAGE_MAX,
+            help=f"at most this many records (default and most: {PAGE_MAX})",
+        )
+        sub.add_argument(
+            "--after",
+            type=int,
+            default=0,
+            metavar="SEQ",
+            help='the records after this sequence: the next page, as "more: --after SEQ" says',
+        )
 
         sub = by_id(verb("send-event", self.do_send_event, "send an event to an instance"))
         sub.add_argument("type")
@@ -427,7 +454,9 @@ class Command(BaseCommand):
         self.emit(opts, {"instances": rows, "cursor": cursor if opts.workflow else None}, human)
 
     def do_status(self, opts: argparse.Namespace) -> None:
-        data = surfaces.instance_json(find_instance(opts.id, opts.workflow))
+        if not 0 <= opts.steps <= PAGE_MAX:
+            raise CommandError(f"--steps must be from 0 to {PAGE_MAX}, got {opts.steps}")
+        data = surfaces.instance_json(find_instance(opts.id, opts.workflow), steps=opts.steps)
         lines = [
             f"{data['workflow']}/{data['id']}  v{data['version']}  {data['status']}",
             f"params:   {compact(data['params'])}",
@@ -467,6 +496,13 @@ class Command(BaseCommand):
                     ],
                 ),
             ]
+        hidden = data["steps_total"] - len(data["steps"])
+        if hidden:
+            lines += [
+                "",
+                f"{hidden} earlier step(s) not shown: --steps N shows the newest N (at most "
+                f"{PAGE_MAX}); `wf history {data['id']}` pages through what every step did",
+            ]
         if data["pending_events"]:
             lines += [
                 "",
@@ -481,9 +517,15 @@ class Command(BaseCommand):
         self.emit(opts, data, "\n".join(lines))
 
     def do_history(self, opts: argparse.Namespace) -> None:
-        entries = [
-            surfaces.history_json(h) for h in find_instance(opts.id, opts.workflow).history()
-        ]
+        if not 1 <= opts.limit <= PAGE_MAX:
+            raise CommandError(f"--limit must be from 1 to {PAGE_MAX}, got {opts.limit}")
+        if opts.after < 0:
+            raise CommandError(f"--after must be a history sequence, 0 or more, got {opts.after}")
+        records = find_instance(opts.id, opts.workflow).history(
+            after=opts.after, limit=opts.limit + 1
+        )
+        more = len(records) > opts.limit
+        entries = [surfaces.history_json(h) for h in records[: opts.limit]]
         human = table(
             ["seq", "time", "type", "actor", "data"],
             [
@@ -491,7 +533,10 @@ class Command(BaseCommand):
                 for h in entries
             ],
         )
-        self.emit(opts, entries, human)
+        hint = f"more: --after {entries[-1]['sequence']}" if more else ""
+        if hint and opts.json:  # the JSON stays a list, as before; the hint goes to stderr
+            self.stderr.write(hint)
+        self.emit(opts, entries, human + (f"\n{hint}" if hint else ""))
 
     # --- write verbs ----------------------------------------------------------------
 
