@@ -7,6 +7,7 @@ always agree. Every function issues a fixed number of queries, whatever the row 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -309,10 +310,46 @@ ROW_FIELDS = (
 
 
 @dataclass(frozen=True)
-class InstancePage:
-    rows: list[Instance]
+class Page:
+    rows: list[Any]
     older: str | None  # cursor of the next (older) page
     newer: str | None  # cursor of the previous (newer) page
+
+
+def _keyset_page(
+    query: Any,
+    after: str | None,
+    before: str | None,
+    limit: int,
+    order: Callable[..., Any],
+) -> Page:
+    """Keyset pagination on the primary key, newest first: no OFFSET, no COUNT(*).
+
+    `after` pages to older rows (id < cursor); `before` to newer ones (id > cursor).
+    Both directions fetch one extra row to know whether another page exists.
+    `order(query, newest_first=...)` orders the query by id.
+    """
+    if before:
+        rows = list(
+            order(query.filter(id__gt=decode_cursor(before)), newest_first=False)[: limit + 1]
+        )
+        more_newer = len(rows) > limit
+        rows = rows[:limit][::-1]
+        return Page(
+            rows,
+            encode_cursor(rows[-1].pk) if rows else None,
+            encode_cursor(rows[0].pk) if rows and more_newer else None,
+        )
+    if after:
+        query = query.filter(id__lt=decode_cursor(after))
+    rows = list(order(query)[: limit + 1])
+    more_older = len(rows) > limit
+    rows = rows[:limit]
+    return Page(
+        rows,
+        encode_cursor(rows[-1].pk) if rows and more_older else None,
+        encode_cursor(rows[0].pk) if rows and after else None,
+    )
 
 
 def instance_page(
@@ -320,36 +357,14 @@ def instance_page(
     after: str | None = None,
     before: str | None = None,
     limit: int = PAGE_SIZE,
-) -> InstancePage:
-    """Keyset pagination on the primary key, newest first: no OFFSET, no COUNT(*).
-
-    `after` pages to older rows (id < cursor); `before` to newer ones (id > cursor).
-    Both directions fetch one extra row to know whether another page exists.
-    """
+) -> Page:
+    """The instance list's page: keyset-paginated, newest first (see _keyset_page)."""
     query = filters.apply(Instance.objects.only(*ROW_FIELDS))
-    if before:
-        rows = list(
-            store.order_by_id(query.filter(id__gt=decode_cursor(before)), newest_first=False)[
-                : limit + 1
-            ]
-        )
-        more_newer = len(rows) > limit
-        rows = rows[:limit][::-1]
-        return InstancePage(
-            rows,
-            encode_cursor(rows[-1].pk) if rows else None,
-            encode_cursor(rows[0].pk) if rows and more_newer else None,
-        )
-    if after:
-        query = query.filter(id__lt=decode_cursor(after))
-    rows = list(store.order_by_id(query)[: limit + 1])
-    more_older = len(rows) > limit
-    rows = rows[:limit]
-    return InstancePage(
-        rows,
-        encode_cursor(rows[-1].pk) if rows and more_older else None,
-        encode_cursor(rows[0].pk) if rows and after else None,
-    )
+    return _keyset_page(query, after, before, limit, store.order_by_id)
+
+
+def _by_id(query: Any, newest_first: bool = True) -> Any:
+    return query.order_by("-id" if newest_first else "id")
 
 
 def count_matching(filters: ListFilters) -> int:
@@ -1048,9 +1063,12 @@ def instance_summary(row: Instance) -> InstanceSummaryJSON:
 
 
 def error_page(
-    workflow: str = "", after: str | None = None, limit: int = PAGE_SIZE
-) -> tuple[list[ErrorRecord], str | None]:
-    """ErrorRecord newest first, keyset-paginated like the instance list."""
+    workflow: str = "",
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = PAGE_SIZE,
+) -> Page:
+    """ErrorRecord newest first, keyset-paginated both ways like the instance list."""
     query = ErrorRecord.objects.select_related("instance").only(
         "id",
         "workflow",
@@ -1068,10 +1086,7 @@ def error_page(
     )
     if workflow:
         query = query.filter(workflow=workflow)
-    if after:
-        query = query.filter(id__lt=decode_cursor(after))
-    rows = list(query.order_by("-id")[: limit + 1])
-    return rows[:limit], encode_cursor(rows[limit - 1].pk) if len(rows) > limit else None
+    return _keyset_page(query, after, before, limit, _by_id)
 
 
 def workflow_names() -> list[str]:

@@ -268,7 +268,7 @@ def error_list(request: HttpRequest) -> HttpResponse:
     workflow = request.GET.get("workflow", "")
     _no_nul(workflow)
     try:
-        rows, older = dashboard.error_page(workflow, request.GET.get("after"))
+        page = dashboard.error_page(workflow, request.GET.get("after"), request.GET.get("before"))
     except WorkflowError as exc:
         messages.error(request, str(exc))
         return redirect("workflows:errors")
@@ -277,8 +277,10 @@ def error_list(request: HttpRequest) -> HttpResponse:
         "workflows/errors.html",
         {
             "page": "errors",
-            "rows": rows,
-            "older": older,
+            "rows": page.rows,
+            "older": page.older,
+            "newer": page.newer,
+            "first_page": not request.GET.get("after") and not request.GET.get("before"),
             "workflow": workflow,
             "workflows": dashboard.workflow_names(),
         },

@@ -213,6 +213,49 @@ def test_the_errors_page_lists_newest_first_and_filters_by_workflow(
     assert '#span-abcd"' in page
 
 
+def test_the_errors_page_pages_back_to_newer_errors(operator_client):
+    """The errors page had only "Older →": from page 2 the only way back was the browser."""
+    from django.utils import timezone
+
+    from workflows_app.dashboard import PAGE_SIZE
+
+    now = timezone.now()
+    ErrorRecord.objects.bulk_create(
+        ErrorRecord(workflow=workflow, source="workflow.step", name=f"E{n}", created_at=now)
+        for n in range(2 * PAGE_SIZE + 5)
+        for workflow in ("pager", "noise")
+    )
+
+    def get(url: str) -> tuple[list[str], dict[str, str]]:
+        page = operator_client.get(url).content.decode()
+        ids = re.findall(r'data-error-id="(\d+)"', page)
+        pager = page[page.index('<nav class="pager">') :]
+        links = {
+            text: href.replace("&amp;", "&")
+            for href, text in re.findall(r'<a href="([^"]+)">([^<]+)</a>', pager)
+        }
+        return ids, links
+
+    base = reverse("workflows:errors") + "?workflow=pager"
+    first, first_links = get(base)
+    assert len(first) == PAGE_SIZE and set(first_links) == {"Older →"}  # no Newer, no Newest
+    second, second_links = get(reverse("workflows:errors") + first_links["Older →"])
+    assert set(second_links) == {"Newest", "← Newer", "Older →"}
+    assert int(second[0]) < int(first[-1])
+    third, third_links = get(reverse("workflows:errors") + second_links["Older →"])
+    assert len(third) == 5 and set(third_links) == {"Newest", "← Newer"}
+
+    back_to_second, _ = get(reverse("workflows:errors") + third_links["← Newer"])
+    assert back_to_second == second
+    back_to_first, back_links = get(reverse("workflows:errors") + second_links["← Newer"])
+    assert back_to_first == first and "← Newer" not in back_links  # no newer rows than these
+    assert all(
+        ErrorRecord.objects.get(pk=pk).workflow == "pager" for pk in back_to_first
+    )  # the filter rides along
+    newest, _ = get(reverse("workflows:errors") + third_links["Newest"])
+    assert newest == first
+
+
 # --- actions -------------------------------------------------------------------------------
 
 
