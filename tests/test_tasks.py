@@ -393,3 +393,26 @@ def test_an_instance_of_a_task_s_workflow_not_made_by_enqueue_fails_saying_so(
     )
     with pytest.raises(TaskResultDoesNotExist, match="not a task enqueued"):
         tasks.add.get_result(handle.id)
+
+
+def test_a_task_name_outside_the_project_imports_nothing(tasks, client):
+    """A client names the workflow: `task:<path>` imported any module on the server's path
+    (with whatever it does when imported) before finding it was no task."""
+    import sys
+
+    from workflows_app import tokens
+    from workflows_app.client import get_workflow
+    from workflows_app.engine.errors import UnknownWorkflow
+
+    probe = "tests.import_probe"
+    assert probe not in sys.modules
+    with pytest.raises(UnknownWorkflow):
+        get_workflow(f"task:{probe}.IMPORTED")
+    _, raw = tokens.issue("probe")
+    answer = client.get(
+        f"/api/workflows/task:{probe}.IMPORTED/instances", HTTP_AUTHORIZATION=f"Bearer {raw}"
+    )
+    assert answer.status_code == 404, answer.content
+    assert probe not in sys.modules
+    # A task of the project's own modules still resolves (tests.task_functions is imported).
+    assert get_workflow("task:tests.task_functions.add").name == "task:tests.task_functions.add"

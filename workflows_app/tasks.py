@@ -18,11 +18,14 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import json
+import sys
 import traceback
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+from django.apps import apps
+from django.conf import settings
 from django.core import checks
 from django.utils.module_loading import import_string
 
@@ -208,7 +211,7 @@ def register_task_workflow(task: Task) -> str:
 
 def resolve_task_workflow(name: str) -> None:
     """Registry resolver: a worker meeting `task:<path>` imports the task and registers it."""
-    if not name.startswith(PREFIX):
+    if not name.startswith(PREFIX) or not may_import_for(name[len(PREFIX) :]):
         return
     try:
         task = import_string(name[len(PREFIX) :])
@@ -216,6 +219,23 @@ def resolve_task_workflow(name: str) -> None:
         return  # not importable here: the instance waits for a worker that has it
     if isinstance(task, Task):
         register_task_workflow(task)
+
+
+def may_import_for(path: str) -> bool:
+    """Whether resolving `task:<path>` may import its module: one imported already, or one
+    of the project's own (an installed app's package, the settings' package). A client
+    names the workflow (the API, the dashboard, `wf`): without this any token holder had
+    the server import any module on its path, the standard library's included, with
+    whatever it does when imported, before the name was found to be no task."""
+    module = path.rpartition(".")[0]
+    if not module:
+        return False
+    if module in sys.modules:
+        return True
+    own = [config.name for config in apps.get_app_configs()]
+    if settings.SETTINGS_MODULE:
+        own.append(settings.SETTINGS_MODULE.partition(".")[0])
+    return any(module == package or module.startswith(f"{package}.") for package in own)
 
 
 registry.add_resolver(resolve_task_workflow, PREFIX)
