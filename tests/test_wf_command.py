@@ -731,10 +731,9 @@ def test_bulk_takes_a_batch_the_database_rolled_back_again(monkeypatch):
 def test_a_reader_that_goes_away_ends_the_output_quietly():
     """`wf watch --json | head -1`: head's exit left a BrokenPipeError traceback on stderr
     at watch's next line."""
-    from tests import fleet_workflows
     from tests.workers import ROOT, database_url
 
-    inst = get_workflow("fleet-waiter").create(id="piped")
+    inst = waiting_approval("piped")
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "wfdash.settings",
@@ -745,7 +744,8 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     }
     # As `manage.py wf watch`, with the test's workflows registered for its engine.
     command = (
-        f"import django; django.setup(); import {fleet_workflows.__name__}; "
+        "import django; django.setup(); "
+        "from tests.surface_flows import register_flows; register_flows(); "
         "from django.core.management import call_command; "
         "call_command('wf', 'watch', 'piped', '--json', '--run-engine', '--timeout', '60')"
     )
@@ -760,7 +760,7 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     assert watch.stdout is not None and watch.stderr is not None
     assert json.loads(watch.stdout.readline())["history"]["type"] == "instance.created"
     watch.stdout.close()  # the reader goes; the event makes watch write again
-    inst.send_event("go", {})
+    inst.send_event("approval", {"ok": True})
     stderr = watch.stderr.read()
     watch.stderr.close()
     assert watch.wait(60) == 1
