@@ -185,6 +185,15 @@ def short_time(iso_text: str | None) -> str:
     return "" if not iso_text else iso_text[:19].replace("T", " ")
 
 
+def database_refusal(exc: DatabaseError) -> CommandError:
+    """One line, as for bad input (--traceback shows the rest): most often a database not
+    migrated yet, or one that cannot be opened or reached."""
+    pending = unapplied_migrations()
+    if pending:
+        return CommandError(not_migrated_message(pending, "using wf"))
+    return CommandError(f"the database refused: {first_line(exc)}")
+
+
 class Command(BaseCommand):
     help = "Operate wfdash workflows: list, start, status, history, send-event, pause, resume, terminate, …"
 
@@ -379,26 +388,29 @@ class Command(BaseCommand):
         )
         sub.add_argument("bench_args", nargs=argparse.REMAINDER)
 
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """The system checks run before handle(), and Django 6's read the database's
+        features: a database wf cannot use is the same one line there as in a verb."""
+        unreachable = unreachable_database() if options.get("verb") != "bench" else None
+        if unreachable:  # in seconds, not after the pool's wait for a connection
+            raise CommandError(unreachable)
+        try:
+            return super().execute(*args, **options)
+        except DatabaseError as exc:
+            raise database_refusal(exc) from exc
+
     def handle(self, *args: Any, **options: Any) -> None:
         namespace = argparse.Namespace(**options)
         refusal = not_utf8(self.verb_parsers[options["verb"]], options)
         if refusal:
             raise refusal
-        unreachable = unreachable_database() if options["verb"] != "bench" else None
-        if unreachable:  # in seconds, not after the pool's wait for a connection
-            raise CommandError(unreachable)
         try:
             options["handler"](namespace)
             self.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
         except (errors.WorkflowError, tokens.TokenError) as exc:
             raise CommandError(" ".join(str(exc).split())) from exc
         except DatabaseError as exc:
-            # One line, as for bad input (--traceback shows the rest): most often a database
-            # not migrated yet, or one that cannot be reached.
-            pending = unapplied_migrations()
-            if pending:
-                raise CommandError(not_migrated_message(pending, "using wf")) from exc
-            raise CommandError(f"the database refused: {first_line(exc)}") from exc
+            raise database_refusal(exc) from exc
         except BrokenPipeError:
             # The reader went away (`wf list --json | head`): stop quietly, as `ls | head`
             # does. What stdout still buffers goes to /dev/null, or the interpreter's last
