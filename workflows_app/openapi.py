@@ -71,6 +71,15 @@ def responses(
     return out
 
 
+def page_limit(default: int) -> dict[str, Any]:
+    """The ?limit= of a paged list: 1 to 1000 items a page."""
+    return {
+        "name": "limit",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": default},
+    }
+
+
 def path_param(name: str, description: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -491,16 +500,7 @@ def document() -> dict[str, Any]:
                     "description": READ,
                     "parameters": [
                         {"name": "status", "in": "query", "schema": ref("Status")},
-                        {
-                            "name": "limit",
-                            "in": "query",
-                            "schema": {
-                                "type": "integer",
-                                "minimum": 1,
-                                "maximum": 1000,
-                                "default": 50,
-                            },
-                        },
+                        page_limit(50),
                         {
                             "name": "cursor",
                             "in": "query",
@@ -661,16 +661,7 @@ def document() -> dict[str, Any]:
                             "description": "the records after this history sequence "
                             "(result_info.cursor of the previous page; default 0: from the start)",
                         },
-                        {
-                            "name": "limit",
-                            "in": "query",
-                            "schema": {
-                                "type": "integer",
-                                "minimum": 1,
-                                "maximum": 1000,
-                                "default": 1000,
-                            },
-                        },
+                        page_limit(1000),
                     ],
                     "responses": responses(
                         json_body(

@@ -22,7 +22,7 @@ import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jsonschema
 from opentelemetry import trace
@@ -237,10 +237,7 @@ async def await_returned(
             except StopIteration as returned:
                 return returned.value
             except BaseException as raised:
-                own = _as_attempt_error(raised)
-                if own is raised:
-                    raise
-                raise own from raised
+                _raise_as_attempt_error(raised)
             result = _Resumed(result, first)
         deadline = asyncio.timeout_at(ends_at)
         try:
@@ -254,15 +251,15 @@ async def await_returned(
         _current_step.reset(token)
 
 
-def _as_attempt_error(exc: BaseException, thrown: BaseException | None = None) -> BaseException:
-    """What a step coroutine raised, as the attempt's error: a BaseException of the step's
-    own (GeneratorExit, SystemExit, a library's) becomes StepRaised, a failed attempt like
-    any other, not an end of run() that skips the retries and the step's record. Not the
-    exception thrown into it (its cancellation, passed on) nor a CancelledError (the
-    runner tells the step's own from its run's)."""
+def _raise_as_attempt_error(exc: BaseException, thrown: BaseException | None = None) -> NoReturn:
+    """Raise what a step coroutine raised as the attempt's error: a BaseException of the
+    step's own (GeneratorExit, SystemExit, a library's) becomes StepRaised, a failed attempt
+    like any other, not an end of run() that skips the retries and the step's record. Not
+    the exception thrown into it (its cancellation, passed on) nor a CancelledError (the
+    runner tells the step's own from its run's): those go on as they are."""
     if isinstance(exc, (Exception, asyncio.CancelledError)) or exc is thrown:
-        return exc
-    return StepRaised(exc)
+        raise exc
+    raise StepRaised(exc) from exc
 
 
 _abandoned: set[asyncio.Task[Any]] = set()  # held: the loop keeps only weak references
@@ -310,10 +307,7 @@ class _Resumed:
                 except StopIteration as returned:
                     return returned.value
                 except BaseException as raised:
-                    own = _as_attempt_error(raised, thrown=exc)
-                    if own is raised:
-                        raise
-                    raise own from raised
+                    _raise_as_attempt_error(raised, thrown=exc)
                 if isinstance(exc, asyncio.CancelledError):
                     # It swallowed the cancellation (its timeout's, or the run's) and waits
                     # on: it goes on in a task of its own, abandoned as a timed-out sync
@@ -326,10 +320,7 @@ class _Resumed:
                 except StopIteration as returned:
                     return returned.value
                 except BaseException as raised:
-                    own = _as_attempt_error(raised)
-                    if own is raised:
-                        raise
-                    raise own from raised
+                    _raise_as_attempt_error(raised)
 
 
 class Step:
