@@ -244,6 +244,83 @@ def test_human_output_shows_control_characters_of_user_data_escaped():
     assert wf_json("status", "h")["error"]["message"] == hostile  # --json: exact, escaped by JSON
 
 
+# Bidi controls (U+202E RIGHT-TO-LEFT OVERRIDE reverses what follows it on a terminal that
+# does bidi), DEL, C1 (U+009B is CSI to a terminal that takes 8-bit controls), NEL and the
+# line separator: json.dumps(ensure_ascii=False) writes all of them raw.
+TERMINAL_UNSAFE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]"
+)
+
+
+def odd_text_instance() -> dict[str, Any]:
+    """An errored instance whose step name, error name and message, params, output and
+    attribute hold newlines that would forge a line, bidi overrides and C1 controls."""
+    forged = "x\nfinished: complete\u202e enilno"
+
+    @register("surface-odd-text")
+    class OddText(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            await step.do("na\u202eme\nsecond", lambda: {"v": "o\u202ek\x9b2J\x7f\u2028"})
+
+            def charge() -> None:
+                raise NonRetryableError(forged, name="Dec\nlined")
+
+            await step.do("charge", charge)
+
+    get_workflow("surface-odd-text").create(
+        id="odd", params={"p": "a\u202eb\x85c"}, attributes={"k": "v\u2066"}
+    )
+    testing.run_until_idle()
+    return {"forged": forged}
+
+
+def test_human_output_keeps_user_text_on_its_line_and_shows_bidi_controls_escaped():
+    """A newline in an error message printed a line of its own ("finished: complete"
+    after the real "finished: errored"), and U+202E reversed the rest of the line on a
+    bidi terminal: an operator read what the data chose."""
+    odd_text_instance()
+    for verb in (("status", "odd"), ("list",), ("history", "odd"), ("watch", "odd")):
+        out = wf(*verb)
+        assert not TERMINAL_UNSAFE.search(out), (verb, out)
+        assert not any(
+            line.startswith(("finished: complete", "second")) for line in out.splitlines()
+        )
+    status = wf("status", "odd")
+    assert "error:    Dec\\nlined: x\\nfinished: complete\\u202e enilno" in status.splitlines()
+    assert 'params:   {"p":"a\\u202eb\\u0085c"}' in status.splitlines()
+    assert "na\\u202eme\\nsecond" in status
+    finished = wf("watch", "odd").splitlines()[-1]
+    assert finished == "finished: errored  error Dec\\nlined: x\\nfinished: complete\\u202e enilno"
+
+
+def test_json_output_writes_terminal_controls_as_json_escapes_of_the_same_text():
+    """--json kept DEL, C1, bidi controls and U+2028 raw (JSON allows them): `wf status
+    --json` on a terminal let stored text act on it. Now they are \\uNNNN escapes, which
+    parse to the very same strings; other non-ASCII text stays readable."""
+    odd = odd_text_instance()
+    for verb in (("status", "odd"), ("list",), ("history", "odd"), ("watch", "odd")):
+        out = wf(*verb, "--json")
+        assert not TERMINAL_UNSAFE.search(out), (verb, out)
+    data = wf_json("status", "odd")
+    assert data["params"] == {"p": "a\u202eb\x85c"} and data["attributes"] == {"k": "v\u2066"}
+    assert data["error"] == {"name": "Dec\nlined", "message": odd["forged"]}
+    assert data["steps"][0]["output"] == {"v": "o\u202ek\x9b2J\x7f\u2028"}
+    lines = [json.loads(line) for line in wf("watch", "odd", "--json").splitlines()]
+    assert lines[-1]["finished"]["error"]["message"] == odd["forged"]
+    wf("start", SIMPLE, "--params", '{"n": "é"}', "--id", "e-acute")
+    assert '"n": "é"' in wf("status", "e-acute", "--json")  # other text stays readable
+
+
+def test_a_refusal_quoting_text_shows_its_controls_escaped(tmp_path: Path):
+    """Django writes a CommandError to stderr as it is: a refusal quoting a path (or a
+    stored name) with an escape sequence in it retitled the operator's window."""
+    path = tmp_path / "p\x1b]0;owned\x07\u202e.json"
+    message = refused("start", SIMPLE, "--params", f"@{path}")
+    assert not TERMINAL_UNSAFE.search(message), message
+    assert message.startswith("--params: cannot read ")
+    assert message.endswith("/p\\x1b]0;owned\\x07\\u202e.json: No such file or directory")
+
+
 def test_status_of_an_unknown_instance_names_it():
     assert refused("status", "ghost") == "no instance 'ghost' in any workflow"
     assert (

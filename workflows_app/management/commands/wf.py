@@ -29,7 +29,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -40,7 +39,6 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError
 from tqdm import tqdm
 
@@ -50,6 +48,7 @@ from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.models import ApiToken, BulkAction, Instance
 from workflows_app.schema import not_migrated_message, unapplied_migrations, unreachable_database
+from workflows_app.text import one_line, printable, terminal_json
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -156,8 +155,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 60
     """A plain aligned table; long cells are cut so a row stays on one line."""
 
     def cell(value: Any) -> str:
-        text = "" if value is None else value if isinstance(value, str) else compact(value)
-        text = text.replace("\n", " ")
+        text = (
+            "" if value is None else one_line(value) if isinstance(value, str) else compact(value)
+        )
         return text if len(text) <= width else text[: width - 1] + "…"
 
     cells = [[cell(v) for v in row] for row in rows]
@@ -167,18 +167,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 60
     return "\n".join(lines)
 
 
-# C0 and C1 control characters but tab and newline: a terminal acts on them.
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """Human output with the control characters of user data (error messages, names) shown
-    as \\xNN: raw, an escape sequence would drive the operator's terminal."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
 def compact(value: Any) -> str:
-    return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":"))
+    return terminal_json(value)
+
+
+def error_text(error: dict[str, Any]) -> str:
+    """An error as "name: message" on one line (both are the user's text)."""
+    return f"{one_line(str(error['name']))}: {one_line(str(error['message']))}"
 
 
 def short_time(iso_text: str | None) -> str:
@@ -398,6 +393,13 @@ class Command(BaseCommand):
             return super().execute(*args, **options)
         except DatabaseError as exc:
             raise database_refusal(exc) from exc
+        except CommandError as exc:
+            # Django writes the message to stderr as it is, and refusals quote input and
+            # stored names: one line, with nothing the terminal would act on.
+            shown = one_line(str(exc))
+            if shown == str(exc):
+                raise
+            raise CommandError(shown, returncode=exc.returncode) from exc
 
     def handle(self, *args: Any, **options: Any) -> None:
         namespace = argparse.Namespace(**options)
@@ -425,7 +427,7 @@ class Command(BaseCommand):
 
     def emit(self, opts: argparse.Namespace, data: Any, human: str) -> None:
         if opts.json:
-            self.stdout.write(json.dumps(data, cls=DjangoJSONEncoder, indent=2, ensure_ascii=False))
+            self.stdout.write(terminal_json(data, indent=2))
         else:
             self.stdout.write(printable(human))
 
@@ -456,7 +458,7 @@ class Command(BaseCommand):
                     f"v{r['version']}",
                     r["status"],
                     short_time(r["created_at"]),
-                    f"{r['error']['name']}: {r['error']['message']}" if r["error"] else "",
+                    error_text(r["error"]) if r["error"] else "",
                 ]
                 for r in rows
             ],
@@ -473,14 +475,14 @@ class Command(BaseCommand):
             f"{data['workflow']}/{data['id']}  v{data['version']}  {data['status']}",
             f"params:   {compact(data['params'])}",
             f"created:  {short_time(data['created_at'])}"
-            + (f" by {data['created_by']}" if data["created_by"] else ""),
+            + (f" by {one_line(data['created_by'])}" if data["created_by"] else ""),
         ]
         if data["output"] is not None:
             lines.append(f"output:   {compact(data['output'])}")
         if data["error"]:
-            lines.append(f"error:    {data['error']['name']}: {data['error']['message']}")
+            lines.append(f"error:    {error_text(data['error'])}")
         if data["waiting_reason"]:
-            lines.append(f"waiting:  {data['waiting_reason']}")
+            lines.append(f"waiting:  {one_line(data['waiting_reason'])}")
         if data["parent"]:
             parent = data["parent"]
             lines.append(f"parent:   {parent['workflow']}/{parent['id']} (step {parent['step']!r})")
@@ -500,7 +502,7 @@ class Command(BaseCommand):
                             s["status"],
                             s["attempts"],
                             "" if s["duration_ms"] is None else f"{s['duration_ms']:.0f}",
-                            f"{s['error']['name']}: {s['error']['message']}"
+                            error_text(s["error"])
                             if s["error"] and s["status"] != "complete"
                             else s["output"],
                         ]
@@ -731,7 +733,7 @@ class Command(BaseCommand):
                 if job.done
                 else "started (workers apply it)"
             )
-            + "".join(f"\n  {e}" for e in job.errors)
+            + "".join(f"\n  {one_line(str(e))}" for e in job.errors)
         )
         self.emit(opts, data, human)
         if job.failed:  # reported above; a script must not take the job for a success
@@ -920,7 +922,7 @@ class Command(BaseCommand):
                         {"history": surfaces.history_json(entry)},
                         f"{short_time(entry.created_at.isoformat())}  #{entry.sequence:<3} {entry.type}"
                         + (f"  {compact(entry.data)}" if entry.data else "")
-                        + (f"  by {entry.actor}" if entry.actor else ""),
+                        + (f"  by {one_line(entry.actor)}" if entry.actor else ""),
                     )
             for step in handle.steps():
                 state = (step.status, step.attempts)
@@ -944,11 +946,7 @@ class Command(BaseCommand):
                     },
                     f"finished: {status.status}"
                     + (f"  output {compact(status.output)}" if status.output is not None else "")
-                    + (
-                        f"  error {status.error['name']}: {status.error['message']}"
-                        if status.error
-                        else ""
-                    ),
+                    + (f"  error {error_text(status.error)}" if status.error else ""),
                 )
                 return
             if deadline is not None and time.monotonic() >= deadline:
