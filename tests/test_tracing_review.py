@@ -325,3 +325,33 @@ def test_step_names_made_in_a_loop_do_not_push_other_workflows_out_of_the_step_h
         f"the steady workflow's step is not in the step-duration histogram; "
         f"{overflow:.0f} attempts were folded into the overflow series"
     )
+
+
+def test_a_step_error_with_a_lone_surrogate_leaves_its_spans_exportable_over_otlp(
+    registered, exported
+):
+    """mark_error put the raw message (exception.message, the status description, the
+    stack) on the span: the OTLP exporter's protobuf encoding of a batch holding a lone
+    surrogate raises UnicodeEncodeError, and the BatchSpanProcessor drops the whole
+    batch: every span exported with it, of every instance, never reached the collector.
+    The spans carry the text as stored now (U+FFFD in the surrogate's place)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    def open_file():
+        raise ValueError("cannot read report-\udcff.csv")
+
+    @register("surrogate-export")
+    class SurrogateExport(WorkflowEntrypoint):
+        async def run(self, event, step):
+            with contextlib.suppress(StepFailed):
+                await step.do("open", open_file, retries={"limit": 0})
+            return await step.do("after", lambda: "after")
+
+    inst = get_workflow("surrogate-export").create(id="sur-x")
+    testing.run_until_idle()
+    assert inst.status().output == "after"
+    spans = exported.get_finished_spans()
+    assert {"step open", "step after"} <= {s.name for s in spans}
+    assert encode_spans(spans).SerializeToString()  # the request body the exporter sends
+    failed = next(s for s in spans if s.name == "step open")
+    assert failed.status.description == "cannot read report-\ufffd.csv"

@@ -22,7 +22,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from . import clock
 from .errors import safe_str
-from .limits import shortened_message, shortened_stack
+from .limits import shortened_message, shortened_stack, storable_text
 
 # Read by the tracer provider's id generator: the trace id of the span about to start, and
 # the primary key of the instance whose trace it is (span storage needs no look-up by it).
@@ -226,10 +226,14 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
         return
     if exc is not None:
         # Its message and stack shortened as the error's record is (a message holding a
-        # whole response is not stored again whole in the span).
+        # whole response is not stored again whole in the span), and storable_text: a lone
+        # surrogate (an undecodable file name) has no UTF-8, and the OTLP exporter's
+        # protobuf encoding of the batch holding it raised, losing every span of it.
         shown = {
-            "exception.message": shortened_message(safe_str(exc)),
-            "exception.stacktrace": shortened_stack("".join(traceback.format_exception(exc))),
+            "exception.message": storable_text(shortened_message(safe_str(exc))),
+            "exception.stacktrace": storable_text(
+                shortened_stack("".join(traceback.format_exception(exc)))
+            ),
         }
         try:
             span.record_exception(exc, attributes=shown, timestamp=now_ns())
@@ -237,7 +241,7 @@ def mark_error(span: Span | None, exc: BaseException | None, message: str = "") 
             span.add_event("exception", {"exception.type": type(exc).__name__, **shown})
     if not message and exc is not None:
         message = safe_str(exc)
-    span.set_status(Status(StatusCode.ERROR, shortened_message(message)))
+    span.set_status(Status(StatusCode.ERROR, storable_text(shortened_message(message))))
 
 
 def creation_span(
