@@ -670,3 +670,34 @@ def test_a_sync_step_hanging_past_its_timeout_is_reported_with_the_threads_it_le
     assert len(reports) == 2, [r.getMessage() for r in caplog.records]
     assert f"hangs/{inst.id}" in reports[0] and 'step "read" attempt 1' in reports[0]
     assert reports[1].endswith("still running in this process: 2"), reports[1]
+
+
+def test_a_hung_step_s_warning_keeps_a_step_name_with_a_newline_on_its_own_line(registered, caplog):
+    """The warning quoted the step's name as it is: a name built from data ("read
+    {path}") holding a newline and a log line's own prefix wrote a second log line of
+    the attacker's choosing (log injection); ESC sequences drove the terminal tailing
+    the log. The name is shown escaped, on the warning's one line."""
+    release = threading.Event()
+    name = "read\n2026-12-07 ERROR workflows_app forged \x1b[2J\u202e"
+
+    @register("hangs-named")
+    class HangsNamed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do(
+                name, lambda: release.wait(30), timeout="200 ms", retries={"limit": 0}
+            )
+
+    inst = get_workflow("hangs-named").create()
+    try:
+        with caplog.at_level("WARNING", logger="workflows_app.engine"):
+            assert run_engine(timeout=10) == "idle"
+    finally:
+        release.set()
+    assert inst.status().error["name"] == "StepTimeout"
+    reports = [r.getMessage() for r in caplog.records if "thread still runs" in r.getMessage()]
+    assert len(reports) == 1, [r.getMessage() for r in caplog.records]
+    assert "\n" not in reports[0] and "\x1b" not in reports[0] and "\u202e" not in reports[0]
+    assert (
+        'step "read\\n2026-12-07 ERROR workflows_app forged \\x1b[2J\\u202e" attempt 1'
+        in reports[0]
+    )

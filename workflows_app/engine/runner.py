@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from ..codec import is_sensitive, seal
 from ..models import InboxEvent, Status, StepKind, StepRecord, StepStatus
+from ..text import one_line
 from . import clock, lifecycle, meters, spans, store
 from .errors import (
     ChildWorkflowFailed,
@@ -988,7 +989,7 @@ class Run:
                 "process: %d",
                 self.definition.name,
                 self.instance_id,
-                timed_out,
+                one_line(str(timed_out)),  # it quotes the step's name, the user's text
                 len(_hung_threads),
             )
         raise timed_out
