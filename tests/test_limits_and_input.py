@@ -96,6 +96,32 @@ def test_create_refuses_bad_input_and_writes_nothing(waiter, kwargs, error, mess
     assert snapshot() == before
 
 
+@pytest.mark.parametrize(
+    ("actor", "message"),
+    [
+        ("ops\x00bot", "actor contains a NUL character at position 3"),
+        ("ops\udcffbot", "actor is not valid Unicode text: surrogates not allowed at position 3"),
+    ],
+    ids=["nul", "surrogate"],
+)
+def test_an_actor_no_database_stores_is_refused_by_name_and_writes_nothing(waiter, actor, message):
+    """actor= is recorded in history: a NUL was a DataError from PostgreSQL's driver (and
+    stored on SQLite: the databases disagreed), a lone surrogate a UnicodeEncodeError
+    from either, neither naming what was wrong. Both are InvalidInput naming the actor."""
+    inst = waiter.create(id="acted")
+    before = snapshot()
+    for act in (
+        lambda: waiter.create(id="other", actor=actor),
+        lambda: inst.pause(actor=actor),
+        lambda: inst.send_event("ping", {"n": 1}, actor=actor),
+        lambda: inst.terminate(actor=actor),
+    ):
+        with pytest.raises(InvalidInput) as caught:
+            act()
+        assert str(caught.value) == message
+        assert snapshot() == before
+
+
 def test_durations_past_the_calendar_are_refused_in_limits_sleeps_and_timeouts(registered):
     with pytest.raises(InvalidDuration, match="'8000 years': longer than the longest duration"):
         register("eternal", limits={"max_sleep": "8000 years"})

@@ -138,9 +138,11 @@ def count_ended_on_commit(workflow: str, status: str) -> None:
 
 
 def _actor(actor: Any) -> str:
+    """Who acted, as history records it: text both databases store (a NUL was a DataError
+    on PostgreSQL and stored on SQLite; a lone surrogate a UnicodeEncodeError)."""
     if actor is None:
         return ""
-    return str(getattr(actor, "username", actor))[:200]
+    return check_text(str(getattr(actor, "username", actor))[:200], "actor")
 
 
 MAX_VERSION = 2**31 - 1  # the version column's range (PostgreSQL's integer)
