@@ -104,7 +104,7 @@ def step_names(page: str) -> list[str]:
 
 
 def span_names(page: str) -> list[str]:
-    return re.findall(r'<span class="span-name">([^<]*)</span>', page)
+    return re.findall(r'<span class="span-name" dir="auto">([^<]*)</span>', page)
 
 
 def test_the_dashboard_shows_the_newest_steps_and_spans_and_every_open_step(

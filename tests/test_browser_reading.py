@@ -272,3 +272,31 @@ def test_a_phone_sees_every_page_link_and_a_cron_on_one_line(page: Page) -> None
     for link in page.locator("header.top nav a").all():  # none hidden past the edge
         edge = link.bounding_box()
         assert edge is not None and edge["x"] + edge["width"] <= 390, link.text_content()
+
+
+def test_right_to_left_strings_in_json_read_in_their_order(server: LiveServer, page: Page) -> None:  # noqa: F811
+    """A JSON preview was one text node and a key and its value two plain spans: the bidi
+    algorithm runs right-to-left strings together with the neutral `":"` / `","` between
+    them, so {"שם": "עולם", "עיר": "חיפה"} read its values before their keys and the
+    second pair before the first. Each string is isolated now (<bdi> in the preview, and
+    unicode-bidi: isolate on keys and strings), so they stand in their JSON order."""
+    server.manage(
+        "shell",
+        "-c",
+        "from tests.trace_clock import register_flaky, run_flaky; register_flaky(); "
+        "run_flaky('e2e-rtl', {'שם': 'עולם', 'עיר': 'חיפה'})",
+    )
+    page.goto("/workflows/flaky-fetch/e2e-rtl/")
+    params = page.locator('[data-section="io"] .panel').first.locator(".json-view")
+    row = params.locator(".json-row").first
+    key, value = row.locator(".json-key").bounding_box(), row.locator(".json-string").bounding_box()
+    assert key is not None and value is not None
+    # "שם": "עולם" with the key wholly left of its value; run together, the key's quote
+    # stayed at the left and its letters went to the right of the value's.
+    assert key["x"] + key["width"] <= value["x"], (key, value)
+    outer = params.locator("details.json-node").first
+    outer.locator("summary").first.click()  # folded: its one-line preview shows
+    strings = outer.locator(".json-preview").first.locator("bdi")
+    expect(strings).to_have_text(['"שם"', '"עולם"', '"עיר"', '"חיפה"'])
+    xs = [box["x"] for box in (strings.nth(i).bounding_box() for i in range(4)) if box]
+    assert xs == sorted(xs), xs

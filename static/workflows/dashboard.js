@@ -90,9 +90,40 @@
   const JSON_OPEN_DEPTH = 3; // levels open at first (a span event's attributes); deeper ones start folded
   const PREVIEW_CHARS = 90;
 
+  /** The one-line JSON of a folded node, each string (keys too) in a <bdi>: a right-to-left
+   * string, or a U+202E override in one, reorders only itself. In one text node the bidi
+   * algorithm ran two Hebrew values together with the `","b":"` between them, so the
+   * line read the values in the wrong order and a key looked like it held another's value. */
   function jsonPreview(value) {
-    const text = JSON.stringify(value);
-    return text.length > PREVIEW_CHARS ? `${text.slice(0, PREVIEW_CHARS - 1)}…` : text;
+    const pieces = [];
+    (function walk(v) {
+      if (Array.isArray(v)) {
+        pieces.push("[");
+        v.forEach((item, i) => { if (i) pieces.push(","); walk(item); });
+        pieces.push("]");
+      } else if (v !== null && typeof v === "object" && !isRaw(v)) {
+        pieces.push("{");
+        Object.entries(v).forEach(([key, item], i) => {
+          pieces.push(...(i ? [","] : []), { text: JSON.stringify(key) }, ":");
+          walk(item);
+        });
+        pieces.push("}");
+      } else if (typeof v === "string") pieces.push({ text: JSON.stringify(v) });
+      else pieces.push(JSON.stringify(v));
+    })(value);
+    const out = document.createDocumentFragment();
+    let left = PREVIEW_CHARS;
+    for (const [i, piece] of pieces.entries()) {
+      let text = typeof piece === "string" ? piece : piece.text;
+      // As before: past PREVIEW_CHARS in all, its first PREVIEW_CHARS - 1 and "…".
+      const cut = text.length > left || (text.length === left && i < pieces.length - 1);
+      if (cut) text = text.slice(0, Math.max(0, left - 1));
+      if (typeof piece === "string") out.append(text);
+      else { const bdi = document.createElement("bdi"); bdi.textContent = text; out.append(bdi); }
+      left -= text.length;
+      if (cut) { out.append("…"); break; }
+    }
+    return out;
   }
 
   // Numbers JSON.parse would round (ids past 2^53) keep their digits where the browser
@@ -129,7 +160,7 @@
     count.textContent = Array.isArray(value) ? `[${entries.length}]` : `{${entries.length}}`;
     const preview = document.createElement("span");
     preview.className = "json-preview";
-    preview.textContent = jsonPreview(value);
+    preview.append(jsonPreview(value));
     summary.append(count, " ", preview);
     const children = document.createElement("div");
     children.className = "json-children";

@@ -87,7 +87,8 @@ def trace_rows(page: str) -> dict[str, dict[str, Any]]:
     """Each waterfall row's span name → its data attributes."""
     rows = {}
     for li, name in re.findall(
-        r'(<li class="span[^>]*>)\s*<button[^>]*>\s*<span class="span-name">([^<]+)</span>', page
+        r'(<li class="span[^>]*>)\s*<button[^>]*>\s*<span class="span-name" dir="auto">([^<]+)</span>',
+        page,
     ):
         rows[name] = {
             "start": int(re.search(r'data-start-ms="(\d+)"', li).group(1)),
@@ -187,3 +188,23 @@ def test_the_overview_and_metrics_charts_have_a_time_axis_and_a_scale(
     metrics = operator_client.get("/stats/?window=day").content.decode()
     assert x_labels(metrics) == ["−24 h", "−18 h", "−12 h", "−6 h", "now"]
     assert '<span data-axis="y-max">3</span>' in metrics
+
+
+def test_user_text_beside_other_text_is_isolated_with_its_own_direction(
+    operator_client, reading_workflow
+):
+    """An error message, an error name or an actor shown inline beside the page's own text
+    (`Name: message`, `by actor`) shared its line's bidi run: a right-to-left message or
+    a U+202E in one reordered the text after it ("… by ops" read backwards). Each is
+    now dir="auto": isolated, and laid out in its own first letter's direction."""
+    note = "\u202eקובץ חסר"
+    get_workflow(reading_workflow).create(id="rtl", params={"note": note, "fail": True})
+    testing.run_until_idle()
+    page = operator_client.get(reverse("workflows:instance", args=[reading_workflow, "rtl"]))
+    html = page.content.decode()
+    assert f'<span class="pre-line" dir="auto">refused: {note}</span>' in html
+    assert '<b class="error-name" dir="auto">NonRetryableError</b>' in html
+    errors = operator_client.get(reverse("workflows:errors")).content.decode()
+    assert f'<span class="pre-line" dir="auto">refused: {note}</span>' in errors
+    rows = operator_client.get(reverse("workflows:instances")).content.decode()
+    assert '<td class="error-name" dir="auto" data-field="error">NonRetryableError</td>' in rows
