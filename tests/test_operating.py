@@ -600,3 +600,18 @@ async def test_a_serving_worker_prunes_expired_instances_on_the_engine_clock(tag
         finally:
             await worker.stop()
         assert await sync_to_async(left)() == []
+
+
+def test_the_delete_log_line_shows_an_actor_with_a_newline_escaped_on_its_line(tagged, caplog):
+    """delete_batch logs who deleted what; the actor (a token's name, the caller's text)
+    went in raw, so "ops\\n<date> INFO … deleted 0 instance(s)" forged a second log line."""
+    inst = tagged.create(id="gone")
+    inst.terminate()
+    actor = "ops\n2026-12-07 INFO workflows_app.client nobody deleted 0 instance(s) of tagged"
+    with caplog.at_level("INFO", logger="workflows_app.client"):
+        assert tagged.delete_batch(["gone"], actor=actor) == 1
+    [line] = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+    assert line == (
+        "ops\\n2026-12-07 INFO workflows_app.client nobody deleted 0 instance(s) of tagged "
+        "deleted 1 instance(s) of tagged"
+    )

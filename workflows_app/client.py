@@ -60,6 +60,7 @@ from .models import (
     open_history_data,
 )
 from .scheduling import ScheduleHandle, schedules
+from .text import one_line
 from .tracing import flush_spans
 
 log = logging.getLogger("workflows_app.client")
@@ -496,7 +497,8 @@ class WorkflowBinding:
         for pk in pks:
             _after_commit("deleted", pk, self.name)
         if pks:
-            log.info("%s deleted %d instance(s) of %s", _actor(actor) or "-", len(pks), self.name)
+            who = one_line(_actor(actor)) or "-"  # the caller's text: one log line, escaped
+            log.info("%s deleted %d instance(s) of %s", who, len(pks), self.name)
         return len(pks)
 
     async def adelete_batch(self, *args: Any, **kwargs: Any) -> int:
