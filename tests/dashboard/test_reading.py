@@ -208,3 +208,21 @@ def test_user_text_beside_other_text_is_isolated_with_its_own_direction(
     assert f'<span class="pre-line" dir="auto">refused: {note}</span>' in errors
     rows = operator_client.get(reverse("workflows:instances")).content.decode()
     assert '<td class="error-name" dir="auto" data-field="error">NonRetryableError</td>' in rows
+
+
+def test_an_event_payload_s_one_line_json_isolates_each_string(operator_client, reading_workflow):
+    """The inbox showed a payload as one line of JSON text: between two right-to-left
+    strings the bidi algorithm turned `","` right-to-left too, so {"שם":"עולם","עיר":"חיפה"}
+    read its values out of order. Each string (keys too) is in a <bdi> now; the line is
+    still cut at 300 characters, and escaped."""
+    inst = get_workflow(reading_workflow).create(id="inbox", params={"note": "n"})
+    inst.send_event("note", {"שם": "עולם", "עיר": "<b>חיפה</b>", "n": [1, None]})
+    inst.send_event("long", {"k": "x" * 400})
+    html = operator_client.get(
+        reverse("workflows:instance", args=[reading_workflow, "inbox"])
+    ).content.decode()
+    assert (
+        "<code>{<bdi>&quot;שם&quot;</bdi>:<bdi>&quot;עולם&quot;</bdi>,<bdi>&quot;עיר&quot;</bdi>:"
+        "<bdi>&quot;&lt;b&gt;חיפה&lt;/b&gt;&quot;</bdi>,<bdi>&quot;n&quot;</bdi>:[1,null]}</code>"
+    ) in html
+    assert f"<code>{{<bdi>&quot;k&quot;</bdi>:<bdi>&quot;{'x' * 293}</bdi>…</code>" in html

@@ -6,8 +6,8 @@ import json
 from datetime import datetime
 
 from django import template
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import escape, format_html
+from django.utils.safestring import SafeString, mark_safe
 
 register = template.Library()
 
@@ -72,3 +72,47 @@ def percent(value: float | None) -> str:
 def compact_json(value: object) -> str:
     """One-line JSON (the template escapes it)."""
     return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _json_pieces(value: object, pieces: list[tuple[str, bool]]) -> None:
+    """value's compact JSON as (text, is_a_string) pieces, in order."""
+    if isinstance(value, dict):
+        pieces.append(("{", False))
+        for i, (key, item) in enumerate(value.items()):
+            pieces += [(",", False)] if i else []
+            pieces += [(json.dumps(key, ensure_ascii=False), True), (":", False)]
+            _json_pieces(item, pieces)
+        pieces.append(("}", False))
+    elif isinstance(value, list):
+        pieces.append(("[", False))
+        for i, item in enumerate(value):
+            pieces += [(",", False)] if i else []
+            _json_pieces(item, pieces)
+        pieces.append(("]", False))
+    else:
+        pieces.append((json.dumps(value, ensure_ascii=False, default=str), isinstance(value, str)))
+
+
+@register.filter
+def json_line(text: str | None, limit: int = 300) -> SafeString:
+    """Stored JSON text on one line, cut past `limit` characters, with each string (keys
+    too) in a <bdi>: right-to-left text, or a U+202E in it, reorders only that string, not
+    the punctuation and strings around it (as the page's JSON previews do)."""
+    if text is None:
+        return mark_safe("")
+    try:
+        value = json.loads(text)
+    except ValueError:  # [REDACTED], or text that is no JSON: shown as it is
+        return escape(text if len(text) <= limit else text[: limit - 1] + "…")
+    pieces: list[tuple[str, bool]] = []
+    _json_pieces(value, pieces)
+    html, left = [], limit
+    for i, (whole, is_string) in enumerate(pieces):
+        cut = len(whole) > left or (len(whole) == left and i < len(pieces) - 1)
+        piece = whole[: max(0, left - 1)] if cut else whole
+        html.append(format_html("<bdi>{}</bdi>", piece) if is_string else escape(piece))
+        left -= len(piece)
+        if cut:
+            html.append("…")
+            break
+    return mark_safe("".join(html))
