@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
@@ -708,11 +709,13 @@ class ApiToken(models.Model):
     name = models.CharField(max_length=100, unique=True)
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(max_length=8, blank=True)
-    user = models.ForeignKey("auth.User", on_delete=models.CASCADE, null=True, blank=True)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, null=True, blank=True
+    )
     # Who minted (or last rotated) it, when not a superuser nor the shell: the token never
     # does more than they may either, now or later (its user may gain permissions).
     issued_by = models.ForeignKey(
-        "auth.User",
+        settings.AUTH_USER_MODEL,
         on_delete=models.CASCADE,
         null=True,
         blank=True,

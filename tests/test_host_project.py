@@ -1,0 +1,203 @@
+"""wfdash installed into someone else's project, as the README's "Installing into your
+project" tells: a custom user model, no django.contrib.admin, no CHANNEL_LAYERS, no
+TEMPLATES DIRS nor STATICFILES_DIRS, TIME_ZONE not UTC, the dashboard and API under
+/ops/wf/ and its sockets mounted in the project's own ASGI URLRouter. The project is
+written under tmp_path and run in subprocesses (settings cannot swap the user model in
+this process), on a SQLite file of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FILES = {
+    "hostsettings.py": """
+        SECRET_KEY = "host-project-test-key-" + "x" * 40
+        DEBUG = False
+        ALLOWED_HOSTS = ["testserver"]
+        INSTALLED_APPS = [
+            "django.contrib.auth",
+            "django.contrib.contenttypes",
+            "django.contrib.sessions",
+            "django.contrib.messages",
+            "django.contrib.staticfiles",
+            "channels",
+            "accounts",
+            "shop",
+            "workflows_app",
+        ]
+        MIDDLEWARE = [
+            "django.middleware.security.SecurityMiddleware",
+            "django.contrib.sessions.middleware.SessionMiddleware",
+            "django.middleware.common.CommonMiddleware",
+            "django.middleware.csrf.CsrfViewMiddleware",
+            "django.contrib.auth.middleware.AuthenticationMiddleware",
+            "django.contrib.messages.middleware.MessageMiddleware",
+        ]
+        AUTH_USER_MODEL = "accounts.Person"
+        ROOT_URLCONF = "hosturls"
+        ASGI_APPLICATION = "hostasgi.application"
+        TEMPLATES = [{
+            "BACKEND": "django.template.backends.django.DjangoTemplates",
+            "APP_DIRS": True,
+            "OPTIONS": {"context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]},
+        }]
+        import os
+        DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["HOST_DB"]}}
+        USE_TZ = True
+        TIME_ZONE = "America/New_York"
+        STATIC_URL = "/assets/"
+        DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+        LOGIN_URL = "/accounts/login/"
+        WFDASH = {"EMBEDDED_WORKER": False, "TRACING": False, "METRICS": False}
+    """,
+    "hosturls.py": """
+        from django.urls import include, path
+        urlpatterns = [path("ops/wf/", include("workflows_app.urls"))]
+    """,
+    "hostasgi.py": """
+        import os
+        from django.core.asgi import get_asgi_application
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostsettings")
+        django_asgi_app = get_asgi_application()
+        from channels.auth import AuthMiddlewareStack
+        from channels.routing import ProtocolTypeRouter, URLRouter
+        from django.urls import path
+        from workflows_app.origins import SameOriginValidator
+        from workflows_app.routing import websocket_urlpatterns
+        application = ProtocolTypeRouter({
+            "http": django_asgi_app,
+            "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter([
+                path("ops/wf/", URLRouter(websocket_urlpatterns)),
+            ]))),
+        })
+    """,
+    "accounts/__init__.py": "",
+    "accounts/migrations/__init__.py": "",
+    "accounts/models.py": """
+        from django.contrib.auth.base_user import BaseUserManager
+        from django.contrib.auth.models import AbstractBaseUser, PermissionsMixin
+        from django.db import models
+
+        class PersonManager(BaseUserManager):
+            def create_superuser(self, email, password=None, **extra):
+                user = self.model(email=email, is_staff=True, is_superuser=True, **extra)
+                user.set_password(password)
+                user.save(using=self._db)
+                return user
+
+        class Person(AbstractBaseUser, PermissionsMixin):
+            email = models.EmailField(unique=True)
+            is_staff = models.BooleanField(default=False)
+            is_active = models.BooleanField(default=True)
+            USERNAME_FIELD = "email"
+            objects = PersonManager()
+    """,
+    "shop/__init__.py": "",
+    "shop/workflows.py": """
+        from workflows_app.engine import WorkflowEntrypoint, register
+
+        @register("host-nap", version=1)
+        class Nap(WorkflowEntrypoint):
+            async def run(self, event, step):
+                await step.sleep("nap", "1 hour")
+                return {"slept": True}
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The host project, migrated (its accounts app's migration made first)."""
+    project = tmp_path_factory.mktemp("hostproject")
+    for name, text in FILES.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(textwrap.dedent(text))
+    django_admin(project, "makemigrations", "accounts")
+    django_admin(project, "migrate")
+    return project
+
+
+def host_env(project: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "WFDASH_"))}
+    env.pop("DATABASE_URL", None)
+    env.pop("REDIS_URL", None)
+    return {
+        **env,
+        "DJANGO_SETTINGS_MODULE": "hostsettings",
+        "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
+        "HOST_DB": str(project / "db.sqlite3"),
+    }
+
+
+def django_admin(project: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "django", *args],
+        cwd=project,
+        env=host_env(project),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"django {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def run_in(project: Path, script: str) -> dict:
+    """Runs script after django.setup() in the host project; it prints one JSON line last."""
+    preamble = "import django, json\ndjango.setup()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", preamble + textwrap.dedent(script)],
+        cwd=project,
+        env=host_env(project),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"host script failed:\n{done.stdout}\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+LOGGED_IN = """
+    from django.test import Client
+    from django.test.utils import setup_test_environment
+    setup_test_environment()
+    from accounts.models import Person
+    Person.objects.filter(email="boss@example.com").delete()
+    boss = Person.objects.create_superuser("boss@example.com", "pw")
+    client = Client()
+    client.force_login(boss)
+"""
+
+
+def test_a_custom_user_model_passes_the_checks_and_owns_api_tokens(host: Path) -> None:
+    """ApiToken's user and issued_by named "auth.User": a project with AUTH_USER_MODEL
+    could not even migrate (fields.E301, the relation to a swapped-out model)."""
+    assert "no issues" in django_admin(host, "check")
+    result = run_in(
+        host,
+        LOGGED_IN
+        + """
+    from workflows_app import tokens
+    from workflows_app.client import get_workflow
+    token, raw = tokens.issue("host-ci", "boss@example.com")
+    get_workflow("host-nap").create(id="tok-1")
+    answer = Client().get(
+        "/ops/wf/api/workflows/host-nap/instances/tok-1", HTTP_AUTHORIZATION=f"Bearer {raw}"
+    )
+    print(json.dumps({"user": token.user.email, "status": answer.status_code}))
+    """,
+    )
+    assert result == {"user": "boss@example.com", "status": 200}
