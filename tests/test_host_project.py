@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,49 @@ def test_a_custom_user_model_passes_the_checks_and_owns_api_tokens(host: Path) -
     """,
     )
     assert result == {"user": "boss@example.com", "status": 200}
+
+
+def test_the_templates_and_static_files_ship_inside_the_app(host: Path) -> None:
+    """They were in the repository's top-level templates/ and static/, which only the
+    wfdash project's own DIRS and STATICFILES_DIRS named and the package did not hold: in
+    any other project every dashboard page was a TemplateDoesNotExist."""
+    result = run_in(
+        host,
+        """
+    from django.contrib.staticfiles import finders
+    from django.template.loader import get_template
+    pages = ["overview", "instance_list", "instance_detail", "errors", "schedules",
+             "schedule_detail", "metrics", "workflow_detail", "create"]
+    print(json.dumps({
+        "templates": [get_template(f"workflows/{name}.html").origin.name.split("/workflows_app/")[-1]
+                      for name in pages],
+        "static": [bool(finders.find(f"workflows/{name}"))
+                   for name in ("dashboard.js", "dashboard.css", "bulk.js", "favicon.svg")],
+    }))
+    """,
+    )
+    assert result == {
+        "templates": [
+            f"templates/workflows/{name}.html"
+            for name in (
+                "overview",
+                "instance_list",
+                "instance_detail",
+                "errors",
+                "schedules",
+                "schedule_detail",
+                "metrics",
+                "workflow_detail",
+                "create",
+            )
+        ],
+        "static": [True] * 4,
+    }
+    # The package's data: every template and static file the app holds.
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["workflows_app"]
+    app = ROOT / "workflows_app"
+    shipped = {path for pattern in globs for path in app.glob(pattern) if path.is_file()}
+    held = {p for d in ("templates", "static") for p in (app / d).rglob("*") if p.is_file()}
+    assert held and held <= shipped
