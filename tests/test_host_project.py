@@ -204,6 +204,33 @@ def test_a_custom_user_model_passes_the_checks_and_owns_api_tokens(host: Path) -
     assert result == {"user": "boss@example.com", "status": 200}
 
 
+def test_the_dashboard_works_without_django_admin(host: Path) -> None:
+    """The dashboard sent anonymous users to "admin:login" and linked "admin:index": in a
+    project without django.contrib.admin both were a NoReverseMatch, a 500 for everyone.
+    Now anonymous users go to the project's LOGIN_URL; the Admin link shows only with an
+    admin to go to."""
+    result = run_in(
+        host,
+        LOGGED_IN
+        + """
+    anonymous = Client().get("/ops/wf/")
+    pages = ["/ops/wf/", "/ops/wf/instances/", "/ops/wf/errors/", "/ops/wf/schedules/",
+             "/ops/wf/stats/", "/ops/wf/workflows/host-nap/"]
+    answers = [client.get(url) for url in pages]
+    print(json.dumps({
+        "anonymous": [anonymous.status_code, anonymous["Location"]],
+        "pages": [answer.status_code for answer in answers],
+        "admin_link": any(">Admin</a>" in answer.content.decode() for answer in answers),
+    }))
+    """,
+    )
+    assert result == {
+        "anonymous": [302, "/accounts/login/?next=/ops/wf/"],
+        "pages": [200] * 6,
+        "admin_link": False,
+    }
+
+
 def test_the_templates_and_static_files_ship_inside_the_app(host: Path) -> None:
     """They were in the repository's top-level templates/ and static/, which only the
     wfdash project's own DIRS and STATICFILES_DIRS named and the package did not hold: in

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import messages
-from django.contrib.admin.views.decorators import staff_member_required
-from django.contrib.auth.decorators import permission_required
+from django.contrib.auth.decorators import permission_required, user_passes_test
 from django.core.exceptions import PermissionDenied
 from django.http import (
     Http404,
@@ -39,9 +38,14 @@ from .models import Instance, Status
 View = Callable[..., HttpResponse]
 DELETE_PERMISSION = "workflows_app.delete_instance"
 
+# Active staff only; anyone else goes to settings.LOGIN_URL. Not the admin's
+# staff_member_required: it sends them to "admin:login", which a project without
+# django.contrib.admin (or with it mounted elsewhere) cannot reverse: a 500, not a login.
+staff_member_required = user_passes_test(lambda user: user.is_active and user.is_staff)
+
 
 def dashboard_page(view: View) -> View:
-    """Staff with view permission; anonymous users are sent to the admin login."""
+    """Staff with view permission; anyone else is sent to settings.LOGIN_URL."""
     return staff_member_required(
         require_GET(permission_required("workflows_app.view_instance", raise_exception=True)(view))
     )

@@ -33,6 +33,18 @@ def workflow_url(name: str) -> str:
 
 
 @register.simple_tag
+def admin_index_url() -> str:
+    """The Django admin's index, or "" in a project that does not mount the admin (the
+    dashboard then shows no Admin link rather than failing to render)."""
+    from django.urls import NoReverseMatch, reverse
+
+    try:
+        return reverse("admin:index")
+    except NoReverseMatch:
+        return ""
+
+
+@register.simple_tag
 def when(value: datetime | None, empty: str = "—") -> SafeString:
     """A <time> element in UTC; dashboard.js rewrites it to local time with a relative age."""
     if value is None:
