@@ -275,3 +275,36 @@ def test_the_templates_and_static_files_ship_inside_the_app(host: Path) -> None:
     shipped = {path for pattern in globs for path in app.glob(pattern) if path.is_file()}
     held = {p for d in ("templates", "static") for p in (app / d).rglob("*") if p.is_file()}
     assert held and held <= shipped
+
+
+def test_links_sockets_and_the_openapi_document_follow_the_mount_prefix(host: Path) -> None:
+    """Mounted at /ops/wf/, the pages named their sockets /ws/…, where the project routes
+    nothing of wfdash's, and the OpenAPI document's /api/… paths had no server to say
+    they live under /ops/wf/."""
+    result = run_in(
+        host,
+        LOGGED_IN
+        + """
+    import re
+    from workflows_app.client import get_workflow
+    inst = get_workflow("host-nap").create(id="links-1")
+    urls = {"overview": "/ops/wf/", "list": "/ops/wf/instances/",
+            "detail": "/ops/wf/workflows/host-nap/links-1/"}
+    found = {}
+    strays = []
+    for key, url in urls.items():
+        body = client.get(url).content.decode()
+        found[key] = re.search(r'data-ws="([^"]+)"', body).group(1)
+        for link in re.findall(r'(?:href|src|action|data-[a-z-]+)="(/[^"]*)"', body):
+            if not link.startswith(("/ops/wf/", "/assets/")):
+                strays.append(link)
+    openapi = client.get("/ops/wf/api/openapi.json").json()
+    print(json.dumps({"sockets": found, "strays": strays, "servers": openapi.get("servers")}))
+    """,
+    )
+    sockets = result["sockets"]
+    assert sockets["overview"] == "/ops/wf/ws/overview/"
+    assert sockets["list"] == "/ops/wf/ws/instances/"
+    assert sockets["detail"].startswith("/ops/wf/ws/instances/")
+    assert result["strays"] == []
+    assert result["servers"] == [{"url": "/ops/wf"}]

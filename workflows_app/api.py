@@ -717,6 +717,9 @@ def state(handle: InstanceHandle) -> dict[str, Any]:
     return {"id": handle.id, "workflow": handle.workflow, "status": handle.status().status}
 
 
+OPENAPI_PATH = "/api/openapi.json"  # where workflows_app.urls serves it, under any prefix
+
+
 @csrf_exempt
 def openapi_document(request: HttpRequest) -> HttpResponse:
     """Public: the description of the API, without any data. Marked no-store like every
@@ -728,7 +731,10 @@ def openapi_document(request: HttpRequest) -> HttpResponse:
         response["Allow"] = "GET, HEAD"
         return uncached(response)
     try:
-        response = JsonResponse(openapi.document())
+        mount = (
+            request.path.removesuffix(OPENAPI_PATH) if request.path.endswith(OPENAPI_PATH) else ""
+        )
+        response = JsonResponse(openapi.document(mount))
     except Exception:
         return uncached(internal_error(request))
     if request.method == "HEAD":

@@ -448,10 +448,15 @@ def instance_action(
     }
 
 
-def document() -> dict[str, Any]:
+def document(mount: str = "") -> dict[str, Any]:
+    """The API's description. mount: the path the dashboard's URLs are included at in a
+    project that mounts them under a prefix ("/ops/wf"), given as the document's server,
+    so its /api/... paths resolve under it; at the root the document has no servers."""
     instance_path = "/api/workflows/{name}/instances/{instance_id}"
+    servers = {"servers": [{"url": mount}]} if mount else {}
     return {
         "openapi": "3.1.0",
+        **servers,
         "info": {
             "title": "wfdash API",
             "version": "1.0.0",

@@ -33,6 +33,16 @@ def workflow_url(name: str) -> str:
 
 
 @register.simple_tag
+def socket_path(*parts: object) -> str:
+    """A dashboard WebSocket's path, under the prefix the dashboard's pages are mounted at
+    (the project mounts workflows_app.routing's routes under the same one): /ws/... at
+    the root, /ops/wf/ws/... under path("ops/wf/", ...)."""
+    from django.urls import reverse
+
+    return f"{reverse('workflows:overview')}ws/{'/'.join(str(part) for part in parts)}/"
+
+
+@register.simple_tag
 def admin_index_url() -> str:
     """The Django admin's index, or "" in a project that does not mount the admin (the
     dashboard then shows no Admin link rather than failing to render)."""
