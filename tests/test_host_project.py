@@ -308,3 +308,45 @@ def test_links_sockets_and_the_openapi_document_follow_the_mount_prefix(host: Pa
     assert sockets["detail"].startswith("/ops/wf/ws/instances/")
     assert result["strays"] == []
     assert result["servers"] == [{"url": "/ops/wf"}]
+
+
+def test_a_dashboard_socket_works_without_channel_layers(host: Path) -> None:
+    """With no CHANNEL_LAYERS (one process) the socket's connect called group_add on no
+    layer: every dashboard socket failed its handshake. Now it opens, sends its snapshot
+    and the engine's changes reach it; the project's URLRouter mounts the routes under
+    /ops/wf/, where the page looks for them."""
+    result = run_in(
+        host,
+        LOGGED_IN
+        + """
+    import asyncio, re
+    from asgiref.sync import sync_to_async
+    from channels.testing import WebsocketCommunicator
+    from django.conf import settings
+    from workflows_app import testing
+    from workflows_app.client import get_workflow
+    from hostasgi import application
+
+    inst = get_workflow("host-nap").create(id="socket-1")
+    page = client.get("/ops/wf/workflows/host-nap/socket-1/").content.decode()
+    path = re.search(r'data-ws="([^"]+)"', page).group(1)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+
+    async def main():
+        socket = WebsocketCommunicator(application, path, headers=[
+            (b"cookie", cookie.encode()), (b"origin", b"http://testserver"),
+            (b"host", b"testserver")])
+        connected, _ = await socket.connect(timeout=10)
+        snapshot = json.loads(await socket.receive_from(timeout=10))
+        await testing.arun_until_idle()
+        statuses = []
+        while "waiting" not in statuses:
+            message = json.loads(await socket.receive_from(timeout=10))
+            statuses.append(message.get("instance", {}).get("status"))
+        await socket.disconnect()
+        return connected, snapshot["type"], statuses[-1]
+
+    print(json.dumps(asyncio.run(main())))
+    """,
+    )
+    assert result == [True, "snapshot", "waiting"]

@@ -118,9 +118,12 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.user_pk = user.pk
         # Joined before the access check: a logout or a permission change announced from
         # now on reaches this socket (wf_logout / wf_access run once connect returns).
-        self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
-        for group in self.groups:
-            await self.channel_layer.group_add(group, self.channel_name)
+        # A project without CHANNEL_LAYERS (one process, nothing to hear from others) joins
+        # none: its periodic access re-check alone ends a socket whose access went.
+        if self.channel_layer is not None:
+            self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
+            for group in self.groups:
+                await self.channel_layer.group_add(group, self.channel_name)
         if not await database_sync_to_async(access.may_view)(user):
             await self.close(code=CLOSE_FORBIDDEN)
             return
