@@ -350,3 +350,63 @@ def test_a_dashboard_socket_works_without_channel_layers(host: Path) -> None:
     """,
     )
     assert result == [True, "snapshot", "waiting"]
+
+
+# --- system checks: settings wfdash cannot work with, refused at start-up ---------------
+
+
+class WorkflowsElsewhere:
+    """A project's router sending wfdash's tables to an alias of their own."""
+
+    def db_for_read(self, model: type, **hints: object) -> str | None:
+        return "workflows" if model._meta.app_label == "workflows_app" else None
+
+    db_for_write = db_for_read
+
+    def allow_migrate(self, db: str, app_label: str, **hints: object) -> bool | None:
+        return db == "workflows" if app_label == "workflows_app" else None
+
+
+class UsersElsewhere:
+    def db_for_read(self, model: type, **hints: object) -> str | None:
+        return "accounts" if model._meta.app_label == "auth" else None
+
+    db_for_write = db_for_read
+
+
+def test_use_tz_false_is_refused_by_a_system_check() -> None:
+    """With USE_TZ = False the engine's first create failed deep in raw SQL ("SQLite
+    backend does not support timezone-aware datetimes when USE_TZ is False"); the check
+    says what to set before anything runs. A TIME_ZONE other than UTC is fine (the host
+    project runs in America/New_York)."""
+    from django.test import override_settings
+
+    from workflows_app import checks
+
+    assert checks.check_use_tz() == []
+    with override_settings(USE_TZ=False, TIME_ZONE="America/New_York"):
+        (error,) = checks.check_use_tz()
+    assert error.id == "workflows_app.E001" and "USE_TZ = True" in error.msg
+
+
+@pytest.mark.parametrize(
+    ("router", "named"),
+    [
+        ("WorkflowsElsewhere", "workflows_app.Instance is written to 'workflows'"),
+        ("UsersElsewhere", "auth.User is written to 'accounts'"),
+    ],
+)
+def test_routing_wfdash_or_the_user_model_off_default_is_refused(router: str, named: str) -> None:
+    """The engine's raw SQL, transactions, LISTEN/NOTIFY and schema check all use the
+    default connection: a router sending wfdash's models (or the user model its tokens
+    reference) elsewhere split them from it, to fail later in confusing ways."""
+    from django.test import override_settings
+
+    from workflows_app import checks
+
+    assert checks.check_database() == []
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}.{router}"]):
+        (error,) = checks.check_database()
+    assert error.id == "workflows_app.E002" and named in error.msg
+    if router == "WorkflowsElsewhere":
+        assert "migrations are not allowed on 'default'" in error.msg

@@ -16,7 +16,7 @@ class WorkflowsAppConfig(AppConfig):
     def ready(self) -> None:
         # Like admin.py: every installed app's workflows.py registers its workflows.
         autodiscover_modules("workflows")
-        from . import access, live
+        from . import access, checks, live  # noqa: F401  (checks registers the system checks)
         from .engine import store
 
         access.connect_signals()

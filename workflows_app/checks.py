@@ -1,0 +1,61 @@
+"""System checks for a project that installs wfdash: settings it cannot work with are
+refused at start-up (manage.py check, runserver, migrate, wf), with what to change,
+rather than failing at the first instance created."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.apps import apps
+from django.conf import settings
+from django.core.checks import Error, register
+from django.db import DEFAULT_DB_ALIAS, router
+
+APP_LABEL = "workflows_app"
+
+
+@register()
+def check_use_tz(**_: Any) -> list[Error]:
+    """The engine writes and compares aware UTC datetimes (its raw SQL, timers, schedules,
+    spans): with USE_TZ = False Django refuses them on SQLite and reads PostgreSQL's in
+    TIME_ZONE, so no instance could even be created."""
+    if settings.USE_TZ:
+        return []
+    return [
+        Error(
+            "wfdash needs USE_TZ = True: its engine stores and compares timezone-aware UTC "
+            "datetimes.",
+            hint="Set USE_TZ = True (Django's default). TIME_ZONE may stay any zone; the "
+            "dashboard shows times in the browser's zone, the API in UTC.",
+            id="workflows_app.E001",
+        )
+    ]
+
+
+@register()
+def check_database(**_: Any) -> list[Error]:
+    """The engine's raw SQL, transactions, LISTEN/NOTIFY, connection pool and schema check
+    all use the "default" database: a router sending wfdash's models (or the user model
+    its API tokens reference) to another alias would split them from the engine's."""
+    misplaced: list[str] = []
+    user_model = apps.get_model(settings.AUTH_USER_MODEL)
+    for model in [*apps.get_app_config(APP_LABEL).get_models(), user_model]:
+        label = model._meta.label
+        if router.db_for_write(model) != DEFAULT_DB_ALIAS:
+            misplaced.append(f"{label} is written to {router.db_for_write(model)!r}")
+        elif router.db_for_read(model) != DEFAULT_DB_ALIAS:
+            misplaced.append(f"{label} is read from {router.db_for_read(model)!r}")
+    if not router.allow_migrate(DEFAULT_DB_ALIAS, APP_LABEL):
+        misplaced.append(f"{APP_LABEL}'s migrations are not allowed on {DEFAULT_DB_ALIAS!r}")
+    if not misplaced:
+        return []
+    return [
+        Error(
+            "wfdash keeps its tables in the 'default' database, and the user model in the "
+            "same one, but DATABASE_ROUTERS route elsewhere: " + "; ".join(misplaced) + ".",
+            hint="Make the routers return None (or 'default') for the app label "
+            "'workflows_app' and the user model, and allow its migrations on 'default'; "
+            "route the project's own apps to other aliases as you like.",
+            id="workflows_app.E002",
+        )
+    ]
