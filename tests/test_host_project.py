@@ -25,6 +25,7 @@ FILES = {
         DEBUG = False
         ALLOWED_HOSTS = ["testserver"]
         INSTALLED_APPS = [
+            "workflows_app",  # first: its runserver and runworker are the ones run
             "django.contrib.auth",
             "django.contrib.contenttypes",
             "django.contrib.sessions",
@@ -33,7 +34,6 @@ FILES = {
             "channels",
             "accounts",
             "shop",
-            "workflows_app",
         ]
         MIDDLEWARE = [
             "django.middleware.security.SecurityMiddleware",
@@ -410,3 +410,20 @@ def test_routing_wfdash_or_the_user_model_off_default_is_refused(router: str, na
     assert error.id == "workflows_app.E002" and named in error.msg
     if router == "WorkflowsElsewhere":
         assert "migrations are not allowed on 'default'" in error.msg
+
+
+def test_wfdash_commands_shadowed_by_earlier_apps_are_warned_of() -> None:
+    """Listed after channels (or staticfiles, daphne), workflows_app's runworker and
+    runserver were not the ones manage.py ran: `runworker workflows` served the channel
+    with no engine and no instance ever ran, silently."""
+    from workflows_app import checks
+
+    assert checks.check_command_order() == []  # this project lists workflows_app first
+    ours = {"runserver": "workflows_app", "runworker": "workflows_app"}
+    assert checks.check_command_order(commands=ours) == []
+    (warning,) = checks.check_command_order(
+        commands={"runserver": "django.contrib.staticfiles", "runworker": "channels"}
+    )
+    assert warning.id == "workflows_app.W001"
+    assert "manage.py runworker is channels's" in warning.msg
+    assert "manage.py runserver is django.contrib.staticfiles's" in warning.msg

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.apps import apps
 from django.conf import settings
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 from django.db import DEFAULT_DB_ALIAS, router
 
 APP_LABEL = "workflows_app"
@@ -57,5 +57,38 @@ def check_database(**_: Any) -> list[Error]:
             "'workflows_app' and the user model, and allow its migrations on 'default'; "
             "route the project's own apps to other aliases as you like.",
             id="workflows_app.E002",
+        )
+    ]
+
+
+# Django runs the command of the first app in INSTALLED_APPS that has one.
+ENGINE_COMMANDS = {
+    "runserver": "serves with daphne and starts the embedded worker",
+    "runworker": "runs the engine on the `workflows` channel",
+}
+
+
+@register()
+def check_command_order(commands: dict[str, str] | None = None, **_: Any) -> list[Warning]:
+    """workflows_app's runserver and runworker replace daphne's, channels' and
+    staticfiles'; listed after them, manage.py runs theirs: `runworker workflows` then
+    serves the channel with no engine, and runserver starts no embedded worker, so no
+    instance ever runs, and nothing says why."""
+    from django.core.management import get_commands
+
+    commands = get_commands() if commands is None else commands
+    shadowed = [
+        f"manage.py {name} is {commands[name]}'s ({name} of wfdash {what})"
+        for name, what in ENGINE_COMMANDS.items()
+        if commands.get(name, APP_LABEL) != APP_LABEL
+    ]
+    if not shadowed:
+        return []
+    return [
+        Warning(
+            "wfdash's management commands are shadowed: " + "; ".join(shadowed) + ".",
+            hint="List 'workflows_app' first in INSTALLED_APPS (before 'daphne', "
+            "'channels' and 'django.contrib.staticfiles').",
+            id="workflows_app.W001",
         )
     ]
