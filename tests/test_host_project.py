@@ -85,6 +85,17 @@ FILES = {
             ]))),
         })
     """,
+    # The same project with django.contrib.admin (its models' admin pages).
+    "hostadminsettings.py": """
+        from hostsettings import *
+        INSTALLED_APPS = [*INSTALLED_APPS, "django.contrib.admin"]
+        ROOT_URLCONF = "hostadminurls"
+    """,
+    "hostadminurls.py": """
+        from django.contrib import admin
+        from django.urls import include, path
+        urlpatterns = [path("backoffice/", admin.site.urls), path("ops/wf/", include("workflows_app.urls"))]
+    """,
     "accounts/__init__.py": "",
     "accounts/migrations/__init__.py": "",
     "accounts/models.py": """
@@ -131,23 +142,23 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return project
 
 
-def host_env(project: Path) -> dict[str, str]:
+def host_env(project: Path, settings: str = "hostsettings") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "WFDASH_"))}
     env.pop("DATABASE_URL", None)
     env.pop("REDIS_URL", None)
     return {
         **env,
-        "DJANGO_SETTINGS_MODULE": "hostsettings",
+        "DJANGO_SETTINGS_MODULE": settings,
         "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
         "HOST_DB": str(project / "db.sqlite3"),
     }
 
 
-def django_admin(project: Path, *args: str) -> str:
+def django_admin(project: Path, *args: str, settings: str = "hostsettings") -> str:
     done = subprocess.run(
         [sys.executable, "-m", "django", *args],
         cwd=project,
-        env=host_env(project),
+        env=host_env(project, settings),
         capture_output=True,
         text=True,
         timeout=120,
@@ -156,13 +167,13 @@ def django_admin(project: Path, *args: str) -> str:
     return done.stdout
 
 
-def run_in(project: Path, script: str) -> dict:
+def run_in(project: Path, script: str, settings: str = "hostsettings") -> dict:
     """Runs script after django.setup() in the host project; it prints one JSON line last."""
     preamble = "import django, json\ndjango.setup()\n"
     done = subprocess.run(
         [sys.executable, "-c", preamble + textwrap.dedent(script)],
         cwd=project,
-        env=host_env(project),
+        env=host_env(project, settings),
         capture_output=True,
         text=True,
         timeout=120,
@@ -350,6 +361,45 @@ def test_a_dashboard_socket_works_without_channel_layers(host: Path) -> None:
     """,
     )
     assert result == [True, "snapshot", "waiting"]
+
+
+def test_token_search_and_wf_demo_use_the_user_models_username_field(host: Path) -> None:
+    """The admin's token search looked in user__username and `wf demo --superuser` filtered
+    and created by username=: with a user model that logs in by email, every token search
+    was a FieldError (a 500) and the demo's superuser could not be made."""
+    django_admin(host, "migrate", settings="hostadminsettings")  # the admin's own tables
+    result = run_in(
+        host,
+        LOGGED_IN
+        + """
+    from io import StringIO
+    from django.core.management import call_command
+    from workflows_app import tokens
+    tokens.issue("searched", "boss@example.com")
+    found = client.get("/backoffice/workflows_app/apitoken/", {"q": "boss@"})
+    Person.objects.filter(email="ops@example.com").delete()
+    notes = []
+    for _ in range(2):
+        out = StringIO()
+        call_command("wf", "demo", "--superuser", "ops@example.com:pw", "--json", stdout=out)
+        notes.append(json.loads(out.getvalue())["superuser"])
+    ops = Person.objects.get(email="ops@example.com")
+    print(json.dumps({
+        "search": [found.status_code, "searched" in found.content.decode()],
+        "notes": notes,
+        "ops": [ops.is_superuser, ops.check_password("pw")],
+    }))
+    """,
+        settings="hostadminsettings",
+    )
+    assert result == {
+        "search": [200, True],
+        "notes": [
+            "created superuser 'ops@example.com'",
+            "user 'ops@example.com' exists; left unchanged",
+        ],
+        "ops": [True, True],
+    }
 
 
 # --- system checks: settings wfdash cannot work with, refused at start-up ---------------

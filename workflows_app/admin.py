@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
@@ -785,7 +786,13 @@ class ApiTokenAdmin(admin.ModelAdmin):
     )
     list_filter = ("scope", "revoked_at", "user")
     list_select_related = ("user",)  # nullable (service tokens): Django would not join it itself
-    search_fields = ("name", "prefix", "user__username")
+    search_fields = ("name", "prefix")  # and the user's name: get_search_fields
+
+    def get_search_fields(self, request: HttpRequest) -> tuple[str, ...]:
+        """Also the user's USERNAME_FIELD: "user__username" was a FieldError on every
+        search in a project whose user model has no username (e.g. logs in by email)."""
+        return (*self.search_fields, f"user__{get_user_model().USERNAME_FIELD}")
+
     actions = (revoke_tokens, rotate_token)
     add_fields = ("name", "user", "scope", "workflows", "expires")
     all_fields = (

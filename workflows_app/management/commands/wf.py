@@ -970,11 +970,17 @@ class Command(BaseCommand):
             username, sep, password = opts.superuser.partition(":")
             if not username or not sep or not password:
                 raise CommandError("--superuser must be USER:PASSWORD, e.g. admin:admin")
+            # By the user model's USERNAME_FIELD (a custom one may log in by email), its
+            # other required fields left blank as createsuperuser --noinput would.
             users = get_user_model()
-            if users.objects.filter(username=username).exists():
+            name_field = users.USERNAME_FIELD
+            if users._default_manager.filter(**{name_field: username}).exists():
                 user_note = f"user {username!r} exists; left unchanged"
             else:
-                users.objects.create_superuser(username=username, email="", password=password)
+                blanks = dict.fromkeys(users.REQUIRED_FIELDS, "")
+                users._default_manager.create_superuser(
+                    **{name_field: username, **blanks}, password=password
+                )
                 user_note = f"created superuser {username!r}"
         created = create_demo_instances(actor="demo")
         human = f"created {len(created)} demo instances" + (f"; {user_note}" if user_note else "")
