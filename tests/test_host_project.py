@@ -477,3 +477,28 @@ def test_wfdash_commands_shadowed_by_earlier_apps_are_warned_of() -> None:
     assert warning.id == "workflows_app.W001"
     assert "manage.py runworker is channels's" in warning.msg
     assert "manage.py runserver is django.contrib.staticfiles's" in warning.msg
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("zone", ["UTC", "America/New_York", "Asia/Kolkata"])
+def test_the_lists_date_filters_read_the_browsers_wall_clock_whatever_time_zone(
+    zone: str,
+) -> None:
+    """The instance list's "created from/to" inputs carry the viewer's wall-clock time and
+    the browser's offset (tz, minutes east of UTC). Django's DateTimeField read them in
+    TIME_ZONE first: under America/New_York a filter was five hours off, and 02:30 on the
+    day clocks spring forward there was refused as a time that does not exist."""
+    from datetime import UTC, datetime
+
+    from django.test import override_settings
+
+    from workflows_app.forms import ListFilterForm
+
+    with override_settings(TIME_ZONE=zone):
+        form = ListFilterForm(
+            {"created_from": "2026-01-15T10:00", "created_to": "2026-03-08T02:30", "tz": "60"}
+        )
+        filters = form.filters()
+    assert not form.errors
+    assert filters.created_from == datetime(2026, 1, 15, 9, 0, tzinfo=UTC)
+    assert filters.created_to == datetime(2026, 3, 8, 1, 30, tzinfo=UTC)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shlex
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django import forms
+from django.utils import timezone
 
 from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
@@ -121,16 +122,25 @@ class BulkActionForm(forms.Form):
         return pks
 
 
+class WallClockField(forms.DateTimeField):
+    """A datetime-local input: the viewer's wall-clock time, returned tagged UTC for
+    ListFilterForm to shift by the browser's offset. Django's field reads it in TIME_ZONE:
+    in a project whose TIME_ZONE is not UTC every date filter was off by that zone's
+    offset, and a time in its DST gap was refused though the viewer lives elsewhere."""
+
+    widget = forms.DateTimeInput(attrs={"type": "datetime-local"})
+
+    def to_python(self, value: Any) -> datetime | None:
+        with timezone.override(UTC):
+            return super().to_python(value)
+
+
 class ListFilterForm(forms.Form):
     workflow = forms.ChoiceField(required=False)
     status = forms.ChoiceField(required=False, choices=[("", "any status"), *Status.choices])
     version = forms.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
-    created_from = forms.DateTimeField(
-        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
-    )
-    created_to = forms.DateTimeField(
-        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
-    )
+    created_from = WallClockField(required=False)
+    created_to = WallClockField(required=False)
     q = forms.CharField(required=False, max_length=200, label="Search (id, params, output, error)")
     attrs = AttributesField(
         label="Attributes",
