@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from workflows_app import admin as admin_module
-from workflows_app import dashboard, testing
+from workflows_app import api, dashboard, testing, tokens
 from workflows_app.client import InstanceHandle, get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.models import HistoryRecord, Instance, Span, StepRecord
@@ -22,6 +22,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 LOOP = "big-loop"
 BESIDE = "big-beside"  # the loop beside an event wait started first
+FAN = "big-fan"  # starts as many children as it is asked to
+CHILD = "big-child"
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,18 @@ def loop(registered: list[str]) -> None:
 
             await asyncio.gather(step.wait_for_event("early", type="go", timeout="10 days"), loop())
             return "done"
+
+    @register(FAN, limits={"max_steps_per_workflow": 10_000})
+    class Fan(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            for i in range(event.payload["children"]):
+                await step.start(f"c{i}", CHILD, id=f"child-{i}")
+            return "done"
+
+    @register(CHILD)
+    class Child(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return "ok"
 
 
 def grown(steps: int, then: int = 0, instance_id: str = "big-1") -> InstanceHandle:
@@ -185,3 +199,76 @@ def test_a_resume_and_its_new_steps_take_as_many_statements_however_many_steps_c
     # writes nothing; each new step writes what it writes in a small instance
     assert big == small
     assert statements_to_resume(400, 40) - big == statements_to_resume(0, 40) - small
+
+
+# --- the JSON API's instance --------------------------------------------------------------
+
+
+@pytest.fixture
+def api_get() -> Any:
+    _, secret = tokens.issue("reader", scope="read")
+    client = Client()
+
+    def get(path: str) -> Any:
+        response = client.get(
+            f"/api/workflows/{path}", headers={"Authorization": f"Bearer {secret}"}
+        )
+        assert response.status_code == 200, response.content[:300]
+        return response.json()
+
+    return get
+
+
+def test_the_api_instance_shows_the_newest_steps_and_every_open_one_and_pages_the_rest(
+    api_get, monkeypatch
+):
+    # One response held every step: 12 MB at 50,000 steps.
+    monkeypatch.setattr(api, "STEPS_IN_INSTANCE", 5, raising=False)
+    monkeypatch.setattr(api, "STEPS_PAGE", 4, raising=False)
+    handle = get_workflow(BESIDE).create(id="beside-1", params={"steps": 12})
+    testing.run_until_idle()
+    shown = api_get(f"{BESIDE}/instances/beside-1")["result"]
+    # the wait started first is still open: shown, with the newest five steps
+    assert [s["name"] for s in shown["steps"]] == ["early", "s7", "s8", "s9", "s10", "s11"]
+    assert shown["steps_total"] == 13
+    names, cursor = [], "0"
+    while cursor is not None:
+        page = api_get(f"{BESIDE}/instances/beside-1/steps?cursor={cursor}")
+        assert len(page["result"]) <= 4 and page["result_info"]["per_page"] == 4
+        names += [s["name"] for s in page["result"]]
+        cursor = page["result_info"]["cursor"]
+    assert names == [s.name for s in handle.steps()] and len(names) == 13
+    assert [s["name"] for s in api_get(f"{BESIDE}/instances/beside-1/steps?limit=2")["result"]] == [
+        "early",
+        "s0",
+    ]
+
+
+def test_the_api_instance_of_a_small_instance_shows_every_step(api_get):
+    handle = grown(3)
+    shown = api_get(f"{LOOP}/instances/{handle.id}")["result"]
+    assert [s["name"] for s in shown["steps"]] == ["s0", "s1", "s2", "ev"]
+    assert shown["steps_total"] == 4 and shown["children"] == [] and shown["children_total"] == 0
+
+
+def fanned(children: int) -> InstanceHandle:
+    handle = get_workflow(FAN).create(id="fan-1", params={"children": children})
+    testing.run_until_idle()
+    assert handle.status().status == "complete", handle.status()
+    return handle
+
+
+def test_the_api_instance_shows_the_newest_children_and_pages_them_all(api_get, monkeypatch):
+    monkeypatch.setattr(api, "CHILDREN_IN_INSTANCE", 3, raising=False)
+    monkeypatch.setattr(api, "CHILDREN_PAGE", 4, raising=False)
+    fanned(7)
+    shown = api_get(f"{FAN}/instances/fan-1")["result"]
+    assert [c["id"] for c in shown["children"]] == ["child-4", "child-5", "child-6"]
+    assert shown["children_total"] == 7
+    ids, cursor = [], "0"
+    while cursor is not None:
+        page = api_get(f"{FAN}/instances/fan-1/children?cursor={cursor}")
+        assert len(page["result"]) <= 4
+        ids += [c["id"] for c in page["result"]]
+        cursor = page["result_info"]["cursor"]
+    assert ids == [f"child-{i}" for i in range(7)]

@@ -340,6 +340,41 @@ def walk_getHistory(w: Walker) -> None:
     w.call("getHistory", 404, instance_id="nope")
 
 
+def walk_getSteps(w: Walker) -> None:
+    waiting_approval("w-1")
+    shown = w.call("getInstance", 200).json()["result"]
+    steps = w.call("getSteps", 200).json()
+    assert steps["result"] == shown["steps"] and steps["result_info"]["cursor"] is None
+    assert shown["steps_total"] == len(shown["steps"])
+    w.call("getSteps", 400, query="cursor=x")
+    w.call("getSteps", 404, instance_id="nope")
+
+
+def walk_getChildren(w: Walker) -> None:
+    @register("contract-fan")
+    class Fan(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            for i in range(3):
+                await step.start(f"child {i}", OTHER)
+
+    get_workflow("contract-fan").create(id="f-1")
+    testing.run_until_idle()
+    first = w.call("getChildren", 200, name="contract-fan", instance_id="f-1", query="limit=2")
+    page = first.json()
+    assert [c["step"] for c in page["result"]] == ["child 0", "child 1"]
+    rest = w.call(
+        "getChildren",
+        200,
+        name="contract-fan",
+        instance_id="f-1",
+        query=f"cursor={page['result_info']['cursor']}",
+    ).json()
+    assert [c["step"] for c in rest["result"]] == ["child 2"]
+    assert rest["result_info"]["cursor"] is None
+    w.call("getChildren", 400, name="contract-fan", instance_id="f-1", query="limit=1001")
+    w.call("getChildren", 404, instance_id="nope")
+
+
 def walk_subscribeHistory(w: Walker) -> None:
     get_workflow(SIMPLE).create(id="done")
     testing.run_until_idle()
@@ -597,7 +632,7 @@ def test_a_fault_in_a_view_is_a_json_500_in_the_documented_shape(walker, monkeyp
     """A bug must not turn into Django's HTML page: clients parse every API answer."""
     waiting_approval("w-1")
 
-    def broken(handle: Any) -> Any:
+    def broken(handle: Any, **options: Any) -> Any:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr("workflows_app.surfaces.instance_json", broken)

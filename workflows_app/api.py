@@ -451,8 +451,21 @@ def create_batch(call: Call, name: str) -> JsonResponse:
     )
 
 
+# A GET of one instance shows at most this many of its steps (the newest, and every older
+# one still open) and children (the newest); …/steps and …/children page through them all.
+STEPS_IN_INSTANCE = 1000
+CHILDREN_IN_INSTANCE = 1000
+
+
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
-    return ok(surfaces.instance_json(instance(name, instance_id)))
+    return ok(
+        surfaces.instance_json(
+            instance(name, instance_id),
+            steps=STEPS_IN_INSTANCE,
+            open_steps=True,
+            children=CHILDREN_IN_INSTANCE,
+        )
+    )
 
 
 def delete_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -536,50 +549,82 @@ def get_bulk_job(call: Call, name: str, job_id: int) -> JsonResponse:
 
 
 HISTORY_PAGE = 1000  # records in a …/history response at most (a year-long instance has 100,000s)
-HISTORY_PARAMETERS = ("cursor", "limit")
+STEPS_PAGE = 1000  # steps in a …/steps response at most
+CHILDREN_PAGE = 1000  # children in a …/children response at most
+PAGE_PARAMETERS = ("cursor", "limit")
 
 
-def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
-    """The records after ?cursor= (a history sequence; 0: from the start), at most ?limit=
-    of them; result_info.cursor is the cursor of the next page (null on the last)."""
+def page_query(call: Call, page: int, what: str) -> tuple[int, int]:
+    """The ?cursor= (an integer: `what` of the last item of the previous page; 0: from the
+    start) and ?limit= (1 to `page`) of a paged read of one instance."""
     query = call.request.GET
-    unknown = sorted(k for k in query if k not in HISTORY_PARAMETERS)
+    unknown = sorted(k for k in query if k not in PAGE_PARAMETERS)
     if unknown:
         raise ApiError(
             400, "InvalidInput", f"unknown query parameter(s) {unknown}; allowed: cursor, limit"
         )
-    repeated = sorted(k for k in HISTORY_PARAMETERS if len(query.getlist(k)) > 1)
+    repeated = sorted(k for k in PAGE_PARAMETERS if len(query.getlist(k)) > 1)
     if repeated:
         raise ApiError(
             400, "InvalidInput", f"{', '.join(repeated)} given more than once; give each once"
         )
-    limit_text = query.get("limit", str(HISTORY_PAGE))
-    if not LIMIT_PATTERN.fullmatch(limit_text) or not 1 <= int(limit_text) <= HISTORY_PAGE:
+    limit_text = query.get("limit", str(page))
+    if not LIMIT_PATTERN.fullmatch(limit_text) or not 1 <= int(limit_text) <= page:
         raise ApiError(
             400,
             "InvalidInput",
-            f"limit must be an integer from 1 to {HISTORY_PAGE}, got {limit_text[:20]!r}",
+            f"limit must be an integer from 1 to {page}, got {limit_text[:20]!r}",
         )
     cursor_text = query.get("cursor", "0")
     if not CURSOR_PATTERN.fullmatch(cursor_text) or int(cursor_text) > MAX_PK:
         raise ApiError(
             400,
             "InvalidInput",
-            f"cursor must be a history sequence (0 to {MAX_PK}), got {cursor_text[:30]!r}",
+            f"cursor must be {what} (0 to {MAX_PK}), got {cursor_text[:30]!r}",
         )
-    limit = int(limit_text)
-    entries = instance(name, instance_id).history(after=int(cursor_text), limit=limit + 1)
-    more = len(entries) > limit
-    entries = entries[:limit]
+    return int(cursor_text), int(limit_text)
+
+
+def paged(
+    items: list[Any], limit: int, cursor_of: Callable[[Any], int], as_json: Callable[[Any], Any]
+) -> JsonResponse:
+    """A page read with limit + 1 items: the first `limit`, and the next page's cursor
+    (null on the last page)."""
+    more = len(items) > limit
+    items = items[:limit]
     return ok(
-        [surfaces.history_json(h) for h in entries],
-        result_info={"cursor": str(entries[-1].sequence) if more else None, "per_page": limit},
+        [as_json(i) for i in items],
+        result_info={"cursor": str(cursor_of(items[-1])) if more else None, "per_page": limit},
     )
+
+
+def get_history(call: Call, name: str, instance_id: str) -> JsonResponse:
+    """The records after ?cursor= (a history sequence; 0: from the start), at most ?limit=
+    of them; result_info.cursor is the cursor of the next page (null on the last)."""
+    after, limit = page_query(call, HISTORY_PAGE, "a history sequence")
+    entries = instance(name, instance_id).history(after=after, limit=limit + 1)
+    return paged(entries, limit, lambda h: h.sequence, surfaces.history_json)
+
+
+def get_steps(call: Call, name: str, instance_id: str) -> JsonResponse:
+    """The steps in start order after ?cursor= (result_info.cursor of the previous page;
+    0: from the first), at most ?limit= of them."""
+    after, limit = page_query(call, STEPS_PAGE, "a cursor this endpoint gave")
+    rows = instance(name, instance_id).steps(after=after, limit=limit + 1)
+    return paged(rows, limit, lambda s: s.seq, surfaces.step_json)
+
+
+def get_children(call: Call, name: str, instance_id: str) -> JsonResponse:
+    """The instances this one started, oldest first, after ?cursor= (result_info.cursor
+    of the previous page; 0: from the first), at most ?limit= of them."""
+    after, limit = page_query(call, CHILDREN_PAGE, "a cursor this endpoint gave")
+    rows = instance(name, instance_id).children_rows(after=after, limit=limit + 1)
+    return paged(rows, limit, lambda c: c.pk, lambda c: surfaces.ref_json(c, c.parent_step))
 
 
 # The handlers that read a query string (their own check names what is allowed); every
 # other one refuses any (endpoint).
-TAKES_QUERY = frozenset({list_instances, get_history})
+TAKES_QUERY = frozenset({list_instances, get_history, get_steps, get_children})
 
 
 def change_status(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -927,6 +972,8 @@ bulk_jobs = endpoint(POST=start_bulk_job)
 bulk_job = endpoint(GET=get_bulk_job)
 detail = endpoint(GET=get_instance, DELETE=delete_instance)
 history = endpoint(GET=get_history)
+steps = endpoint(GET=get_steps)
+children = endpoint(GET=get_children)
 status = endpoint(PATCH=change_status)
 events = endpoint(POST=send_event)
 cancel_view = endpoint(POST=cancel)

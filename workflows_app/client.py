@@ -572,6 +572,17 @@ def decode_cursor(cursor: str) -> int:
         raise errors.InvalidInput(f"invalid cursor {cursor!r}") from None
 
 
+# Steps an operator may act on (retry, skip a sleep, send an event): shown however old.
+OPEN_STEP_STATUSES = (StepStatus.RUNNING, StepStatus.RETRYING, StepStatus.WAITING)
+
+
+def _check_page(after: Any, limit: Any) -> None:
+    if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
+        raise errors.InvalidInput(f"after must be a cursor from 0 to {MAX_PK}, got {after!r}")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise errors.InvalidInput(f"limit must be a positive integer or None, got {limit!r}")
+
+
 def instance_info(row: Instance) -> InstanceInfo:
     return InstanceInfo(
         id=row.instance_id,
@@ -691,15 +702,33 @@ class InstanceHandle:
             history_listener.ensure_started(live.result_waiters.wake)
         return follower
 
-    def steps(self, last: int | None = None) -> list[StepRecord]:
-        """The steps in order; with `last`, only the newest `last` of them (a long-running
-        instance has tens of thousands)."""
+    def steps(
+        self, last: int | None = None, after: int = 0, limit: int | None = None
+    ) -> list[StepRecord]:
+        """The steps in start order; with `last`, only the newest `last` of them (a long-running
+        instance has tens of thousands); with `after` (a step's seq, as a page's cursor) and
+        `limit`, a page: at most `limit` steps started after that one."""
         steps = StepRecord.objects.filter(instance_id=self.row().pk)
-        if last is None:
-            return list(steps.order_by("seq"))
-        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
-            raise errors.InvalidInput(f"last must be 0 or a positive integer, got {last!r}")
-        return list(reversed(steps.order_by("-seq")[:last])) if last else []
+        if last is not None:
+            if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+                raise errors.InvalidInput(f"last must be 0 or a positive integer, got {last!r}")
+            if after or limit is not None:
+                raise errors.InvalidInput("give last, or after and limit, not both")
+            return list(reversed(steps.order_by("-seq")[:last])) if last else []
+        _check_page(after, limit)
+        steps = steps.filter(seq__gt=after).order_by("seq") if after else steps.order_by("seq")
+        return list(steps if limit is None else steps[:limit])
+
+    def recent_steps(self, newest: int) -> tuple[list[StepRecord], int]:
+        """The newest `newest` steps and every older one still open (running, retrying or
+        waiting: what an operator acts on), in start order; and how many steps there are."""
+        rows = StepRecord.objects.filter(instance_id=self.row().pk)
+        shown = list(rows.order_by("-seq")[: newest + 1])
+        if len(shown) <= newest:
+            return shown[::-1], len(shown)
+        shown = shown[:newest]
+        older = rows.filter(seq__lt=shown[-1].seq, status__in=OPEN_STEP_STATUSES).order_by("seq")
+        return [*older, *shown[::-1]], rows.count()
 
     def step_count(self) -> int:
         return StepRecord.objects.filter(instance_id=self.row(refresh=False).pk).count()
@@ -709,8 +738,20 @@ class InstanceHandle:
         row = self.row()
         return None if row.parent_id is None else Instance.objects.filter(id=row.parent_id).first()
 
-    def children_rows(self) -> list[Instance]:
-        return list(Instance.objects.filter(parent_id=self.row().pk).order_by("id"))
+    def children_rows(self, after: int = 0, limit: int | None = None) -> list[Instance]:
+        """The rows of the instances this one started, oldest first; with `after` (a child
+        row's id, as a page's cursor) and `limit`, a page of them (a fan-out has thousands)."""
+        _check_page(after, limit)
+        rows = Instance.objects.filter(parent_id=self.row().pk, id__gt=after).order_by("id")
+        return list(rows if limit is None else rows[:limit])
+
+    def newest_children_rows(self, newest: int) -> tuple[list[Instance], int]:
+        """The newest `newest` children, oldest first, and how many children there are."""
+        rows = Instance.objects.filter(parent_id=self.row().pk)
+        shown = list(rows.order_by("-id")[: newest + 1])
+        if len(shown) <= newest:
+            return shown[::-1], len(shown)
+        return shown[:newest][::-1], rows.count()
 
     def parent(self) -> InstanceHandle | None:
         """The parent instance's handle, or None if this one is not a child."""
@@ -967,6 +1008,7 @@ for _name in (
     "children",
     "history",
     "steps",
+    "recent_steps",
     "pending_events",
     "result",
     "pause",

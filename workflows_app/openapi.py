@@ -80,6 +80,39 @@ def page_limit(default: int) -> dict[str, Any]:
     }
 
 
+def instance_page(
+    summary: str, operation_id: str, item: dict[str, Any], described: str
+) -> dict[str, Any]:
+    """A paged read of one instance's steps or children (GET …/instances/{id} shows the
+    newest 1000)."""
+    return {
+        "parameters": [WORKFLOW, INSTANCE],
+        "get": {
+            "summary": summary,
+            "operationId": operation_id,
+            "description": READ
+            + " At most `limit` a page: pass result_info.cursor back as ?cursor= for the"
+            " next (null after the last).",
+            "parameters": [
+                {
+                    "name": "cursor",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 0},
+                    "description": "result_info.cursor of the previous page (default 0: "
+                    "from the first)",
+                },
+                page_limit(1000),
+            ],
+            "responses": responses(
+                json_body(success({"type": "array", "items": item}, paged=True), described),
+                "400",
+                "403",
+                "404",
+            ),
+        },
+    }
+
+
 def path_param(name: str, description: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -204,13 +237,25 @@ SCHEMAS: dict[str, Any] = {
             "priority": {"type": "integer"},
             "concurrency_key": {"type": ["string", "null"]},
             "parent": {"oneOf": [{"type": "null"}, ref("InstanceRef")]},
-            "children": {"type": "array", "items": ref("InstanceRef")},
+            "children": {
+                "type": "array",
+                "items": ref("InstanceRef"),
+                "description": "the newest 1000 at most, oldest first: …/children pages "
+                "through them all",
+            },
+            "children_total": {"type": "integer", "description": "how many children it has"},
             "created_by": {"type": "string"},
             "created_at": TIME,
             "updated_at": TIME,
             "started_at": TIME_OR_NULL,
             "finished_at": TIME_OR_NULL,
-            "steps": {"type": "array", "items": ref("Step")},
+            "steps": {
+                "type": "array",
+                "items": ref("Step"),
+                "description": "in start order: the newest 1000 at most and every older one "
+                "still open (running, retrying, waiting); …/steps pages through them all",
+            },
+            "steps_total": {"type": "integer", "description": "how many steps it has"},
             "pending_events": {"type": "array", "items": ref("PendingEvent")},
         }
     ),
@@ -679,6 +724,18 @@ def document(mount: str = "") -> dict[str, Any]:
                     ),
                 },
             },
+            instance_path + "/steps": instance_page(
+                "The instance's steps, in start order",
+                "getSteps",
+                ref("Step"),
+                "steps in start order",
+            ),
+            instance_path + "/children": instance_page(
+                "The instances this one started (step.invoke / step.start), oldest first",
+                "getChildren",
+                ref("InstanceRef"),
+                "children, oldest first",
+            ),
             instance_path + "/subscribe": {
                 "parameters": [WORKFLOW, INSTANCE],
                 "get": {

@@ -103,10 +103,30 @@ def ref_json(row: Instance | None, step: str) -> dict[str, Any] | None:
     return {"id": row.instance_id, "workflow": row.workflow, "status": row.status, "step": step}
 
 
-def instance_json(handle: InstanceHandle, steps: int | None = None) -> dict[str, Any]:
+def instance_json(
+    handle: InstanceHandle,
+    steps: int | None = None,
+    open_steps: bool = False,
+    children: int | None = None,
+) -> dict[str, Any]:
     """Everything an operator asks about one instance: status, params, output, steps.
-    With `steps`, only the newest that many steps, and steps_total: how many it has."""
+    With `steps`, only the newest that many steps (with open_steps, also every older one
+    still open) and steps_total: how many it has; with `children`, the newest that many
+    children and children_total. A year-long loop has 100,000s of steps, a fan-out
+    thousands of children: every one made a response of megabytes."""
     row = handle.row()
+    if steps is None:
+        step_rows, steps_total = handle.steps(), None
+    elif open_steps:
+        step_rows, steps_total = handle.recent_steps(steps)
+    else:
+        step_rows = handle.steps(last=steps)
+        shown = len(step_rows)
+        steps_total = shown if shown < steps else handle.step_count()
+    if children is None:
+        child_rows, children_total = handle.children_rows(), None
+    else:
+        child_rows, children_total = handle.newest_children_rows(children)
     data = {
         "id": row.instance_id,
         "workflow": row.workflow,
@@ -120,18 +140,19 @@ def instance_json(handle: InstanceHandle, steps: int | None = None) -> dict[str,
         "priority": row.priority,
         "concurrency_key": row.concurrency_key,
         "parent": ref_json(handle.parent_row(), row.parent_step),
-        "children": [ref_json(c, c.parent_step) for c in handle.children_rows()],
+        "children": [ref_json(c, c.parent_step) for c in child_rows],
         "created_by": row.created_by,
         "created_at": iso(row.created_at),
         "updated_at": iso(row.updated_at),
         "started_at": iso(row.started_at),
         "finished_at": iso(row.finished_at),
-        "steps": [step_json(s) for s in handle.steps(last=steps)],
+        "steps": [step_json(s) for s in step_rows],
         "pending_events": [pending_json(p) for p in handle.pending_events()],
     }
-    if steps is not None:
-        shown = len(data["steps"])
-        data["steps_total"] = shown if shown < steps else handle.step_count()
+    if steps_total is not None:
+        data["steps_total"] = steps_total
+    if children_total is not None:
+        data["children_total"] = children_total
     return data
 
 
