@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from io import StringIO
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.db.models import signals
 from django.test import Client
 from django.urls import reverse
 
@@ -16,6 +20,7 @@ from workflows_app import admin as admin_module
 from workflows_app import api, dashboard, testing, tokens
 from workflows_app.client import InstanceHandle, get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.management.commands import wf as wf_command
 from workflows_app.models import HistoryRecord, Instance, Span, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -272,3 +277,48 @@ def test_the_api_instance_shows_the_newest_children_and_pages_them_all(api_get, 
         ids += [c["id"] for c in page["result"]]
         cursor = page["result_info"]["cursor"]
     assert ids == [f"child-{i}" for i in range(7)]
+
+
+# --- wf watch ------------------------------------------------------------------------------
+
+
+def test_wf_watch_reads_only_what_is_new_at_each_poll(monkeypatch):
+    """Each poll read the whole history and every step: 150,000 rows a poll (every half
+    second) at 50,000 steps."""
+    handle = grown(300, then=2)
+    read: list[str] = []
+
+    def count(sender: Any, **kwargs: Any) -> None:
+        read.append(sender.__name__)
+
+    real_sleep = time.sleep
+    polls = []
+
+    def between_polls(seconds: float) -> None:
+        if seconds != wf_command.POLL_SECONDS:
+            return real_sleep(seconds)
+        polls.append(len(read))
+        if len(polls) == 1:  # after the first poll: the instance moves on
+            handle.send_event("go")
+            testing.run_until_idle()
+            signals.post_init.connect(count, sender=StepRecord)
+            signals.post_init.connect(count, sender=HistoryRecord)
+
+    monkeypatch.setattr(wf_command.time, "sleep", between_polls)
+    out = StringIO()
+    try:
+        call_command("wf", "watch", handle.id, stdout=out, stderr=StringIO())
+    finally:
+        signals.post_init.disconnect(count, sender=StepRecord)
+        signals.post_init.disconnect(count, sender=HistoryRecord)
+    lines = out.getvalue().splitlines()
+    assert sum("step 's299' (do) complete" in line for line in lines) == 1
+    assert sum("step 'ev' (waitForEvent) waiting" in line for line in lines) == 1
+    assert sum("step 'ev' (waitForEvent) complete" in line for line in lines) == 1
+    assert "step 't1' (do) complete" in lines[-2] and lines[-1].startswith("finished: complete")
+    history = [int(n) for n in re.findall(r"#(\d+)", out.getvalue())]
+    assert history == sorted(set(history)) == list(range(1, len(history) + 1))
+    # the second poll read the wait (open at the first), the two new steps and the history
+    # after the wait: not the 300 steps and 600 records before
+    assert read.count("StepRecord") == 3
+    assert read.count("HistoryRecord") < 20

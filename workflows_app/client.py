@@ -26,7 +26,7 @@ import jsonschema
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from . import live
 from .codec import seal, seal_value
@@ -729,6 +729,16 @@ class InstanceHandle:
         shown = shown[:newest]
         older = rows.filter(seq__lt=shown[-1].seq, status__in=OPEN_STEP_STATUSES).order_by("seq")
         return [*older, *shown[::-1]], rows.count()
+
+    def open_steps(self, through: int, also: Sequence[int] = ()) -> list[StepRecord]:
+        """The steps up to seq `through` that are open (running, retrying, waiting) or whose
+        pk is in `also`, in start order: what may have changed since a poll that saw the
+        steps up to `through` and found those open (`wf watch` reads these, not all)."""
+        return list(
+            StepRecord.objects.filter(instance_id=self.row().pk, seq__lte=through)
+            .filter(Q(status__in=OPEN_STEP_STATUSES) | Q(pk__in=also))
+            .order_by("seq")
+        )
 
     def step_count(self) -> int:
         return StepRecord.objects.filter(instance_id=self.row(refresh=False).pk).count()

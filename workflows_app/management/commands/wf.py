@@ -25,6 +25,7 @@ connect to within seconds: it says where it looked).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -43,10 +44,10 @@ from django.db import DatabaseError
 from tqdm import tqdm
 
 from workflows_app import bulk, live, surfaces, testing, tokens
-from workflows_app.client import InstanceHandle, schedules
+from workflows_app.client import OPEN_STEP_STATUSES, InstanceHandle, schedules
 from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
-from workflows_app.models import ApiToken, BulkAction, Instance
+from workflows_app.models import ApiToken, BulkAction, Instance, StepRecord
 from workflows_app.schema import not_migrated_message, unapplied_migrations, unreachable_database
 from workflows_app.text import one_line, printable, terminal_json
 
@@ -909,13 +910,18 @@ class Command(BaseCommand):
             )
         handle = find_instance(opts.id, opts.workflow)
         deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
-        seen_history = 0
-        seen_steps: dict[str, tuple[str, int]] = {}
+        # Each poll reads what is new, a page at a time, not the whole instance (which made
+        # every poll of an instance with 50,000 steps read 150,000 rows): the history after
+        # the last record printed, the steps started after the last one seen, and those
+        # open at the last poll or now (the only ones whose state can change).
+        seen_history = seen_step = 0
+        open_steps: dict[int, tuple[str, int]] = {}
         while True:
             if opts.run_engine:
                 testing.run_until_idle()
-            for entry in handle.history():
-                if entry.sequence > seen_history:
+            while True:
+                entries = handle.history(after=seen_history, limit=PAGE_MAX)
+                for entry in entries:
                     seen_history = entry.sequence
                     self.line(
                         opts,
@@ -924,15 +930,19 @@ class Command(BaseCommand):
                         + (f"  {compact(entry.data)}" if entry.data else "")
                         + (f"  by {one_line(entry.actor)}" if entry.actor else ""),
                     )
-            for step in handle.steps():
-                state = (step.status, step.attempts)
-                if seen_steps.get(step.name) != state:
-                    seen_steps[step.name] = state
-                    self.line(
-                        opts,
-                        {"step": surfaces.step_json(step)},
-                        f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}",
-                    )
+                if len(entries) < PAGE_MAX:
+                    break
+            still_open: dict[int, tuple[str, int]] = {}
+            report = functools.partial(self.report_steps, opts, open_steps, still_open)
+            report(handle.open_steps(through=seen_step, also=list(open_steps)))
+            while True:
+                new = handle.steps(after=seen_step, limit=PAGE_MAX)
+                report(new)
+                if new:
+                    seen_step = new[-1].seq
+                if len(new) < PAGE_MAX:
+                    break
+            open_steps = still_open
             status = handle.status()
             if status.status in lifecycle.FINISHED:
                 self.line(
@@ -954,6 +964,26 @@ class Command(BaseCommand):
                     f"instance {handle.id!r} is still {status.status} after {opts.timeout} s"
                 )
             time.sleep(POLL_SECONDS)
+
+    def report_steps(
+        self,
+        opts: argparse.Namespace,
+        before: dict[int, tuple[str, int]],
+        now: dict[int, tuple[str, int]],
+        steps: list[StepRecord],
+    ) -> None:
+        """A line for each step new or changed since the last poll (`before`: the state of
+        those open then); `now` collects those open now."""
+        for step in steps:
+            state = (step.status, step.attempts)
+            if before.get(step.pk) != state:
+                self.line(
+                    opts,
+                    {"step": surfaces.step_json(step)},
+                    f"          step {step.name!r} ({step.kind}) {step.status}, attempt {step.attempts}",
+                )
+            if step.status in OPEN_STEP_STATUSES:
+                now[step.pk] = state
 
     def line(self, opts: argparse.Namespace, data: Any, human: str) -> None:
         """One line per event: JSON lines with --json."""
