@@ -322,3 +322,25 @@ def test_wf_watch_reads_only_what_is_new_at_each_poll(monkeypatch):
     # after the wait: not the 300 steps and 600 records before
     assert read.count("StepRecord") == 3
     assert read.count("HistoryRecord") < 20
+
+
+def test_the_dashboard_shows_the_newest_children_and_the_child_of_each_step_shown(
+    admin_client, monkeypatch
+):
+    # Every child was read and listed: an instance with 10,000 children took 5.8 s and 2 MB.
+    monkeypatch.setattr(dashboard, "CHILDREN_ON_PAGE", 3, raising=False)
+    handle = fanned(7)
+    for url in (
+        reverse("workflows:instance", args=[FAN, "fan-1"]),
+        reverse("workflows:instance-live", args=[handle.row().pk]),
+    ):
+        page = admin_client.get(url).content.decode()
+        children = page[page.index('data-section="children"') : page.index('data-section="steps"')]
+        assert re.findall(r">big-child/(child-\d)</a>", children) == [
+            "child-4",
+            "child-5",
+            "child-6",
+        ]
+        assert "The newest 3 of 7 children" in children
+        # every start step shown still links the child it started
+        assert all(f"/{CHILD}/child-{i}" in page for i in range(7))

@@ -45,6 +45,7 @@ HISTORY_ON_PAGE = 500  # newest history records on an instance page (the rest: A
 # ones (and every open step), as it does history; the rest: `wf status`, the API, the admin.
 STEPS_ON_PAGE = 200
 SPANS_ON_PAGE = 500
+CHILDREN_ON_PAGE = 100  # a fan-out has thousands; the rest: the API's …/children
 
 # Which actions apply to which status; the detail page shows a button only when it applies.
 LIVE_STATUSES = tuple(s for s in Status.values if s in lifecycle.LIVE)
@@ -827,6 +828,7 @@ class InstanceDetail:
     # Completed steps a cancel would compensate, newest first (all of them, also those
     # not shown); None: read from the steps shown, which are then all the steps.
     compensable: list[str] | None = None
+    children_total: int = 0
 
     @property
     def params_pretty(self) -> str:
@@ -970,9 +972,18 @@ def instance_detail(pk: int) -> InstanceDetail:
     inbox = list(InboxEvent.objects.filter(instance_id=pk).order_by("-id")[:50])
     parent = Instance.objects.filter(pk=instance.parent_id).first() if instance.parent_id else None
     # Looked up whatever the steps: a restart drops the steps that started the children,
-    # not the children (its replay finds them again).
-    children = list(Instance.objects.filter(parent_id=pk).order_by("id"))
-    by_step = {c.parent_step: c for c in children}
+    # not the children (its replay finds them again). The newest CHILDREN_ON_PAGE, and
+    # those of the steps shown (one look-up by (parent, parent_step), its index).
+    children, children_total = _shown_children(pk)
+    starting = {
+        s.record.name for s in steps if s.record.kind in (StepKind.INVOKE, StepKind.START_CHILD)
+    }
+    by_step = {c.parent_step: c for c in children if c.parent_step in starting}
+    if starting - set(by_step):
+        by_step.update(
+            (c.parent_step, c)
+            for c in Instance.objects.filter(parent_id=pk, parent_step__in=starting - set(by_step))
+        )
     attempts = step_attempts(stored)
     for s in steps:
         if s.record.kind in (StepKind.DO, StepKind.COMPENSATE):
@@ -995,6 +1006,7 @@ def instance_detail(pk: int) -> InstanceDetail:
         steps_total,
         spans_total,
         compensable,
+        children_total,
     )
 
 
@@ -1020,6 +1032,15 @@ def _shown_steps(pk: int) -> tuple[list[StepRecord], int, list[str] | None]:
         rows.count(),
         list(compensable.values_list("name", flat=True)),
     )
+
+
+def _shown_children(pk: int) -> tuple[list[Instance], int]:
+    """The newest CHILDREN_ON_PAGE children, oldest first, and how many there are."""
+    rows = Instance.objects.filter(parent_id=pk)
+    newest = list(rows.order_by("-id")[: CHILDREN_ON_PAGE + 1])
+    if len(newest) <= CHILDREN_ON_PAGE:
+        return newest[::-1], len(newest)
+    return newest[:CHILDREN_ON_PAGE][::-1], rows.count()
 
 
 def _shown_spans(pk: int) -> tuple[list[Span], int]:
