@@ -4,6 +4,7 @@ what every surface shows of them stays bounded, and a step costs what it costs a
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from io import StringIO
@@ -344,3 +345,23 @@ def test_the_dashboard_shows_the_newest_children_and_the_child_of_each_step_show
         assert "The newest 3 of 7 children" in children
         # every start step shown still links the child it started
         assert all(f"/{CHILD}/child-{i}" in page for i in range(7))
+
+
+def test_wf_status_shows_the_newest_children_and_how_many_there_are(monkeypatch):
+    # It printed a line per child: 10,000 lines, 0.63 MB and 5-7 s for a fan-out of 10,000.
+    monkeypatch.setattr(wf_command, "STATUS_CHILDREN", 3, raising=False)
+    fanned(7)
+    out = StringIO()
+    call_command("wf", "status", "fan-1", stdout=out, stderr=StringIO())
+    text = out.getvalue()
+    assert re.findall(r"^child:\s+big-child/(child-\d)", text, re.M) == [
+        "child-4",
+        "child-5",
+        "child-6",
+    ]
+    assert "children: 7, the newest 3 below; the API's …/children lists them all" in text
+    out = StringIO()
+    call_command("wf", "status", "fan-1", "--json", stdout=out, stderr=StringIO())
+    data = json.loads(out.getvalue())
+    assert [c["id"] for c in data["children"]] == ["child-4", "child-5", "child-6"]
+    assert data["children_total"] == 7

@@ -60,6 +60,7 @@ BULK_BATCH_TRIES = 3  # `wf bulk`: a batch the database rolls back this often en
 # `wf history` prints at most this many records a run, and `wf status --steps` as many steps
 # (as the API's history pages): an instance with 50,000 steps printed 10 MB of history.
 PAGE_MAX = 1000
+STATUS_CHILDREN = 100  # the newest children `wf status` shows (a fan-out has thousands)
 STATUS_STEPS = 50  # `wf status`: the newest steps it shows by default
 
 
@@ -471,7 +472,9 @@ class Command(BaseCommand):
     def do_status(self, opts: argparse.Namespace) -> None:
         if not 0 <= opts.steps <= PAGE_MAX:
             raise CommandError(f"--steps must be from 0 to {PAGE_MAX}, got {opts.steps}")
-        data = surfaces.instance_json(find_instance(opts.id, opts.workflow), steps=opts.steps)
+        data = surfaces.instance_json(
+            find_instance(opts.id, opts.workflow), steps=opts.steps, children=STATUS_CHILDREN
+        )
         lines = [
             f"{data['workflow']}/{data['id']}  v{data['version']}  {data['status']}",
             f"params:   {compact(data['params'])}",
@@ -487,6 +490,12 @@ class Command(BaseCommand):
         if data["parent"]:
             parent = data["parent"]
             lines.append(f"parent:   {parent['workflow']}/{parent['id']} (step {parent['step']!r})")
+        hidden_children = data["children_total"] - len(data["children"])
+        if hidden_children:
+            lines.append(
+                f"children: {data['children_total']}, the newest {len(data['children'])} below;"
+                " the API's …/children lists them all"
+            )
         for child in data["children"]:
             lines.append(
                 f"child:    {child['workflow']}/{child['id']} {child['status']} (step {child['step']!r})"
