@@ -9,10 +9,29 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from tests.workers import WorkerProcess
 from workflows_app import testing
 from workflows_app.engine import clock, registry
+
+# Property tests run the same examples on every run and machine (derandomized, no example
+# database), few enough to stay fast on both databases; no deadline: a run through the
+# database takes what it takes. Fixtures are set up once per test, not per example: the
+# properties are written for that. HYPOTHESIS_PROFILE=wfdash-long searches longer, locally.
+hypothesis_settings.register_profile(
+    "wfdash",
+    derandomize=True,
+    database=None,
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+hypothesis_settings.register_profile(
+    "wfdash-long", hypothesis_settings.get_profile("wfdash"), max_examples=500
+)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "wfdash"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
