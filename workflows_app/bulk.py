@@ -18,7 +18,7 @@ from django.db import DatabaseError, transaction
 
 from . import live
 from .client import InstanceHandle, count_ended_on_commit
-from .codec import open_value, payload_codec
+from .codec import payload_codec
 from .engine import errors, store
 from .models import BulkAction, BulkJob, Status
 
@@ -55,7 +55,8 @@ def _delete(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
 
 
 def _send_event(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
-    h.send_event(options["event_type"], open_value(options.get("payload")), actor=actor)
+    payload = BulkJob(options=options).event_payload
+    h.send_event(options["event_type"], payload, actor=actor)
     return True
 
 

@@ -29,7 +29,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import Q, QuerySet
 
 from . import live
-from .codec import seal, seal_value
+from .codec import seal
 from .converters import MAX_PK
 from .engine import errors, meters, spans, store
 from .engine.attributes import check_attributes
@@ -463,7 +463,8 @@ class WorkflowBinding:
                 f"payload of event {event_type!r}",
             )
             # Sealed as a sent event's payload is: the job keeps it until every send is made.
-            return {"event_type": event_type, "payload": seal_value(payload, payload_json)}
+            # As JSON text (see BulkJob.event_payload), so it is sent exactly as given.
+            return {"event_type": event_type, "payload_json": seal(payload_json)}
         if action == BulkAction.RESTART:
             if from_step is not None and (not isinstance(from_step, str) or not from_step):
                 raise errors.InvalidInput(f"from_step must be a step name, got {from_step!r}")

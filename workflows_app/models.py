@@ -668,9 +668,22 @@ class BulkJob(models.Model):
     @property
     def plain_options(self) -> dict[str, Any]:
         """The options as given: a send_event's payload opened from its seal."""
+        if "payload_json" in self.options:
+            shown = {k: v for k, v in self.options.items() if k != "payload_json"}
+            return {**shown, "payload": self.event_payload}
         if "payload" not in self.options:
             return self.options
         return {**self.options, "payload": open_value(self.options["payload"])}
+
+    @property
+    def event_payload(self) -> Any:
+        """A send_event job's payload, exactly as given. Kept as its (sealed) JSON text in
+        options["payload_json"]: as a value in the jsonb column PostgreSQL refused a "\\u0000"
+        in it and read 1e+20 back as an integer, -0.0 as 0.0. (Jobs made before that keep
+        the value in options["payload"].)"""
+        if "payload_json" in self.options:
+            return decode_stored(self.options["payload_json"])
+        return open_value(self.options.get("payload"))
 
     def __str__(self) -> str:
         return f"bulk {self.action} #{self.pk}"
