@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
-from workflows_app.models import BulkJob
+from workflows_app.engine.errors import InvalidInput
+from workflows_app.models import BulkJob, HistoryRecord, InboxEvent, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,6 +72,16 @@ def echo(registered: list[str]) -> Any:
     return get_workflow(ECHO)
 
 
+def snapshot() -> tuple[Any, ...]:
+    """Every row a refused call could have written."""
+    return (
+        list(Instance.objects.order_by("id").values_list("id", "status", "params_json")),
+        InboxEvent.objects.count(),
+        HistoryRecord.objects.count(),
+        BulkJob.objects.count(),
+    )
+
+
 def waiting(wf: Any, params: Any = None) -> Any:
     handle = wf.create(params=params)
     testing.run_until_idle()
@@ -103,3 +114,35 @@ def test_any_bulk_send_event_payload_is_kept_exactly(echo, payload):
     """What the job sends each instance is what it read back from its row."""
     job = echo.bulk("send_event", event_type="value", payload=payload)
     assert same(BulkJob.objects.get(pk=job.id).event_payload, payload)
+
+
+# --- search attributes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1e16, 1e20, -1e308, 2.0**63])
+def test_a_whole_float_attribute_that_would_read_back_as_an_integer_is_refused(echo, value):
+    """PostgreSQL's jsonb gave 1e20 back as the integer 10**20 (1e308 as a 309-digit one:
+    outside 64 bits, a value no filter takes); SQLite kept the float."""
+    before = snapshot()
+    with pytest.raises(InvalidInput, match="give it as an integer"):
+        echo.create(attributes={"f": value})
+    assert snapshot() == before
+
+
+def test_a_negative_zero_attribute_is_kept_as_zero_on_both_databases(echo):
+    """PostgreSQL's jsonb has no -0.0 (it read 0.0 back), SQLite's text kept it."""
+    handle = echo.create(attributes={"z": -0.0})
+    assert same(handle.row().attributes["z"], 0.0)
+    assert echo.list(attributes={"z": 0}).instances[0].id == handle.id
+
+
+@given(value=st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**63), 2**63 - 1))
+def test_any_accepted_attribute_number_reads_back_exactly(echo, value):
+    try:
+        handle = echo.create(attributes={"n": value})
+    except InvalidInput:
+        assert isinstance(value, float) and value.is_integer() and abs(value) >= 1e16
+        return
+    assert same(handle.row().attributes["n"], value + 0 if isinstance(value, float) else value)
+    found = echo.list(attributes={"n": value}, limit=1000).instances
+    assert handle.id in [i.id for i in found]

@@ -20,6 +20,10 @@ MAX_ATTRIBUTES = 32  # keys per instance
 MAX_VALUE_CHARS = 256  # a string value
 INT64 = 2**63  # integers beyond it do not round-trip through every JSON column
 Scalar = str | int | float | bool
+# From here on a whole float's JSON is 1e+16: PostgreSQL's jsonb stores it as the number
+# 10000000000000000 and gives it back as an integer, so Instance.attributes would read
+# another type (and past 64 bits a value no filter takes) than SQLite's.
+WHOLE_FLOATS_READ_AS_INTEGERS = 1e16
 
 
 def check_key(key: object) -> str:
@@ -41,7 +45,12 @@ def check_value(key: str, value: object) -> Scalar:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidInput(f"attribute {key!r}: {value} is not a finite number")
-        return value
+        if value.is_integer() and abs(value) >= WHOLE_FLOATS_READ_AS_INTEGERS:
+            raise InvalidInput(
+                f"attribute {key!r}: the float {value!r} is a whole number PostgreSQL's JSON "
+                "reads back as an integer; give it as an integer (within 64 bits)"
+            )
+        return value + 0.0  # -0.0 as 0.0, as PostgreSQL's JSON (no negative zero) keeps it
     if isinstance(value, str):
         check_text(value, f"attribute {key!r}")
         if len(value) > MAX_VALUE_CHARS:
