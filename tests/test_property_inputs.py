@@ -6,18 +6,45 @@ bounded examples); each fault found has its explicit example here too."""
 
 from __future__ import annotations
 
+import json
 import math
+from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import pytest
-from hypothesis import given
+from django.test import Client
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workflows_app import testing
-from workflows_app.client import get_workflow
+from workflows_app import testing, tokens
+from workflows_app.client import get_workflow, schedules
 from workflows_app.engine import WorkflowEntrypoint, register
-from workflows_app.engine.errors import InvalidInput
-from workflows_app.models import BulkJob, HistoryRecord, InboxEvent, Instance
+from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
+from workflows_app.engine.cron import (
+    SCHEDULE_NAME,
+    check_cron,
+    check_schedule_name,
+    latest_fire_time,
+    next_fire_time,
+    zone,
+)
+from workflows_app.engine.durations import MAX_DURATION_MS, parse_duration
+from workflows_app.engine.errors import (
+    InvalidDuration,
+    InvalidInput,
+    SizeLimitExceeded,
+    WorkflowError,
+)
+from workflows_app.engine.limits import (
+    EVENT_TYPE_PATTERN,
+    MAX_JSON_DEPTH,
+    Limits,
+    check_event_type,
+    check_instance_id,
+    check_step_name,
+)
+from workflows_app.models import BulkJob, HistoryRecord, InboxEvent, Instance, Schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -116,6 +143,43 @@ def test_any_bulk_send_event_payload_is_kept_exactly(echo, payload):
     assert same(BulkJob.objects.get(pk=job.id).event_payload, payload)
 
 
+# --- values through the engine -----------------------------------------------------------
+
+
+@settings(max_examples=10)  # two runs of an instance each; the values are nested
+@given(value=json_values)
+def test_any_json_value_round_trips_as_params_step_output_and_event_payload(echo, value):
+    handle = waiting(echo, value)
+    handle.send_event("value", value)
+    testing.run_until_idle()
+    output = handle.status().output
+    assert all(same(got, value) for got in output), output
+    assert same(handle.row().params, value)
+
+
+unstorable = st.sampled_from(["\ud800", "a\udfffb", float("nan"), float("inf"), -float("inf")])
+
+
+@settings(max_examples=12)
+@given(good=json_values, bad=unstorable, where=st.sampled_from(["value", "list", "key"]))
+def test_nan_infinity_and_lone_surrogates_are_refused_clearly_and_store_nothing(
+    echo, good, bad, where
+):
+    if where == "key" and isinstance(bad, float):
+        where = "list"
+    value = {"value": bad, "list": [good, bad], "key": {str(bad): good}}[where]
+    live = Instance.objects.filter(workflow=ECHO, status="waiting").first()
+    handle = echo.get(live.instance_id) if live else waiting(echo)
+    before = snapshot()
+    with pytest.raises(InvalidInput, match="params"):
+        echo.create(params=value)
+    with pytest.raises(InvalidInput, match="payload"):
+        handle.send_event("value", value)
+    with pytest.raises(InvalidInput, match="payload"):
+        echo.bulk("send_event", event_type="value", payload=value)
+    assert snapshot() == before
+
+
 # --- search attributes ---------------------------------------------------------------------
 
 
@@ -146,3 +210,334 @@ def test_any_accepted_attribute_number_reads_back_exactly(echo, value):
     assert same(handle.row().attributes["n"], value + 0 if isinstance(value, float) else value)
     found = echo.list(attributes={"n": value}, limit=1000).instances
     assert handle.id in [i.id for i in found]
+
+
+# --- the JSON API ------------------------------------------------------------------------
+
+
+def rows() -> tuple[Any, ...]:
+    """What a refused API call must leave as it was."""
+    return (
+        *snapshot(),
+        list(Schedule.objects.order_by("id").values_list("name", "paused", "params_json")),
+    )
+
+
+class Api:
+    def __init__(self) -> None:
+        _, secret = tokens.issue("property")
+        self.client = Client()
+        self.headers = {"Authorization": f"Bearer {secret}"}
+
+    def call(self, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+        """The answer's status and JSON; a refusal must be a 4xx naming what was wrong and
+        must have changed nothing."""
+        before = rows()
+        response = self.client.generic(
+            method, path, body, content_type="application/json", headers=self.headers
+        )
+        assert response.status_code < 500, response.content[:2000]
+        assert response["Content-Type"] == "application/json"
+        answer = json.loads(response.content)
+        if response.status_code >= 400:
+            assert answer["success"] is False
+            assert answer["errors"][0]["message"].strip()
+            assert rows() == before, f"{method} {path} {body[:200]!r} was refused but wrote"
+        return response.status_code, answer
+
+
+@pytest.fixture
+def api(echo: Any) -> Api:
+    return Api()
+
+
+# Bodies: JSON of the fields an endpoint takes (and some it does not) with values of every
+# type, odd numbers and strings included; some raw bytes that are not JSON or not UTF-8.
+odd = json_values | st.sampled_from(
+    [
+        *("1 day", "0 ms", "-1 s", "9999 years", "2026-01-01T00:00:00Z", "", " ", "x" * 300),
+        *("\x00", "a:b", "-x", 0, -1, 10, 2**31, 2**63, 1e-9, True),
+    ]
+)
+
+
+def bodies(fields: list[str]) -> st.SearchStrategy[bytes]:
+    objects = st.dictionaries(st.sampled_from([*fields, "nope"]), odd, max_size=4)
+    raw = st.sampled_from(
+        [b"{", b"[1,]", b'{"a":1,"a":2}', b"NaN", b'{"x": Infinity}', b"\xff\xfe", b"[" * 5000]
+    )
+    return (objects | json_values).map(lambda v: json.dumps(v).encode()) | raw
+
+
+CREATE = [
+    "id",
+    "instance_id",
+    "params",
+    "idempotency_key",
+    "retention",
+    "attributes",
+    "priority",
+    "concurrency_key",
+    "debounce_key",
+    "debounce",
+]
+
+
+@given(body=bodies(CREATE))
+def test_any_create_body_is_answered_2xx_or_a_clear_4xx(api, body):
+    status, answer = api.call("POST", f"/api/workflows/{ECHO}/instances", body)
+    if status in (200, 201):
+        got = get_workflow(ECHO).get(answer["result"]["id"]).row().params
+        sent = (json.loads(body) or {}).get("params")  # null: an empty body
+        assert same(got, sent)
+
+
+@given(body=bodies(CREATE).map(lambda b: b"[" + b + b"]"))
+def test_any_batch_body_is_answered_2xx_or_a_clear_4xx(api, body):
+    api.call("POST", f"/api/workflows/{ECHO}/instances/batch", body)
+
+
+BULK = ["action", "status", "version", "attributes", "created_before", "created_after"]
+BULK += ["event_type", "payload", "from_step", "to_version", "compensate"]
+ACTIONS = ["pause", "resume", "terminate", "cancel", "restart", "delete", "send_event"]
+
+
+@given(
+    body=st.fixed_dictionaries(
+        {"action": st.sampled_from(ACTIONS) | odd},
+        optional={field: odd for field in BULK[1:]}
+        | {"event_type": st.sampled_from(["value", "-x", "a" * 101]) | odd},
+    ).map(lambda v: json.dumps(v).encode())
+    | bodies(BULK)
+)
+def test_any_bulk_body_is_answered_2xx_or_a_clear_4xx(api, body):
+    api.call("POST", f"/api/workflows/{ECHO}/bulk", body)
+
+
+@given(
+    query=st.dictionaries(
+        st.sampled_from(["cursor", "limit", "status", "version", "attr.n", "attr.", "x"]),
+        st.text(max_size=30) | st.sampled_from(["0", "1", "1000", "1001", "-1", "1e3", "waiting"]),
+        max_size=4,
+    )
+)
+def test_any_list_query_is_answered_2xx_or_a_clear_4xx(api, query):
+    api.call("GET", f"/api/workflows/{ECHO}/instances?{urlencode(query)}")
+
+
+@settings(max_examples=15)
+@given(
+    kind=st.sampled_from(["status", "cancel", "skip-sleep", "event", "history", "delete"]),
+    body=bodies(["status", "from_step", "version", "compensate"]),
+    segment=st.text(min_size=1, max_size=20) | st.sampled_from(["value", "a" * 101]),
+)
+def test_any_action_on_an_instance_is_answered_2xx_or_a_clear_4xx(api, kind, body, segment):
+    handle = waiting(get_workflow(ECHO))
+    path = f"/api/workflows/{ECHO}/instances/{handle.id}"
+    quoted = quote(segment, safe="")
+    if kind == "event":
+        api.call("POST", f"{path}/events/{quoted}", body)
+    elif kind == "history":
+        api.call("GET", f"{path}/history?{urlencode({'cursor': segment, 'limit': segment})}")
+    elif kind == "delete":
+        api.call("DELETE", f"/api/workflows/{ECHO}/instances/{quoted}", body)
+    else:
+        api.call("PATCH" if kind == "status" else "POST", f"{path}/{kind}", body)
+
+
+@given(
+    body=st.fixed_dictionaries(
+        {
+            "name": st.text(max_size=12) | st.sampled_from(["nightly", "a" * 81]),
+            "cron": st.sampled_from(["0 3 * * *", "* * * * * *", "61 * * * *", "0 0 30 2 *"])
+            | st.text(max_size=20),
+        },
+        optional={"timezone": st.text(max_size=20) | st.just("Europe/Paris"), "params": odd},
+    ).map(lambda v: json.dumps(v).encode())
+    | bodies(["name", "cron", "timezone", "params"])
+)
+def test_any_schedule_body_is_answered_2xx_or_a_clear_4xx(api, body):
+    status, answer = api.call("POST", f"/api/workflows/{ECHO}/schedules", body)
+    if status == 201:
+        name = answer["result"]["name"]
+        assert same(schedules.get(name).params, json.loads(body).get("params"))
+        schedules.get(name).delete()
+
+
+@given(
+    query=st.dictionaries(
+        st.sampled_from(["workflow", "status", "version", "created_from", "created_to", "q"])
+        | st.sampled_from(["attrs", "tz", "after", "before", "job"]),
+        st.text(max_size=30)
+        | st.sampled_from(["0", "-841", "9999-12-31T23:59", "0001-01-01T00:00", ECHO, "n=1e20"])
+        | st.sampled_from(['n="x', "n=1 n=2", "=", "a b=c", "waiting", "2**31", "\x00"]),
+        max_size=4,
+    )
+)
+def test_any_dashboard_list_query_is_answered_without_a_server_error(echo, client, query):
+    """The dashboard's list filters (its search, attributes, dates, cursors) from any query."""
+    from django.contrib.auth.models import User
+
+    if not User.objects.filter(username="staff").exists():
+        User.objects.create_superuser("staff", password="pw")
+    client.force_login(User.objects.get(username="staff"))
+    for path in ("/instances/", "/instances/rows/", "/instances/bulk-jobs/count/"):
+        response = client.get(f"{path}?{urlencode(query)}")
+        assert response.status_code < 500, (path, query)
+
+
+# --- limits at their boundary ------------------------------------------------------------
+
+SMALL = "prop-small"
+LIMIT = 40
+
+
+@pytest.fixture
+def small(registered: list[str]) -> Any:
+    @register(
+        SMALL,
+        limits={
+            "max_params_bytes": LIMIT,
+            "max_event_payload_bytes": LIMIT,
+            "max_step_output_bytes": LIMIT,
+        },
+    )
+    class Small(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            got = await step.wait_for_event("value", type="value", timeout="1 day")
+            return await step.do("keep", lambda: got.payload)
+
+    return get_workflow(SMALL)
+
+
+def encoded_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+# Strings whose JSON is around the limit, in bytes: ASCII, escapes, 2-, 3- and 4-byte UTF-8.
+near_limit = st.text(
+    alphabet=st.sampled_from(["a", '"', "\\", "\n", "\x00", "é", "€", "\U0001f600"]),
+    min_size=LIMIT // 4 - 2,
+    max_size=LIMIT,
+).filter(lambda v: abs(encoded_size(v) - LIMIT) <= 4)
+
+
+@settings(max_examples=12)
+@given(value=near_limit)
+def test_sizes_are_enforced_in_bytes_of_json_exactly_at_the_limit(small, value):
+    fits = encoded_size(value) <= LIMIT
+    try:
+        handle = small.create(params=value)
+    except SizeLimitExceeded as exc:
+        assert not fits and "max_params_bytes" in str(exc) and str(LIMIT) in str(exc)
+    else:
+        assert fits
+    handle = small.create()
+    testing.run_until_idle()
+    try:
+        handle.send_event("value", value)
+    except SizeLimitExceeded as exc:
+        assert not fits and "max_event_payload_bytes" in str(exc)
+        return
+    assert fits
+    testing.run_until_idle()
+    status = handle.status()
+    assert status.status == "complete" and same(status.output, value), status
+
+
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for level in range(depth):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
+
+def test_nesting_is_refused_past_its_limit_exactly(echo):
+    echo.create(params=nested(MAX_JSON_DEPTH))
+    with pytest.raises(InvalidInput, match=f"{MAX_JSON_DEPTH + 1} levels deep"):
+        echo.create(params=nested(MAX_JSON_DEPTH + 1))
+
+
+# --- parsers ------------------------------------------------------------------------------
+
+any_text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=40)
+duration_like = st.from_regex(
+    r"\s*[0-9]{1,400}(\.[0-9]{1,20})?\s*[a-zA-Z]{0,12}\s*", fullmatch=True
+)
+PARSERS = settings(max_examples=150)  # no database: more examples, in about a second
+
+
+@PARSERS
+@given(value=any_text | duration_like | st.integers() | st.floats() | st.timedeltas())
+def test_a_duration_parses_to_whole_milliseconds_or_raises_invalid_duration(value):
+    try:
+        ms = parse_duration(value)
+    except InvalidDuration as exc:
+        assert str(exc)
+    else:
+        assert isinstance(ms, int) and 0 <= ms <= MAX_DURATION_MS
+        assert parse_duration(ms) == ms  # milliseconds parse as themselves
+
+
+cron_fields = st.sampled_from(
+    [
+        *("*", "*/0", "*/15", "0", "59", "60", "1-5", "5-1", "L", "5L", "5#3", "5#6", "15W"),
+        *("LW", "?", "MON", "jan", "1,2", "0-59/61", "-1", "1-", "#", "31", "30", "2", "7"),
+    ]
+) | st.text(max_size=5)
+
+
+@PARSERS
+@given(
+    fields=st.lists(cron_fields, min_size=4, max_size=7),
+    timezone=st.sampled_from(["UTC", "Europe/Paris", "Australia/Lord_Howe"]) | any_text,
+)
+def test_a_cron_expression_and_zone_parse_and_fire_or_raise_invalid_input(fields, timezone):
+    try:
+        expression = check_cron(" ".join(fields))
+        zone(timezone)
+    except InvalidInput as exc:
+        assert str(exc)
+        return
+    after = datetime(2026, 10, 25, 0, 30, tzinfo=UTC)  # a DST change in Europe
+    fires = next_fire_time(expression, timezone, after)
+    assert fires is None or fires > after
+    latest = latest_fire_time(expression, timezone, after)
+    assert latest is None or latest <= after
+
+
+@PARSERS
+@given(value=any_text | st.from_regex(r"[a-zA-Z0-9_][a-zA-Z0-9_.:-]{0,120}", fullmatch=True))
+def test_ids_types_and_names_are_accepted_or_refused_with_the_named_error(value):
+    checks = {
+        check_event_type: EVENT_TYPE_PATTERN,
+        check_schedule_name: SCHEDULE_NAME,
+        (lambda v: check_instance_id(v, Limits())): None,
+        (lambda v: check_step_name(v, Limits())): None,
+    }
+    for check, pattern in checks.items():
+        try:
+            assert check(value) == value
+        except WorkflowError as exc:
+            assert str(exc)
+            assert pattern is None or not pattern.match(value)
+        else:
+            assert pattern is None or pattern.match(value)
+
+
+@PARSERS
+@given(
+    pairs=st.dictionaries(
+        st.text(max_size=70) | st.sampled_from(["n", "plan", "a.b-c", "_"]),
+        any_text | st.sampled_from(["5", "1.5", "1e20", "-0.0", "true", '"5"', "null", "[1]"]),
+        max_size=34,
+    )
+)
+def test_an_attribute_filter_parses_to_typed_values_or_raises_a_workflow_error(pairs):
+    try:
+        parsed = parse_attribute_filter(pairs)
+    except WorkflowError as exc:
+        assert str(exc)
+    else:
+        assert list(parsed) == list(pairs)
+        assert all(type(v) in (str, int, float, bool) for v in parsed.values())
