@@ -180,6 +180,18 @@ def test_nan_infinity_and_lone_surrogates_are_refused_clearly_and_store_nothing(
     assert snapshot() == before
 
 
+@pytest.mark.parametrize("payload", [{"$codec": "x"}, {"$codec": "eyJ4IjoxfQ==", "plain": True}])
+def test_a_payload_that_looks_like_an_envelope_shows_as_itself_in_the_history(echo, payload):
+    """Copied into the history as a plain envelope, whose keys PostgreSQL's jsonb reorders
+    ("plain" first): the history showed the envelope, not the payload."""
+    handle = waiting(echo)
+    handle.send_event("value", payload)
+    testing.run_until_idle()
+    assert same(handle.status().output[2], payload)
+    [record] = [r for r in handle.history() if r.type == "event.received"]
+    assert same(record.data["payload"], payload)
+
+
 # --- search attributes ---------------------------------------------------------------------
 
 

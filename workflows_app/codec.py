@@ -105,7 +105,10 @@ def seal_value(value: Any, text: str) -> Any:
 def open_value(value: Any) -> Any:
     """The inverse of seal_value."""
     if isinstance(value, dict) and "$codec" in value:
-        return json.loads(unseal(json.dumps(value, separators=(",", ":"))) or "null")
+        # PostgreSQL's jsonb orders keys its own way ("plain" before "$codec"): the text
+        # starts with "$codec" again, as unseal recognises an envelope by.
+        envelope = {"$codec": value["$codec"], **value}
+        return json.loads(unseal(json.dumps(envelope, separators=(",", ":"))) or "null")
     return value
 
 
