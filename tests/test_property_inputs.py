@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -155,6 +156,32 @@ def test_any_json_value_round_trips_as_params_step_output_and_event_payload(echo
     output = handle.status().output
     assert all(same(got, value) for got in output), output
     assert same(handle.row().params, value)
+    assert same(received(handle), value)
+
+
+def received(handle: Any) -> Any:
+    """The payload the instance's event.received history record shows (client and API)."""
+    [record] = [r for r in handle.history() if r.type == "event.received"]
+    path = f"/api/workflows/{handle.workflow}/instances/{handle.id}/history"
+    [shown] = [r for r in Api().call("GET", path)[1]["result"] if r["type"] == "event.received"]
+    assert same(shown["data"]["payload"], record.data["payload"])
+    return record.data["payload"]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"text": "a\x00b"},  # was copied as "a\ufffdb" (jsonb refuses a NUL)
+        {"big": 1e20, "zero": -0.0, "max": 1e308},  # PostgreSQL: 10**20, 0.0, a 309-digit int
+        ["1e5", "-0.0", 1.5e-7, 1e15],  # look-alikes in strings, numbers jsonb keeps
+    ],
+)
+def test_the_history_shows_a_received_event_payload_exactly(echo, payload):
+    handle = waiting(echo)
+    handle.send_event("value", payload)
+    testing.run_until_idle()
+    assert same(handle.status().output[2], payload)
+    assert same(received(handle), payload)
 
 
 unstorable = st.sampled_from(["\ud800", "a\udfffb", float("nan"), float("inf"), -float("inf")])
@@ -237,7 +264,7 @@ def rows() -> tuple[Any, ...]:
 
 class Api:
     def __init__(self) -> None:
-        _, secret = tokens.issue("property")
+        _, secret = tokens.issue(f"property-{uuid.uuid4()}")
         self.client = Client()
         self.headers = {"Authorization": f"Bearer {secret}"}
 

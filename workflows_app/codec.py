@@ -49,22 +49,22 @@ def payload_codec() -> PayloadCodec | None:
     return _codec_from_path(path) if path else None
 
 
-def seal(text: str, sensitive: bool = False) -> str:
-    """The stored form of JSON text: the text itself unless a codec, sensitivity or a
-    look-alike value asks for an envelope."""
+def seal(text: str, sensitive: bool = False, envelope: bool = False) -> str:
+    """The stored form of JSON text: the text itself unless a codec, sensitivity, a
+    look-alike value or the caller (`envelope`) asks for an envelope."""
     codec = payload_codec()
-    if codec is None and not sensitive and not text.startswith(ENVELOPE_START):
+    if codec is None and not (sensitive or envelope) and not text.startswith(ENVELOPE_START):
         return text
     data = text.encode()
-    envelope: dict[str, Any] = {"$codec": ""}
+    sealed: dict[str, Any] = {"$codec": ""}
     if codec is not None:
         data = codec.encode(data)
     else:
-        envelope["plain"] = True
-    envelope["$codec"] = base64.b64encode(data).decode("ascii")
+        sealed["plain"] = True
+    sealed["$codec"] = base64.b64encode(data).decode("ascii")
     if sensitive:
-        envelope["sensitive"] = True  # written last: is_sensitive() reads the text's end
-    return json.dumps(envelope, separators=(",", ":"))
+        sealed["sensitive"] = True  # written last: is_sensitive() reads the text's end
+    return json.dumps(sealed, separators=(",", ":"))
 
 
 def unseal(text: str | None) -> str | None:
@@ -95,10 +95,10 @@ def is_sensitive(text: str | None) -> bool:
     return text is not None and text.startswith(ENVELOPE_START) and text.endswith(SENSITIVE_END)
 
 
-def seal_value(value: Any, text: str) -> Any:
+def seal_value(value: Any, text: str, envelope: bool = False) -> Any:
     """A JSON value (already encoded as `text`) as it may be copied into another stored
     JSON document (history data): the value itself, or its envelope as an object."""
-    sealed = seal(text)
+    sealed = seal(text, envelope=envelope)
     return value if sealed is text else json.loads(sealed)
 
 

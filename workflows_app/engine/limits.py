@@ -375,27 +375,22 @@ def storable_text(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text) if not text.isascii() else text
 
 
-def storable_value(value: Any) -> Any:
-    """A JSON value whose strings (keys too) are storable_text: what jsonb takes."""
-    if isinstance(value, str):
-        return storable_text(value)
-    if isinstance(value, dict):
-        return {storable_text(k): storable_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [storable_value(v) for v in value]
-    return value
+# What PostgreSQL's jsonb would not give back as written: a NUL (refused), a whole float
+# with an exponent (1e+20 read back as an integer), -0.0 (read as 0.0). A payload whose
+# JSON has one (or only looks so, inside a string: no harm) is copied as an envelope of
+# its text, which every surface opens to the payload exactly (codec.open_value).
+_CHANGED_BY_JSONB = re.compile(r"\\u0000|[0-9][eE]|-0\.0(?![0-9])")
 
 
 def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
     """What a history record shows of an event payload, so an operator can see what was
-    received without the history growing by max_event_payload_bytes per event. (A copy
-    PostgreSQL's jsonb takes: a payload with a NUL character is still delivered whole.)"""
+    received without the history growing by max_event_payload_bytes per event: the
+    payload exactly (on both databases) up to HISTORY_PAYLOAD_MAX_BYTES, else its size
+    and beginning."""
     encoded = payload_json.encode(errors="surrogatepass")
     if len(encoded) <= HISTORY_PAYLOAD_MAX_BYTES:
-        if "\\u0000" in payload_json or "\\ud" in payload_json:
-            payload = storable_value(payload)
-            payload_json = json.dumps(payload, separators=(",", ":"))
-        return {"payload": seal_value(payload, payload_json)}
+        changed = _CHANGED_BY_JSONB.search(payload_json) is not None
+        return {"payload": seal_value(payload, payload_json, envelope=changed)}
     if payload_codec() is not None:  # a preview would be the payload in clear
         return {"payload_bytes": len(encoded)}
     preview = encoded[:HISTORY_PAYLOAD_MAX_BYTES].decode(errors="ignore")
