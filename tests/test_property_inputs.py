@@ -356,7 +356,9 @@ def test_any_bulk_body_is_answered_2xx_or_a_clear_4xx(api, body):
 @given(
     query=st.dictionaries(
         st.sampled_from(["cursor", "limit", "status", "version", "attr.n", "attr.", "x"]),
-        st.text(max_size=30) | st.sampled_from(["0", "1", "1000", "1001", "-1", "1e3", "waiting"]),
+        st.text(max_size=30)
+        | st.sampled_from(["0", "1", "1000", "1001", "-1", "1e3", "waiting", "0001000"])
+        | st.sampled_from(["2147483647", "2147483648", "9" * 30, "１０", "n=1", '"5"']),
         max_size=4,
     )
 )
