@@ -174,6 +174,7 @@ def received(handle: Any) -> Any:
         {"text": "a\x00b"},  # was copied as "a\ufffdb" (jsonb refuses a NUL)
         {"big": 1e20, "zero": -0.0, "max": 1e308},  # PostgreSQL: 10**20, 0.0, a 309-digit int
         ["1e5", "-0.0", 1.5e-7, 1e15],  # look-alikes in strings, numbers jsonb keeps
+        {"bb": 1, "a": [{"zz": 1, "y": 2}], "é": 3},  # PostgreSQL: {"a": …, "bb": 1, "é": 3}
     ],
 )
 def test_the_history_shows_a_received_event_payload_exactly(echo, payload):

@@ -376,10 +376,28 @@ def storable_text(text: str) -> str:
 
 
 # What PostgreSQL's jsonb would not give back as written: a NUL (refused), a whole float
-# with an exponent (1e+20 read back as an integer), -0.0 (read as 0.0). A payload whose
-# JSON has one (or only looks so, inside a string: no harm) is copied as an envelope of
-# its text, which every surface opens to the payload exactly (codec.open_value).
+# with an exponent (1e+20 read back as an integer), -0.0 (read as 0.0); and objects whose
+# keys it reorders (_order_kept). A payload whose JSON has one (or only looks so, inside a
+# string: no harm) is copied as an envelope of its text, which every surface opens to the
+# payload exactly (codec.open_value).
 _CHANGED_BY_JSONB = re.compile(r"\\u0000|[0-9][eE]|-0\.0(?![0-9])")
+
+
+def _jsonb_key(key: str) -> tuple[int, bytes]:
+    return len(key.encode()), key.encode()
+
+
+def _order_kept(value: Any) -> bool:
+    """Whether jsonb gives value's objects back with their keys in the same order: it
+    orders them by length in bytes, then bytewise ({"bb", "a"} comes back {"a", "bb"})."""
+    if isinstance(value, dict):
+        keys = list(value)
+        if len(keys) > 1 and keys != sorted(keys, key=_jsonb_key):
+            return False
+        return all(_order_kept(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_order_kept(v) for v in value)
+    return True
 
 
 def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
@@ -389,7 +407,7 @@ def payload_for_history(payload: Any, payload_json: str) -> dict[str, Any]:
     and beginning."""
     encoded = payload_json.encode(errors="surrogatepass")
     if len(encoded) <= HISTORY_PAYLOAD_MAX_BYTES:
-        changed = _CHANGED_BY_JSONB.search(payload_json) is not None
+        changed = _CHANGED_BY_JSONB.search(payload_json) is not None or not _order_kept(payload)
         return {"payload": seal_value(payload, payload_json, envelope=changed)}
     if payload_codec() is not None:  # a preview would be the payload in clear
         return {"payload_bytes": len(encoded)}
