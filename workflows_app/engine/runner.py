@@ -117,6 +117,10 @@ class Activity:
         run = self.run
         if run.abort_reason is not None:
             raise RunAborted(run.abort_reason)
+        if run.unconfirmed:  # a new step that may be a sibling branch's: see _check_determinism
+            await run.confirmed()
+            if run.abort_reason is not None:
+                raise RunAborted(run.abort_reason)
         run.in_flight += 1
         try:
             if run.held is not None or run.landing is not None:
@@ -202,6 +206,10 @@ class Run:
             for event_type, (events, complete) in loaded.events.items()
         }
         self.seen: set[str] = set()
+        # New steps asked after a step another checkpoint followed, by the branch (task)
+        # asking: they start once every checkpoint after that step is asked for (a sibling
+        # branch's), or fail with a NonDeterminismError when the run can go no further.
+        self.unconfirmed: dict[asyncio.Task[Any] | None, Unconfirmed] = {}
         # Why this run stopped on a stored value the payload codec cannot decode (None: it did not).
         self.undecodable: str | None = None
         self._after: dict[str, str] = {}  # step name -> the step before it in its branch, this run
@@ -364,6 +372,9 @@ class Run:
                     await asyncio.sleep(0)
                 if task.done():
                     break
+                if self._quiescent() and self.unconfirmed and not self.holding:
+                    self._refuse_unconfirmed()  # no sibling asked for what followed: changed code
+                    continue
                 if self._quiescent():
                     await self._cancel(task)
                     if self.abort_reason is not None:
@@ -395,6 +406,7 @@ class Run:
             task.cancel()
         if left:
             await asyncio.wait(left, timeout=BRANCH_STOP_SECONDS)
+        self.unconfirmed.clear()  # the stopped branches' new steps: nothing waits on them now
 
     async def _unwind(self) -> str:
         """Run the compensations of completed steps, newest first, each as a durable step."""
@@ -437,7 +449,7 @@ class Run:
             )
 
     def _quiescent(self) -> bool:
-        return self.in_flight == 0 and (self.blocked > 0 or self.holding)
+        return self.in_flight == 0 and (self.blocked > 0 or self.holding or bool(self.unconfirmed))
 
     async def _cancel(self, task: asyncio.Task[Any]) -> None:
         task.cancel()
@@ -693,6 +705,8 @@ class Run:
         record = self.checkpoints.get(name)
         self._check_determinism(name, kind, previous, record)
         self.seen.add(name)
+        if self.unconfirmed and record is not None:
+            self._confirm_siblings(name)
         self._after[name] = previous
         _previous_step.set(name)  # in this branch's context: a gathered branch has its own
         return record
@@ -719,16 +733,58 @@ class Run:
                 (r for r in self.successors.get(previous, ()) if r.name not in self.seen), None
             )
             if skipped is not None:
-                changed = (
-                    f'the workflow now asks for {kind} step "{name}" after {_step_label(previous)}, where it '
-                    f'checkpointed {skipped.kind} step "{skipped.name}"'
+                # Changed code, or a gathered sibling's checkpoint the replay has not reached
+                # yet: this branch's step was asked for and never checkpointed (stopped at
+                # the run's end, lost with a crashed worker) while the sibling's was. Which
+                # one is known when the run can go no further: the step waits until then.
+                self.unconfirmed[asyncio.current_task()] = Unconfirmed(
+                    previous,
+                    _changed(
+                        f'the workflow now asks for {kind} step "{name}" after {_step_label(previous)}, '
+                        f'where it checkpointed {skipped.kind} step "{skipped.name}"'
+                    ),
                 )
+                self.changed.set()
         if changed is not None:
-            self.fatal = NonDeterminismError(
-                f"{changed}: steps were renamed, added, removed or reordered under a running instance "
-                "(register a new version instead)"
-            )
+            self.fatal = _changed(changed)
             raise self.fatal
+
+    def _confirm_siblings(self, name: str) -> None:
+        """A checkpointed step was asked for: the new steps waiting on the step before it
+        go on once every checkpoint after that step is asked for (siblings' branches)."""
+        record = self.checkpoints.get(name)
+        if record is None or record.after is None:
+            return
+        if any(r.name not in self.seen for r in self.successors.get(record.after, ())):
+            return
+        for task, waiting in list(self.unconfirmed.items()):
+            if waiting.after == record.after:
+                del self.unconfirmed[task]
+                if not waiting.future.done():
+                    waiting.future.set_result(None)
+
+    async def confirmed(self) -> None:
+        """Wait until this branch's new step is known not to replace a checkpointed one."""
+        waiting = self.unconfirmed.get(asyncio.current_task())
+        if waiting is None:
+            return
+        try:
+            await waiting.future
+        finally:
+            if self.unconfirmed.get(asyncio.current_task()) is waiting:
+                del self.unconfirmed[asyncio.current_task()]
+
+    def _refuse_unconfirmed(self) -> None:
+        """The run can go no further and a checkpoint after the step before a new one was
+        never asked for: the code changed under the instance."""
+        for waiting in self.unconfirmed.values():
+            if self.fatal is None:
+                self.fatal = waiting.error
+            if not waiting.future.done():
+                waiting.future.set_exception(waiting.error)
+                # Retrieved here too: its branch may have been stopped before it woke.
+                waiting.future.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self.unconfirmed.clear()
 
     def _skipped_at_the_end(self) -> NonDeterminismError | None:
         """A workflow that returns after its last step where a checkpoint followed that
@@ -1192,3 +1248,22 @@ def awaits_child(steps: Iterable[StepRecord]) -> bool:
 
 def _step_label(name: str) -> str:
     return f'step "{name}"' if name else "the start of its branch"
+
+
+@dataclass
+class Unconfirmed:
+    """A new step waiting to know whether a checkpoint after the same step is a sibling
+    branch's (see Run._check_determinism)."""
+
+    after: str
+    error: NonDeterminismError
+    future: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def _changed(what: str) -> NonDeterminismError:
+    return NonDeterminismError(
+        f"{what}: steps were renamed, added, removed or reordered under a running instance "
+        "(register a new version instead)"
+    )
