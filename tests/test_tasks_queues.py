@@ -169,8 +169,8 @@ def test_the_embedded_worker_takes_its_queues_from_the_setting(tasks):
 
 
 def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql(tasks):
-    """The generic plan of its claim finds each queue's due tasks by
-    instance_queue_runnable, never by reading the table; the claim of every queue is
+    """The generic plan of its claim finds each queue's due tasks of each priority by
+    instance_queue_priority, never by reading the table; the claim of every queue is
     the statement it was."""
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL only")
@@ -186,9 +186,17 @@ def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql
         "w", 50, now, now + timedelta(seconds=30), [], None, queues=["emails"]
     )
     plan = _generic_plan(leases.CLAIM_IN_QUEUES_SQL, params)
-    assert "instance_queue_runnable" in plan, plan
+    # each (queue, priority) by instance_queue_priority, or with no tasks to tell them
+    # apart (this table) each priority by instance_task_priority
+    assert "instance_queue_priority" in plan or "instance_task_priority" in plan, plan
     assert "Seq Scan on workflows_app_instance" not in plan, plan
     assert "queues" not in leases._claim_params("w", 50, now, now, [], None)
+    every = leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
+    plan = _generic_plan(leases.CLAIM_BY_PRIORITY_SQL, every)
+    assert "instance_task_priority" in plan, plan  # a worker that runs tasks (this one)
+    assert leases._claim_statement(every, with_rows=False) == leases.CLAIM_BY_PRIORITY_SQL
+    # a worker of no tasks claims by the statement it always did
+    assert leases._claim_statement({**every, "prefixes": "[]"}, False) == leases.CLAIM_SQL
 
 
 def test_the_migration_gives_unfinished_tasks_made_before_it_their_queue(tasks):
@@ -202,3 +210,56 @@ def test_the_migration_gives_unfinished_tasks_made_before_it_their_queue(tasks):
     queues = dict(Instance.objects.values_list("instance_id", "queue"))
     assert queues == {waiting.id: "emails", done.id: None}  # a finished task needs none
     assert testing.run_until_idle(queues=["emails"]) == 1
+
+
+def started_order(results) -> list[str]:
+    """The results' task ids in the order their instances' runs started."""
+    from workflows_app.models import HistoryRecord
+
+    ids = dict(
+        Instance.objects.filter(instance_id__in=[r.id for r in results]).values_list(
+            "id", "instance_id"
+        )
+    )
+    started = HistoryRecord.objects.filter(instance_id__in=ids, type="run.started").order_by("id")
+    return [ids[pk] for pk in started.values_list("instance_id", flat=True)]
+
+
+@pytest.mark.parametrize("queues", [None, ["default"]], ids=["every-queue", "queue-worker"])
+def test_due_tasks_of_one_queue_run_by_priority_then_in_the_order_they_came_due(tasks, queues):
+    """One worker, one run at a time: the more urgent first whatever the order they were
+    enqueued in; the same priority (Django's 0 and 1 are one level) first come first."""
+    with testing.fake_clock(START) as clock:
+        enqueued = []
+        for label, priority in [("low", -100), ("default", 0), ("high", 100), ("also-default", 1)]:
+            result = tasks.urgent.using(priority=priority).enqueue(label)
+            enqueued.append(result)
+            clock.advance("1 second")
+        clock.advance("1 second")
+        assert testing.run_until_idle(concurrency=1, queues=queues) == 4
+    low, default, high, also_default = (r.id for r in enqueued)
+    assert started_order(enqueued) == [high, default, also_default, low]
+
+
+def test_a_workflow_keeps_its_place_among_tasks_and_priority_ages(tasks):
+    """Priority orders tasks among tasks: a workflow due before them runs before them, and
+    a task's place goes to a more urgent task. A flood of urgent tasks cannot starve a
+    lower one: a task ranks PRIORITY_AGING later per level (9 levels from Django's 100 to
+    -100), so it waits behind urgent tasks that came due up to that long after it only."""
+    from workflows_app.client import get_workflow
+    from workflows_app.engine.store.leases import PRIORITY_AGING
+    from workflows_app.models import HistoryRecord
+
+    with testing.fake_clock(START) as clock:
+        plain = get_workflow(plain_workflow()).create()
+        clock.advance("1 second")
+        low = tasks.urgent.using(priority=-100).enqueue("low")
+        clock.advance("1 second")
+        flood = [tasks.urgent.using(priority=100).enqueue(f"flood-{n}") for n in range(3)]
+        clock.advance(PRIORITY_AGING * 9)  # urgent tasks due from now on rank after it
+        late = tasks.urgent.using(priority=100).enqueue("late")
+        clock.advance("1 second")
+        assert testing.run_until_idle(concurrency=1) == 6
+    assert started_order([low, *flood, late]) == [*(r.id for r in flood), low.id, late.id]
+    first = HistoryRecord.objects.filter(type="run.started").order_by("id").first()
+    assert first.instance.instance_id == plain.id

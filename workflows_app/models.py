@@ -173,6 +173,19 @@ class Instance(models.Model):
                 name="instance_queue_runnable",
                 condition=Q(queue__isnull=False, wake_at__isnull=False),
             ),
+            # the claim of a worker that runs tasks: the first due task of each priority,
+            # of every queue (WHERE priority = ? AND wake_at <= now ORDER BY wake_at) or
+            # of one (WHERE queue = ? AND priority = ? ...). Tasks only, as above.
+            models.Index(
+                fields=["priority", "wake_at"],
+                name="instance_task_priority",
+                condition=Q(queue__isnull=False, wake_at__isnull=False),
+            ),
+            models.Index(
+                fields=["queue", "priority", "wake_at"],
+                name="instance_queue_priority",
+                condition=Q(queue__isnull=False, wake_at__isnull=False),
+            ),
             # heartbeat: WHERE lease_token IN (the worker's tokens); only leased rows are in it
             models.Index(
                 fields=["lease_token"],

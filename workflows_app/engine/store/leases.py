@@ -231,13 +231,58 @@ def _claim(
         if cursor.fetchone() is None:
             return []
     with transaction.atomic(), sql_cursor() as cursor:
-        cursor.execute(
-            "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
-            f"FROM {INSTANCE_TABLE} WHERE {where} ORDER BY wake_at LIMIT %s",
-            [*due, limit],
-        )
-        rows = cursor.fetchall()
+        if queues is not None:  # tasks only: by priority, then the first due
+            cursor.execute(*_tasks_by_rank_sqlite("queue IS NOT NULL", where, due, limit))
+            rows = cursor.fetchall()
+        elif runs_tasks():
+            rows = _tasks_by_priority(cursor, due, limit)
+        else:
+            cursor.execute(
+                f"{CLAIMED_COLUMNS} WHERE {where} ORDER BY wake_at LIMIT %s", [*due, limit]
+            )
+            rows = cursor.fetchall()
         return _lease_rows(rows, worker_id, lease_until, now, versions) if rows else []
+
+
+CLAIMED_COLUMNS = (
+    "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
+    f"FROM {INSTANCE_TABLE}"
+)
+
+
+def _tasks_by_priority(cursor: Any, due: list[Any], limit: int) -> list[tuple[Any, ...]]:
+    """SQLite's pick of a worker that runs Django tasks (_PICKED_BY_PRIORITY on
+    PostgreSQL): the first `limit` due, whose workflows keep their places and whose
+    tasks' places go to the first due tasks by rank."""
+    cursor.execute(
+        f"{CLAIMED_COLUMNS.replace(' FROM', ', queue IS NOT NULL FROM')} WHERE {RUNNABLE_WHERE} "
+        "ORDER BY wake_at LIMIT %s",
+        [*due, limit],
+    )
+    rows = cursor.fetchall()
+    places = sum(1 for row in rows if row[-1])
+    workflows = [row[:-1] for row in rows if not row[-1]]
+    if not places:
+        return workflows
+    cursor.execute(*_tasks_by_rank_sqlite("queue IS NOT NULL", RUNNABLE_WHERE, due, places))
+    return workflows + cursor.fetchall()
+
+
+def _tasks_by_rank_sqlite(of: str, where: str, due: list[Any], limit: int) -> tuple[str, list[Any]]:
+    """The first `limit` due tasks by rank (see PRIORITY_AGING) on SQLite: the first of
+    each level of priority by instance_task_priority, then the first of those."""
+    aging_days = PRIORITY_AGING.total_seconds() / 86400
+    levels = " UNION ALL ".join(
+        f"SELECT * FROM ({CLAIMED_COLUMNS.replace(' FROM', ', wake_at, priority FROM')} "
+        f"WHERE {of} AND priority = {level} AND {where} ORDER BY wake_at, id LIMIT %s)"
+        for level in range(10)
+    )
+    sql = (
+        "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
+        f"FROM ({levels}) ORDER BY julianday(wake_at) + priority * {aging_days!r}, wake_at, id "
+        "LIMIT %s"
+    )
+    return sql, [*([*due, limit] * 10), limit]
 
 
 # Runnable on SQLite (CLAIM_SQL's `picked` on PostgreSQL): due, not leased, and not one of
@@ -389,19 +434,50 @@ _PICKED = f"""
     WHERE {_RUNNABLE}
     ORDER BY wake_at LIMIT %(limit)s
     FOR NO KEY UPDATE SKIP LOCKED"""
-# A worker of some task queues only: the first due of each queue by its index
-# (instance_queue_runnable), then the first of those. A queue's rows locked beyond the
-# limit are let go at the statement's end.
-_PICKED_IN_QUEUES = f"""
-    SELECT i.id, i.old_token, i.old_status, i.compensate_on_cancel, i.workflow, i.version
-    FROM unnest(CAST(%(queues)s AS text[])) AS q(name), LATERAL (
-        SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
-            workflow, version, wake_at
+# A worker that runs Django tasks (a task is an instance with a queue) takes the due tasks
+# by priority: a task's rank is its wake_at put back PRIORITY_AGING for each level of
+# priority (0-9, lower first), so of tasks due together the more urgent runs first, the
+# same priority keeps the order they came due in, and a task waits behind more urgent
+# ones enqueued at most 9 * PRIORITY_AGING after it: a flood of them cannot starve it.
+# Its workflows keep their places: the due rows are picked as _PICKED does (`due`, the
+# same scan), and the places of its tasks go to the first tasks by rank, found a level at
+# a time by instance_task_priority. Only when `due` holds a task does more run (a LIMIT
+# of 0 runs nothing below it). Rows locked and not kept are let go at the statement's end.
+PRIORITY_AGING = timedelta(minutes=1)
+_RANK = f"wake_at + priority * interval '{int(PRIORITY_AGING.total_seconds())} seconds'"
+_TASK_COLUMNS = """id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
+        workflow, version"""
+_PICKED_COLUMNS = "id, old_token, old_status, compensate_on_cancel, workflow, version"
+_PICKED_BY_PRIORITY = f"""
+    WITH due AS MATERIALIZED (
+        SELECT {_TASK_COLUMNS}, queue IS NOT NULL AS is_task
         FROM {INSTANCE_TABLE}
-        WHERE queue = q.name AND {_RUNNABLE}
+        WHERE {_RUNNABLE}
         ORDER BY wake_at LIMIT %(limit)s
-        FOR NO KEY UPDATE SKIP LOCKED) AS i
-    ORDER BY i.wake_at LIMIT %(limit)s"""
+        FOR NO KEY UPDATE SKIP LOCKED
+    ), places AS (SELECT count(*) AS n FROM due WHERE is_task)
+    SELECT {_PICKED_COLUMNS} FROM due WHERE NOT is_task
+    UNION ALL (
+        SELECT {_PICKED_COLUMNS} FROM generate_series(0, 9) AS level(priority), LATERAL (
+            SELECT {_TASK_COLUMNS}, {_RANK} AS rank
+            FROM {INSTANCE_TABLE}
+            WHERE queue IS NOT NULL AND priority = level.priority AND {_RUNNABLE}
+            ORDER BY wake_at LIMIT (SELECT n FROM places)
+            FOR NO KEY UPDATE SKIP LOCKED) AS t
+        ORDER BY rank, id LIMIT (SELECT n FROM places))"""
+# A worker of some task queues only (every row a task), by rank as above: at each level
+# of priority the first due of each of its queues (instance_queue_priority), then the
+# first `limit` of those by rank.
+_PICKED_IN_QUEUES = f"""
+    SELECT {_PICKED_COLUMNS} FROM generate_series(0, 9) AS level(priority), LATERAL (
+        SELECT d.* FROM unnest(CAST(%(queues)s AS text[])) AS q(name), LATERAL (
+            SELECT {_TASK_COLUMNS}, wake_at, {_RANK} AS rank
+            FROM {INSTANCE_TABLE}
+            WHERE queue = q.name AND priority = level.priority AND {_RUNNABLE}
+            ORDER BY wake_at LIMIT %(limit)s
+            FOR NO KEY UPDATE SKIP LOCKED) AS d
+        ORDER BY d.wake_at LIMIT %(limit)s) AS i
+    ORDER BY rank, id LIMIT %(limit)s"""
 _CLAIM_TEMPLATE = f"""
 WITH picked AS ({{picked}}
 ), ended AS (
@@ -457,15 +533,17 @@ FROM claimed AS c, async_commit
 """
 
 
-def _claim_sql(with_rows: bool, in_queues: bool = False) -> str:
+def _claim_sql(with_rows: bool, in_queues: bool = False, by_priority: bool = False) -> str:
     """CLAIM_SQL, or (with_rows) CLAIM_SQL that also returns each claimed instance's row as
     its update left it, every column in field order after (id, token, slept): the
     pipelined claim then needs no read of its own for them (a statement and half a
     millisecond of the server's time per claim). in_queues: of a worker of some task
-    queues only (the %(queues)s parameter)."""
+    queues only (the %(queues)s parameter); by_priority: of a worker of every queue that
+    runs Django tasks (their priority orders them)."""
     columns = [f.column for f in Instance._meta.concrete_fields] if with_rows else []
+    picked = _PICKED_IN_QUEUES if in_queues else _PICKED_BY_PRIORITY if by_priority else _PICKED
     return _CLAIM_TEMPLATE.format(
-        picked=_PICKED_IN_QUEUES if in_queues else _PICKED,
+        picked=picked,
         returned_rows="".join(f', i."{c}" AS "row_{c}"' for c in columns),
         selected_rows="".join(f', c."row_{c}"' for c in columns),
     )
@@ -475,6 +553,25 @@ CLAIM_SQL = _claim_sql(False)
 CLAIM_WITH_ROWS_SQL = _claim_sql(True)
 CLAIM_IN_QUEUES_SQL = _claim_sql(False, in_queues=True)
 CLAIM_IN_QUEUES_WITH_ROWS_SQL = _claim_sql(True, in_queues=True)
+CLAIM_BY_PRIORITY_SQL = _claim_sql(False, by_priority=True)
+CLAIM_BY_PRIORITY_WITH_ROWS_SQL = _claim_sql(True, by_priority=True)
+
+
+def runs_tasks() -> bool:
+    """Whether this process's workers run Django tasks (workflows_app.tasks registered its
+    resolver): their claim then orders due tasks by priority (CLAIM_BY_PRIORITY_SQL).
+    A worker of no tasks claims by CLAIM_SQL, the statement it always was."""
+    return bool(registry.resolved_prefixes())
+
+
+def _claim_statement(params: dict[str, Any], with_rows: bool) -> str:
+    """The claim for _claim_params' parameters: of some task queues (a `queues`
+    parameter), of every instance by priority among tasks, or of a worker of no tasks."""
+    if "queues" in params:
+        return CLAIM_IN_QUEUES_WITH_ROWS_SQL if with_rows else CLAIM_IN_QUEUES_SQL
+    if params["prefixes"] != "[]":  # runs_tasks()
+        return CLAIM_BY_PRIORITY_WITH_ROWS_SQL if with_rows else CLAIM_BY_PRIORITY_SQL
+    return CLAIM_WITH_ROWS_SQL if with_rows else CLAIM_SQL
 
 
 def lease_token_base() -> str:
@@ -530,7 +627,7 @@ def _claim_params(
 def _claim_at_once(params: dict[str, Any]) -> list[tuple[int, str, list[str]]]:
     """CLAIM_SQL (CLAIM_IN_QUEUES_SQL) alone, with _claim_params' parameters."""
     with statement_cursor() as cursor:
-        cursor.execute(CLAIM_IN_QUEUES_SQL if "queues" in params else CLAIM_SQL, params)
+        cursor.execute(_claim_statement(params, with_rows=False), params)
         return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
 
 
@@ -553,9 +650,7 @@ def _claim_and_load_pipelined(
     reads = _load_statements([params["token_base"], limit], EVENTS_PER_LOAD * limit, by_token=True)
     with pipeline():
         claim = statement_cursor()
-        claim.execute(
-            CLAIM_WITH_ROWS_SQL if queues is None else CLAIM_IN_QUEUES_WITH_ROWS_SQL, params
-        )
+        claim.execute(_claim_statement(params, with_rows=True), params)
         cursors = []
         for sql, read_params in reads:
             cursor = statement_cursor()
