@@ -104,7 +104,8 @@ class Instance(models.Model):
     # Flow control (admission of queued instances): lower priority starts first; at most
     # max_concurrent_per_key active instances share a concurrency_key; a queued instance is
     # not admitted before admit_at (debounce), and admission is looked at again then (a rate
-    # window opening). waiting_reason says why a queued instance waits.
+    # window opening). waiting_reason says why a queued instance waits. A Django task's
+    # priority also orders it among due tasks when a worker claims (store.leases, _RANK).
     priority = models.PositiveSmallIntegerField(default=5)
     concurrency_key = models.CharField(max_length=200, null=True, blank=True)
     debounce_key = models.CharField(max_length=200, null=True, blank=True)
