@@ -66,6 +66,30 @@ def test_wfdash_drain_seconds_sets_how_long_sigterm_lets_a_step_finish(workers):
     assert not [s.name for s in inst.steps() if s.status == "complete"]
 
 
+def test_a_second_signal_cuts_the_drain_short_and_still_gives_the_lease_back(workers):
+    """Ctrl-C twice, or SIGTERM then SIGINT: the second signal was ignored and the worker
+    waited out the whole grace period of a long step. It now cuts the runs short at once,
+    their leases released, and the worker exits cleanly."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-zombie").create(id="hurried")
+    (worker,) = workers(1, FLEET_STEP_SECONDS="120", WFDASH_DRAIN_SECONDS="120")
+    wait_until(
+        lambda: any(row[1] == "work" and row[4] is None for row in fleet_workflows.ledger_rows()),
+        30,
+        "the worker to be inside the step",
+    )
+    worker.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: "SIGTERM received" in worker.logged(), 10, "the drain to begin")
+    worker.process.send_signal(signal.SIGINT)
+    assert worker.process.wait(15) == 0, worker.logged()
+    log = worker.logged()
+    pk = inst.row().pk
+    assert f"SIGINT received again; cutting short the runs still going (instances #{pk})" in log
+    assert f"instance #{pk} cut short; its lease is released for another worker" in log, log
+    row = inst.row()
+    assert (row.lease_token, row.lease_owner) == (None, "")
+
+
 @pytest.fixture
 def unmigrated_database_url(tmp_path):
     """An empty database of the test run's kind: what a worker meets when started before

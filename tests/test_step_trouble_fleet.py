@@ -4,6 +4,7 @@ spins without awaiting. Real processes, real signals, real database."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 
@@ -13,6 +14,7 @@ from tests import fleet_workflows
 from tests.polling import wait_until
 from workflows_app.client import get_workflow
 from workflows_app.engine import clock
+from workflows_app.engine.worker import ABORT_WAIT_SECONDS, STUCK_EXIT_CODE
 from workflows_app.models import Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -114,3 +116,54 @@ def test_sigterm_during_a_hung_step_parks_it_at_its_timeout_without_running_its_
     steps = list(StepRecord.objects.filter(instance=row).values_list("status", "attempts"))
     assert (row.status, row.lease_token, steps) == ("waiting", None, [("retrying", 1)])
     assert sum(executions().values()) == 1
+
+
+def spinning_worker(workers, **settings: str):
+    """A worker whose event loop a run() spinning without an await holds; returns it and
+    the instance once LoopWatch has reported the stall."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("trouble-spins").create()
+    (worker,) = workers(1, **settings)
+    wait_until(lambda: executions(), 30, "the step before the spin")
+    wait_until(
+        lambda: "its event loop has not answered" in logged_by(worker), 30, "the stall report"
+    )
+    return worker, inst
+
+
+def assert_given_back(inst) -> None:
+    row = Instance.objects.get(pk=inst.row().pk)
+    assert (row.lease_token, row.lease_owner) == (None, "")
+    assert row.wake_at is not None and row.wake_at <= clock.now()  # due for another worker
+
+
+def test_sigterm_to_a_worker_whose_run_spins_gives_its_lease_back_and_exits_in_bounds(workers):
+    """The SIGTERM handler ran on the event loop the spinning run() held: the worker went
+    on spinning, and only the orchestrator's SIGKILL ended it, the instance leased to a
+    dead process until the lease ran out (the stall limit aside). The signal now reaches
+    LoopWatch, which, once the drain's bound (WFDASH_DRAIN_SECONDS and the unwinding
+    wait) is over, releases the leases and ends the process, naming the instance."""
+    worker, inst = spinning_worker(workers, WFDASH_DRAIN_SECONDS="0.5")
+    started = time.monotonic()
+    code = worker.terminate(timeout=30)
+    took = time.monotonic() - started
+    logged = logged_by(worker)
+    assert code == STUCK_EXIT_CODE, logged[-2000:]
+    assert took < 0.5 + ABORT_WAIT_SECONDS + 5, took
+    pk = inst.row().pk
+    assert "SIGTERM received" in logged and f"by the run of instance #{pk}" in logged, logged
+    assert f"instances held: #{pk}, their leases are released for other workers" in logged
+    assert "fleet_workflows.py" in logged  # where the loop is stuck
+    assert_given_back(inst)
+
+
+def test_a_second_signal_to_a_worker_whose_run_spins_ends_it_at_once(workers):
+    """Ctrl-C twice (or SIGTERM then SIGINT) does not wait out the drain's bound."""
+    worker, inst = spinning_worker(workers, WFDASH_DRAIN_SECONDS="120")
+    started = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    worker.process.send_signal(signal.SIGINT)
+    code = worker.process.wait(30)
+    assert code == STUCK_EXIT_CODE, logged_by(worker)[-2000:]
+    assert time.monotonic() - started < 10
+    assert_given_back(inst)

@@ -44,6 +44,11 @@ PRUNE_BATCH = 500  # instances a worker deletes per transaction when pruning
 DRAIN_SECONDS = 10.0  # at shutdown, how long running steps may finish (WFDASH_DRAIN_SECONDS)
 ABORT_WAIT_SECONDS = 5.0  # at shutdown, how long aborted runs may take to unwind
 STARTUP_ATTEMPTS = 30  # a database restarting at start-up is waited out for about this many seconds
+# A stop signal met by a blocked event loop: after the drain's bound (at once when the signal
+# came twice) and this long without an answer from the loop, LoopWatch gives the leases back
+# and ends the process with this exit code.
+STUCK_SILENT_SECONDS = 1.0
+STUCK_EXIT_CODE = 3
 
 
 def engine_settings() -> dict[str, Any]:
@@ -298,6 +303,8 @@ class LoopWatch:
         self.limit = limit
         self.loop_thread = threading.get_ident()
         self.answered = time.monotonic()
+        # Often enough that a stop signal meeting a blocked loop is acted on within a second.
+        self.tick = min(worker.lease_seconds / 6, 1.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._watch, name=f"wfdash-loop-watch-{worker.worker_id}", daemon=True
@@ -318,13 +325,16 @@ class LoopWatch:
         stalled_since: float | None = None
         gave_up = False
         try:
-            while not self._stop.wait(lease / 6):
+            while not self._stop.wait(self.tick):
                 try:
                     self.loop.call_soon_threadsafe(self._answer)
                 except RuntimeError:  # the loop closed
                     return
                 now = time.monotonic()
                 silent = now - self.answered
+                if self._stuck_at_stop(now, silent):
+                    self._give_up_and_exit(silent)
+                    return
                 if silent <= lease / 3:
                     if stalled_since is not None:
                         log.warning(
@@ -353,6 +363,74 @@ class LoopWatch:
                     self._renew()
         finally:
             connections.close_all()
+
+    def _stuck_at_stop(self, now: float, silent: float) -> bool:
+        """A signal asked the worker to stop, the drain's bound is over (at once after a
+        second signal) and the loop does not answer: the drain cannot run on it."""
+        asked = self.worker.stop_asked_at
+        if asked is None or silent <= max(STUCK_SILENT_SECONDS, 2 * self.tick):
+            return False
+        bound = 0.0 if self.worker.hurry_asked else self.worker.drain_seconds + ABORT_WAIT_SECONDS
+        return now - asked >= bound
+
+    def _give_up_and_exit(self, silent: float) -> None:
+        """What the drain would have done, from this thread: give every lease back (fenced
+        by token: one already taken over is left alone), so other workers take the
+        instances at once, from their last checkpoint; log which instance blocks the loop
+        and where; end the process. Nothing of the blocked run is written: its writes go
+        through the loop."""
+        worker = self.worker
+        leases: dict[int, str] = {}
+        for _ in range(3):  # the dicts belong to the blocked loop; a read may meet a change
+            try:
+                leases = {**worker.unreleased, **worker.tokens}
+                # Each run's engine task, and the task of its workflow's run() in it.
+                running = [(pk, t) for pk, t in worker.tasks.items()]
+                running += [(pk, getattr(r, "task", None)) for pk, r in worker.runs.items()]
+                break
+            except RuntimeError:
+                continue
+        else:
+            running = []
+        try:
+            current = asyncio.current_task(self.loop)
+        except RuntimeError:
+            current = None
+        stuck = next((pk for pk, task in running if current is not None and task is current), None)
+        try:
+            store.release(sorted(leases.items()))
+            released = "their leases are released for other workers"
+        except Exception as exc:
+            released = f"their leases could not be released ({exc}): they run out in {worker.lease_seconds:g} s"
+        finally:
+            connections.close_all()
+        held = ", ".join(f"#{pk}" for pk in sorted(leases)) or "none"
+        log.error(
+            "worker %s: %s received %.1f s ago, but its event loop has been blocked for %.1f s "
+            "(%s, at %s), so no drain can run; instances held: %s, %s. Exiting with code %d",
+            worker.worker_id,
+            worker.stop_signal or "stop",
+            time.monotonic() - (worker.stop_asked_at or 0.0),
+            silent,
+            f"by the run of instance #{stuck}" if stuck is not None else "by code outside a run",
+            self._loop_location(),
+            held,
+            released,
+            STUCK_EXIT_CODE,
+        )
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(STUCK_EXIT_CODE)
+
+    def _loop_location(self) -> str:
+        """file:line of the loop thread's innermost frame."""
+        frame = sys._current_frames().get(self.loop_thread)
+        if frame is None:
+            return "an unknown place"
+        return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
     def _report_stall(self, silent: float) -> None:
         frame = sys._current_frames().get(self.loop_thread)
@@ -598,6 +676,10 @@ class Worker:
         self._wake: asyncio.Event | None = None
         self._heartbeat: asyncio.Future[None] | None = None  # serve()'s heartbeat loop
         self._stopping = False
+        # Set by ask_to_stop (a signal handler): when, by which signal, and whether twice.
+        self.stop_asked_at: float | None = None
+        self.stop_signal = ""
+        self.hurry_asked = False
         self._unsubscribe_clock: Callable[[], None] | None = None
         self.db: ConnectionThreads | None = None
         self.step_threads: StepThreads | None = None
@@ -710,6 +792,28 @@ class Worker:
         await self.release_pending()
         await self.flush_now()
         await self._close_threads()
+
+    def ask_to_stop(self, signal_name: str) -> bool:
+        """Note a stop signal; True the first time. Safe in a signal handler that interrupted
+        this worker's own loop (plain attribute writes, no lock): LoopWatch reads them to
+        end a process whose loop is too blocked to drain."""
+        if self.stop_asked_at is None:
+            self.stop_signal = signal_name
+            self.stop_asked_at = time.monotonic()
+            return True
+        self.hurry_asked = True
+        return False
+
+    def hurry(self) -> None:
+        """A second stop signal: the drain's grace is over now; the runs still going are cut
+        short and their leases released, as at its end."""
+        self.hurry_asked = True
+        # Stopping first: a run cut short while its sync step's thread still runs releases
+        # its lease only when the process is stopping (the thread ends with it).
+        self._stopping = True
+        self.hint("stop")
+        for run in list(self.runs.values()):
+            run.abort("worker shutting down")
 
     async def _close_threads(self) -> None:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ the log says what was running, how each of those runs ended, and when the proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -34,6 +35,8 @@ LISTEN_RETRY_SECONDS = 1.0
 # channels_redis drops group members older than its group_expiry (a day by default) at
 # each group_send: the worker joins its group again well within it.
 REJOIN_SECONDS = 3600.0
+# Each drains the worker; a second one cuts the runs still going short at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 DRAIN_OUTCOMES = {
@@ -65,6 +68,16 @@ class DrainReport(EngineHooks):
             len(self.draining),
             running,
             engine.drain_seconds,
+        )
+
+    def hurry(self, engine: EngineWorker, signal_name: str) -> None:
+        waiting = ", ".join(f"#{pk}" for pk in sorted(engine.tasks)) or "none"
+        log.info(
+            "wfdash worker %s: %s received again; cutting short the runs still going "
+            "(instances %s) now",
+            engine.worker_id,
+            signal_name,
+            waiting,
         )
 
     def run_finished(self, pk: int, outcome: str) -> None:
@@ -108,10 +121,21 @@ class EngineChannelsWorker(ChannelsWorker):
         def on_signal(sig: signal.Signals) -> None:
             if not stop.is_set():
                 report.begin(engine, sig.name)
+            else:
+                report.hurry(engine, sig.name)
+                engine.hurry()
             stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
+        def handler(signum: int, _frame: Any) -> None:
+            # A Python-level handler, not loop.add_signal_handler: it runs between two
+            # bytecodes of the main thread even while a run() spinning without an await
+            # holds the loop, so LoopWatch learns of the signal and can end the process.
+            sig = signal.Signals(signum)
+            engine.ask_to_stop(sig.name)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(on_signal, sig)
+
+        previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
         # A private channel in the workers' group, so broadcast hints (terminate) reach us.
         private = await self.channel_layer.new_channel()
         try:
@@ -136,6 +160,8 @@ class EngineChannelsWorker(ChannelsWorker):
         try:
             await engine.serve(stop)
         finally:
+            for sig, before in previous.items():  # a signal now stops the exit as it would
+                signal.signal(sig, before)
             for listener in listeners:
                 listener.cancel()
             if metrics_server is not None:
