@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 from django.db import connection
@@ -230,6 +231,66 @@ def test_a_worker_that_cannot_reach_redis_at_start_says_so_without_the_password(
     )
     assert "Traceback" not in result.stderr, result.stderr
     assert "s3cret-pw" not in result.stderr, result.stderr
+
+
+def manage(
+    *args: str, timeout: float = 60, **env: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "REDIS_URL": "", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return result, time.monotonic() - started
+
+
+def unreachable_postgresql() -> tuple[str, str]:
+    """A DATABASE_URL nothing answers (with a password that must not be shown), and where."""
+    port = free_port()
+    return f"postgres://wf:db-s3cret@127.0.0.1:{port}/nowhere", f"127.0.0.1:{port}/nowhere"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["migrate"], ["createsuperuser", "--noinput", "--username", "x", "--email", "x@x.x"]],
+)
+def test_shell_commands_on_an_unreachable_postgresql_fail_in_seconds_in_one_line(command):
+    """migrate and createsuperuser waited the connection pool's 30 s, then printed a
+    traceback that named neither the host nor the database; `wf` said where in seconds."""
+    url, where = unreachable_postgresql()
+    result, took = manage(*command, timeout=120, DATABASE_URL=url)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == (
+        f"CommandError: cannot connect to the database (DATABASE_URL) at {where}: "
+        f'connection failed: connection to server at "127.0.0.1", port {where.split(":")[1].split("/")[0]} failed: '
+        "Connection refused"
+    ), result.stderr
+    assert took < 20, took
+
+
+def test_a_worker_that_cannot_reach_postgresql_at_start_retries_then_exits_saying_where():
+    """runworker's start-up tries each waited the pool's 30 s: a quarter of an hour of
+    tracebacks and pool errors before it exited, SIGTERM unanswered meanwhile. It now
+    tries again with backoff, one line each time, for WFDASH_START_WAIT_SECONDS, then
+    exits 1 in one line (for systemd or Kubernetes to restart it)."""
+    url, where = unreachable_postgresql()
+    result, took = manage("runworker", "workflows", DATABASE_URL=url, WFDASH_START_WAIT_SECONDS="3")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    *tries, last = lines
+    assert tries and all(line.startswith("wfdash worker: ") for line in tries), lines
+    assert tries[0].endswith("; trying again in 1 s"), lines
+    assert last.startswith(
+        f"CommandError: cannot connect to the database (DATABASE_URL) at {where}: "
+    ), lines
+    assert last.endswith("WFDASH_START_WAIT_SECONDS=3)"), lines
+    assert "db-s3cret" not in result.stderr
+    assert took < 30, took
 
 
 def free_port() -> int:

@@ -305,6 +305,9 @@ WFDASH = {
     # At SIGTERM a worker lets running steps finish for this long, then cuts them short
     # and gives their leases back (keep it under the orchestrator's kill timeout).
     "DRAIN_SECONDS": env_number("WFDASH_DRAIN_SECONDS", 10.0, 0, whole=False),
+    # `runworker workflows` tries an unreachable PostgreSQL again for this long at start,
+    # then exits 1 saying where it looked (for systemd or Kubernetes to restart it).
+    "START_WAIT_SECONDS": env_number("WFDASH_START_WAIT_SECONDS", 60.0, 0, whole=False),
     "DEMO": env_bool("WFDASH_DEMO", DEBUG),  # the demo workflows: on in development only
     # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
     "TRACING": env_bool("WFDASH_TRACING", True),

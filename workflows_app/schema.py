@@ -32,6 +32,59 @@ def unreachable_database(using: str = "default", seconds: int = CONNECT_SECONDS)
     return None
 
 
+# Django's commands an operator runs from a shell or a deploy job that open the database at
+# once: refused in seconds by refuse_unreachable_database (manage.py) when it cannot be
+# reached, instead of after the pool's 30 s wait and a traceback. Servers and workers have
+# their own answer (runworker waits with backoff, then exits; daphne serves and retries).
+SHELL_DATABASE_COMMANDS = frozenset(
+    {
+        "changepassword",
+        "clearsessions",
+        "createcachetable",
+        "createsuperuser",
+        "dumpdata",
+        "flush",
+        "inspectdb",
+        "loaddata",
+        "migrate",
+        "remove_stale_contenttypes",
+        "showmigrations",
+        "sqlflush",
+        "sqlmigrate",
+        "sqlsequencereset",
+    }
+)
+
+
+def refuse_unreachable_database(argv: list[str]) -> None:
+    """manage.py's look before one of SHELL_DATABASE_COMMANDS: an unreachable PostgreSQL
+    ends the process with the one line `wf` gives (where it looked and why), exit 1."""
+    import sys
+
+    import django
+    from django.core.management.base import CommandError
+
+    if len(argv) < 2 or argv[1] not in SHELL_DATABASE_COMMANDS:
+        return
+    if any(arg in ("-h", "--help") for arg in argv[2:]):
+        return
+    django.setup()
+    problem = unreachable_database(_database_option(argv[2:]))
+    if problem:
+        sys.stderr.write(f"{CommandError.__name__}: {problem}\n")
+        sys.exit(1)
+
+
+def _database_option(args: list[str]) -> str:
+    """The alias a command's --database names (default: "default")."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--database="):
+            return arg.split("=", 1)[1]
+        if arg == "--database" and i + 1 < len(args):
+            return args[i + 1]
+    return "default"
+
+
 def unapplied_migrations(using: str = "default") -> list[str] | None:
     """The migrations `manage.py migrate` would apply; None if the database cannot be
     asked (down, restarting: the engine's own start-up retries outlive that)."""

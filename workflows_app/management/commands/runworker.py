@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -216,6 +217,32 @@ def checked_queues(value: str) -> tuple[str, ...]:
     return queues
 
 
+def wait_for_database() -> None:
+    """An unreachable PostgreSQL at start: tried again with backoff (1, 2, 4… up to 15 s
+    apart), one line each time, for WFDASH["START_WAIT_SECONDS"] (a database starting
+    beside the worker, a restart); then CommandError, exit 1, for the supervisor (systemd's
+    Restart=, Kubernetes' back-off) to start it again and show why. Without this, each of
+    the engine's start-up tries waited the pool's 30 s: a quarter of an hour of tracebacks
+    and pool errors, SIGTERM unanswered, before the process gave up."""
+    from workflows_app.schema import unreachable_database
+
+    limit = float(getattr(settings, "WFDASH", {}).get("START_WAIT_SECONDS", 60))
+    started = time.monotonic()
+    delay = 1.0
+    while True:
+        problem = unreachable_database()
+        if problem is None:
+            return
+        waited = time.monotonic() - started
+        if waited + delay > limit:
+            raise CommandError(
+                f"{problem} (tried for {waited:.0f} s, WFDASH_START_WAIT_SECONDS={limit:g})"
+            )
+        log.warning("wfdash worker: %s; trying again in %g s", problem, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 15.0)
+
+
 def redis_address() -> str:
     """REDIS_URL's host and port, never its password."""
     parts = urlsplit(getattr(settings, "REDIS_URL", ""))
@@ -260,6 +287,7 @@ class Command(ChannelsRunworker):
         if ENGINE_CHANNEL in options.get("channels", ()):
             from workflows_app.schema import not_migrated_message, unapplied_migrations
 
+            wait_for_database()
             pending = unapplied_migrations()
             if pending:
                 raise CommandError(not_migrated_message(pending))
