@@ -67,6 +67,26 @@ def test_wfdash_drain_seconds_sets_how_long_sigterm_lets_a_step_finish(workers):
     assert not [s.name for s in inst.steps() if s.status == "complete"]
 
 
+def test_sighup_drains_the_worker_as_sigterm_does(workers):
+    """The terminal or ssh session that started the worker closed: SIGHUP's default killed
+    it mid-step, the lease left to run out and the takeover counted as a crash."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("rel-zombie").create(id="hung-up")
+    (worker,) = workers(1, FLEET_STEP_SECONDS="1.5")
+    wait_until(
+        lambda: any(row[1] == "work" and row[4] is None for row in fleet_workflows.ledger_rows()),
+        30,
+        "the worker to be inside the step",
+    )
+    worker.process.send_signal(signal.SIGHUP)
+    assert worker.process.wait(20) == 0, worker.logged()
+    pk = inst.row().pk
+    assert "SIGHUP received; claiming nothing new. 1 run(s) finishing" in worker.logged()
+    assert f"instance #{pk} parked at a step boundary" in worker.logged()
+    assert [s.name for s in inst.steps() if s.status == "complete"] == ["work"]
+    assert inst.row().lease_owner == ""
+
+
 def test_a_second_signal_cuts_the_drain_short_and_still_gives_the_lease_back(workers):
     """Ctrl-C twice, or SIGTERM then SIGINT: the second signal was ignored and the worker
     waited out the whole grace period of a long step. It now cuts the runs short at once,

@@ -5,7 +5,8 @@
 
 Hints arrive on the channel and on the workers' group; the engine claims instances from
 the database under leases, so any number of these processes can run on any machines.
-SIGTERM stops claiming, lets running steps finish for a grace period and releases leases;
+SIGTERM (or SIGINT, SIGHUP) stops claiming, lets running steps finish for a grace period
+and releases leases (a second signal cuts it short);
 the log says what was running, how each of those runs ended, and when the process exits.
 """
 
@@ -36,8 +37,11 @@ LISTEN_RETRY_SECONDS = 1.0
 # channels_redis drops group members older than its group_expiry (a day by default) at
 # each group_send: the worker joins its group again well within it.
 REJOIN_SECONDS = 3600.0
-# Each drains the worker; a second one cuts the runs still going short at once.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Each drains the worker; a second one cuts the runs still going short at once. SIGHUP
+# (the terminal or ssh session that started it closed) too: by default it killed the
+# worker mid-step, its leases left to run out and the takeover counted as a crash towards
+# the poison limit. SIGQUIT keeps its default (an immediate core dump, no drain).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 DRAIN_OUTCOMES = {
