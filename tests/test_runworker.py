@@ -67,6 +67,23 @@ def test_wfdash_drain_seconds_sets_how_long_sigterm_lets_a_step_finish(workers):
     assert not [s.name for s in inst.steps() if s.status == "complete"]
 
 
+def test_a_database_failing_at_the_drains_release_is_tried_again_before_exit(workers):
+    """The drain's release met a dropped connection (or a restarting database) at the cut
+    short run and once more at the end: the worker exited with the lease still held, left
+    to run out, the takeover counted as a crash. The last release now tries again."""
+    inst, _, log = sigterm_mid_step(
+        workers,
+        "release-retried",
+        FLEET_STEP_SECONDS="120",
+        WFDASH_DRAIN_SECONDS="0.5",
+        WFDASH_FAULTS="before_release=raise@1-3",
+    )
+    assert "could not release 1 leases; will retry" in log, log
+    assert "could not give back" not in log, log
+    row = inst.row()
+    assert (row.lease_token, row.lease_owner) == (None, ""), log
+
+
 def test_sighup_drains_the_worker_as_sigterm_does(workers):
     """The terminal or ssh session that started the worker closed: SIGHUP's default killed
     it mid-step, the lease left to run out and the takeover counted as a crash."""

@@ -789,9 +789,31 @@ class Worker:
             _local_workers.discard(self)
         if self._unsubscribe_clock:
             self._unsubscribe_clock()
-        await self.release_pending()
+        await self._release_before_exit()
         await self.flush_now()
         await self._close_threads()
+
+    async def _release_before_exit(self) -> None:
+        """The drain's last release, tried again with backoff for up to ABORT_WAIT_SECONDS:
+        there is no next turn of the serve loop, and a connection dropped or a database
+        restarting mid-drain left the leases to run out, the takeover counted as a crash
+        towards the poison limit."""
+        deadline = time.monotonic() + ABORT_WAIT_SECONDS
+        delay = 0.25
+        while True:
+            await self.release_pending()
+            if not self.unreleased or time.monotonic() + delay > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        if self.unreleased:
+            log.error(
+                "worker %s: could not give back the leases of instances %s; other workers "
+                "take them over when they run out (%g s)",
+                self.worker_id,
+                ", ".join(f"#{pk}" for pk in sorted(self.unreleased)),
+                self.lease_seconds,
+            )
 
     def ask_to_stop(self, signal_name: str) -> bool:
         """Note a stop signal; True the first time. Safe in a signal handler that interrupted
