@@ -162,7 +162,9 @@ EMBEDDED_BOOT = (
 )
 
 
-def sigterm_leaves_no_lease(command: str, boot: list[str], instance_id: str) -> None:
+def sigterm_leaves_no_lease(
+    command: str, boot: list[str], instance_id: str, sig: signal.Signals = signal.SIGTERM
+) -> None:
     """Start `boot` (a server process whose embedded worker takes a fleet instance in a
     step that outlives any drain grace), SIGTERM it once the instance is leased, and
     assert the process released the lease on its way out. `command` names it in messages;
@@ -202,7 +204,7 @@ def sigterm_leaves_no_lease(command: str, boot: list[str], instance_id: str) -> 
             60,
             "the embedded worker to claim the instance",
         )
-        server.send_signal(signal.SIGTERM)
+        server.send_signal(sig)
         server.wait(30)
         row = Instance.objects.get(pk=inst.row().pk)
         log.seek(0)
@@ -352,6 +354,12 @@ def test_sigterm_to_daphne_releases_the_embedded_worker_s_leases(registered):
     REDIS_URL that process runs the embedded worker too (started by the first request).
     A deploy's SIGTERM must drain it as it drains runserver's, not strand its leases."""
     sigterm_leaves_no_lease("daphne", [DAPHNE_BOOT, "{port}"], "daphne-mid-step")
+
+
+def test_sighup_to_daphne_drains_the_embedded_worker_too(registered):
+    """Twisted stops on SIGTERM and SIGINT only: SIGHUP (the terminal or ssh session that
+    started daphne closed) killed it mid-step with the lease held until it ran out."""
+    sigterm_leaves_no_lease("daphne", [DAPHNE_BOOT, "{port}"], "daphne-hung-up", signal.SIGHUP)
 
 
 # --- a rollout that drops a flow limit -------------------------------------------------------

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
+from typing import Any
 
 from django.conf import settings
 
@@ -75,6 +78,19 @@ def drain_at_daphne_shutdown(loop: asyncio.AbstractEventLoop) -> None:
         "shutdown",
         lambda: defer.Deferred.fromFuture(loop.create_task(stop_embedded_worker())),
     )
+    # Twisted stops on SIGTERM and SIGINT only: SIGHUP (the terminal or ssh session closed)
+    # killed the server with its worker mid-step, the leases left to run out. It stops the
+    # reactor too now, so the drain above runs; a handler someone set is left alone.
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGHUP, lambda *_: reactor.callFromThread(_stop_reactor, reactor))
+
+
+def _stop_reactor(reactor: Any) -> None:
+    with contextlib.suppress(Exception):  # already stopping (a second signal)
+        reactor.stop()
 
 
 async def _serve(worker: Worker, stop: asyncio.Event) -> None:
