@@ -116,6 +116,22 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         self.user_pk = user.pk
+        try:
+            snapshot = await self.join_and_read(user)
+        except BaseException:  # the database is down: nothing may keep a dead socket
+            await self.leave_all()
+            raise
+        if snapshot is None:
+            await self.leave_all()
+            await self.close(code=CLOSE_FORBIDDEN)
+            return
+        await self.accept()
+        await self.send_snapshot(snapshot, snapshot["seq"])
+        self.recheck_task = asyncio.ensure_future(self.recheck_periodically())
+
+    async def join_and_read(self, user: Any) -> dict[str, Any] | None:
+        """Join the socket's groups and its hub stream and read its snapshot; None if the
+        user may not view it (or it does not exist)."""
         # Joined before the access check: a logout or a permission change announced from
         # now on reaches this socket (wf_logout / wf_access run once connect returns).
         # A project without CHANNEL_LAYERS (one process, nothing to hear from others) joins
@@ -125,24 +141,26 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             for group in self.groups:
                 await self.channel_layer.group_add(group, self.channel_name)
         if not await database_sync_to_async(access.may_view)(user):
-            await self.close(code=CLOSE_FORBIDDEN)
-            return
+            return None
         self.backlog = []
         self.hub = fanout.hub()
         # Subscribed before the snapshot is read: nothing that changes after it is missed.
         seq = await self.hub.subscribe(self, self.stream())
-        try:
-            snapshot = await self.snapshot()
-        except BaseException:  # the database is down: the hub must not keep a dead socket
-            await self.leave_hub()
-            raise
-        if snapshot is None:
-            await self.leave_hub()
-            await self.close(code=CLOSE_FORBIDDEN)
-            return
-        await self.accept()
-        await self.send_snapshot(snapshot, seq)
-        self.recheck_task = asyncio.ensure_future(self.recheck_periodically())
+        snapshot = await self.snapshot()
+        return None if snapshot is None else {**snapshot, "seq": seq}
+
+    async def leave_all(self) -> None:
+        """A refused or failed connect leaves its hub stream and its groups now. No
+        disconnect follows a connect that raised (the server drops the consumer), and over
+        Redis a group membership left behind stayed for the layer's group_expiry, a day:
+        every group_send to the user or the session went on pushing to a dead channel."""
+        await self.leave_hub()
+        groups, self.groups = self.groups, []
+        for group in groups:
+            try:
+                await self.channel_layer.group_discard(group, self.channel_name)
+            except Exception:  # the layer is down: its memberships expire with it
+                log.warning("could not leave a refused socket's group", exc_info=True)
 
     async def send_snapshot(self, snapshot: dict[str, Any], seq: int) -> None:
         """The snapshot says which message of the stream it includes; delivered ones it
