@@ -332,6 +332,9 @@ WFDASH = {
     # generation less often (engine/worker.py, tune_garbage_collector). Off: left alone.
     "GC_TUNING": env_bool("WFDASH_GC_TUNING", True),
     "GROUP_COMMIT": env_bool("WFDASH_GROUP_COMMIT", True),
+    # Dashboard sockets one user may have open at once, across processes over Redis (a
+    # socket past it closes with 4429); socket_slots.DEFAULT_MAX_SOCKETS_PER_USER.
+    "MAX_SOCKETS_PER_USER": env_number("WFDASH_MAX_SOCKETS_PER_USER", 100, 1),
     # A worker whose event loop is blocked (an async step calling time.sleep) keeps its
     # leases from a thread for up to this many seconds; then other workers take over.
     "LOOP_STALL_RENEW_SECONDS": env_number(

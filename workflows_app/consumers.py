@@ -11,7 +11,9 @@ Clients may only send `ping`, `resync` (and `watch` on the list); anything else 
 once, CLIENT_FRAMES_PER_SECOND after: dropped unread). A socket follows its session:
 it closes (4403) on logout, and when its user may no longer view the dashboard, checked
 whenever the user changes, every access.RECHECK_SECONDS, and on a client message with an
-answer at most fanout.ACCESS_SHARED_SECONDS old.
+answer at most fanout.ACCESS_SHARED_SECONDS old. A user may hold
+WFDASH["MAX_SOCKETS_PER_USER"] sockets open at once (socket_slots.py); one more is closed
+with CLOSE_TOO_MANY_SOCKETS (4429) and an `error` frame saying so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from channels.consumer import AsyncConsumer
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from . import access, dashboard, fanout, live
+from . import access, dashboard, fanout, live, socket_slots
 from .converters import MAX_PK
 from .engine.worker import notify_local
 from .models import Instance
@@ -49,6 +51,7 @@ CLIENT_FRAMES_PER_SECOND = 20.0
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+CLOSE_TOO_MANY_SOCKETS = 4429  # the user has WFDASH["MAX_SOCKETS_PER_USER"] open already
 
 
 class UnknownPathConsumer(AsyncJsonWebsocketConsumer):
@@ -88,6 +91,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     client_types: frozenset[str] = frozenset({"ping", "resync"})
     ended = False  # closed for lost access: send nothing more, even what is already queued
+    holds_slot = False  # counted in its user's open sockets (socket_slots)
     recheck_task: asyncio.Task[None] | None = None
     hub: fanout.Hub | None = None
     # Messages the hub delivered while the snapshot was being read: sent after it.
@@ -116,6 +120,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_FORBIDDEN)
             return
         self.user_pk = user.pk
+        # Counted before anything is joined or read: a socket past the cap costs a look-up.
+        if not await socket_slots.take(self.channel_layer, self.user_pk, self):
+            await self.refuse_too_many()
+            return
+        self.holds_slot = True
         try:
             snapshot = await self.join_and_read(user)
         except BaseException:  # the database is down: nothing may keep a dead socket
@@ -154,6 +163,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         disconnect follows a connect that raised (the server drops the consumer), and over
         Redis a group membership left behind stayed for the layer's group_expiry, a day:
         every group_send to the user or the session went on pushing to a dead channel."""
+        await self.release_slot()
         await self.leave_hub()
         groups, self.groups = self.groups, []
         for group in groups:
@@ -161,6 +171,22 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 await self.channel_layer.group_discard(group, self.channel_name)
             except Exception:  # the layer is down: its memberships expire with it
                 log.warning("could not leave a refused socket's group", exc_info=True)
+
+    async def refuse_too_many(self) -> None:
+        """Accepted only to say why: a handshake refused gives the page no code, and it
+        would take the refusal for a network failure. The page retries slowly."""
+        cap = socket_slots.max_sockets_per_user()
+        await self.accept()
+        await self.reject(
+            f"too many dashboard sockets open for this user: at most {cap} "
+            '(WFDASH["MAX_SOCKETS_PER_USER"]); close some dashboard pages'
+        )
+        await self.close(code=CLOSE_TOO_MANY_SOCKETS, reason=f"at most {cap} sockets per user")
+
+    async def release_slot(self) -> None:
+        if self.holds_slot:
+            self.holds_slot = False
+            await socket_slots.release(self.channel_layer, self.user_pk, self)
 
     async def send_snapshot(self, snapshot: dict[str, Any], seq: int) -> None:
         """The snapshot says which message of the stream it includes; delivered ones it
@@ -208,6 +234,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         shared = min(fanout.ACCESS_SHARED_SECONDS, access.RECHECK_SECONDS / 2)
         while not self.ended:
             await asyncio.sleep(access.RECHECK_SECONDS - shared)
+            await socket_slots.renew(self.channel_layer, self.user_pk, self)
             hub = self.hub
             if hub is None:
                 continue
@@ -245,6 +272,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await super().send_json(content, close)
 
     async def disconnect(self, code: int) -> None:
+        # The slot first: leaving the hub may wait (its last socket stops it), and a
+        # disconnect the server cuts short must not count against the user for good.
+        await self.release_slot()
         for task in (self.recheck_task, self.requested_snapshots):
             if task is not None:
                 task.cancel()

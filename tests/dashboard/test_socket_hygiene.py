@@ -109,3 +109,104 @@ async def test_a_failed_connect_leaves_nothing_on_the_in_memory_layer_either(set
         assert not layer.groups.get(live.session_group(key))
     finally:
         channel_layers.backends.clear()
+
+
+# --- the per-user cap on open sockets ---------------------------------------------------
+
+
+async def refused_for_too_many(communicator: Any) -> str:
+    """The error frame a socket past the cap gets before its close (4429): its text."""
+    error = await communicator.receive_json_from(timeout=5)
+    assert error["type"] == "error"
+    closed = await communicator.receive_output(timeout=5)
+    assert closed["type"] == "websocket.close" and closed["code"] == 4429, closed
+    assert closed["reason"] == "at most 2 sockets per user"
+    return error["error"]
+
+
+@pytest.fixture
+def cap_of_two(settings: Any) -> None:
+    settings.WFDASH = {**settings.WFDASH, "MAX_SOCKETS_PER_USER": 2}
+
+
+async def test_a_user_past_the_cap_of_open_sockets_is_closed_with_4429_and_told_why(cap_of_two):
+    """One staff session could open thousands of sockets, each with its consumer, channel,
+    group memberships and place in the hub. Past WFDASH["MAX_SOCKETS_PER_USER"] a socket
+    is closed with 4429 and an error frame; another user is not affected, and a slot
+    given back (a page closed) is free again."""
+    _, _, cookie = await database_sync_to_async(login)("many", "view_instance")
+    _, _, other_cookie = await database_sync_to_async(login)("other", "view_instance")
+    first, ok1 = await connect("/ws/overview/", cookie)
+    second, ok2 = await connect("/ws/instances/", cookie)
+    assert ok1 and ok2
+    third, accepted = await connect("/ws/overview/", cookie)
+    assert accepted  # only to say why: a refused handshake gives the page no code
+    assert "too many dashboard sockets open for this user: at most 2" in (
+        await refused_for_too_many(third)
+    )
+    theirs, ok = await connect("/ws/overview/", other_cookie)
+    assert ok and (await theirs.receive_json_from(timeout=5))["type"] == "snapshot"
+    await first.disconnect(timeout=5)
+    again, ok = await connect("/ws/overview/", cookie)
+    assert ok and (await again.receive_json_from(timeout=5))["type"] == "snapshot"
+    for communicator in (second, theirs, again):
+        await communicator.disconnect(timeout=5)
+
+
+async def test_a_refused_or_failed_connect_gives_its_slot_back(cap_of_two):
+    """A socket refused for its page (an unknown instance) or failing on the database
+    does not keep counting against its user."""
+    pk, _, cookie = await database_sync_to_async(login)("unlucky", "view_instance")
+    for _ in range(3):
+        _, connected = await connect("/ws/instances/999999999/", cookie)
+        assert not connected
+    await database_sync_to_async(rename_table)(
+        "auth_user_user_permissions", "auth_user_user_permissions_away"
+    )
+    try:
+        for _ in range(2):
+            with pytest.raises(DatabaseError):
+                await connect("/ws/overview/", cookie)
+    finally:
+        await database_sync_to_async(rename_table)(
+            "auth_user_user_permissions_away", "auth_user_user_permissions"
+        )
+    from workflows_app import socket_slots
+
+    assert socket_slots.held_here(pk) == 0
+    sockets = [await connect("/ws/overview/", cookie) for _ in range(2)]
+    assert all(ok for _, ok in sockets)
+    for communicator, _ in sockets:
+        await communicator.disconnect(timeout=5)
+    assert socket_slots.held_here(pk) == 0
+
+
+@needs_redis
+async def test_over_redis_the_cap_counts_the_users_sockets_in_every_process(
+    redis_layer, cap_of_two
+):
+    """Another process's sockets (their slots in Redis, as its own connects take them)
+    count against the cap here; a slot that process gives back, or that lapses (the
+    process died), is free again."""
+    from workflows_app import socket_slots
+
+    pk, _, cookie = await database_sync_to_async(login)("spread", "view_instance")
+    redis, key = socket_slots._store(redis_layer, pk)
+    await redis.delete(key)  # a user pk of an earlier run of the test database
+
+    # Another process's socket, its slot taken as that process's connect takes it.
+    assert await redis.eval(socket_slots.TAKE_SLOT, 1, key, "specific.other-process!a", 2, 120_000)
+    mine, ok = await connect("/ws/overview/", cookie)
+    assert ok and (await mine.receive_json_from(timeout=5))["type"] == "snapshot"
+    assert socket_slots.held_here(pk) == 1  # this process alone is under the cap
+    past, accepted = await connect("/ws/overview/", cookie)
+    assert accepted
+    await refused_for_too_many(past)
+    await redis.zrem(key, "specific.other-process!a")  # that page closed
+    await redis.zadd(key, {"specific.dead-process!b": 0})  # a dead process's: lapsed
+    more, ok = await connect("/ws/overview/", cookie)
+    assert ok and (await more.receive_json_from(timeout=5))["type"] == "snapshot"
+    assert await redis.zcard(key) == 2
+    await mine.disconnect(timeout=5)
+    await more.disconnect(timeout=5)
+    assert await redis.zcard(key) == 0

@@ -666,7 +666,6 @@
       page.onResync?.();
     };
     socket.addEventListener("open", () => {
-      backoff = MIN_BACKOFF_MS;
       body.dataset.socket = "connected";
       document.querySelector(".live-label").textContent = "live";
       page.onOpen?.(socket);
@@ -674,6 +673,9 @@
     socket.addEventListener("message", (ev) => {
       let msg;
       try { msg = JSON.parse(ev.data); } catch { return; }
+      // Only a socket that got its state counts as a success: one the server accepts and
+      // closes at once (too many open, a failed read) keeps backing off, not a storm.
+      if (msg.type === "snapshot") backoff = MIN_BACKOFF_MS;
       if (typeof msg.seq === "number") {
         if (msg.type === "snapshot") seq = msg.seq;
         else if (seq !== null) {
@@ -696,6 +698,11 @@
       }
       body.dataset.socket = "disconnected";
       document.querySelector(".live-label").textContent = "reconnecting";
+      if (ev.code === 4429) {
+        // This user has too many dashboard sockets open: try again slowly, in case one closes.
+        document.querySelector(".live-label").textContent = "too many pages open: retrying";
+        backoff = MAX_BACKOFF_MS;
+      }
       const delay = backoff * (0.75 + Math.random() / 2);
       setTimeout(() => connect(page, Math.min(backoff * 2, MAX_BACKOFF_MS)), delay);
     });
