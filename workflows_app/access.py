@@ -17,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user, get_user_model, user_logged_out
 from django.contrib.auth.models import Group
+from django.db import transaction
 from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.dispatch import receiver
 
@@ -54,15 +55,26 @@ def close_the_sessions_sockets(sender: Any, request: Any, user: Any, **kwargs: A
         live.publish(live.session_group(session_key), {"type": "wf.logout"})
 
 
-def recheck_users(pks: Any) -> None:
-    for pk in pks:
-        live.publish(live.user_group(pk), {"type": "wf.access"})
+def recheck_users(pks: Any, using: str | None = None) -> None:
+    """Tell the users' sockets to re-check, once the change commits. The signals fire
+    inside the change's transaction (the admin saves a user and their permissions in
+    one; a delete and an m2m edit always are one): told at once, a socket served by
+    another process or thread read the rights as they were before it and stayed open
+    until its periodic re-check. Outside a transaction this publishes at once."""
+    pks = list(pks)
+
+    def publish() -> None:
+        for pk in pks:
+            live.publish(live.user_group(pk), {"type": "wf.access"})
+
+    if pks:
+        transaction.on_commit(publish, using=using)
 
 
 @receiver(post_save, sender=settings.AUTH_USER_MODEL)
 @receiver(post_delete, sender=settings.AUTH_USER_MODEL)
 def recheck_a_changed_user(sender: Any, instance: Any, **kwargs: Any) -> None:
-    recheck_users([instance.pk])
+    recheck_users([instance.pk], kwargs.get("using"))
 
 
 def affected_users(sender: Any, instance: Any, pk_set: Any) -> list[Any]:
@@ -89,9 +101,9 @@ def recheck_after_m2m(sender: Any, instance: Any, action: str, pk_set: Any, **kw
     if action == "pre_clear":  # after the clear, nothing says who had it
         instance._wfdash_cleared_users = affected_users(sender, instance, None)
     elif action == "post_clear":
-        recheck_users(instance.__dict__.pop("_wfdash_cleared_users", []))
+        recheck_users(instance.__dict__.pop("_wfdash_cleared_users", []), kwargs.get("using"))
     elif action.startswith("post_"):
-        recheck_users(affected_users(sender, instance, pk_set))
+        recheck_users(affected_users(sender, instance, pk_set), kwargs.get("using"))
 
 
 def connect_signals() -> None:

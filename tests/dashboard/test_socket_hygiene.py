@@ -5,6 +5,7 @@ without Redis and fail with CI=true)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -210,3 +211,67 @@ async def test_over_redis_the_cap_counts_the_users_sockets_in_every_process(
     await mine.disconnect(timeout=5)
     await more.disconnect(timeout=5)
     assert await redis.zcard(key) == 0
+
+
+# --- what a client's user and session do while it is connected ------------------------
+
+
+async def close_code(communicator: Any, timeout: float = 5) -> int:
+    """Read what the socket sends until it closes: its close code."""
+    async with asyncio.timeout(timeout):
+        while True:
+            output = await communicator.receive_output(timeout=timeout)
+            if output["type"] == "websocket.close":
+                return output["code"]
+
+
+@pytest.mark.parametrize("change", ["loses staff", "deleted", "loses view_instance"])
+async def test_a_rights_change_made_in_a_transaction_closes_the_socket_once_it_commits(
+    monkeypatch, change
+):
+    """The admin saves a user and their permissions in one transaction, and a delete or
+    an m2m edit always is one: the signals fire before the commit. Published at once,
+    the socket's re-check (its own connection: another thread, or another process)
+    read the old rights and kept the socket open until its periodic re-check (25-30 s)."""
+    import threading
+
+    from django.contrib.auth.models import Permission, User
+    from django.db import connections, transaction
+
+    from workflows_app import access
+
+    pk, _, cookie = await database_sync_to_async(login)("demoted", "view_instance")
+    communicator, connected = await connect("/ws/instances/", cookie)
+    assert connected
+    assert (await communicator.receive_json_from(timeout=5))["type"] == "snapshot"
+    checked = threading.Event()
+    real = access.session_may_view
+
+    def spied(*args: Any) -> bool:
+        try:
+            return real(*args)
+        finally:
+            checked.set()
+
+    monkeypatch.setattr(access, "session_may_view", spied)
+
+    def in_a_transaction() -> None:
+        try:
+            with transaction.atomic():
+                user = User.objects.get(pk=pk)
+                if change == "loses staff":
+                    user.is_staff = False
+                    user.save()
+                elif change == "deleted":
+                    user.delete()
+                else:
+                    user.user_permissions.remove(Permission.objects.get(codename="view_instance"))
+                # Held open until the socket has re-checked, as a slower request would
+                # be: told at once, it does so in milliseconds (once told after the
+                # commit, it never does before it, and this waits its 3 s out).
+                checked.wait(3)
+        finally:
+            connections.close_all()  # this thread's own connection ends with it
+
+    await asyncio.to_thread(in_a_transaction)
+    assert await close_code(communicator) == 4403
