@@ -44,8 +44,11 @@ def pytest_report_header(config: pytest.Config) -> str:
 def _clean_engine() -> Iterator[None]:
     from django.core.cache import cache
 
+    from workflows_app import socket_slots
+
     testing.reset()
     cache.clear()  # API token throttling counts (each process's own memory)
+    socket_slots.forget_connects()  # dashboard sockets' connect rates, by user pk
     yield
     testing.reset()
     clock.set_clock(clock.RealClock())

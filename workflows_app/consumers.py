@@ -121,8 +121,20 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             return
         self.user_pk = user.pk
         # Counted before anything is joined or read: a socket past the cap costs a look-up.
+        if not socket_slots.connect_allowed(self.user_pk):
+            await self.refuse_too_many(
+                f"too many dashboard sockets opened by this user: {socket_slots.CONNECTS_BURST} "
+                f"at once and {socket_slots.CONNECTS_PER_SECOND:g} a second after that",
+                "too many connects",
+            )
+            return
         if not await socket_slots.take(self.channel_layer, self.user_pk, self):
-            await self.refuse_too_many()
+            cap = socket_slots.max_sockets_per_user()
+            await self.refuse_too_many(
+                f"too many dashboard sockets open for this user: at most {cap} "
+                '(WFDASH["MAX_SOCKETS_PER_USER"]); close some dashboard pages',
+                f"at most {cap} sockets per user",
+            )
             return
         self.holds_slot = True
         try:
@@ -172,16 +184,12 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             except Exception:  # the layer is down: its memberships expire with it
                 log.warning("could not leave a refused socket's group", exc_info=True)
 
-    async def refuse_too_many(self) -> None:
+    async def refuse_too_many(self, error: str, reason: str) -> None:
         """Accepted only to say why: a handshake refused gives the page no code, and it
         would take the refusal for a network failure. The page retries slowly."""
-        cap = socket_slots.max_sockets_per_user()
         await self.accept()
-        await self.reject(
-            f"too many dashboard sockets open for this user: at most {cap} "
-            '(WFDASH["MAX_SOCKETS_PER_USER"]); close some dashboard pages'
-        )
-        await self.close(code=CLOSE_TOO_MANY_SOCKETS, reason=f"at most {cap} sockets per user")
+        await self.reject(error)
+        await self.close(code=CLOSE_TOO_MANY_SOCKETS, reason=reason)
 
     async def release_slot(self) -> None:
         if self.holds_slot:

@@ -15,6 +15,7 @@ serving process), or while Redis cannot be reached, the count is this process's 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -30,6 +31,15 @@ DEFAULT_MAX_SOCKETS_PER_USER = 100
 # access re-check (access.RECHECK_SECONDS), so only a dead process's slots lapse.
 LEASE_SECONDS = 120
 SLOTS_KEY = "wfdash.sockets.user."
+# Connects one user may start in this process: CONNECTS_BURST at once, CONNECTS_PER_SECOND
+# after that. Each costs an access check and a snapshot read on the thread synchronous
+# views wait for; a client opening and closing sockets in a loop stayed under the cap
+# of open sockets while reading snapshots without end. Pages reconnecting after a
+# restart (one or two a tab) and a user clicking through pages stay well inside it.
+CONNECTS_BURST = 100
+CONNECTS_PER_SECOND = 2.0
+MAX_CONNECT_BUCKETS = 10_000  # users remembered; full buckets are forgotten past it
+monotonic = time.monotonic  # tests control it
 
 # KEYS[1]: a user's slots; ARGV: the channel, the cap (0: renew, whatever the count), the
 # lease in ms. Drops lapsed slots, then takes or renews this one: 1, or 0 if over the cap.
@@ -57,6 +67,33 @@ def max_sockets_per_user() -> int:
             f'WFDASH["MAX_SOCKETS_PER_USER"] must be a whole number of at least 1; got {value!r}'
         )
     return value
+
+
+# user pk -> (connects the user may still start, as of when)
+_connects: dict[Any, tuple[float, float]] = {}
+
+
+def forget_connects() -> None:
+    """Forget every user's recent connects (tests: user pks repeat from one test to the next)."""
+    _connects.clear()
+
+
+def connect_allowed(user_pk: Any) -> bool:
+    """Take one of the user's connects (a token bucket per user, per process)."""
+    now = monotonic()
+    left, at = _connects.get(user_pk, (float(CONNECTS_BURST), now))
+    left = min(float(CONNECTS_BURST), left + max(0.0, now - at) * CONNECTS_PER_SECOND)
+    if len(_connects) > MAX_CONNECT_BUCKETS:
+        full = [
+            pk
+            for pk, (n, t) in _connects.items()
+            if n + (now - t) * CONNECTS_PER_SECOND >= CONNECTS_BURST
+        ]
+        for pk in full:
+            del _connects[pk]
+    allowed = left >= 1
+    _connects[user_pk] = (left - 1 if allowed else left, now)
+    return allowed
 
 
 # user pk -> this process's open sockets of theirs (weak: a consumer that died without

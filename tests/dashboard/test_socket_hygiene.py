@@ -275,3 +275,35 @@ async def test_a_rights_change_made_in_a_transaction_closes_the_socket_once_it_c
 
     await asyncio.to_thread(in_a_transaction)
     assert await close_code(communicator) == 4403
+
+
+async def test_a_user_opening_sockets_in_a_loop_is_refused_past_the_connect_rate(monkeypatch):
+    """Each connect reads an access check and a snapshot on the thread synchronous views
+    wait for. A client that opened and closed sockets in a loop stayed under the cap of
+    open sockets and had the server read snapshots without end; past CONNECTS_BURST at
+    once (then CONNECTS_PER_SECOND) a connect is closed with 4429 before any read."""
+    from workflows_app import socket_slots
+
+    now = [0.0]  # the buckets' clock, stopped: nothing refills unless it moves
+    monkeypatch.setattr(socket_slots, "monotonic", lambda: now[0])
+    monkeypatch.setattr(socket_slots, "CONNECTS_BURST", 3)
+    _, _, cookie = await database_sync_to_async(login)("looper", "view_instance")
+    _, _, other_cookie = await database_sync_to_async(login)("calm", "view_instance")
+    for _ in range(3):
+        communicator, connected = await connect("/ws/overview/", cookie)
+        assert connected
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "snapshot"
+        await communicator.disconnect(timeout=5)
+    past, accepted = await connect("/ws/overview/", cookie)
+    assert accepted
+    error = await past.receive_json_from(timeout=5)
+    assert error["type"] == "error"
+    assert error["error"].startswith("too many dashboard sockets opened by this user: 3 at once")
+    assert await close_code(past) == 4429
+    theirs, connected = await connect("/ws/overview/", other_cookie)  # another user's own
+    assert connected and (await theirs.receive_json_from(timeout=5))["type"] == "snapshot"
+    await theirs.disconnect(timeout=5)
+    now[0] += 1 / socket_slots.CONNECTS_PER_SECOND  # one connect's worth refilled
+    again, connected = await connect("/ws/overview/", cookie)
+    assert connected and (await again.receive_json_from(timeout=5))["type"] == "snapshot"
+    await again.disconnect(timeout=5)
