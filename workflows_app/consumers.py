@@ -48,6 +48,10 @@ RESYNC_MIN_SECONDS = 1.0
 # runaway or forged page) are dropped unread: the first of a run gets an error frame.
 CLIENT_FRAMES_BURST = 60
 CLIENT_FRAMES_PER_SECOND = 20.0
+# A socket joins its session's and its user's groups again this often: both layers drop
+# a membership after their group_expiry (a day), and a socket open longer (a wall
+# display) no longer heard its logout or its user's rights change at once.
+REJOIN_SECONDS = 3600.0
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
@@ -103,6 +107,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     # The client's frames it may still send now (see CLIENT_FRAMES_BURST), as of frames_at.
     frames_left = 0.0
     frames_at: float | None = None  # None: no frame yet, the whole burst is left
+    joined_at = 0.0  # monotonic() the socket last joined its groups
     dropping = False  # frames are being dropped; the page was told at the first
     monotonic = staticmethod(time.monotonic)  # tests control it
 
@@ -159,8 +164,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         # none: its periodic access re-check alone ends a socket whose access went.
         if self.channel_layer is not None:
             self.groups = [live.session_group(self.session_key), live.user_group(self.user_pk)]
-            for group in self.groups:
-                await self.channel_layer.group_add(group, self.channel_name)
+            await self.join_groups()
         if not await database_sync_to_async(access.may_view)(user):
             return None
         self.backlog = []
@@ -169,6 +173,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         seq = await self.hub.subscribe(self, self.stream())
         snapshot = await self.snapshot()
         return None if snapshot is None else {**snapshot, "seq": seq}
+
+    async def join_groups(self) -> None:
+        for group in self.groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+        self.joined_at = self.monotonic()
 
     async def leave_all(self) -> None:
         """A refused or failed connect leaves its hub stream and its groups now. No
@@ -243,6 +252,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         while not self.ended:
             await asyncio.sleep(access.RECHECK_SECONDS - shared)
             await socket_slots.renew(self.channel_layer, self.user_pk, self)
+            if self.monotonic() - self.joined_at >= REJOIN_SECONDS:
+                try:
+                    await self.join_groups()
+                except Exception:  # the layer is down: the next round tries again
+                    log.warning("could not renew a dashboard socket's groups", exc_info=True)
             hub = self.hub
             if hub is None:
                 continue

@@ -307,3 +307,43 @@ async def test_a_user_opening_sockets_in_a_loop_is_refused_past_the_connect_rate
     again, connected = await connect("/ws/overview/", cookie)
     assert connected and (await again.receive_json_from(timeout=5))["type"] == "snapshot"
     await again.disconnect(timeout=5)
+
+
+@needs_redis
+async def test_a_socket_open_past_the_layers_group_expiry_still_hears_its_logout(
+    redis_layer, monkeypatch
+):
+    """channels_redis drops a group membership group_expiry (a day) after it was added.
+    A socket never joined its session's and user's groups again, so one open longer (a
+    wall display) no longer heard its logout or its user's rights change at once. It
+    now joins them again every consumers.REJOIN_SECONDS."""
+    import time
+
+    from workflows_app import access, consumers, fanout
+
+    now = [0.0]  # the sockets' clock
+    monkeypatch.setattr(consumers.DashboardConsumer, "monotonic", staticmethod(lambda: now[0]))
+    monkeypatch.setattr(access, "RECHECK_SECONDS", 0.2)  # the round that renews
+    monkeypatch.setattr(fanout, "ACCESS_SHARED_SECONDS", 0.1)
+    _, key, cookie = await database_sync_to_async(login)("wall", "view_instance")
+    group = live.session_group(key)
+    communicator, connected = await connect("/ws/overview/", cookie)
+    assert connected
+    assert (await communicator.receive_json_from(timeout=5))["type"] == "snapshot"
+    try:
+        (channel,) = await members(redis_layer, group)
+        group_key = redis_layer._group_key(group)
+        redis = redis_layer.connection(redis_layer.consistent_hash(group))
+        # A day and a minute later, as channels_redis sees the membership:
+        aged = time.time() - redis_layer.group_expiry - 60
+        await redis.zadd(group_key, {channel: aged})
+        now[0] += consumers.REJOIN_SECONDS  # an hour on, as the socket sees it
+        async with asyncio.timeout(5):  # its next periodic round, 0.1 s away
+            while (await redis.zscore(group_key, channel) or 0) <= aged:
+                await asyncio.sleep(0.05)
+        # The logout's message (sent as the logout sends it; the session itself stays
+        # valid, so only the message can close the socket).
+        await redis_layer.group_send(group, {"type": "wf.logout"})
+        assert await close_code(communicator) == 4403
+    finally:
+        await communicator.disconnect(timeout=5)
