@@ -128,7 +128,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         # Counted before anything is joined or read: a socket past the cap costs a look-up.
         if not socket_slots.connect_allowed(self.user_pk):
             await self.refuse_too_many(
-                f"too many dashboard sockets opened by this user: {socket_slots.CONNECTS_BURST} "
+                f"too many dashboard sockets opened by this user: {socket_slots.connect_burst()} "
                 f"at once and {socket_slots.CONNECTS_PER_SECOND:g} a second after that",
                 "too many connects",
             )

@@ -35,7 +35,8 @@ SLOTS_KEY = "wfdash.sockets.user."
 # after that. Each costs an access check and a snapshot read on the thread synchronous
 # views wait for; a client opening and closing sockets in a loop stayed under the cap
 # of open sockets while reading snapshots without end. Pages reconnecting after a
-# restart (one or two a tab) and a user clicking through pages stay well inside it.
+# restart (one or two a tab) and a user clicking through pages stay well inside it. The
+# burst is at least the cap of open sockets: a user may open all of theirs at once.
 CONNECTS_BURST = 100
 CONNECTS_PER_SECOND = 2.0
 MAX_CONNECT_BUCKETS = 10_000  # users remembered; full buckets are forgotten past it
@@ -73,6 +74,10 @@ def max_sockets_per_user() -> int:
 _connects: dict[Any, tuple[float, float]] = {}
 
 
+def connect_burst() -> int:
+    return max(CONNECTS_BURST, max_sockets_per_user())
+
+
 def forget_connects() -> None:
     """Forget every user's recent connects (tests: user pks repeat from one test to the next)."""
     _connects.clear()
@@ -80,14 +85,13 @@ def forget_connects() -> None:
 
 def connect_allowed(user_pk: Any) -> bool:
     """Take one of the user's connects (a token bucket per user, per process)."""
+    burst = float(connect_burst())
     now = monotonic()
-    left, at = _connects.get(user_pk, (float(CONNECTS_BURST), now))
-    left = min(float(CONNECTS_BURST), left + max(0.0, now - at) * CONNECTS_PER_SECOND)
+    left, at = _connects.get(user_pk, (burst, now))
+    left = min(burst, left + max(0.0, now - at) * CONNECTS_PER_SECOND)
     if len(_connects) > MAX_CONNECT_BUCKETS:
         full = [
-            pk
-            for pk, (n, t) in _connects.items()
-            if n + (now - t) * CONNECTS_PER_SECOND >= CONNECTS_BURST
+            pk for pk, (n, t) in _connects.items() if n + (now - t) * CONNECTS_PER_SECOND >= burst
         ]
         for pk in full:
             del _connects[pk]

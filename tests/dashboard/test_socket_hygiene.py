@@ -277,7 +277,9 @@ async def test_a_rights_change_made_in_a_transaction_closes_the_socket_once_it_c
     assert await close_code(communicator) == 4403
 
 
-async def test_a_user_opening_sockets_in_a_loop_is_refused_past_the_connect_rate(monkeypatch):
+async def test_a_user_opening_sockets_in_a_loop_is_refused_past_the_connect_rate(
+    monkeypatch, cap_of_two
+):
     """Each connect reads an access check and a snapshot on the thread synchronous views
     wait for. A client that opened and closed sockets in a loop stayed under the cap of
     open sockets and had the server read snapshots without end; past CONNECTS_BURST at
@@ -286,7 +288,7 @@ async def test_a_user_opening_sockets_in_a_loop_is_refused_past_the_connect_rate
 
     now = [0.0]  # the buckets' clock, stopped: nothing refills unless it moves
     monkeypatch.setattr(socket_slots, "monotonic", lambda: now[0])
-    monkeypatch.setattr(socket_slots, "CONNECTS_BURST", 3)
+    monkeypatch.setattr(socket_slots, "CONNECTS_BURST", 3)  # (at least the cap: 2)
     _, _, cookie = await database_sync_to_async(login)("looper", "view_instance")
     _, _, other_cookie = await database_sync_to_async(login)("calm", "view_instance")
     for _ in range(3):
