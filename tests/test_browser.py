@@ -728,3 +728,52 @@ def test_attribute_filter_and_bulk_terminate_with_a_live_progress_bar(page: Page
     expect(page.locator('tr[data-instance-id="e2e-bulk-tin"] .badge')).to_have_attribute(
         "data-status", "waiting"
     )
+
+
+# Counts the page's WebSocket constructions (performance.now() of each; their number on <html>).
+COUNT_SOCKETS = """
+window.__sockets = [];
+const RealWebSocket = window.WebSocket;
+window.WebSocket = function (...args) {
+  window.__sockets.push(performance.now());
+  document.documentElement.dataset.sockets = String(window.__sockets.length);
+  return new RealWebSocket(...args);
+};
+window.WebSocket.prototype = RealWebSocket.prototype;
+"""
+
+
+def test_a_page_past_the_users_socket_cap_retries_slowly_and_gets_in_once_one_closes(
+    browser: Browser, server: LiveServer
+) -> None:
+    """Past WFDASH_MAX_SOCKETS_PER_USER a socket is accepted, told why and closed with
+    4429. The page reset its backoff when a socket opened, so such a page reconnected
+    every 250 ms for as long as the user's other pages stayed open; its backoff now
+    resets only once a snapshot arrives, and a 4429 waits the longest backoff (8 s)."""
+    capped = LiveServer(
+        {**server.env, "WFDASH_MAX_SOCKETS_PER_USER": "1", "WFDASH_EMBEDDED_WORKER": "0"},
+        free_port(),
+        server.log.with_name("capped-server.log"),
+    )
+    capped.start()
+    context = browser.new_context(base_url=capped.url)
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    try:
+        first = context.new_page()
+        first.goto("/admin/login/?next=/instances/")
+        first.fill("#id_username", "admin")
+        first.fill("#id_password", "admin")
+        first.locator("input[type=submit]").click()
+        expect(first.locator("body")).to_have_attribute("data-socket", "connected")
+        second = context.new_page()
+        second.add_init_script(COUNT_SOCKETS)
+        second.goto("/instances/")
+        expect(second.locator(".live-label")).to_have_text("too many pages open: retrying")
+        expect(second.locator("html")).to_have_attribute("data-sockets", "2", timeout=30_000)
+        opened = second.evaluate("window.__sockets")
+        assert opened[1] - opened[0] >= 0.75 * 8000, opened  # not a 250 ms storm
+        first.close()  # a slot frees up: the next retry gets in
+        expect(second.locator("body")).to_have_attribute("data-socket", "connected", timeout=30_000)
+    finally:
+        context.close()
+        capped.stop()
