@@ -66,6 +66,9 @@ class Server:
             "WFDASH_DEMO": "0",
             "WFDASH_EMBEDDED_WORKER": "1",
             "PYTHONUNBUFFERED": "1",
+            # Every socket of the fan-out is one user's: the server's per-user cap (100 by
+            # default, a guard against one user's flood) would close all but the first.
+            "WFDASH_MAX_SOCKETS_PER_USER": "100000",
         }
         # WFDASH_BENCH_SERVER_ROOT: serve from another checkout (figures before a change)
         root = os.environ.get("WFDASH_BENCH_SERVER_ROOT") or str(ROOT)
