@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workflows_app import testing, tokens
-from workflows_app.client import get_workflow, schedules
+from workflows_app.client import ITEM_FIELDS, get_workflow, schedules
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.engine.cron import (
@@ -309,18 +309,7 @@ def bodies(fields: list[str]) -> st.SearchStrategy[bytes]:
     return (objects | json_values).map(lambda v: json.dumps(v).encode()) | raw
 
 
-CREATE = [
-    "id",
-    "instance_id",
-    "params",
-    "idempotency_key",
-    "retention",
-    "attributes",
-    "priority",
-    "concurrency_key",
-    "debounce_key",
-    "debounce",
-]
+CREATE = sorted(ITEM_FIELDS)  # the fields a create body may hold
 
 
 @given(body=bodies(CREATE))

@@ -15,6 +15,18 @@ from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry
 from workflows_app.models import StepRecord
 
+
+def replay_changed_code_after(clock, span: str) -> None:
+    """Advance the clock and run what comes due with code changed under the same version
+    (STRICT_VERSIONS off, as a deploy without a version bump)."""
+    settings.WFDASH["STRICT_VERSIONS"] = False
+    try:
+        clock.advance(span)
+        testing.run_until_idle()
+    finally:
+        settings.WFDASH["STRICT_VERSIONS"] = True
+
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 calls: Counter[str] = Counter()
@@ -108,12 +120,7 @@ def test_a_branch_whose_step_was_not_checkpointed_goes_on_after_its_sibling_s(re
 
                 return await asyncio.gather(first(), second())
 
-        settings.WFDASH["STRICT_VERSIONS"] = False
-        try:
-            clock.advance("1 hour")
-            testing.run_until_idle()
-        finally:
-            settings.WFDASH["STRICT_VERSIONS"] = True
+        replay_changed_code_after(clock, "1 hour")
     status = inst.status()
     assert (status.status, status.output) == ("complete", ["a", "b"]), status
     assert calls == {"a": 1}
@@ -143,12 +150,7 @@ def test_a_step_that_replaces_a_checkpointed_one_still_fails_before_it_runs(regi
                     step.do("other", lambda: calls.update(["other"])),
                 )
 
-        settings.WFDASH["STRICT_VERSIONS"] = False
-        try:
-            clock.advance("1 hour")
-            testing.run_until_idle()
-        finally:
-            settings.WFDASH["STRICT_VERSIONS"] = True
+        replay_changed_code_after(clock, "1 hour")
     status = inst.status()
     assert status.status == "errored"
     assert status.error["name"] == "NonDeterminismError", status.error
