@@ -4,12 +4,13 @@ compensations, deleting a child its parent still waits for."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, clock, register
+from workflows_app.engine import WorkflowEntrypoint, clock, register, store
 from workflows_app.engine.errors import InvalidTransition, NonRetryableError
 from workflows_app.models import Instance
 
@@ -240,14 +241,14 @@ def test_a_parent_moved_to_a_version_that_invokes_another_workflow_fails_clearly
 
     parent.restart(version=2)
     testing.run_until_idle()
-    (child,) = parent.children()
-    child.send_event("go")
-    testing.run_until_idle()
     status = parent.status()
     assert status.status == "errored", status
     assert status.error["name"] == "NonDeterminismError"
     assert 'step "send" started pv1:send, a child of workflow "parcel"' in status.error["message"]
     assert '"parcel-tracked"' in status.error["message"]
+    # The child the old step invoked ends with the parent: nothing will take its output.
+    (child,) = parent.children()
+    assert child.status().status == "terminated"
 
 
 def test_a_cancel_whose_compensation_fails_for_good_ends_the_instance_errored(registered):
@@ -314,3 +315,47 @@ def test_a_parent_whose_compensation_fails_leaves_its_childs_compensations_runni
         testing.run_until_idle()
     assert attempts == ["leg", "leg"]
     assert [h.type for h in leg.history()][-2:] == ["compensation.completed", "instance.cancelled"]
+
+
+def test_a_child_whose_invoke_was_cut_short_before_its_checkpoint_ends_with_its_parent(
+    monkeypatch,
+):
+    """step.invoke had created its child (committed) but not yet written its waiting
+    checkpoint when a gathered branch failed and ended the run: the end looked only at the
+    checkpoints for a waiting invoke, found none, and left the child waiting for ever for
+    an event with nobody to take its output. The invoke's answer is held here until its
+    branch has been stopped, so the run ends inside that gap every time."""
+    created, stopped = threading.Event(), threading.Event()
+    original = store.start_child
+
+    def start_child_then_hold(*args, **kwargs):
+        answer = original(*args, **kwargs)
+        created.set()
+        assert stopped.wait(20), "the invoke's branch was never stopped"
+        return answer
+
+    monkeypatch.setattr(store, "start_child", start_child_then_hold)
+
+    @register("invoke-and-refuse")
+    class InvokeAndRefuse(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def send():
+                try:
+                    return await step.invoke("send", "parcel", params={"wait": True, "n": 3})
+                except asyncio.CancelledError:
+                    stopped.set()
+                    raise
+
+            async def check():
+                loop = asyncio.get_running_loop()
+                assert await loop.run_in_executor(None, created.wait, 20)
+                raise NonRetryableError("no address", "BadAddress")
+
+            return await asyncio.gather(send(), check())
+
+    parent = get_workflow("invoke-and-refuse").create(id="ic1")
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "BadAddress"
+    (child,) = parent.children()
+    assert child.status().status == "terminated", child.status()
+    assert "parent invoke-and-refuse/ic1 ended" in child.history()[-1].data["reason"]

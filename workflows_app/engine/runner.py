@@ -192,6 +192,9 @@ class Run:
             and not self.limits.flow_controlled
         )
         self.checkpoints = loaded.steps
+        # A step.invoke of this run began creating its child: from then on the child may
+        # exist before its waiting checkpoint does (a branch stopped in between).
+        self.invoke_began = False
         self.sleeps_ended = loaded.sleeps_ended  # see Step._sleep
         self.compensation_checkpoints = loaded.compensations
         # Checkpoints by the step before them in their branch: where replay must go next.
@@ -641,10 +644,10 @@ class Run:
         )
 
     def awaits_child(self) -> bool:
-        """Whether a step.invoke of this run may still wait for its child (its waiting
-        checkpoint is in self.checkpoints as soon as the child is started: no await
-        between the two)."""
-        return awaits_child(self.checkpoints.values())
+        """Whether a step.invoke of this run may still wait for its child: a waiting
+        checkpoint, or an invoke this run began (its branch stopped while the child was
+        being created leaves a child and no checkpoint; the end's look then finds it)."""
+        return self.invoke_began or awaits_child(self.checkpoints.values())
 
     def error_record(
         self,

@@ -755,9 +755,10 @@ class Step:
                 raise run.stored_failure(record)
         async with run.activity() as activity:
             if record is None:
+                # A run that ends from now on terminates the child (Run.awaits_child), even
+                # if this branch is stopped before its waiting checkpoint is written.
+                run.invoke_began = True
                 child = await self._start_child(name, workflow, params, id, version)
-                # No await before write() has put the waiting checkpoint in run.checkpoints:
-                # a run that ends from now on terminates the child (Run.awaits_child).
                 record = run.new_record(name, StepKind.INVOKE, StepStatus.WAITING)
                 record.attempts = 1
                 await run.write(record, [_child_history("child.started", name, child, wait=True)])
