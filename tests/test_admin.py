@@ -423,6 +423,24 @@ def test_adding_a_token_shows_the_secret_once_and_stores_only_its_hash(admin_cli
     assert secret not in page and token.token_hash in page
 
 
+@pytest.mark.parametrize("name", ["deploy\nrevoked: all", "ops\x00", "\u202enimda"])
+def test_a_token_name_with_control_or_bidi_characters_is_refused(admin_client, name):
+    """A token's name is the actor of every change made with it: a newline in it forged a
+    line in `wf` output and logs, a NUL made every write with the token fail, and a bidi
+    override reversed what an operator read. Refused in the admin and by tokens.issue,
+    naming what was wrong; nothing is stored."""
+    response = admin_client.post(
+        reverse("admin:workflows_app_apitoken_add"), {"name": name, "scope": "read"}
+    )
+    assert response.status_code == 200
+    (error,) = response.context["adminform"].form.errors["name"]
+    # Django's own field refuses a NUL first ("Null characters are not allowed.")
+    assert "must not hold control, bidi or line separator" in error or "Null characters" in error
+    with pytest.raises(tokens.TokenError, match="must not hold control"):
+        tokens.issue(name, scope="read")
+    assert not ApiToken.objects.exists()
+
+
 def test_the_token_secret_never_travels_in_a_cookie_or_a_message(admin_client):
     response = admin_client.post(
         reverse("admin:workflows_app_apitoken_add"), {"name": "svc", "scope": "write"}

@@ -746,6 +746,12 @@ class ApiTokenForm(forms.ModelForm):
 
     issuer: Any = None  # the admin user adding the token (set by ApiTokenAdmin.get_form)
 
+    def clean_name(self) -> str:
+        try:
+            return tokens.clean_name(self.cleaned_data.get("name"))
+        except tokens.TokenError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
     def clean_workflows(self) -> str:
         try:
             return tokens.clean_workflows(self.cleaned_data.get("workflows"))

@@ -21,6 +21,7 @@ from django.utils import timezone
 from .engine.durations import parse_duration
 from .engine.errors import InvalidDuration
 from .models import ApiToken
+from .text import one_line
 
 TOKEN_PREFIX = "wf_"
 VIEW_PERMISSION = "workflows_app.view_instance"
@@ -65,6 +66,21 @@ def clean_workflows(workflows: Any) -> str:
     return " ".join(sorted(set(names)))
 
 
+def clean_name(name: str | None) -> str:
+    """A token's name as stored: 1-100 characters, none of them a control, bidi or line
+    separator character. The name is the actor of every change made with the token, in
+    its history, logs, the dashboard and `wf` output: a newline in it forged a line there,
+    and an actor holding a NUL is refused, so every write with the token failed."""
+    name = (name or "").strip()
+    if not name or len(name) > 100:
+        raise TokenError(f"token name must be 1-100 characters, got {name!r}")
+    if one_line(name) != name:
+        raise TokenError(
+            f"token name must not hold control, bidi or line separator characters, got {name!r}"
+        )
+    return name
+
+
 def issue(
     name: str,
     username: str | None = None,
@@ -73,9 +89,7 @@ def issue(
     expires: Any = None,
 ) -> tuple[ApiToken, str]:
     """Create a token named `name`; returns it and the raw secret, which is never stored."""
-    name = (name or "").strip()
-    if not name or len(name) > 100:
-        raise TokenError(f"token name must be 1-100 characters, got {name!r}")
+    name = clean_name(name)
     if scope not in (ApiToken.READ, ApiToken.WRITE):
         raise TokenError(f"scope must be read or write, got {scope!r}")
     user = None
