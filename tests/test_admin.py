@@ -182,9 +182,21 @@ def test_the_instance_page_shows_pretty_params_steps_and_history(admin_client):
     row = some_of_everything()
     page = admin_client.get(change(row)).content.decode()
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
-    assert re.search(r"<pre[^>]*>\{\n  &quot;note&quot;", page)
+    assert re.search(r"<pre[^>]*>\{\n  <bdi>&quot;note&quot;</bdi>: <bdi>&quot;&lt;script", page)
     assert "charge" in page and "waitForEvent" in page  # the steps inline
     assert "instance.created" in page and "event.waiting" in page  # the history inline
+
+
+def test_json_in_the_admin_isolates_each_string_so_right_to_left_text_reorders_only_itself(
+    admin_client,
+):
+    """In a <pre> line of JSON, a right-to-left key and value (or a U+202E in one) were laid
+    out as one right-to-left run: the value read before its key, the punctuation moved.
+    Each string (keys too) is now its own <bdi>, escaped inside."""
+    handle = get_workflow(APPROVAL).create(params={"שם": "עולם\u202e<b>", "n": 1}, id="rtl-1")
+    page = admin_client.get(change(handle.row())).content.decode()
+    assert "<bdi>&quot;n&quot;</bdi>: 1" in page
+    assert "<bdi>&quot;שם&quot;</bdi>: <bdi>&quot;עולם\u202e&lt;b&gt;&quot;</bdi>" in page
 
 
 def test_the_instance_list_filters_and_searches(admin_client):

@@ -48,6 +48,7 @@ from .models import (
     WorkflowVersion,
     decode_json,
 )
+from .templatetags.wfdash import bdi_json
 
 CHANGE_INSTANCE = "workflows_app.change_instance"
 # Instances an admin action changes within its request; a bigger selection becomes bulk jobs.
@@ -55,9 +56,9 @@ ACTION_ROWS_IN_REQUEST = 500
 
 
 def pretty_json(value: Any) -> SafeString:
-    """User data as indented JSON in a <pre>, escaped by format_html."""
+    """User data as indented JSON in a <pre>, escaped, each string isolated (bdi_json)."""
     text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, cls=DjangoJSONEncoder)
-    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
+    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', bdi_json(text))
 
 
 def json_field(

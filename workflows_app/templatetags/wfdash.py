@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 
 from django import template
@@ -113,6 +114,23 @@ def _json_pieces(value: object, pieces: list[tuple[str, bool]]) -> None:
         pieces.append(("]", False))
     else:
         pieces.append((json.dumps(value, ensure_ascii=False, default=str), isinstance(value, str)))
+
+
+# A JSON string token as json.dumps writes it (a raw newline or quote inside is escaped).
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def bdi_json(text: str) -> SafeString:
+    """JSON text (indented or not) escaped for HTML, each string (keys too) in a <bdi>:
+    right-to-left text in it reorders only that string within its line, not the keys,
+    punctuation and values around it (a <pre> of the admin)."""
+    html, end = [], 0
+    for match in _JSON_STRING.finditer(text):
+        html.append(escape(text[end : match.start()]))
+        html.append(format_html("<bdi>{}</bdi>", match.group()))
+        end = match.end()
+    html.append(escape(text[end:]))
+    return mark_safe("".join(html))
 
 
 @register.filter
