@@ -259,6 +259,54 @@ async def test_a_client_that_disconnects_leaves_no_subscription_behind(approval)
     assert await HistorySubscriber.objects.acount() == 0
 
 
+async def test_a_client_holds_at_most_the_cap_of_history_streams_open(approval, settings):
+    """Each stream holds a history listener and a slot of the event loop: one token could
+    open them without end. Past WFDASH["MAX_SOCKETS_PER_USER"] open streams in the
+    process, a client's next stream ends at once, naming the cap; another client's does
+    not, and a client that goes away gives its place back (through Django's real ASGI
+    handler, as a server runs it)."""
+    settings.WFDASH = {**settings.WFDASH, "MAX_SOCKETS_PER_USER": 2}
+    await sync_to_async(approval.create)(id="e6")
+    await sync_to_async(testing.run_until_idle)()
+    _, secret = await sync_to_async(tokens.issue)("sse-many", scope="read")
+    _, other = await sync_to_async(tokens.issue)("sse-other", scope="read")
+
+    async def open_stream(token: str) -> tuple[ApplicationCommunicator, bytes]:
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": sse_url("e6"),
+            "query_string": b"",
+            "headers": [(b"authorization", f"Bearer {token}".encode()), (b"host", b"testserver")],
+        }
+        app = ApplicationCommunicator(ASGIHandler(), scope)
+        await app.send_input({"type": "http.request", "body": b"", "more_body": False})
+        assert (await app.receive_output(SIGNAL_TIMEOUT))["status"] == 200
+        body = b""
+        while b"instance.created" not in body and b"event: end" not in body:
+            body += (await app.receive_output(SIGNAL_TIMEOUT))["body"]
+        return app, body
+
+    async def leave(app: ApplicationCommunicator) -> None:
+        await app.send_input({"type": "http.disconnect"})
+        await app.wait(SIGNAL_TIMEOUT)
+
+    first, _ = await open_stream(secret)
+    second, _ = await open_stream(secret)
+    third, body = await open_stream(secret)
+    assert b"instance.created" not in body
+    assert b"too many history streams open (2, WFDASH_MAX_SOCKETS_PER_USER)" in body
+    await third.wait(SIGNAL_TIMEOUT)  # it ended on its own
+    elsewhere, body = await open_stream(other)
+    assert b"instance.created" in body
+    await leave(first)
+    again, body = await open_stream(secret)
+    assert b"instance.created" in body
+    for app in (second, elsewhere, again):
+        await leave(app)
+    assert not api._open_streams
+
+
 async def test_sse_takes_a_staff_session_that_may_view(approval):
     await sync_to_async(approval.create)(id="e3")
     await sync_to_async(testing.run_until_idle)()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,7 +34,7 @@ from django.utils.cache import add_never_cache_headers
 from django.utils.log import log_response
 from django.views.decorators.csrf import csrf_exempt
 
-from . import access, dashboard, openapi, surfaces, throttle, tokens
+from . import access, dashboard, openapi, socket_slots, surfaces, throttle, tokens
 from .client import InstanceHandle, ScheduleHandle, schedules
 from .converters import MAX_PK
 from .engine import errors
@@ -862,20 +864,63 @@ async def subscribe(request: HttpRequest, name: str, instance_id: str) -> HttpRe
         return uncached(response)
     allowed = await sync_to_async(subscription_credentials)(request, name)
     response = StreamingHttpResponse(
-        history_events(handle, cursor, allowed), content_type="text/event-stream"
+        history_events(handle, cursor, allowed, stream_owner(request)),
+        content_type="text/event-stream",
     )
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     return uncached(response)
 
 
+# Open history streams of each client (a token, or a session's user) in this process.
+_open_streams: Counter[tuple[str, Any]] = Counter()
+
+
+def stream_owner(request: HttpRequest) -> tuple[str, Any]:
+    """Whose history stream this is, for the cap on open streams: the bearer token (by its
+    secret's hash: no read) or the session's user."""
+    secret = bearer_secret(request)
+    if secret:
+        return ("token", hashlib.sha256(secret.encode()).hexdigest())
+    return ("user", request.user.pk)
+
+
 async def history_events(
-    handle: InstanceHandle, cursor: int, allowed: Callable[[], bool] | None = None
+    handle: InstanceHandle,
+    cursor: int,
+    allowed: Callable[[], bool] | None = None,
+    owner: tuple[str, Any] | None = None,
 ) -> AsyncIterator[str]:
     """SSE text: one `message` per history record, heartbeat comments while none comes,
     and an `end` event after the last record of a finished instance. Ends (`event: end`
     with a reason) once its credentials no longer hold, checked at most every
-    SSE_RECHECK_SECONDS, before a record is sent."""
+    SSE_RECHECK_SECONDS, before a record is sent; or at once when its owner holds
+    WFDASH["MAX_SOCKETS_PER_USER"] streams open in this process already (each stream
+    holds a history listener: one client could open them without end). Counted here, in
+    the stream, so one whose response is never sent holds nothing."""
     yield f"retry: {SSE_RETRY_MS}\n: history of {handle.workflow}/{handle.id} after {cursor}\n\n"
+    if owner is not None:
+        cap = socket_slots.max_sockets_per_user()
+        if _open_streams[owner] >= cap:
+            reason = json.dumps(
+                {"reason": f"too many history streams open ({cap}, WFDASH_MAX_SOCKETS_PER_USER)"}
+            )
+            yield f"event: end\ndata: {reason}\n\n"
+            return
+        _open_streams[owner] += 1
+    try:
+        async with contextlib.aclosing(_history_event_texts(handle, cursor, allowed)) as texts:
+            async for text in texts:
+                yield text
+    finally:
+        if owner is not None:
+            _open_streams[owner] -= 1
+            if not _open_streams[owner]:
+                del _open_streams[owner]
+
+
+async def _history_event_texts(
+    handle: InstanceHandle, cursor: int, allowed: Callable[[], bool] | None
+) -> AsyncIterator[str]:
     records = handle.asubscribe(cursor)
     pending: asyncio.Future[Any] | None = None
     checked = time.monotonic()
