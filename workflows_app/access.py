@@ -71,9 +71,17 @@ def recheck_users(pks: Any, using: str | None = None) -> None:
         transaction.on_commit(publish, using=using)
 
 
+# Fields of the user whose save alone cannot change what they may view.
+RIGHTS_UNCHANGED_BY = frozenset({"last_login"})
+
+
 @receiver(post_save, sender=settings.AUTH_USER_MODEL)
 @receiver(post_delete, sender=settings.AUTH_USER_MODEL)
 def recheck_a_changed_user(sender: Any, instance: Any, **kwargs: Any) -> None:
+    # A login saves the user's last_login alone: no right changed, and a re-check of each
+    # of their open sockets (up to the cap, each four queries) at every login is a storm.
+    if kwargs.get("update_fields") and set(kwargs["update_fields"]) <= RIGHTS_UNCHANGED_BY:
+        return
     recheck_users([instance.pk], kwargs.get("using"))
 
 
