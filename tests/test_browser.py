@@ -210,8 +210,7 @@ def test_create_wait_for_event_send_it_and_complete(page: Page) -> None:
     )
     assert_not_reloaded(page)
 
-    page.fill("#ev-type", "approval")
-    page.fill("#ev-payload", '{"ok": true, "by": "e2e"}')
+    fill_event_form(page, "approval", '{"ok": true, "by": "e2e"}')
     page.get_by_role("button", name="Send event", exact=True).click()
     expect(page.locator(".msg.success")).to_contain_text("Sent event")
     mark_page(page)
@@ -250,6 +249,18 @@ def test_pause_and_terminate_from_the_buttons(page: Page) -> None:
     history = page.locator('[data-section="history"]')
     expect(history).to_contain_text("instance.terminated")
     expect(history).to_contain_text("by admin")
+
+
+def fill_event_form(page: Page, event_type: str, payload: str) -> None:
+    """Fill the send-event form once its section shows the wait for that type. Until then a
+    live update replaces the section (its datalist, the expected schema): under load one
+    came between Playwright's fill and the click, the fill went to the replaced form, and
+    an empty payload was posted."""
+    section = page.locator('[data-section="send-event"]')
+    expect(section.locator(f'datalist option[value="{event_type}"]')).to_be_attached()
+    page.fill("#ev-type", event_type)
+    page.fill("#ev-payload", payload)
+    expect(page.locator("#ev-payload")).to_have_value(payload)
 
 
 def test_the_xss_payload_renders_as_text(page: Page) -> None:
@@ -610,8 +621,7 @@ def test_the_trace_marks_a_failed_step_and_its_run_as_errors(page: Page) -> None
 def test_a_refused_payload_stays_in_the_form_beside_its_error(page: Page) -> None:
     create_from_form(page, "order-approval", "e2e-refused", '{"amount": 5}')
     expect(badge(page)).to_have_attribute("data-status", "waiting")
-    page.fill("#ev-type", "approval")
-    page.fill("#ev-payload", '{"ok": "yes"}')
+    fill_event_form(page, "approval", '{"ok": "yes"}')
     page.get_by_role("button", name="Send event", exact=True).click()
     error = page.locator('[data-section="send-event"] [data-error-for="payload"]')
     expect(error).to_contain_text("does not match the schema")
