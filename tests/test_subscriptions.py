@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -233,28 +234,43 @@ async def test_sse_resumes_after_last_event_id_and_sends_heartbeats(approval, mo
     assert any(e.get("comment") == "heartbeat" for e in events)
 
 
+async def open_asgi_stream(
+    instance_id: str, token: str, until: Callable[[bytes], bool]
+) -> tuple[ApplicationCommunicator, bytes]:
+    """A history stream through Django's real ASGI handler, as a server runs it: the
+    communicator and the body read until until(body)."""
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": sse_url(instance_id),
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {token}".encode()), (b"host", b"testserver")],
+    }
+    app = ApplicationCommunicator(ASGIHandler(), scope)
+    await app.send_input({"type": "http.request", "body": b"", "more_body": False})
+    assert (await app.receive_output(SIGNAL_TIMEOUT))["status"] == 200
+    body = b""
+    while not until(body):
+        body += (await app.receive_output(SIGNAL_TIMEOUT))["body"]
+    return app, body
+
+
+async def leave(app: ApplicationCommunicator) -> None:
+    """The client goes away; the stream ends."""
+    await app.send_input({"type": "http.disconnect"})
+    await app.wait(SIGNAL_TIMEOUT)
+
+
 async def test_a_client_that_disconnects_leaves_no_subscription_behind(approval):
     """Through Django's real ASGI handler: a disconnect cancels the stream while it waits."""
     await sync_to_async(approval.create)(id="e5")
     await sync_to_async(testing.run_until_idle)()
     _, secret = await sync_to_async(tokens.issue)("sse-leaver", scope="read")
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": sse_url("e5"),
-        "query_string": b"",
-        "headers": [(b"authorization", f"Bearer {secret}".encode()), (b"host", b"testserver")],
-    }
-    app = ApplicationCommunicator(ASGIHandler(), scope)
-    await app.send_input({"type": "http.request", "body": b"", "more_body": False})
-    start = await app.receive_output(SIGNAL_TIMEOUT)
-    assert start["status"] == 200
-    body = b""
-    while b"instance.created" not in body or b"event.waiting" not in body:
-        body += (await app.receive_output(SIGNAL_TIMEOUT))["body"]
+    app, _ = await open_asgi_stream(
+        "e5", secret, lambda body: b"instance.created" in body and b"event.waiting" in body
+    )
     assert len(live.result_waiters) == 1  # caught up and waiting
-    await app.send_input({"type": "http.disconnect"})
-    await app.wait(SIGNAL_TIMEOUT)
+    await leave(app)
     assert len(live.result_waiters) == 0
     assert await HistorySubscriber.objects.acount() == 0
 
@@ -272,24 +288,9 @@ async def test_a_client_holds_at_most_the_cap_of_history_streams_open(approval, 
     _, other = await sync_to_async(tokens.issue)("sse-other", scope="read")
 
     async def open_stream(token: str) -> tuple[ApplicationCommunicator, bytes]:
-        scope = {
-            "type": "http",
-            "method": "GET",
-            "path": sse_url("e6"),
-            "query_string": b"",
-            "headers": [(b"authorization", f"Bearer {token}".encode()), (b"host", b"testserver")],
-        }
-        app = ApplicationCommunicator(ASGIHandler(), scope)
-        await app.send_input({"type": "http.request", "body": b"", "more_body": False})
-        assert (await app.receive_output(SIGNAL_TIMEOUT))["status"] == 200
-        body = b""
-        while b"instance.created" not in body and b"event: end" not in body:
-            body += (await app.receive_output(SIGNAL_TIMEOUT))["body"]
-        return app, body
-
-    async def leave(app: ApplicationCommunicator) -> None:
-        await app.send_input({"type": "http.disconnect"})
-        await app.wait(SIGNAL_TIMEOUT)
+        return await open_asgi_stream(
+            "e6", token, lambda body: b"instance.created" in body or b"event: end" in body
+        )
 
     first, _ = await open_stream(secret)
     second, _ = await open_stream(secret)
