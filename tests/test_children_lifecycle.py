@@ -349,7 +349,9 @@ def test_a_child_whose_invoke_was_cut_short_before_its_checkpoint_ends_with_its_
             async def check():
                 loop = asyncio.get_running_loop()
                 assert await loop.run_in_executor(None, created.wait, 20)
-                raise NonRetryableError("no address", "BadAddress")
+                if address["bad"]:
+                    raise NonRetryableError("no address", "BadAddress")
+                return "checked"
 
             return await asyncio.gather(send(), check())
 
@@ -359,3 +361,12 @@ def test_a_child_whose_invoke_was_cut_short_before_its_checkpoint_ends_with_its_
     (child,) = parent.children()
     assert child.status().status == "terminated", child.status()
     assert "parent invoke-and-refuse/ic1 ended" in child.history()[-1].data["reason"]
+    # A restart revives it though its step has no checkpoint: the replay's invoke finds it.
+    monkeypatch.setattr(store, "start_child", original)
+    address["bad"] = False
+    parent.restart()
+    testing.run_until_idle()
+    assert (child.status().status, parent.status().status) == ("waiting", "waiting")
+    child.send_event("go")
+    testing.run_until_idle()
+    assert parent.status().output == [{"parcel": 3}, "checked"]

@@ -1331,6 +1331,16 @@ def _restart_locked(
         )
     )
     steps.delete()
+    # A child whose step has no checkpoint (its branch was stopped after creating it and
+    # before the checkpoint; the parent's end terminated it) belongs to no dropped step:
+    # revived too, as the replay's step finds it by name.
+    kept = StepRecord.objects.filter(instance_id=inst.pk).values_list("name", flat=True)
+    child_steps.update(
+        Instance.objects.filter(parent_id=inst.pk)
+        .exclude(parent_step__in=kept)
+        .values_list("parent_step", flat=True)
+        .distinct()
+    )
     # One that held a place keeps it; any other goes through admission with the queue.
     keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
     if keeps_place and limits.rate_limit is not None:
