@@ -168,7 +168,9 @@ def test_the_embedded_worker_takes_its_queues_from_the_setting(tasks):
         assert embedded.embedded_queues() is None
 
 
-def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql(tasks):
+def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql(
+    tasks, monkeypatch
+):
     """The generic plan of its claim finds each queue's due tasks of each priority by
     instance_queue_priority, never by reading the table; the claim of every queue is
     the statement it was."""
@@ -194,9 +196,11 @@ def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql
     every = leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
     plan = _generic_plan(leases.CLAIM_BY_PRIORITY_SQL, every)
     assert "instance_task_priority" in plan, plan  # a worker that runs tasks (this one)
-    assert leases._claim_statement(every, with_rows=False) == leases.CLAIM_BY_PRIORITY_SQL
+    assert leases._claim_statement(None, with_rows=False) == leases.CLAIM_BY_PRIORITY_SQL
+    assert leases._claim_statement(["emails"], False) == leases.CLAIM_IN_QUEUES_SQL
     # a worker of no tasks claims by the statement it always did
-    assert leases._claim_statement({**every, "prefixes": "[]"}, False) == leases.CLAIM_SQL
+    monkeypatch.setattr(leases.registry, "resolved_prefixes", list)
+    assert leases._claim_statement(None, with_rows=True) == leases.CLAIM_WITH_ROWS_SQL
 
 
 def test_the_migration_gives_unfinished_tasks_made_before_it_their_queue(tasks):

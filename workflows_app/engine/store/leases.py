@@ -209,7 +209,7 @@ def _claim(
     lease_until = now + timedelta(seconds=lease_seconds)
     if writes_in_one_statement():
         return _claim_at_once(
-            _claim_params(worker_id, limit, now, lease_until, exclude, versions, queues)
+            _claim_params(worker_id, limit, now, lease_until, exclude, versions, queues), queues
         )
     mine = _versions_json(versions)
     due = [
@@ -586,12 +586,12 @@ def runs_tasks() -> bool:
     return bool(registry.resolved_prefixes())
 
 
-def _claim_statement(params: dict[str, Any], with_rows: bool) -> str:
-    """The claim for _claim_params' parameters: of some task queues (a `queues`
-    parameter), of every instance by priority among tasks, or of a worker of no tasks."""
-    if "queues" in params:
+def _claim_statement(queues: Sequence[str] | None, with_rows: bool) -> str:
+    """The claim of a worker: of some task queues, of every instance by priority among
+    tasks (runs_tasks()), or of a worker of no tasks."""
+    if queues is not None:
         return CLAIM_IN_QUEUES_WITH_ROWS_SQL if with_rows else CLAIM_IN_QUEUES_SQL
-    if params["prefixes"] != "[]":  # runs_tasks()
+    if runs_tasks():
         return CLAIM_BY_PRIORITY_WITH_ROWS_SQL if with_rows else CLAIM_BY_PRIORITY_SQL
     return CLAIM_WITH_ROWS_SQL if with_rows else CLAIM_SQL
 
@@ -646,10 +646,12 @@ def _claim_params(
     return params
 
 
-def _claim_at_once(params: dict[str, Any]) -> list[tuple[int, str, list[str]]]:
-    """CLAIM_SQL (CLAIM_IN_QUEUES_SQL) alone, with _claim_params' parameters."""
+def _claim_at_once(
+    params: dict[str, Any], queues: Sequence[str] | None
+) -> list[tuple[int, str, list[str]]]:
+    """The worker's claim statement alone, with _claim_params' parameters."""
     with statement_cursor() as cursor:
-        cursor.execute(_claim_statement(params, with_rows=False), params)
+        cursor.execute(_claim_statement(queues, with_rows=False), params)
         return [(pk, token, slept) for pk, token, slept in cursor.fetchall()]
 
 
@@ -672,7 +674,7 @@ def _claim_and_load_pipelined(
     reads = _load_statements([params["token_base"], limit], EVENTS_PER_LOAD * limit, by_token=True)
     with pipeline():
         claim = statement_cursor()
-        claim.execute(_claim_statement(params, with_rows=True), params)
+        claim.execute(_claim_statement(queues, with_rows=True), params)
         cursors = []
         for sql, read_params in reads:
             cursor = statement_cursor()
