@@ -434,6 +434,8 @@ class StepRecord(models.Model):
         ]
         ordering = ["instance", "seq"]
         indexes = [
+            # An instance's steps in start order: the newest N, and the pages of …/steps.
+            models.Index(fields=["instance", "seq"], name="step_seq"),
             # metrics page: steps completed in the last hour / day
             models.Index(
                 fields=["completed_at"],
