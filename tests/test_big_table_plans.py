@@ -58,3 +58,21 @@ def test_the_newest_steps_and_a_page_of_steps_walk_the_step_order_index():
     assert_read_in_order(explain(steps.order_by("-seq")[:1001]), "step_seq")
     # GET …/steps?cursor=: a page after a seq.
     assert_read_in_order(explain(steps.filter(seq__gt=10).order_by("seq")[:1001]), "step_seq")
+
+
+def test_the_newest_children_and_a_page_of_children_walk_the_children_index():
+    parent = instance("fan-out")
+    for n in range(30):
+        instance(f"other-{n}")  # instances of no parent: the page skips none of them
+        instance(f"child-{n}", parent=parent, parent_step=f"spawn {n}")
+    handle = InstanceHandle("big", "fan-out", parent)
+    page = handle.children_rows(after=0, limit=2)
+    assert [c.instance_id for c in page] == ["child-0", "child-1"]
+    after = handle.children_rows(after=page[-1].pk, limit=1)
+    assert [c.instance_id for c in after] == ["child-2"]
+    children = Instance.objects.filter(parent_id=parent.pk)
+    # GET …/children?cursor=: a page after a child's id.
+    page_plan = explain(children.filter(id__gt=page[-1].pk).order_by("id")[:1001])
+    assert_read_in_order(page_plan, "instance_children")
+    # The instance pages and GET …/instances/<id>: the newest N.
+    assert_read_in_order(explain(children.order_by("-id")[:1001]), "instance_children")

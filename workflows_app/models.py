@@ -113,8 +113,9 @@ class Instance(models.Model):
     # A child workflow: the parent instance and the step (invoke / start) that started it;
     # parent_span is "<trace id>:<span id>" of the parent's run span that started it, linked
     # from the child's runs (the parent's run span links back to the child's creation span).
-    # No index of its own: instance_child_per_step (parent, parent_step) serves every
-    # look-up by parent, as a partial index can for "= parent".
+    # No index of its own: instance_child_per_step (parent, parent_step) serves a look-up
+    # by parent, as a partial index can for "= parent", and instance_children (parent, id)
+    # the children in the order they were started.
     parent = models.ForeignKey(
         "self",
         on_delete=models.SET_NULL,
@@ -241,6 +242,11 @@ class Instance(models.Model):
             # schedule page: WHERE schedule = ? ORDER BY id DESC (the instances it started)
             models.Index(
                 fields=["schedule", "id"], name="instance_schedule", condition=~Q(schedule="")
+            ),
+            # An instance's children in the order they were started (the instance pages,
+            # GET …/children?cursor=): partial, of children only.
+            models.Index(
+                fields=["parent", "id"], name="instance_children", condition=Q(parent__isnull=False)
             ),
         ]
 
