@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workflows_app import testing
+from tests.test_api import Api
+from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.models import HistoryRecord
@@ -70,3 +71,35 @@ def test_terminating_a_paused_parent_still_ends_its_children_and_theirs():
     dad.pause()
     assert dad.terminate() is True
     assert [h.status().status for h in (dad, kid, grand)] == ["terminated"] * 3
+
+
+def test_a_token_limited_to_one_end_of_a_link_does_not_read_the_other_ends_status(client):
+    """A token limited to some workflows reads no instance of the others; through a parent
+    (its "children", …/children) or a child (its "parent") it read their live status. The
+    link stays (the instance's own history names the other end), its status is null."""
+    dad = get_workflow("op-dad").create(id="td")
+    testing.run_until_idle()
+    (kid,) = dad.children()
+    dad.pause()
+
+    def get(path: str, secret: str) -> dict:
+        response = Api(client, secret).get(f"/api/workflows/{path}")  # checked by OpenAPI
+        assert response.status_code == 200, response.content
+        return response.json()["result"]
+
+    _, only_dad = tokens.issue("only-dad", scope="read", workflows=["op-dad"])
+    _, only_kid = tokens.issue("only-kid", scope="read", workflows=["op-kid"])
+    _, both = tokens.issue("both", scope="read", workflows=["op-dad", "op-kid"])
+    _, any_workflow = tokens.issue("any", scope="read")
+    hidden = {"id": kid.id, "workflow": "op-kid", "status": None, "step": "kid"}
+    assert get("op-dad/instances/td", only_dad)["children"] == [hidden]
+    assert get("op-dad/instances/td/children", only_dad) == [hidden]
+    assert get(f"op-kid/instances/{kid.id}", only_kid)["parent"] == {
+        "id": "td",
+        "workflow": "op-dad",
+        "status": None,
+        "step": "kid",
+    }
+    for secret in (both, any_workflow):
+        assert get("op-dad/instances/td/children", secret)[0]["status"] == "waiting"
+        assert get(f"op-kid/instances/{kid.id}", secret)["parent"]["status"] == "paused"

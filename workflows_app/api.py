@@ -460,14 +460,26 @@ CHILDREN_IN_INSTANCE = 1000
 
 
 def get_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
-    return ok(
-        surfaces.instance_json(
-            instance(name, instance_id),
-            steps=STEPS_IN_INSTANCE,
-            open_steps=True,
-            children=CHILDREN_IN_INSTANCE,
-        )
+    data = surfaces.instance_json(
+        instance(name, instance_id),
+        steps=STEPS_IN_INSTANCE,
+        open_steps=True,
+        children=CHILDREN_IN_INSTANCE,
     )
+    data["parent"] = visible_ref(call, data["parent"])
+    data["children"] = [visible_ref(call, child) for child in data["children"]]
+    return ok(data)
+
+
+def visible_ref(call: Call, ref: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A parent or child link as this token may see it: the link itself (id, workflow,
+    step: the instance's own history names them) always, the other end's status only when
+    the token may read that workflow. A token limited to some workflows read the live
+    status of instances of any other workflow through their parents or children."""
+    visible = call.token.workflow_names
+    if ref is not None and visible and ref["workflow"] not in visible:
+        return {**ref, "status": None}
+    return ref
 
 
 def delete_instance(call: Call, name: str, instance_id: str) -> JsonResponse:
@@ -621,7 +633,12 @@ def get_children(call: Call, name: str, instance_id: str) -> JsonResponse:
     of the previous page; 0: from the first), at most ?limit= of them."""
     after, limit = page_query(call, CHILDREN_PAGE, "a cursor this endpoint gave")
     rows = instance(name, instance_id).children_rows(after=after, limit=limit + 1)
-    return paged(rows, limit, lambda c: c.pk, lambda c: surfaces.ref_json(c, c.parent_step))
+    return paged(
+        rows,
+        limit,
+        lambda c: c.pk,
+        lambda c: visible_ref(call, surfaces.ref_json(c, c.parent_step)),
+    )
 
 
 # The handlers that read a query string (their own check names what is allowed); every

@@ -272,7 +272,10 @@ SCHEMAS: dict[str, Any] = {
         {
             "id": {"type": "string"},
             "workflow": {"type": "string"},
-            "status": ref("Status"),
+            "status": {
+                "oneOf": [{"type": "null"}, ref("Status")],
+                "description": "null when the token is limited to workflows without this one",
+            },
             "step": {"type": "string", "description": "the parent's step that started the child"},
         }
     ),
