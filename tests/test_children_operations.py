@@ -103,3 +103,27 @@ def test_a_token_limited_to_one_end_of_a_link_does_not_read_the_other_ends_statu
     for secret in (both, any_workflow):
         assert get("op-dad/instances/td/children", secret)[0]["status"] == "waiting"
         assert get(f"op-kid/instances/{kid.id}", secret)["parent"]["status"] == "paused"
+
+
+@pytest.mark.parametrize(
+    ("workflow", "version", "says"),
+    [
+        (123, None, "the child's workflow must be a registered workflow name, got 123"),
+        ("", None, "the child's workflow must be a registered workflow name, got ''"),
+        ("op-kid", True, "the child's version must be an integer or None, got True"),
+    ],
+)
+def test_an_invoke_of_no_workflow_name_fails_the_parent_naming_the_step(workflow, version, says):
+    """step.invoke(name, 123) errored the parent with AttributeError ("'int' object has no
+    attribute 'startswith'", from the registry's look-up), naming neither the step nor
+    the argument; version=True started version 1 as if asked for it."""
+
+    @register("op-bad-parent")
+    class BadParent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("kid", workflow, version=version)
+
+    parent = get_workflow("op-bad-parent").create(id="bad")
+    testing.run_until_idle()
+    assert parent.status().error == {"name": "InvalidInput", "message": f'step "kid": {says}'}
+    assert parent.children() == []

@@ -818,6 +818,15 @@ class Step:
         from .registry import get_definition  # the registry imports this module
 
         run = self._run
+        if not isinstance(workflow, str) or not workflow:
+            raise InvalidInput(
+                f'step "{name}": the child\'s workflow must be a registered workflow name, '
+                f"got {workflow!r}"
+            )
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidInput(
+                f'step "{name}": the child\'s version must be an integer or None, got {version!r}'
+            )
         definition = get_definition(workflow, version)
         limits = definition.limits()
         what = f'params of the child of step "{name}"'
