@@ -9,7 +9,7 @@ from tests.test_api import Api
 from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
-from workflows_app.models import HistoryRecord
+from workflows_app.models import HistoryRecord, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -127,3 +127,48 @@ def test_an_invoke_of_no_workflow_name_fails_the_parent_naming_the_step(workflow
     testing.run_until_idle()
     assert parent.status().error == {"name": "InvalidInput", "message": f'step "kid": {says}'}
     assert parent.children() == []
+
+
+@pytest.fixture
+def chain(registered):
+    """A workflow that invokes itself down to a last level waiting for an event: root,
+    root:down, root:down:down."""
+
+    @register("op-chain")
+    class Chain(WorkflowEntrypoint):
+        async def run(self, event, step):
+            left = event.payload["left"]
+            if not left:
+                return await step.wait_for_event("go", type="go", timeout="1 day")
+            return await step.invoke("down", "op-chain", {"left": left - 1})
+
+    root = get_workflow("op-chain").create(id="root", params={"left": 2})
+    testing.run_until_idle()
+    assert Instance.objects.filter(workflow="op-chain", status="waiting").count() == 3
+    return root
+
+
+def test_a_bulk_terminate_over_a_tree_ends_it_as_terminating_its_root_does(chain):
+    """docs/operating.md: a bulk terminate is terminate() for each instance. Its fast path
+    ended a batch's parents and their children side by side, so a parent's own terminate
+    did not end those children: no child.terminated on the parent, no "parent … ended" on
+    the child, and a restart of the root did not revive them (it failed at once with
+    ChildWorkflowFailed, the child "terminated on its own"), where a terminate() of the
+    root, or a click on each instance in turn, revives the chain."""
+    job = get_workflow("op-chain").bulk("terminate", status="waiting")
+    testing.run_until_idle()
+    job.refresh()
+    assert job.done and job.matched == 3
+    assert (job.applied, job.skipped) == (1, 2)  # the others had ended with the root
+    chain_rows = Instance.objects.filter(workflow="op-chain")
+    assert set(chain_rows.values_list("status", flat=True)) == {"terminated"}
+    assert "child.terminated" in history_types(chain)
+    reasons = HistoryRecord.objects.filter(
+        instance__instance_id="root:down", type="instance.terminated"
+    ).values_list("data__reason", flat=True)
+    assert list(reasons) == ["parent op-chain/root ended"]
+
+    assert chain.restart() == "running"
+    testing.run_until_idle()
+    assert chain.status().status == "waiting"
+    assert chain_rows.filter(status="waiting").count() == 3

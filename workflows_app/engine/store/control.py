@@ -1130,7 +1130,12 @@ def terminate(
 def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> list[Instance]:
     """Terminate the live instances among pks as terminate() does each, with a few
     statements for the lot (inside the caller's transaction: a bulk job's batch); returns
-    the instances terminated. Rows are locked in id order, as every multi-row lock is."""
+    the instances terminated. Rows are locked in id order, as every multi-row lock is.
+
+    As terminate() of each in id order (a parent before its children): an instance whose
+    parent is terminated in the same batch ends with it, through the parent's cascade
+    (child.terminated on the parent, which a restart of the parent revives), and is not
+    returned, as a terminate() of it afterwards would find it ended already."""
     rows = list(
         lock_rows(Instance.objects.filter(id__in=list(pks)).order_by("id")).only(
             "id",
@@ -1145,6 +1150,10 @@ def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> li
         )
     )
     live = [row for row in rows if lifecycle.can(lifecycle.TERMINATE, row.status)]
+    # A row whose parent is ended here too ends in that parent's cascade, which ends every
+    # live child level by level: only the others (the roots of the batch) are ended here.
+    ending = {row.pk for row in live}
+    live = [row for row in live if row.parent_id not in ending]
     if live:
         _terminate_locked(
             live, lambda inst: limits_for(inst.workflow, inst.version), actor, reason, clock.now()
