@@ -172,3 +172,44 @@ def test_a_bulk_terminate_over_a_tree_ends_it_as_terminating_its_root_does(chain
     testing.run_until_idle()
     assert chain.status().status == "waiting"
     assert chain_rows.filter(status="waiting").count() == 3
+
+
+def test_a_restart_from_a_later_step_revives_the_started_child_the_terminate_ended(registered):
+    """README: a restart of the parent revives the children its terminate ended. With
+    from_step after a step.start, that step's checkpoint is kept, so its child (ended by
+    the terminate, not on its own) was left terminated: the restarted parent carried on
+    and completed, and the child's work silently never happened, as a full restart did
+    before it revived started children."""
+
+    @register("op-audit")
+    class Audit(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go", timeout="1 day")
+            return "audited"
+
+    @register("op-auditor")
+    class Auditor(WorkflowEntrypoint):
+        async def run(self, event, step):
+            child_id = await step.start("audit", "op-audit")
+            await step.wait_for_event("done", type="done", timeout="1 day")
+            return child_id
+
+    parent = get_workflow("op-auditor").create(id="au")
+    testing.run_until_idle()
+    (child,) = parent.children()
+    parent.terminate()
+    assert child.status().status == "terminated"
+
+    assert parent.restart(from_step="done") == "running"
+    testing.run_until_idle()
+    assert parent.status().status == "waiting"
+    assert child.status().status == "waiting"
+    child.send_event("go")
+    parent.send_event("done")
+    testing.run_until_idle()
+    assert (parent.status().output, child.status().output) == ("au:audit", "audited")
+
+    # A child that ended on its own is left as it is by the parent's later restarts.
+    parent.restart(from_step="done")
+    testing.run_until_idle()
+    assert child.status().status == "complete"

@@ -1308,7 +1308,8 @@ def _restart_locked(
     version: int | None,
 ) -> tuple[Instance, set[str], str]:
     """restart() of one instance inside the caller's transaction: the instance, the names
-    of the dropped steps that started children, and its new status."""
+    of its steps whose children a revival looks at (the dropped steps that started
+    children, and the kept step.start steps), and its new status."""
     now = clock.now()
     inst = locked_instance(name, instance_id)
     moved = version is not None and version != inst.version
@@ -1349,6 +1350,15 @@ def _restart_locked(
         .exclude(parent_step__in=kept)
         .values_list("parent_step", flat=True)
         .distinct()
+    )
+    # A kept step.start (a restart from a later step) says its child was started and runs
+    # on: one the instance's own terminate or cancel ended is revived too, or the parent
+    # would carry on and the child's work silently never happen. (A kept invoke's child
+    # had finished on its own: its checkpoint holds the output.)
+    child_steps.update(
+        StepRecord.objects.filter(instance_id=inst.pk, kind=StepKind.START_CHILD).values_list(
+            "name", flat=True
+        )
     )
     # One that held a place keeps it; any other goes through admission with the queue.
     keeps_place = lifecycle.holds_place(inst.status, inst.started_at is not None)
@@ -1434,8 +1444,9 @@ def _check_idempotency_key_free(inst: Instance, version: int) -> None:
 
 
 def _restart_children_it_ended(parent: Instance, steps: Collection[str], actor: str) -> None:
-    """The children of the dropped steps that the parent's own terminate or cancel ended
-    (its child.terminated records) run again with it: the replay finds them by step, and
+    """The children of the dropped steps (and of the kept step.start steps) that the
+    parent's own terminate or cancel ended (its child.terminated records) run again with
+    it: the replay finds them by step, and
     would otherwise fail at once on a child its terminate killed (or go on without a
     started one). A child that failed or was terminated on its own is found as it is.
     Theirs run again the same way, level by level in a loop (not a restart() per level:
