@@ -396,3 +396,16 @@ def test_a_declared_schedule_under_its_unhashed_name_is_renamed_keeping_its_stat
     assert renamed.name == store.schedules.declared_name("nightly report", 0) != "nightly-report:0"
     assert renamed.paused and Schedule.objects.count() == 1
     assert [i.instance_id for i in schedules.get(renamed.name).instances()] == ["from-the-old-row"]
+
+
+def test_next_runs_of_a_rare_expression_end_with_the_calendar_not_an_overflow(registered):
+    """A fifth Monday in February comes about four times a century: the thousand next runs
+    a caller may ask for go past the year 9999, where cronsim raised OverflowError out of
+    next_runs (and any surface asking for them)."""
+    register_report()
+    with testing.fake_clock(START):
+        s = schedules.create("leap-mondays", workflow="report", cron="0 0 * 2 1#5")
+        runs = s.next_runs(1000)
+    assert runs[:2] == [datetime(2044, 2, 29, tzinfo=UTC), datetime(2072, 2, 29, tzinfo=UTC)]
+    assert 200 < len(runs) < 1000 and runs[-1].year == 9988
+    assert runs == sorted(set(runs))

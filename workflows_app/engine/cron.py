@@ -67,10 +67,18 @@ def fire_times(cron: str, timezone: str, after: datetime) -> Iterator[datetime]:
     cronsim reads a local time in the repeated hour of an autumn change as its first
     pass: from 02:10 of the second pass it starts at the first, an hour earlier, and its
     first tick (02:30 of the first pass, fired already) is in the past. Such ticks are
-    passed over."""
+    passed over.
+
+    The times end with the calendar (year 9999): a rare expression ("0 0 * 2 1#5", a
+    fifth Monday in February, about four a century) runs out of years within the
+    thousand times next_runs may ask for, where cronsim raises OverflowError."""
     tz = zone(timezone)
-    for tick in CronSim(cron, after.astimezone(tz)):
-        fires = tick.astimezone(UTC)
+    ticks = iter(CronSim(cron, after.astimezone(tz)))
+    while True:
+        try:
+            fires = next(ticks).astimezone(UTC)
+        except (OverflowError, StopIteration):
+            return
         if fires > after:
             yield fires
 
