@@ -175,6 +175,31 @@ def test_api_answers_bad_schedule_input_with_4xx_json(service):
     assert list(Schedule.objects.values_list("name", "paused")) == [("taken", False)]
 
 
+def test_api_lists_pauses_and_deletes_a_schedule_whose_workflow_left_the_code(service):
+    """The client, `wf schedules` and the dashboard list such a schedule (it never fires
+    again) and can delete it; the API answered 404 UnknownWorkflow for its list, the
+    schedule and every change, so an API user could neither see nor remove it."""
+    from workflows_app.engine import WorkflowEntrypoint, register, registry
+
+    @register("retired-report")
+    class Retired(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return None
+
+    schedules.create("orphan", workflow="retired-report", cron="0 * * * *")
+    registry.unregister("retired-report")  # the class left the code; no instance was started
+    url = schedules_url("retired-report", "orphan")
+    listed = service.get(schedules_url("retired-report"))
+    assert [s["name"] for s in listed.json()["result"]] == ["orphan"]
+    assert service.get(url).json()["result"]["workflow"] == "retired-report"
+    assert service.patch(url, {"paused": True}).json()["result"]["paused"] is True
+    assert error_of(service.post(url + "/trigger"))[:2] == (404, "UnknownWorkflow")
+    assert service.call("DELETE", url).json()["result"]["deleted"] is True
+    assert not Schedule.objects.exists()
+    assert error_of(service.get(schedules_url("retired-report")))[:2] == (404, "UnknownWorkflow")
+    assert error_of(service.get(url))[:2] == (404, "UnknownWorkflow")
+
+
 def test_api_schedule_writes_need_a_write_token_for_the_workflow():
     schedules.create("guarded", workflow=SIMPLE, cron="* * * * *")
     reader = user_api("reader", can_change=False)

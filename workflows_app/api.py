@@ -39,7 +39,7 @@ from .client import InstanceHandle, ScheduleHandle, schedules
 from .converters import MAX_PK
 from .engine import errors
 from .engine.attributes import parse_filter as parse_attribute_filter
-from .models import ApiToken, BulkAction
+from .models import ApiToken, BulkAction, Schedule
 
 log = logging.getLogger("workflows_app.api")
 
@@ -699,9 +699,20 @@ def skip_sleep(call: Call, name: str, instance_id: str) -> JsonResponse:
     return ok({**state(handle), "skipped": skipped})
 
 
+def schedules_workflow(name: str) -> None:
+    """UnknownWorkflow unless the workflow is registered, has instances, or has schedules:
+    a schedule whose workflow left the code stays listed by every other surface, and
+    operators must be able to see and delete it here too."""
+    try:
+        surfaces.binding(name)
+    except errors.UnknownWorkflow:
+        if not Schedule.objects.filter(workflow=name).exists():
+            raise
+
+
 def schedule_of(name: str, schedule: str) -> ScheduleHandle:
     """The schedule, only under the workflow it starts (token limits are per workflow)."""
-    surfaces.binding(name)  # UnknownWorkflow first, as for instances
+    schedules_workflow(name)  # UnknownWorkflow first, as for instances
     try:
         found = schedules.get(schedule)
     except errors.ScheduleNotFound:
@@ -717,7 +728,7 @@ NEXT_RUNS_SHOWN = 5
 
 
 def list_schedules(call: Call, name: str) -> JsonResponse:
-    surfaces.binding(name)
+    schedules_workflow(name)
     return ok([surfaces.schedule_json(s) for s in schedules.list(workflow=name)])
 
 
