@@ -258,6 +258,28 @@ def test_admin_adds_a_schedule_and_pauses_resumes_and_triggers_it():
     assert Schedule.objects.get(name="a").last_instance_id.encode() in page.content
 
 
+def test_admin_deletes_a_declared_schedule_only_once_its_workflow_left_the_code():
+    """The client and `wf schedules delete` remove a declared schedule whose workflow was
+    removed from the code (nothing else ever will); the admin refused it with 403."""
+    from workflows_app.engine import WorkflowEntrypoint, register, registry
+
+    @register("retired-nightly", schedules=["0 3 * * *"])
+    class Retired(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return None
+
+    testing.run_until_idle()  # a worker start declares it
+    admin = Client()
+    admin.force_login(User.objects.create_superuser("boss", password="pw"))
+    pk = Schedule.objects.get(name="retired-nightly:0").pk
+    delete = reverse("admin:workflows_app_schedule_delete", args=[pk])
+    assert admin.get(delete).status_code == 403  # declared by code that is still there
+    registry.unregister("retired-nightly")
+    assert admin.get(delete).status_code == 200
+    assert admin.post(delete, {"post": "yes"}).status_code == 302
+    assert not Schedule.objects.exists()
+
+
 def test_admin_refuses_bad_schedule_params_as_a_form_error_naming_them():
     admin = Client(raise_request_exception=False)
     admin.force_login(User.objects.create_superuser("boss", password="pw"))

@@ -33,7 +33,7 @@ from django.utils.safestring import SafeString
 
 from . import tokens
 from .client import InstanceHandle, ScheduleHandle, WorkflowBinding, schedules, start_bulk_job
-from .engine import errors, lifecycle
+from .engine import errors, lifecycle, store
 from .engine.cron import check_cron, check_schedule_name, zone
 from .engine.limits import check_size, encode_json
 from .engine.registry import all_definitions, get_definition
@@ -1166,7 +1166,9 @@ class ScheduleAdmin(admin.ModelAdmin):
         return request.user.has_perm(CHANGE_INSTANCE) and super().has_add_permission(request)
 
     def has_delete_permission(self, request: HttpRequest, obj: Schedule | None = None) -> bool:
-        return (obj is None or not obj.declared) and super().has_delete_permission(request, obj)
+        # As the client: a declared schedule whose workflow left the code may go.
+        deletable = obj is None or not store.schedules.declared_in_code(obj)
+        return deletable and super().has_delete_permission(request, obj)
 
     def delete_model(self, request: HttpRequest, obj: Schedule) -> None:
         schedules.get(obj.name).delete()

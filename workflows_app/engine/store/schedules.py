@@ -125,12 +125,16 @@ def set_paused(name: str, paused: bool) -> Schedule:
     return row
 
 
+def declared_in_code(row: Schedule) -> bool:
+    """A declared schedule goes with its declaration; one whose workflow left the code may
+    be deleted by hand (no worker syncs it any more)."""
+    return row.declared and any(d.name == row.workflow for d in all_definitions())
+
+
 @retry_while_locked
 def delete_schedule(name: str) -> None:
     row = get_schedule(name)
-    # A declared one goes with its declaration; one whose workflow left the code may go
-    # here (no worker syncs it any more).
-    if row.declared and any(d.name == row.workflow for d in all_definitions()):
+    if declared_in_code(row):
         raise InvalidInput(
             f"schedule {name!r} is declared in code by register({row.workflow!r}, schedules=[...]); "
             "remove it there, or pause it"
