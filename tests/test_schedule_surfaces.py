@@ -341,6 +341,25 @@ def test_the_dashboard_lists_schedules_with_next_and_last_runs_and_links_their_i
     assert client.get(reverse("workflows:schedule", args=["missing"])).status_code == 404
 
 
+def test_the_dashboard_shows_a_schedules_params_decoded_and_survives_undecodable_ones():
+    """With a payload codec the stored params are the codec's envelope: the schedule page
+    showed that ({"$codec": "Z0FB..."}) as the params; without the codec they were written
+    with, the page was a 500 (CodecError). The admin and the API show them decoded."""
+    from tests.test_security_review import with_codec
+
+    client = Client(raise_request_exception=False)
+    client.force_login(make_user("viewer", "view_instance"))
+    page = reverse("workflows:schedule", args=["sealed"])
+    with with_codec():
+        schedules.create("sealed", workflow=SIMPLE, cron="0 3 * * *", params={"card": "4242"})
+        shown = client.get(page).content.decode()
+        assert "4242" in shown and "$codec" not in shown
+    with with_codec(None):  # the codec's setting removed: the params cannot be decoded
+        response = client.get(page)
+        assert response.status_code == 200
+        assert "cannot decode" in response.content.decode()
+
+
 def test_dashboard_schedule_actions_check_permissions_and_act():
     schedules.create("s", workflow=SIMPLE, cron="* * * * *")
     viewer = Client()

@@ -462,10 +462,16 @@ class SchedulePage:
     next_runs: list[datetime]
     recent: list[Instance]
 
+    @property
+    def params_pretty(self) -> str:
+        """Its params as stored params are shown: decoded by the payload codec (the stored
+        text is the codec's envelope), a message where they cannot be decoded."""
+        return pretty_json(self.row.schedule.params_json)
+
 
 def schedule_page(name: str) -> SchedulePage | None:
     """A schedule, its next fire times and the instances it started, newest first."""
-    from .client import ScheduleHandle
+    from .scheduling import upcoming
 
     schedule = Schedule.objects.filter(name=name).first()
     if schedule is None:
@@ -476,8 +482,10 @@ def schedule_page(name: str) -> SchedulePage | None:
         .order_by("-id")[:RECENT_ON_SCHEDULE_PAGE]
     )
     last = next((i for i in recent if i.instance_id == schedule.last_instance_id), None)
-    handle = ScheduleHandle.from_row(schedule)
-    return SchedulePage(ScheduleRow(schedule, last), handle.next_runs(5), recent)
+    # Not through a ScheduleHandle: it decodes the params, which fails (CodecError) for
+    # params written with a codec this process does not have.
+    next_runs = upcoming(schedule.cron, schedule.timezone, schedule.paused, 5)
+    return SchedulePage(ScheduleRow(schedule, last), next_runs, recent)
 
 
 def pretty_json(text: str | None) -> str:

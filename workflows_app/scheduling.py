@@ -48,6 +48,17 @@ def _target(workflow: str) -> store.schedules.Target:
     return store.schedules.Target(definition.name, definition.version, definition.limits())
 
 
+def upcoming(cron: str, timezone: str, paused: bool, count: int) -> list[datetime]:
+    """The next `count` fire times of a schedule after now; none while it is paused."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_NEXT_RUNS:
+        raise errors.InvalidInput(
+            f"count must be an integer from 1 to {MAX_NEXT_RUNS}, got {count!r}"
+        )
+    if paused:
+        return []
+    return list(itertools.islice(fire_times(cron, timezone, clock.now()), count))
+
+
 @dataclass(frozen=True)
 class ScheduleHandle:
     """One schedule as read from the database; its methods act on it and return fresh handles."""
@@ -110,13 +121,7 @@ class ScheduleHandle:
     def next_runs(self, count: int = 5) -> list[datetime]:
         """The next `count` fire times after now (aware datetimes, UTC); none while the
         schedule is paused (as this handle read it), since a paused schedule fires no tick."""
-        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_NEXT_RUNS:
-            raise errors.InvalidInput(
-                f"count must be an integer from 1 to {MAX_NEXT_RUNS}, got {count!r}"
-            )
-        if self.paused:
-            return []
-        return list(itertools.islice(fire_times(self.cron, self.timezone, clock.now()), count))
+        return upcoming(self.cron, self.timezone, self.paused, count)
 
     def instances(self, limit: int = 20) -> list[Instance]:
         """The instances this schedule started, newest first."""
