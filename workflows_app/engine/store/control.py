@@ -364,14 +364,64 @@ def _scan_queue(
         after = (rows[-1][1], rows[-1][0])
 
 
+def _changed_candidates(
+    name: str, now: datetime, changed: _Changed, at_bound: Collection[str]
+) -> list[Candidate]:
+    """The queued instances _Decided.beyond looks at (a debounce not ended is not one)."""
+    columns = "id, priority, concurrency_key, admit_at, waiting_reason"
+    base = (
+        f"SELECT {columns} FROM {INSTANCE_TABLE} WHERE workflow = %s AND status = %s "
+        "AND (admit_at IS NULL OR admit_at <= %s OR waiting_reason NOT LIKE %s)"
+    )
+    params: list[Any] = [name, Status.QUEUED, db_time(now), DEBOUNCED + "%"]
+    reads: list[tuple[str, list[Any]]] = []
+    if changed.pks:
+        pks = sorted(changed.pks)
+        reads.append((f"{base} AND id IN ({', '.join(['%s'] * len(pks))})", [*params, *pks]))
+    for key in sorted(set(changed.keys) - set(at_bound)):
+        reads.append(
+            (
+                f"{base} AND concurrency_key = %s ORDER BY priority, id LIMIT {ADMISSION_PAGE}",
+                [*params, key],
+            )
+        )
+    if changed.due:
+        reads.append(
+            (
+                f"{base} AND admit_at <= %s ORDER BY admit_at LIMIT {ADMISSION_PAGE}",
+                [*params, db_time(now)],
+            )
+        )
+    found: list[Candidate] = []
+    with connection.cursor() as cursor:
+        for sql, values in reads:
+            cursor.execute(sql, values)
+            found += [
+                Candidate(pk, priority, key, from_db_time(at), reason)
+                for pk, priority, key, at, reason in cursor.fetchall()
+            ]
+    return found
+
+
 def promote_queued(
-    name: str, limits: Limits, now: datetime, created: Collection[int] = ()
+    name: str,
+    limits: Limits,
+    now: datetime,
+    created: Collection[int] = (),
+    *,
+    look_at: Collection[int] = (),
+    freed_keys: Collection[str | None] = (),
+    due: bool = False,
 ) -> list[int]:
     """Start queued instances of a workflow while flow control allows; returns their pks.
 
     Those left queued get their reason (waiting_reason) and, when time will let them
     start (a debounce, a rate window), their admit_at: admit_due looks at them again then.
     created: instances inserted by this transaction (their history says created, not started).
+    What changed, looked at even behind the ADMISSION_SCAN instances the pass reads in
+    line (see _Decided.beyond): look_at, instances put back in the queue (a resume);
+    freed_keys, the keys of instances that just gave their place up (an end); due, the
+    instances whose admit_at came (admit_due).
     """
     if not created:  # a caller that inserted or requeued instances holds the lock already
         # Before the look at the queue: a create deciding meanwhile counted this
@@ -380,8 +430,9 @@ def promote_queued(
         lock_workflow(name)
         if not _queued(name).exists():
             return []
+    changed = _Changed({*created, *look_at}, {k for k in freed_keys if k is not None}, due)
     for _ in range(ADMISSION_TRIES):
-        decided = _Decided(name, limits, now, created)
+        decided = _Decided(name, limits, now, created, changed)
         # Those chosen must still be queued once locked: a pause or a terminate (which
         # take no admission lock when they free no place) may have taken one since the
         # scan read it. Then its place goes to the next in line: decided again. (This
@@ -400,10 +451,25 @@ def promote_queued(
 ADMISSION_TRIES = 3  # admission passes at most when instances chosen change under one
 
 
+class _Changed(NamedTuple):
+    """What an admission pass is about beyond the head of the queue (see promote_queued)."""
+
+    pks: set[int]
+    keys: set[str]
+    due: bool
+
+
 class _Decided:
     """One admission pass of a workflow's queue: who starts, who waits and why."""
 
-    def __init__(self, name: str, limits: Limits, now: datetime, created: Collection[int]) -> None:
+    def __init__(
+        self,
+        name: str,
+        limits: Limits,
+        now: datetime,
+        created: Collection[int],
+        changed: _Changed,
+    ) -> None:
         self.name, self.limits, self.now = name, limits, now
         admission = Admission(name, limits, now)
         self.admitted: list[int] = []
@@ -413,11 +479,13 @@ class _Decided:
         # Keys whose places are all taken: the scan reads no more of their queue, so a
         # long backlog of one key does not hide the instances of other keys behind it.
         at_bound: set[str] = set()
+        seen: set[int] = set()
         for page in _scan_queue(name, now, at_bound):
             scanned += len(page)
             admission.learn_keys({c.concurrency_key for c in page})
             for candidate in page:
                 assert candidate.pk is not None
+                seen.add(candidate.pk)
                 if admission.full and (candidate.admit_at is None or candidate.admit_at <= now):
                     break  # the rest wait for a place
                 undecided.discard(candidate.pk)
@@ -432,6 +500,8 @@ class _Decided:
             self.stopped_early = True
             break
         self.cut_short = self.stopped_early or scanned >= ADMISSION_SCAN
+        if self.cut_short and not self.stopped_early and not admission.full:
+            self.beyond(admission, changed, seen, at_bound, undecided)
         # Why the instances the pass did not reach wait: no place left, or (the scan read
         # its ADMISSION_SCAN instances first) the ones ahead of them, whatever the limits.
         self.full = (
@@ -450,6 +520,39 @@ class _Decided:
                     continue  # its debounce is its reason until it ends (it keeps admit_at)
                 reason = admission.key_full(key) if key in at_bound else self.full
                 self.waiting.setdefault((reason, None), []).append(pk)
+
+    def beyond(
+        self,
+        admission: Admission,
+        changed: _Changed,
+        seen: set[int],
+        at_bound: set[str],
+        undecided: set[int],
+    ) -> None:
+        """The scan read its ADMISSION_SCAN instances, every one held back by its key (a
+        thousand customers each at max_concurrent_per_key), and places are left: what
+        changed behind them is decided too, in queue order. Else a new instance of a key
+        with a free place, the next of a key whose place just freed, or one whose debounce
+        just ended waited behind them while its place stayed free, until the queue ahead
+        shrank under ADMISSION_SCAN. Bounded reads: the instances named, the first page of
+        each freed key's queue, the first page of the due ones."""
+        candidates = {
+            c.pk: c
+            for c in _changed_candidates(self.name, self.now, changed, at_bound)
+            if c.pk not in seen
+        }
+        ordered = sorted(candidates.values(), key=lambda c: (c.priority, c.pk))
+        admission.learn_keys({c.concurrency_key for c in ordered})
+        for candidate in ordered:
+            if admission.full:
+                break
+            assert candidate.pk is not None
+            undecided.discard(candidate.pk)
+            ok, reason, admit_at = admission.decide(candidate)
+            if ok:
+                self.admitted.append(candidate.pk)
+            elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
+                self.waiting.setdefault((reason, admit_at), []).append(candidate.pk)
 
     def write(self, created: Collection[int]) -> list[int]:
         """Store the pass: reasons and times of those that wait, the start of the others."""
@@ -518,7 +621,7 @@ def admit_due(workflows: Sequence[tuple[str, Limits]]) -> tuple[list[int], datet
     admitted: list[int] = []
     for name in set(timed.filter(admit_at__lte=now).values_list("workflow", flat=True)):
         with transaction.atomic():
-            admitted += promote_queued(name, limits_by_name[name], now)
+            admitted += promote_queued(name, limits_by_name[name], now, due=True)
     return admitted, first_admit(list(limits_by_name))
 
 
@@ -1084,7 +1187,7 @@ def resume(name: str, instance_id: str, limits: Limits, actor: str = "") -> str:
             append_history(
                 inst.pk, [History("instance.resumed", {"to": Status.QUEUED}, actor)], now
             )
-            if inst.pk in promote_queued(name, limits, now):
+            if inst.pk in promote_queued(name, limits, now, look_at={inst.pk}):
                 new_status = Status.RUNNING
         elif inst.status == Status.WAITING_FOR_PAUSE:
             Instance.objects.filter(id=inst.pk).update(status=Status.RUNNING, updated_at=now)
@@ -1215,7 +1318,8 @@ def _end_terminated(
     for workflow, inst in {inst.workflow: inst for inst in insts}.items():
         limits = limits_of(inst)
         if limits.flow_controlled:
-            promote_queued(workflow, limits, now)
+            freed = {i.concurrency_key for i in insts if i.workflow == workflow}
+            promote_queued(workflow, limits, now, freed_keys=freed)
 
 
 def end_awaited_children(pk: int, now: datetime) -> None:

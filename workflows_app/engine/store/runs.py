@@ -643,7 +643,7 @@ def _finish_rows(
             "lease_owner = '', lease_expires_at = NULL "
             f"WHERE id = %s AND lease_token = %s AND {NO_CANCEL_PENDING} "
             "RETURNING history_seq, retention_ms, retention_error_ms, workflow, "
-            "parent_id, parent_step",
+            "parent_id, parent_step, concurrency_key",
             [
                 len(history),
                 db_time(now),
@@ -662,7 +662,7 @@ def _finish_rows(
         row = cursor.fetchone()
     if row is None:
         return False
-    last_seq, success_ms, error_ms, workflow, parent_id, parent_step = row
+    last_seq, success_ms, error_ms, workflow, parent_id, parent_step, key = row
     close_open_steps(pk, now)
     if parent_id is not None:  # issue 15 (children)
         wake_parent(parent_id, parent_step, now)
@@ -677,7 +677,7 @@ def _finish_rows(
     if error_record is not None:
         ErrorRecord.objects.create(instance_id=pk, created_at=now, **error_record)
     if limits.flow_controlled:  # queues form only under flow control (issue 15)
-        promote_queued(workflow, limits, now)
+        promote_queued(workflow, limits, now, freed_keys=[key])
     return True
 
 
