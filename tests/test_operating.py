@@ -451,6 +451,55 @@ def test_a_crash_mid_batch_rolls_the_batch_back_and_it_is_taken_again(tagged, mo
     assert {tagged.get(f"w{i}").status().output for i in range(4)} == {"done"}
 
 
+def restart_records(handle):
+    return HistoryRecord.objects.filter(
+        instance_id=handle.row().pk, type="instance.restarted"
+    ).count()
+
+
+def test_a_repeated_bulk_restart_of_errored_instances_restarts_each_once(tagged):
+    handles = waiting_instances(tagged, 3)
+    for handle in handles:
+        handle.send_event("go", "fail")
+    testing.run_until_idle()
+    assert {h.status().status for h in handles} == {"errored"}
+    # The same request twice (a retried POST, a double click): both snapshot the three.
+    from workflows_app import bulk
+
+    first = tagged.bulk("restart", status="errored")
+    second = tagged.bulk("restart", status="errored")
+    assert (first.matched, second.matched) == (3, 3)
+    bulk.process_batch(first.id)
+    bulk.process_batch(second.id)
+    assert [restart_records(h) for h in handles] == [1, 1, 1]
+    second.refresh()
+    assert (second.done, second.applied, second.skipped) == (True, 0, 3)
+
+
+def test_a_bulk_delete_of_errored_instances_spares_one_restarted_and_completed_since(
+    tagged, monkeypatch
+):
+    handles = waiting_instances(tagged, 2)
+    for handle in handles:
+        handle.send_event("go", "fail")
+    testing.run_until_idle()
+    job = tagged.bulk("delete", status="errored")
+    # No worker takes the job's batches until the one below (run_until_idle would).
+    from workflows_app import bulk
+
+    monkeypatch.setattr(bulk, "process_pending", lambda: False)
+    handles[0].restart()
+    testing.run_until_idle()
+    handles[0].send_event("go", "ok")
+    testing.run_until_idle()
+    assert handles[0].status().status == "complete"
+    bulk.process_batch(job.id)
+    job.refresh()
+    assert (job.applied, job.skipped) == (1, 1)
+    assert handles[0].status().status == "complete"  # still there
+    assert not Instance.objects.filter(instance_id="w1").exists()
+
+
 def test_bulk_actions_with_options_and_failures_reported_on_the_job(registered):
     @register("gated")
     class Gated(WorkflowEntrypoint):

@@ -70,6 +70,11 @@ ACTIONS: dict[str, Apply] = {
     BulkAction.SEND_EVENT: _send_event,
 }
 DOES_NOT_APPLY = (errors.InvalidTransition, errors.InstanceNotFound)
+# Actions an instance's status does not guard against a repeat: restart applies to every
+# status (a second job of the same request would restart each instance again, mid-run),
+# delete to every finished one (an errored instance restarted and completed since is no
+# longer the one chosen). Their jobs skip an instance no longer in the filter's status.
+STATUS_CHECKED = frozenset({BulkAction.RESTART, BulkAction.DELETE})
 
 
 def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob | None:
@@ -94,14 +99,15 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
             return store.bulk.record_batch(
                 job, pks, len(terminated), len(pks) - len(terminated), []
             )
-        rows = store.bulk.batch_rows(pks)
+        wanted = job.filter.get("status") if job.action in STATUS_CHECKED else None
+        rows = store.bulk.batch_rows(pks, locked=wanted is not None)
         apply = ACTIONS[job.action]
         applied = skipped = 0
         failures: list[str] = []
         for pk in pks:
             row = rows.get(pk)
-            if row is None:
-                skipped += 1  # deleted since the job started
+            if row is None or (wanted is not None and row.status != wanted):
+                skipped += 1  # deleted, or (restart, delete) its status changed since the start
                 continue
             handle = InstanceHandle(row.workflow, row.instance_id, row)
             try:

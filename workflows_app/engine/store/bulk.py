@@ -15,7 +15,7 @@ from django.db import connection, transaction
 
 from ...models import BulkJob, BulkJobItem, Instance
 from .. import clock
-from .dialect import retry_while_locked, skip_rows_being_claimed
+from .dialect import lock_rows, retry_while_locked, skip_rows_being_claimed
 
 ITEM_TABLE = BulkJobItem._meta.db_table
 MAX_ERRORS_KEPT = 20  # messages of failed instances kept on the job (the count is exact)
@@ -73,12 +73,13 @@ def lock_next_batch(size: int, job_pk: int | None = None) -> tuple[BulkJob, list
     return job, pks
 
 
-def batch_rows(pks: Sequence[int]) -> dict[int, Instance]:
-    """The batch's instances still there (deleted ones are skipped), one query."""
-    return {
-        row.pk: row
-        for row in Instance.objects.filter(pk__in=list(pks)).only("id", "workflow", "instance_id")
-    }
+def batch_rows(pks: Sequence[int], locked: bool = False) -> dict[int, Instance]:
+    """The batch's instances still there (deleted ones are skipped), one query; `locked`:
+    their rows locked (in id order) until the batch commits, so the status read holds."""
+    rows = Instance.objects.filter(pk__in=list(pks)).only("id", "workflow", "instance_id", "status")
+    if locked:
+        rows = lock_rows(rows.order_by("id"))
+    return {row.pk: row for row in rows}
 
 
 def record_batch(
