@@ -20,6 +20,7 @@ from workflows_app.engine.errors import (
 )
 from workflows_app.engine.store import search
 from workflows_app.models import (
+    BulkJobItem,
     ErrorRecord,
     HistoryRecord,
     InboxEvent,
@@ -423,6 +424,38 @@ def test_bulk_progress_is_recorded_per_batch_and_a_repeat_skips_what_is_done(tag
     testing.run_until_idle()
     again.refresh()
     assert (again.matched, again.applied, again.skipped, again.failed) == (5, 0, 5, 0)
+
+
+def test_a_job_keeps_the_item_rows_of_the_work_left_only(tagged, monkeypatch):
+    """A job's snapshot (one row per matched instance) shrinks batch by batch: a finished
+    job of 100,000 instances left 100,000 rows behind for ever, job after job."""
+    from workflows_app import bulk
+
+    waiting_instances(tagged, 5)
+    job = tagged.bulk("pause")
+    left = BulkJobItem.objects.filter(job_id=job.id)
+    assert left.count() == 5
+    bulk.process_batch(job.id, size=2)
+    assert sorted(left.values_list("instance_pk", flat=True)) == sorted(
+        Instance.objects.filter(instance_id__in=["w2", "w3", "w4"]).values_list("id", flat=True)
+    )
+    # A worker that dies after recording its batch, before the commit: the deletions roll
+    # back with the rest, and the batch is taken again whole.
+    record = bulk.store.bulk.record_batch
+
+    def record_then_die(*args):
+        record(*args)
+        raise KeyboardInterrupt("the worker died")
+
+    monkeypatch.setattr(bulk.store.bulk, "record_batch", record_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        bulk.process_batch(job.id, size=2)
+    assert left.count() == 3
+    monkeypatch.undo()
+    testing.run_until_idle()
+    job.refresh()
+    assert (job.done, job.processed, job.applied) == (True, 5, 5)
+    assert left.count() == 0
 
 
 def test_a_crash_mid_batch_rolls_the_batch_back_and_it_is_taken_again(tagged, monkeypatch):

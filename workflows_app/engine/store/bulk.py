@@ -2,8 +2,9 @@
 
 A job's instances are fixed when it is created (their primary keys, as item rows). Workers
 take the next batch under the job's row lock (PostgreSQL: skipping a job another worker
-holds) and record its progress in the transaction that applied it, so a crash repeats no
-part of a batch and loses none.
+holds) and record its progress in the transaction that applied it, deleting the batch's
+item rows, so a crash repeats no part of a batch and loses none, and only the work left
+is kept.
 """
 
 from __future__ import annotations
@@ -85,10 +86,15 @@ def batch_rows(pks: Sequence[int], locked: bool = False) -> dict[int, Instance]:
 def record_batch(
     job: BulkJob, pks: Sequence[int], applied: int, skipped: int, errors: Sequence[str]
 ) -> BulkJob:
-    """Inside the batch's transaction: add its outcome; finish the job after its last one."""
+    """Inside the batch's transaction: add its outcome; finish the job after its last one.
+
+    The batch's item rows go with it: nothing reads them again, and kept they would grow
+    the table by every instance of every job for ever (a rollback keeps them, as the rest).
+    """
     now = clock.now()
     if pks:
         job.last_pk = pks[-1]
+        BulkJobItem.objects.filter(job=job, instance_pk__in=list(pks)).delete()
     job.processed += len(pks)
     job.applied += applied
     job.skipped += skipped
