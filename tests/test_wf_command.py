@@ -642,6 +642,12 @@ def test_start_and_list_by_search_attributes():
     assert "c-9" not in wf("list", "--attr", "customer=c-1")
     assert "expected KEY=VALUE" in refused("list", "--attr", "customer")
     assert "invalid attribute key 'a b'" in refused("list", "--attr", "a b=1")
+    # A key twice is refused, as the API refuses it: the last value won, so a bulk
+    # terminate --attr seats=5 --attr seats=6 ended every instance with 6 seats.
+    twice = ("--attr", "seats=5", "--attr", "seats=6")
+    assert "--attr 'seats' is given more than once" in refused("list", *twice)
+    assert "more than once" in refused("bulk", "terminate", "-w", SIMPLE, *twice)
+    assert "more than once" in refused("start", SIMPLE, "--id", "d", *twice)
 
 
 def test_delete_removes_a_finished_instance_and_refuses_a_live_one():

@@ -49,9 +49,11 @@ def parse_attribute_text(text: str) -> dict[str, Any]:
     """`customer=c-9 plan="pro plus"`: typed like `wf list --attr` (5 is a number, "5" text)."""
     try:
         words = shlex.split(text)
-        pairs = dict(word.split("=", 1) for word in words if "=" in word)
-        if len(pairs) != len(words):
+        if not all("=" in word for word in words):
             raise InvalidInput(f"expected KEY=VALUE pairs, got {text!r}")
+        pairs = dict(word.split("=", 1) for word in words)
+        if len(pairs) != len(words):
+            raise InvalidInput(f"each key once: {text!r} gives a key more than once")
         return parse_attribute_filter(pairs)
     except (ValueError, InvalidInput) as exc:
         raise forms.ValidationError(str(exc)) from None

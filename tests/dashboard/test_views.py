@@ -848,6 +848,8 @@ def test_the_list_filters_by_search_attributes_and_marks_a_bad_filter(
     response = operator_client.get(url, {"attrs": "customer"})
     assert response.status_code == 400
     assert "expected KEY=VALUE pairs" in response.content.decode()
+    response = operator_client.get(url, {"attrs": "customer=c-9 customer=c-1"})
+    assert response.status_code == 400 and "more than once" in response.content.decode()
     response = operator_client.get(url, {"attrs": "<b>=1"})
     assert response.status_code == 400 and "&lt;b&gt;" in response.content.decode()
     workflow.create(id="shown", attributes={"note": XSS, "seats": 5})

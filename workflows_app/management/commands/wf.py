@@ -111,6 +111,8 @@ def parse_attr_options(options: Sequence[str]) -> dict[str, Any]:
         key, sep, value = option.partition("=")
         if not sep:
             raise CommandError(f"--attr {option!r}: expected KEY=VALUE")
+        if key in pairs:  # as the API's ?attr.k=…&attr.k=…: the last would win unsaid
+            raise CommandError(f"--attr {key!r} is given more than once; give each key once")
         pairs[key] = value
     return parse_attribute_filter(pairs)
 
