@@ -344,6 +344,42 @@ def test_retention_by_outcome_on_the_engine_clock(tagged):
         assert ids(tagged.list()) == ["only-ok"]
 
 
+def test_a_prune_batch_is_bounded_by_the_rows_it_deletes_not_only_instances(tagged):
+    """Three expired instances of 30,000 history records each: a batch of 500 instances
+    deleted all 90,000 rows in one transaction; it now stops at PRUNE_ROWS (50,000),
+    taking at least one instance, and the rest go in the next batches."""
+    with testing.fake_clock(START) as clock:
+        handles = [tagged.create(id=f"long-{n}", retention="1 hour") for n in range(3)]
+        testing.run_until_idle()
+        for handle in handles:
+            handle.send_event("go", "ok")
+        testing.run_until_idle()
+        for handle in handles:
+            row = handle.row()
+            HistoryRecord.objects.bulk_create(
+                (
+                    HistoryRecord(
+                        instance_id=row.pk,
+                        sequence=row.history_seq + n,
+                        created_at=START,
+                        type="probe.logged",
+                    )
+                    for n in range(1, 30_001)
+                ),
+                batch_size=5_000,
+            )
+            Instance.objects.filter(pk=row.pk).update(history_seq=row.history_seq + 30_000)
+        clock.advance("2 hours")
+        sizes = []
+        assert store.prune(max_batches=1, on_batch=sizes.append) == 1
+        assert sizes == [1]
+        cuts = []  # a worker prunes one batch, then again at once when it was cut short
+        assert store.prune(max_batches=1, on_cut=lambda: cuts.append(True)) == 1
+        assert cuts == [True]
+        assert store.prune() == 1
+        assert not HistoryRecord.objects.exists() and not Instance.objects.exists()
+
+
 @override_settings(WFDASH={"RETENTION": {"success": "1 hour", "error": "3 hours"}})
 def test_settings_retention_applies_by_outcome_unless_the_instance_gives_its_own(tagged):
     with testing.fake_clock(START) as clock:

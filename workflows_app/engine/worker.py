@@ -1083,7 +1083,8 @@ class Worker:
 
     async def prune_once(self) -> int:
         """When due, delete one batch of finished instances past their retention (the same
-        store.prune as `wf prune`); returns how many. A full batch makes it due again at once."""
+        store.prune as `wf prune`); returns how many. A full batch makes it due again at once,
+        as does one cut short at store.catalog.PRUNE_ROWS of history and steps."""
         if not self.prune_seconds or self._stopping:
             return 0
         now = clock.now()
@@ -1091,9 +1092,19 @@ class Worker:
             return 0
         assert self.db is not None
         announce = getattr(self.hooks, "instances_pruned", None)
-        pruned = int(await self.db(store.prune, now, PRUNE_BATCH, None, 1, announce))
+        cut: list[bool] = []
+        pruned = int(
+            await self.db(
+                functools.partial(store.prune, on_cut=lambda: cut.append(True)),
+                now,
+                PRUNE_BATCH,
+                None,
+                1,
+                announce,
+            )
+        )
         self._next_prune = (
-            now if pruned == PRUNE_BATCH else now + timedelta(seconds=self.prune_seconds)
+            now if pruned == PRUNE_BATCH or cut else now + timedelta(seconds=self.prune_seconds)
         )
         return pruned
 

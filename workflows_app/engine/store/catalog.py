@@ -130,19 +130,30 @@ def prunable(now: datetime | None = None) -> int:
     return Instance.objects.filter(expires_at__lte=now or clock.now()).count()
 
 
+# History records and steps a prune batch deletes at most (read from the instances'
+# counters, no count): 500 instances of a year-long workflow each (100,000s of records)
+# were one transaction of tens of millions of rows. An instance bigger than this goes alone.
+PRUNE_ROWS = 50_000
+
+
 def prune(
     now: datetime | None = None,
     batch: int = 500,
     on_batch: Callable[[int], None] | None = None,
     max_batches: int | None = None,
     on_pruned: Callable[[list[str]], None] | None = None,
+    on_cut: Callable[[], None] | None = None,
 ) -> int:
     """Delete finished instances past their retention, with every row that belongs to them.
 
-    One transaction per batch, so a large backlog never holds the database for long;
+    One transaction per batch of at most `batch` instances and PRUNE_ROWS of their
+    history records and steps (at least one instance), so a large backlog never holds
+    the database for long;
     on_batch hears how many each batch deleted (a progress bar), on_pruned which
     workflows it deleted instances of, once it commits (open dashboards count again:
-    a deletion leaves no history row for them to find). Workers prune one batch at a
+    a deletion leaves no history row for them to find); on_cut that a batch stopped at
+    PRUNE_ROWS with more of its instances due (a worker then prunes again at once, as
+    after a full batch). Workers prune one batch at a
     time (max_batches=1) between runs; `wf prune` clears the whole backlog.
     """
     now = now or clock.now()
@@ -166,9 +177,19 @@ def prune(
             chosen = expired.order_by("id")
             if connection.features.has_select_for_update_skip_locked:
                 chosen = chosen.select_for_update(no_key=True, skip_locked=True)
-            rows = list(chosen.values_list("id", "workflow")[:batch])
+            candidates = list(
+                chosen.values_list("id", "workflow", "history_seq", "step_seq")[:batch]
+            )
+            rows, size = [], 0
+            for pk, workflow, history, steps in candidates:
+                size += history + steps
+                if rows and size > PRUNE_ROWS:
+                    break
+                rows.append((pk, workflow))
             if not rows:
                 return total
+            if len(rows) < len(candidates) and on_cut is not None:
+                transaction.on_commit(on_cut)
             delete_rows([pk for pk, _ in rows])
             if on_pruned is not None:
                 workflows = sorted({workflow for _, workflow in rows})
