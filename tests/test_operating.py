@@ -545,6 +545,20 @@ def test_a_repeated_bulk_restart_of_errored_instances_restarts_each_once(tagged)
     assert (second.done, second.applied, second.skipped) == (True, 0, 3)
 
 
+def test_a_bulk_restart_of_waiting_instances_takes_one_a_worker_claimed_since(tagged):
+    """Live statuses alternate as an instance runs (waiting, running, waiting): a job's
+    live status filter is not checked again, or it would skip instances at random."""
+    from workflows_app import bulk
+
+    handles = waiting_instances(tagged, 2)
+    job = tagged.bulk("restart", status="waiting")
+    Instance.objects.filter(instance_id="w0").update(status="running")  # a worker's claim
+    bulk.process_batch(job.id)
+    job.refresh()
+    assert (job.applied, job.skipped) == (2, 0)
+    assert [restart_records(h) for h in handles] == [1, 1]
+
+
 def test_a_bulk_delete_of_errored_instances_spares_one_restarted_and_completed_since(
     tagged, monkeypatch
 ):

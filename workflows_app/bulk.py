@@ -19,7 +19,7 @@ from django.db import DatabaseError, transaction
 from . import live
 from .client import InstanceHandle, count_ended_on_commit
 from .codec import payload_codec
-from .engine import errors, store
+from .engine import errors, lifecycle, store
 from .models import BulkAction, BulkJob, Status
 
 log = logging.getLogger("workflows_app.bulk")
@@ -73,7 +73,9 @@ DOES_NOT_APPLY = (errors.InvalidTransition, errors.InstanceNotFound)
 # Actions an instance's status does not guard against a repeat: restart applies to every
 # status (a second job of the same request would restart each instance again, mid-run),
 # delete to every finished one (an errored instance restarted and completed since is no
-# longer the one chosen). Their jobs skip an instance no longer in the filter's status.
+# longer the one chosen). When their job's filter names a finished status, they skip an
+# instance no longer in it: only a restart takes an instance out of a finished status.
+# A live status is not checked: running and waiting alternate as an instance runs.
 STATUS_CHECKED = frozenset({BulkAction.RESTART, BulkAction.DELETE})
 
 
@@ -100,6 +102,8 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                 job, pks, len(terminated), len(pks) - len(terminated), []
             )
         wanted = job.filter.get("status") if job.action in STATUS_CHECKED else None
+        if wanted not in lifecycle.FINISHED:
+            wanted = None
         rows = store.bulk.batch_rows(pks, locked=wanted is not None)
         apply = ACTIONS[job.action]
         applied = skipped = 0
@@ -107,7 +111,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
         for pk in pks:
             row = rows.get(pk)
             if row is None or (wanted is not None and row.status != wanted):
-                skipped += 1  # deleted, or (restart, delete) its status changed since the start
+                skipped += 1  # deleted, or (restart, delete) restarted since the start
                 continue
             handle = InstanceHandle(row.workflow, row.instance_id, row)
             try:
