@@ -25,10 +25,10 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from . import tracing
 from .engine import clock, lifecycle
 from .models import LIVE_STATUSES_SQL, Instance
 
@@ -73,9 +73,7 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
         provider = MeterProvider(
             metric_readers=readers,
             exemplar_filter=_exemplar_filter(),
-            resource=Resource.create(
-                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
-            ),
+            resource=tracing.resource(),
         )
         if not isinstance(metrics.get_meter_provider(), MeterProvider):
             metrics.set_meter_provider(provider)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
@@ -400,9 +400,7 @@ def configure() -> TracerProvider:
             provider = current
         else:
             provider = TracerProvider(
-                resource=Resource.create(
-                    {"service.name": os.environ.get("OTEL_SERVICE_NAME", "wfdash")}
-                ),
+                resource=resource(),
                 id_generator=trace_ids,
             )
         # Its sampler (OTEL_TRACES_SAMPLER's, or the project's) still decides what is
@@ -418,6 +416,16 @@ def configure() -> TracerProvider:
         _provider = provider
         engine_spans.set_enabled(True)
         return provider
+
+
+def resource() -> Resource:
+    """The resource of wfdash's own providers: what OpenTelemetry reads from the
+    environment (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES and the detectors), with
+    service.name "wfdash" only when neither variable names the service. Passed to
+    Resource.create, a default overrode the environment's: a fleet that named its
+    service in OTEL_RESOURCE_ATTRIBUTES (service.name=orders) exported as "wfdash"."""
+    named = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
+    return Resource.create({} if named else {SERVICE_NAME: "wfdash"})
 
 
 def _otlp_endpoint_set() -> bool:

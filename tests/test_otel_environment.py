@@ -1,0 +1,135 @@
+"""The standard OTEL_* variables, as OpenTelemetry documents them, for wfdash's own tracer
+and meter providers: a real process exporting to a local OTLP/HTTP receiver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from opentelemetry import metrics, trace
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.models import Span
+
+@register("exported")
+class Exported(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("exported").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+print("stored spans:", Span.objects.count())
+trace.get_tracer_provider().shutdown()
+metrics.get_meter_provider().shutdown()
+"""
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    """Records (path, service.name of each resource) of what it is sent."""
+
+    received: ClassVar[list[tuple[str, str]]] = []
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest,
+        )
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/traces":
+            request: Any = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            resources = [r.resource for r in request.resource_spans]
+        else:
+            request = ExportMetricsServiceRequest()
+            request.ParseFromString(body)
+            resources = [r.resource for r in request.resource_metrics]
+        for resource in resources:
+            names = [a.value.string_value for a in resource.attributes if a.key == "service.name"]
+            self.received.append((self.path, names[0] if names else ""))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    received: list[tuple[str, str]] = []
+    handler = type("Receiver", (_Receiver,), {"received": received})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_exporting(tmp_path: Path, **variables: str) -> tuple[list[tuple[str, str]], str]:
+    """(what the receiver got: path and service name, the process's output)."""
+    with receiver() as (url, received):
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'otel-env.sqlite3'}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": url,
+            "WFDASH_DEMO": "0",
+        }
+        for name in [
+            n for n in env if n.startswith("OTEL_") and n != "OTEL_EXPORTER_OTLP_ENDPOINT"
+        ]:
+            del env[name]
+        env.pop("REDIS_URL", None)
+        env.update(variables)
+        result = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert result.returncode == 0, result.stderr
+        return list(received), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("variables", "service"),
+    [
+        ({}, "wfdash"),
+        ({"OTEL_SERVICE_NAME": "billing"}, "billing"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=orders,deployment.environment=prod"}, "orders"),
+    ],
+)
+def test_the_service_is_named_as_the_environment_says(tmp_path, variables, service):
+    """A default service.name "wfdash" was passed to Resource.create, which lets what it
+    is given override the environment's: OTEL_RESOURCE_ATTRIBUTES=service.name=orders
+    exported spans and metrics as the service "wfdash". "wfdash" is the default only
+    when neither variable names the service."""
+    received, _ = run_exporting(tmp_path, **variables)
+    assert {path for path, _ in received} == {"/v1/traces", "/v1/metrics"}
+    assert {name for _, name in received} == {service}
