@@ -133,3 +133,23 @@ def test_the_service_is_named_as_the_environment_says(tmp_path, variables, servi
     received, _ = run_exporting(tmp_path, **variables)
     assert {path for path, _ in received} == {"/v1/traces", "/v1/metrics"}
     assert {name for _, name in received} == {service}
+
+
+@pytest.mark.parametrize(
+    ("variables", "exported"),
+    [
+        ({"OTEL_METRICS_EXPORTER": "none"}, {"/v1/traces"}),
+        ({"OTEL_TRACES_EXPORTER": "none"}, {"/v1/metrics"}),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}, set()),
+        ({"OTEL_TRACES_EXPORTER": "console,otlp"}, {"/v1/traces", "/v1/metrics"}),
+    ],
+)
+def test_a_signal_whose_exporter_is_none_is_not_exported(tmp_path, variables, exported):
+    """OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER=none is how OpenTelemetry says to
+    export one signal and not the other to one OTEL_EXPORTER_OTLP_ENDPOINT (Jaeger takes
+    traces only). wfdash read the endpoint alone and exported both: every minute's metrics
+    export to Jaeger failed and was logged. The spans are stored for the dashboard
+    whatever is exported."""
+    received, output = run_exporting(tmp_path, **variables)
+    assert {path for path, _ in received} == exported
+    assert "stored spans: 3" in output

@@ -1,5 +1,6 @@
 """OpenTelemetry metrics: the SDK's MeterProvider, served in Prometheus text at /metrics
-and exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._METRICS_ENDPOINT) is set.
+and exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._METRICS_ENDPOINT) is set
+and OTEL_METRICS_EXPORTER (default otlp) does not say "none".
 
 The engine records its instruments through the API (engine/meters.py) in the process
 that runs each instance. In a fleet that is a worker, not the web process that serves
@@ -44,10 +45,7 @@ _lock = threading.Lock()
 
 
 def otlp_configured() -> bool:
-    return bool(
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-    )
+    return tracing.exports_otlp("metrics")
 
 
 def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
@@ -65,14 +63,15 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
 
         _registry = CollectorRegistry(auto_describe=True)
         readers: list[MetricReader] = [PrometheusMetricReader(registry=_registry)]
-        if otlp_configured():
+        otlp = otlp_configured()
+        if otlp:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
         readers.extend(extra_readers)
         provider = MeterProvider(
             metric_readers=readers,
-            exemplar_filter=_exemplar_filter(),
+            exemplar_filter=_exemplar_filter(otlp),
             resource=tracing.resource(),
         )
         if not isinstance(metrics.get_meter_provider(), MeterProvider):
@@ -100,12 +99,14 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
         return provider
 
 
-def _exemplar_filter() -> Any:
+def _exemplar_filter(otlp: bool | None = None) -> Any:
     """No exemplars unless something exports them: Prometheus text carries none, while
     sampling one (reading the current span, offering it to a reservoir) was a fifth of
     each step-duration record. OTLP keeps the SDK's default (trace-based);
     OTEL_METRICS_EXEMPLAR_FILTER, when set, decides."""
-    if otlp_configured() or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"):
+    if otlp is None:
+        otlp = otlp_configured()
+    if otlp or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"):
         return None  # the SDK reads the variable, trace_based by default
     return AlwaysOffExemplarFilter()
 

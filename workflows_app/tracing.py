@@ -1,5 +1,6 @@
 """OpenTelemetry set-up: the tracer provider, the processor that stores spans in the
-database for the dashboard, and OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+database for the dashboard, and OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set
+(and OTEL_TRACES_EXPORTER, default otlp, does not say "none").
 The export sampler (OTEL_TRACES_SAMPLER) decides what is exported, not what is stored:
 an instance's spans the sampler drops are still recorded, as not sampled.
 
@@ -407,7 +408,7 @@ def configure() -> TracerProvider:
         # exported; instances' spans are recorded whatever it decides.
         provider.sampler = RecordInstanceTraces(provider.sampler, trace_ids)
         provider.add_span_processor(_store)
-        if _otlp_endpoint_set() and not _exports_over_otlp(provider):
+        if exports_otlp("traces") and not _exports_over_otlp(provider):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
@@ -428,11 +429,31 @@ def resource() -> Resource:
     return Resource.create({} if named else {SERVICE_NAME: "wfdash"})
 
 
-def _otlp_endpoint_set() -> bool:
-    return bool(
+def exports_otlp(signal: str) -> bool:
+    """Whether wfdash adds an OTLP/HTTP exporter of `signal` ("traces", "metrics"): an
+    endpoint is set (OTEL_EXPORTER_OTLP_ENDPOINT or its signal's own), and the signal's
+    exporter variable (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER: a comma-separated
+    list, "otlp" when unset) names otlp. "none" is OpenTelemetry's documented way to
+    export one signal and not the other from one endpoint (Jaeger takes traces only: the
+    metrics' exports failed there every minute). Another exporter named (console,
+    zipkin) is the project's to install; wfdash says so once."""
+    upper = signal.upper()
+    if not (
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
+        or os.environ.get(f"OTEL_EXPORTER_OTLP_{upper}_ENDPOINT")
+    ):
+        return False
+    variable = f"OTEL_{upper}_EXPORTER"
+    names = {n.strip().lower() for n in os.environ.get(variable, "otlp").split(",")} - {""}
+    others = names - {"otlp", "none"}
+    if others:
+        log.warning(
+            "%s names %s: wfdash exports over OTLP only (add that exporter to a provider "
+            "of your own)",
+            variable,
+            ", ".join(sorted(others)),
+        )
+    return "otlp" in names
 
 
 def _exports_over_otlp(provider: TracerProvider) -> bool:
