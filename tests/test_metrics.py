@@ -434,3 +434,89 @@ def test_a_restarted_instance_is_counted_as_started_again_as_it_is_as_finished(s
     assert delta("wfdash_instances_finished_total", **wf, status="complete") == 3
     assert delta("wfdash_instances_started_total", **wf) == 3
     assert delta("wfdash_queue_wait_seconds_count", **wf) == 2  # a restart has no create
+
+
+LOOPING_WORKFLOWS_SCRIPT = """
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from workflows_app import metrics, testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+attempts = {}
+
+def flaky(name):
+    def attempt():
+        attempts[name] = attempts.get(name, 0) + 1
+        if attempts[name] == 1:
+            raise RuntimeError("first attempt fails")
+        return 1
+    return attempt
+
+for w in range(10):
+    @register(f"loop-{w}", limits={"max_steps_per_workflow": 200})
+    class Loop(WorkflowEntrypoint):
+        async def run(self, event, step):
+            for i in range(100):
+                name = f"{event.instance_id} item {i}"
+                await step.do(name, flaky(name), retries={"limit": 1, "delay": 0})
+
+@register("steady")
+class Steady(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("pay", lambda: 1)
+
+for w in range(10):
+    get_workflow(f"loop-{w}").create(id=f"run-{w}")
+testing.run_until_idle(timeout=300)
+get_workflow("steady").create(id="steady")
+testing.run_until_idle()
+print(metrics.scrape().decode())
+"""
+
+
+def test_ten_looping_workflows_do_not_push_an_eleventh_out_of_the_step_histogram(tmp_path):
+    """Each workflow's step names were capped at 100 labels, but not all workflows':
+    ten workflows that each loop, their steps ok and failed, made 10 x 100 x 2 = 2,000
+    series, the SDK's limit, and every step of an eleventh workflow went into the one
+    `otel_metric_overflow` series, without its workflow or step label. Now the names of all
+    workflows are capped too (meters.MAX_LABELS_TOTAL): past it a workflow keeps its first
+    10 names, and its later ones share its own `(other)` label. A process of its own: the SDK's series outlive a test."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'labels.sqlite3'}",
+        "WFDASH_DEMO": "0",
+    }
+    for name in [n for n in env if n.startswith("OTEL_")]:
+        del env[name]
+    env.pop("REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", LOOPING_WORKFLOWS_SCRIPT],
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(result.stdout)
+        for s in family.samples
+    }
+    overflow = sample(samples, "wfdash_step_duration_seconds_count", otel_metric_overflow="true")
+    assert (
+        sample(samples, "wfdash_step_duration_seconds_count", workflow="steady", step="pay") == 1
+    ), f"{overflow:.0f} attempts went into the overflow series"
+    assert overflow == 0
+    # Every attempt is counted, under its workflow: 100 ok and 100 failed each.
+    for w in range(10):
+        assert sample(samples, "wfdash_step_duration_seconds_count", workflow=f"loop-{w}") == 200
+    steps = {
+        dict(labels).get("step") for (name, labels) in samples if name.startswith("wfdash_step")
+    }
+    # 800 names of all workflows, and past them the first 10 of any workflow with fewer.
+    assert 800 <= len(steps - {"pay", "(other)"}) <= 800 + 10 * 10

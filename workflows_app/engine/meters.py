@@ -130,22 +130,43 @@ def instance_finished(workflow: str, status: str) -> None:
 # type may be built from the instance (`paid-{order}`): past this many names (types) of
 # one workflow in this process, the rest share the label OTHER_LABEL rather than fill the
 # SDK's 2,000 series per instrument (the overflow takes every new series of every
-# workflow).
+# workflow, and its one series has no workflow label). Past MAX_LABELS_TOTAL names of all
+# workflows, a workflow gets its first MIN_LABELS only: ten workflows that each looped
+# used their 100 names twice over (outcome ok and error), and every step of an eleventh
+# went to the overflow. The step histogram then holds at most
+# 2 x (MAX_LABELS_TOTAL + (MIN_LABELS + 1) a workflow) series: under the SDK's 2,000 up
+# to 50 workflows that all loop.
 MAX_LABELS = 100
+MAX_LABELS_TOTAL = 800
+MIN_LABELS = 10
 OTHER_LABEL = "(other)"
-_step_labels: dict[str, set[str]] = {}
-_event_type_labels: dict[str, set[str]] = {}
+
+
+class _Labels:
+    """The label values of one attribute (step names, event types) given out so far."""
+
+    def __init__(self) -> None:
+        self.by_workflow: dict[str, set[str]] = {}
+        self.total = 0
+
+
+_step_labels = _Labels()
+_event_type_labels = _Labels()
 _labels_lock = threading.Lock()
 
 
-def _capped_label(seen: dict[str, set[str]], workflow: str, value: str) -> str:
-    known = seen.get(workflow)
+def _capped_label(seen: _Labels, workflow: str, value: str) -> str:
+    known = seen.by_workflow.get(workflow)
     if known is not None and value in known:
         return value
     with _labels_lock:
-        known = seen.setdefault(workflow, set())
-        if value in known or len(known) < MAX_LABELS:
+        known = seen.by_workflow.setdefault(workflow, set())
+        if value in known:
+            return value
+        n = len(known)
+        if n < MAX_LABELS and (n < MIN_LABELS or seen.total < MAX_LABELS_TOTAL):
             known.add(value)
+            seen.total += 1
             return value
     return OTHER_LABEL
 
