@@ -134,6 +134,21 @@ def test_metrics_need_a_token_for_every_workflow_or_a_staff_session_that_may_vie
     assert posted.status_code == 405 and posted["Allow"] == "GET, HEAD"
 
 
+def test_metrics_switched_off_are_not_served(settings):
+    """WFDASH["METRICS"] = False left the meter provider out at start-up, but /metrics
+    still served every metric, its first scrape installing the provider (the engine's
+    instruments then counted in that process). Now it is a 404 naming the setting, after
+    the same authentication (no token, no answer about the set-up either)."""
+    settings.WFDASH = {**settings.WFDASH, "METRICS": False}
+    _, secret = tokens.issue("scraper-off", scope="read")
+    response = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert response.status_code == 404, response.content[:200]
+    error = response.json()["errors"][0]
+    assert error["code"] == "MetricsOff" and 'WFDASH["METRICS"]' in error["message"]
+    assert b"wfdash_" not in response.content
+    assert Client().get("/metrics").status_code == 401
+
+
 EXPORT_SCRIPT = """
 import django
 django.setup()

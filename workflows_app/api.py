@@ -1013,6 +1013,14 @@ def prometheus_metrics(request: HttpRequest) -> HttpResponse:
                 f"{request.method} is not allowed here; allowed: GET, HEAD",
                 {"Allow": "GET, HEAD"},
             )
+        if not getattr(settings, "WFDASH", {}).get("METRICS", True):
+            # scrape() would install the meter provider the setting left out, and the
+            # engine's instruments would start counting in this process.
+            raise ApiError(
+                404,
+                "MetricsOff",
+                'metrics are switched off in this deployment (WFDASH["METRICS"] = False)',
+            )
         body = metrics.scrape() if request.method == "GET" else b""
     except ApiError as exc:
         return uncached(refusal(exc))
