@@ -89,8 +89,9 @@ def receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
         server.server_close()
 
 
-def run_exporting(tmp_path: Path, **variables: str) -> tuple[list[tuple[str, str]], str]:
-    """(what the receiver got: path and service name, the process's output)."""
+def run_exporting(tmp_path: Path, with_errors: bool = False, **variables: str) -> Any:
+    """(what the receiver got: path and service name, the process's output[, its
+    standard error])."""
     with receiver() as (url, received):
         env = {
             **os.environ,
@@ -114,6 +115,8 @@ def run_exporting(tmp_path: Path, **variables: str) -> tuple[list[tuple[str, str
             timeout=90,
         )
         assert result.returncode == 0, result.stderr
+        if with_errors:
+            return list(received), result.stdout, result.stderr
         return list(received), result.stdout
 
 
@@ -153,3 +156,25 @@ def test_a_signal_whose_exporter_is_none_is_not_exported(tmp_path, variables, ex
     received, output = run_exporting(tmp_path, **variables)
     assert {path for path, _ in received} == exported
     assert "stored spans: 3" in output
+
+
+@pytest.mark.parametrize(
+    ("variables", "exported"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, set()),
+        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, {"/v1/metrics"}),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, {"/v1/traces", "/v1/metrics"}),
+    ],
+)
+def test_a_grpc_protocol_is_one_clear_error_not_http_sent_to_a_grpc_port(
+    tmp_path, variables, exported
+):
+    """wfdash's exporters are OTLP/HTTP. With OTEL_EXPORTER_OTLP_PROTOCOL=grpc (the
+    endpoint then a collector's gRPC port, 4317) they posted HTTP there anyway, and every
+    batch failed with a connection error naming neither the variable nor the fix. Now
+    that signal is not exported and one error at start-up says what to change."""
+    received, _, errors = run_exporting(tmp_path, with_errors=True, **variables)
+    assert {path for path, _ in received} == exported
+    for signal in ("traces", "metrics"):
+        told = f"wfdash exports {signal} over OTLP/HTTP only" in errors
+        assert told == (f"/v1/{signal}" not in exported), errors[-2000:]

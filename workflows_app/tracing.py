@@ -436,7 +436,10 @@ def exports_otlp(signal: str) -> bool:
     list, "otlp" when unset) names otlp. "none" is OpenTelemetry's documented way to
     export one signal and not the other from one endpoint (Jaeger takes traces only: the
     metrics' exports failed there every minute). Another exporter named (console,
-    zipkin) is the project's to install; wfdash says so once."""
+    zipkin) is the project's to install; wfdash says so once. So is a gRPC exporter: with
+    OTEL_EXPORTER_OTLP_PROTOCOL (or its signal's own) grpc, the endpoint is a gRPC port,
+    where every OTLP/HTTP export failed with a connection error that named neither; now
+    one error says what to change, and nothing is sent there."""
     upper = signal.upper()
     if not (
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -453,7 +456,26 @@ def exports_otlp(signal: str) -> bool:
             variable,
             ", ".join(sorted(others)),
         )
-    return "otlp" in names
+    if "otlp" not in names:
+        return False
+    protocol_variable = next(
+        (
+            name
+            for name in (f"OTEL_EXPORTER_OTLP_{upper}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+            if os.environ.get(name, "").strip()
+        ),
+        None,
+    )
+    if protocol_variable and os.environ[protocol_variable].strip().lower() == "grpc":
+        log.error(
+            "%s=grpc: wfdash exports %s over OTLP/HTTP only, so it exports none; set it to "
+            "http/protobuf with the collector's OTLP/HTTP endpoint (port 4318), or export "
+            "over gRPC from a provider of your own",
+            protocol_variable,
+            signal,
+        )
+        return False
+    return True
 
 
 def _exports_over_otlp(provider: TracerProvider) -> bool:
