@@ -29,6 +29,7 @@ from tests.workers import ROOT, answers_http, database_url
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry, store
+from workflows_app.engine.worker import ABORT_WAIT_SECONDS, STUCK_EXIT_CODE
 from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -162,15 +163,10 @@ EMBEDDED_BOOT = (
 )
 
 
-def sigterm_leaves_no_lease(
-    command: str, boot: list[str], instance_id: str, sig: signal.Signals = signal.SIGTERM
-) -> None:
-    """Start `boot` (a server process whose embedded worker takes a fleet instance in a
-    step that outlives any drain grace), SIGTERM it once the instance is leased, and
-    assert the process released the lease on its way out. `command` names it in messages;
-    the boot's last argument is filled with a free port."""
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("fleet").create(id=instance_id)
+def start_server(boot: list[str], **settings: str) -> tuple[subprocess.Popen[str], Any, int]:
+    """Start `boot` (a server process running the embedded worker) on the test database;
+    the boot's last argument is filled with a free port. Returns the process, its log
+    (a file) and the port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -182,10 +178,8 @@ def sigterm_leaves_no_lease(
         "WFDASH_DEMO": "0",
         "REDIS_URL": "",
         "WFDASH_EMBEDDED_WORKER": "1",
-        "WFDASH_LEASE_SECONDS": "60",
-        "FLEET_STEP_SECONDS": "120",  # the first step outlives the drain's grace
-        "WFDASH_DRAIN_SECONDS": "0.5",  # which is not waited out for 10 s
         "PYTHONUNBUFFERED": "1",
+        **settings,
     }
     log = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen(
@@ -195,6 +189,24 @@ def sigterm_leaves_no_lease(
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
+    )
+    return server, log, port
+
+
+def sigterm_leaves_no_lease(
+    command: str, boot: list[str], instance_id: str, sig: signal.Signals = signal.SIGTERM
+) -> None:
+    """Start `boot` (a server process whose embedded worker takes a fleet instance in a
+    step that outlives any drain grace), SIGTERM it once the instance is leased, and
+    assert the process released the lease on its way out. `command` names it in messages;
+    the boot's last argument is filled with a free port."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id=instance_id)
+    server, log, port = start_server(
+        boot,
+        WFDASH_LEASE_SECONDS="60",
+        FLEET_STEP_SECONDS="120",  # the first step outlives the drain's grace
+        WFDASH_DRAIN_SECONDS="0.5",  # which is not waited out for 10 s
     )
     try:
         # daphne starts its embedded worker at its first request
@@ -360,6 +372,59 @@ def test_sighup_to_daphne_drains_the_embedded_worker_too(registered):
     """Twisted stops on SIGTERM and SIGINT only: SIGHUP (the terminal or ssh session that
     started daphne closed) killed it mid-step with the lease held until it ran out."""
     sigterm_leaves_no_lease("daphne", [DAPHNE_BOOT, "{port}"], "daphne-hung-up", signal.SIGHUP)
+
+
+def sigterm_ends_a_spinning_embedded_worker(
+    command: str, boot: list[str], sig: signal.Signals = signal.SIGTERM
+) -> None:
+    """A server whose embedded worker runs a run() spinning without an await: the event
+    loop (daphne's, Twisted's reactor runs on it) is held, so the reactor's own signal
+    handling, which only schedules a stop on that loop, never acts. The signal must
+    still reach the worker's LoopWatch, which gives the lease back and ends the process
+    (STUCK_EXIT_CODE) once the drain's bound is over, as it does for runworker."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("trouble-spins").create()
+    server, log, port = start_server(boot, WFDASH_LEASE_SECONDS="3", WFDASH_DRAIN_SECONDS="0.5")
+
+    def logged() -> str:
+        log.seek(0)
+        return log.read()
+
+    try:
+        wait_until(lambda: answers_http(port), 60, f"{command} to answer")  # starts daphne's
+        wait_until(lambda: fleet_workflows.ledger_rows(), 60, "the step before the spin")
+        wait_until(lambda: "its event loop has not answered" in logged(), 30, "the stall report")
+        started = time.monotonic()
+        server.send_signal(sig)
+        try:
+            code = server.wait(0.5 + ABORT_WAIT_SECONDS + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{command} went on spinning after {sig.name}; log: {logged()[-1500:]}")
+        took = time.monotonic() - started
+        assert code == STUCK_EXIT_CODE, logged()[-2000:]
+        assert took < 0.5 + ABORT_WAIT_SECONDS + 5, took
+        pk = inst.row().pk
+        text = logged()
+        assert f"{sig.name} received" in text and f"by the run of instance #{pk}" in text, text
+        row = Instance.objects.get(pk=pk)
+        assert (row.lease_token, row.lease_owner) == (None, "")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()
+
+
+def test_sigterm_to_runserver_whose_embedded_run_spins_gives_its_lease_back_and_exits(registered):
+    sigterm_ends_a_spinning_embedded_worker("runserver", [EMBEDDED_BOOT, "127.0.0.1:{port}"])
+
+
+def test_sigterm_to_daphne_whose_embedded_run_spins_gives_its_lease_back_and_exits(registered):
+    sigterm_ends_a_spinning_embedded_worker("daphne", [DAPHNE_BOOT, "{port}"])
+
+
+def test_sighup_to_daphne_whose_embedded_run_spins_ends_it_too(registered):
+    sigterm_ends_a_spinning_embedded_worker("daphne", [DAPHNE_BOOT, "{port}"], signal.SIGHUP)
 
 
 # --- a rollout that drops a flow limit -------------------------------------------------------

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -23,10 +25,13 @@ from .live import EngineHooks
 from .schema import not_migrated_message, unapplied_migrations
 
 log = logging.getLogger("workflows_app.engine")
+# The signals that stop the server (and drain its worker): the reactor's own and SIGHUP.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 _worker: Worker | None = None
 _task: asyncio.Task[None] | None = None
 _stop: asyncio.Event | None = None
+_loop: asyncio.AbstractEventLoop | None = None
 
 
 def embedded_enabled() -> bool:
@@ -52,10 +57,10 @@ def embedded_queues() -> tuple[str, ...] | None:
 
 def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:
     """Start the engine in `loop` (default: the running loop) once per process."""
-    global _worker, _task, _stop
+    global _worker, _task, _stop, _loop
     if _worker is not None or not embedded_enabled():
         return _worker
-    loop = loop or asyncio.get_running_loop()
+    loop = _loop = loop or asyncio.get_running_loop()
     _worker = Worker(hooks=EngineHooks(), queues=embedded_queues())
     _stop = asyncio.Event()
     _task = loop.create_task(_serve(_worker, _stop))
@@ -81,11 +86,37 @@ def drain_at_daphne_shutdown(loop: asyncio.AbstractEventLoop) -> None:
     # Twisted stops on SIGTERM and SIGINT only: SIGHUP (the terminal or ssh session closed)
     # killed the server with its worker mid-step, the leases left to run out. It stops the
     # reactor too now, so the drain above runs; a handler someone set is left alone.
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
-    ):
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers are the main thread's to set
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
         signal.signal(signal.SIGHUP, lambda *_: reactor.callFromThread(_stop_reactor, reactor))
+    # Once the reactor has set its own handlers (at once when it runs already).
+    reactor.callWhenRunning(_tell_the_worker_of_stop_signals)
+
+
+def _tell_the_worker_of_stop_signals() -> None:
+    """Twisted's handlers only schedule the reactor's stop on the event loop: a run()
+    spinning without an await holds that loop, so the drain never came and the server
+    went on spinning until SIGKILL, its leases held until they ran out. Each stop signal
+    now also reaches the worker itself (Worker.ask_to_stop, as runworker's handler does),
+    for LoopWatch to give the leases back and end the process (STUCK_EXIT_CODE) once the
+    drain's bound is over while the loop stays silent; a second signal cuts it short.
+    The handlers set before are called as they were."""
+    for sig in STOP_SIGNALS:
+        before = signal.getsignal(sig)
+        if not callable(before):
+            continue  # SIG_DFL or SIG_IGN: nothing here stops the reactor on it
+        signal.signal(sig, functools.partial(_note_stop_signal, before))
+
+
+def _note_stop_signal(before: Callable[[int, Any], Any], signum: int, frame: Any) -> None:
+    worker = _worker
+    if worker is not None:
+        first = worker.ask_to_stop(signal.Signals(signum).name)
+        if not first and _loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                _loop.call_soon_threadsafe(worker.hurry)
+    before(signum, frame)
 
 
 def _stop_reactor(reactor: Any) -> None:
