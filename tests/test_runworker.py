@@ -310,6 +310,22 @@ def test_shell_commands_on_an_unreachable_postgresql_fail_in_seconds_in_one_line
     assert took < 20, took
 
 
+@pytest.mark.parametrize("reload", [["--noreload"], []], ids=["noreload", "autoreloader"])
+def test_runserver_on_an_unreachable_postgresql_fails_in_seconds_in_one_line(reload):
+    """runserver waited the connection pool's 30 s in Django's migration check, then
+    ended with a traceback naming neither the host nor the database."""
+    url, where = unreachable_postgresql()
+    result, took = manage(
+        "runserver", *reload, "127.0.0.1:0", timeout=120, DATABASE_URL=url, WFDASH_DEMO="0"
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().startswith(
+        f"CommandError: cannot connect to the database (DATABASE_URL) at {where}: "
+    ), result.stderr
+    assert "Traceback" not in result.stderr and "db-s3cret" not in result.stderr
+    assert took < 20, took
+
+
 def test_a_worker_that_cannot_reach_postgresql_at_start_retries_then_exits_saying_where():
     """runworker's start-up tries each waited the pool's 30 s: a quarter of an hour of
     tracebacks and pool errors before it exited, SIGTERM unanswered meanwhile. It now

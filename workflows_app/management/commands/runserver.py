@@ -32,6 +32,18 @@ class EngineServer(Server):
 class Command(DaphneRunserver):
     server_cls = EngineServer
 
+    def handle(self, *args: Any, **options: Any) -> Any:
+        # An unreachable PostgreSQL: one line in seconds, exit 1. Django's migration check
+        # waited the connection pool's 30 s, then ended the server with a traceback naming
+        # neither host nor database. Here, before the autoreloader starts its child: an
+        # error in that child's thread would leave the parent waiting for a file change.
+        from workflows_app.schema import unreachable_database
+
+        problem = unreachable_database()
+        if problem:
+            raise CommandError(problem)
+        return super().handle(*args, **options)
+
     def inner_run(self, *args: Any, **options: Any) -> Any:
         # Refuse to serve with an engine that could not start: a version registered with
         # changed code would otherwise stop the embedded worker while pages still load.
