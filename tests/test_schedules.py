@@ -409,3 +409,28 @@ def test_next_runs_of_a_rare_expression_end_with_the_calendar_not_an_overflow(re
     assert runs[:2] == [datetime(2044, 2, 29, tzinfo=UTC), datetime(2072, 2, 29, tzinfo=UTC)]
     assert 200 < len(runs) < 1000 and runs[-1].year == 9988
     assert runs == sorted(set(runs))
+
+
+def test_a_stored_next_tick_the_zone_rules_no_longer_give_is_computed_again(registered):
+    """next_run_at is computed with the time zone rules of the process that stored it; after
+    a tzdata update (a country moving or dropping its daylight-saving time), or between
+    processes with different tzdata, it may not be a tick of the cron as read now. fire_tick
+    then neither fired nor moved it on: it stayed due, fire_due answered it (in the past) as
+    the next tick, and every worker polled the schedules without pause until the next real
+    tick came (up to a day for a daily schedule)."""
+    register_report()
+    targets = [store.schedules.Target("report", 1, get_workflow("report").definition().limits())]
+    with testing.fake_clock(START) as clock:
+        schedules.create("hourly", workflow="report", cron="0 * * * *")
+        # As rules half an hour off would have it: 03:30, not a tick of "0 * * * *" in UTC.
+        Schedule.objects.filter(name="hourly").update(
+            next_run_at=datetime(2026, 6, 1, 3, 30, tzinfo=UTC)
+        )
+        clock.set(datetime(2026, 6, 1, 3, 31, tzinfo=UTC))
+        fired, next_tick = store.schedules.fire_due(targets)
+        assert fired == []  # 03:00 is before the tick the schedule waits for: not fired
+        assert next_tick == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
+        assert schedules.get("hourly").next_run_at == next_tick
+        clock.set(datetime(2026, 6, 1, 4, 0, tzinfo=UTC))
+        testing.run_until_idle()
+        assert [i.scheduled_at for i in started("report")] == [next_tick]

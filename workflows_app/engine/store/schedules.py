@@ -184,15 +184,24 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
 @retry_while_locked
 def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
     """Fire the latest due tick of one schedule, unless another worker fired it first."""
+    if row.next_run_at is None:
+        return None
+    guarded = Schedule.objects.filter(pk=row.pk, paused=False, next_run_at=row.next_run_at)
     tick = latest_fire_time(row.cron, row.timezone, now)
-    if tick is None or row.next_run_at is None or tick < row.next_run_at:
+    if tick is None or tick < row.next_run_at:
+        # The stored next tick is not a tick of the cron as the zone's rules read now: the
+        # time zone database changed since it was computed (a country dropped or moved its
+        # daylight-saving time), or another process reads other rules. Nothing is due; the
+        # next tick is computed again, or it stays due (and in the past) without firing,
+        # and every worker's loop, waiting until it, polls the schedules without a pause.
+        guarded.update(next_run_at=next_fire_time(row.cron, row.timezone, now), updated_at=now)
         return None
     instance_id = tick_instance_id(row.name, tick, target.limits.max_instance_id_length)
 
     def move_on(last_instance_id: str) -> bool:
         """The guarded update: True for the one process that moves this tick on."""
         return bool(
-            Schedule.objects.filter(pk=row.pk, paused=False, next_run_at=row.next_run_at).update(
+            guarded.update(
                 next_run_at=next_fire_time(row.cron, row.timezone, now),
                 last_tick_at=tick,
                 last_instance_id=last_instance_id,
