@@ -434,3 +434,39 @@ def test_a_stored_next_tick_the_zone_rules_no_longer_give_is_computed_again(regi
         clock.set(datetime(2026, 6, 1, 4, 0, tzinfo=UTC))
         testing.run_until_idle()
         assert [i.scheduled_at for i in started("report")] == [next_tick]
+
+
+def test_a_declared_crons_pause_follows_it_when_a_deploy_moves_it(registered):
+    """Declared schedules are named by position (`<workflow>:<n>`): removing the first of
+    two crons put the second at position 0 under the first one's row. An operator's pause
+    of the second ("0 4 * * *") was deleted with its row, and the cron fired again under
+    the first's row (active); reordering the list swapped the pauses between the crons."""
+    from workflows_app.engine import registry
+
+    def deploy(crons: list[str]) -> list[tuple[str, str, bool]]:
+        registry.unregister("shifting")
+        register_report("shifting", crons)
+        testing.run_until_idle()  # a worker start syncs the declarations
+        return [(s.name, s.cron, s.paused) for s in schedules.list(workflow="shifting")]
+
+    with testing.fake_clock(START):
+        register_report("shifting", ["0 3 * * *", "0 4 * * *"])
+        testing.run_until_idle()
+        schedules.get("shifting:1").pause()  # the 04:00 one
+        assert deploy(["0 4 * * *"]) == [("shifting:0", "0 4 * * *", True)]
+        assert schedules.get("shifting:0").next_run_at is None
+        assert deploy(["0 5 * * *", "0 4 * * *"]) == [
+            ("shifting:0", "0 5 * * *", False),
+            ("shifting:1", "0 4 * * *", True),
+        ]
+        assert schedules.get("shifting:0").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
+        # A cron edited in place (none moves to its position) keeps the position's pause.
+        assert deploy(["0 5 * * *", "0 6 * * *"]) == [
+            ("shifting:0", "0 5 * * *", False),
+            ("shifting:1", "0 6 * * *", True),
+        ]
+        assert deploy(["0 6 * * *", "0 5 * * *"]) == [  # reordered: the pause goes along
+            ("shifting:0", "0 6 * * *", True),
+            ("shifting:1", "0 5 * * *", False),
+        ]
+        assert schedules.get("shifting:1").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)

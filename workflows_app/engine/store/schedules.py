@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Min
@@ -294,6 +295,36 @@ def _rename_unhashed(workflow: str, position: int, name: str) -> Schedule | None
     return row
 
 
+MOVING_STATE = ("paused", "next_run_at", "last_tick_at", "last_instance_id")
+FRESH_STATE: dict[str, Any] = {"paused": False, "last_tick_at": None, "last_instance_id": ""}
+
+
+def _moved_crons(
+    workflow: str, wanted: dict[str, str], existing: dict[str, Schedule]
+) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Crons of this workflow's declared rows that a deploy moves to another position (one
+    before them was removed, or the list reordered): the state each new position takes
+    over, by name, and the names of the rows that gave theirs up. A pause belongs to the
+    cron an operator paused, not to the position `<workflow>:<n>` it had in register()."""
+    giving: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for row in (
+        Schedule.objects.select_for_update()
+        .filter(workflow=workflow, declared=True)
+        .order_by("name")
+    ):
+        if wanted.get(row.name) != row.cron:
+            state = {field: getattr(row, field) for field in MOVING_STATE}
+            giving.setdefault(row.cron, []).append((row.name, state))
+    taken: dict[str, dict[str, Any]] = {}
+    gave: set[str] = set()
+    for name, cron in wanted.items():
+        row = existing.get(name)
+        if (row is None or row.cron != cron) and giving.get(cron):
+            source, taken[name] = giving[cron].pop(0)
+            gave.add(source)
+    return taken, gave
+
+
 @retry_while_locked
 def sync_declared(declared: Sequence[tuple[str, int, Sequence[str]]]) -> None:
     """Keep the declared schedules of these workflows (name, this process's newest
@@ -334,11 +365,13 @@ def sync_declared(declared: Sequence[tuple[str, int, Sequence[str]]]) -> None:
                     renamed = _rename_unhashed(workflow, position, name)
                     if renamed is not None:
                         existing[name] = renamed
+            taken, gave = _moved_crons(workflow, wanted, existing)
             Schedule.objects.filter(workflow=workflow, declared=True).exclude(
                 name__in=list(wanted)
             ).delete()
             for name, cron in wanted.items():
                 row = existing.get(name)
+                state = taken.get(name)
                 if row is None:
                     try:
                         create_schedule(
@@ -351,7 +384,17 @@ def sync_declared(declared: Sequence[tuple[str, int, Sequence[str]]]) -> None:
                             name,
                             workflow,
                         )
+                    else:
+                        if state is not None:
+                            Schedule.objects.filter(name=name).update(**state)
                 elif row.cron != cron or row.workflow != workflow:
+                    if state is None and name in gave:  # its cron, pause and ticks moved on
+                        state = {**FRESH_STATE, "next_run_at": next_fire_time(cron, "UTC", now)}
+                    elif state is None:  # the cron at this position changed: paused stays paused
+                        state = {
+                            "next_run_at": None if row.paused else next_fire_time(cron, "UTC", now)
+                        }
                     row.cron, row.workflow, row.updated_at = cron, workflow, now
-                    row.next_run_at = None if row.paused else next_fire_time(cron, "UTC", now)
-                    row.save(update_fields=["cron", "workflow", "next_run_at", "updated_at"])
+                    for field, value in state.items():
+                        setattr(row, field, value)
+                    row.save(update_fields=["cron", "workflow", "updated_at", *MOVING_STATE])
