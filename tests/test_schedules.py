@@ -470,3 +470,23 @@ def test_a_declared_crons_pause_follows_it_when_a_deploy_moves_it(registered):
             ("shifting:1", "0 5 * * *", False),
         ]
         assert schedules.get("shifting:1").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
+
+
+def test_a_schedule_this_process_cannot_evaluate_does_not_stop_the_others(registered, caplog):
+    """A zone missing from this worker's tzdata, or a cron its cronsim does not read (the
+    process that stored them could): fire_tick raised out of fire_due, so every schedule
+    after it in next-tick order never fired, on every worker running that code."""
+    register_report()
+    targets = [store.schedules.Target("report", 1, get_workflow("report").definition().limits())]
+    with testing.fake_clock(START) as clock:
+        schedules.create("zone-gone", workflow="report", cron="*/5 * * * *")  # due 02:55
+        schedules.create("cron-gone", workflow="report", cron="*/5 * * * *")
+        schedules.create("healthy", workflow="report", cron="0 3 * * *")  # due 03:00
+        Schedule.objects.filter(name="zone-gone").update(timezone="Mars/Olympus")
+        Schedule.objects.filter(name="cron-gone").update(cron="*/5 * * * * * *")
+        clock.set(datetime(2026, 6, 1, 3, 1, tzinfo=UTC))
+        fired, next_tick = store.schedules.fire_due(targets)
+    assert [f.schedule for f in fired] == ["healthy"]
+    assert next_tick == datetime(2026, 6, 2, 3, 0, tzinfo=UTC)  # not the unreadable 02:55
+    logged = caplog.text
+    assert "'zone-gone'" in logged and "'cron-gone'" in logged and "cannot be evaluated" in logged

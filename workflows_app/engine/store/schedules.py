@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from cronsim import CronSimError
 from django.db import IntegrityError, transaction
 from django.db.models import Min
 
@@ -151,12 +152,17 @@ def due_schedules(workflows: Sequence[str], now: datetime) -> list[Schedule]:
     )
 
 
-def next_tick_at(workflows: Sequence[str], left: Collection[str] = ()) -> datetime | None:
+def next_tick_at(
+    workflows: Sequence[str], left: Collection[str] = (), unreadable: Collection[int] = ()
+) -> datetime | None:
     """The earliest next tick of the schedules this worker can fire: its idle wait ends there.
-    left: workflows whose declared schedules a newer version's workers fire (fire_due)."""
+    left: workflows whose declared schedules a newer version's workers fire (fire_due);
+    unreadable: schedules (pks) whose cron or time zone this process cannot evaluate."""
     rows = Schedule.objects.filter(paused=False, workflow__in=list(workflows))
     if left:
         rows = rows.exclude(declared=True, workflow__in=list(left))
+    if unreadable:
+        rows = rows.exclude(pk__in=list(unreadable))
     return rows.aggregate(m=Min("next_run_at"))["m"]
 
 
@@ -171,15 +177,32 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
     # version's workers' to fire, as they are theirs to sync (sync_declared): fired here,
     # a tick of the new declarations started an instance of this process's old code.
     left = newer_live_versions({r.workflow: by_name[r.workflow].version for r in due if r.declared})
+    unreadable = []
     for row in due:
         if row.declared and row.workflow in left:
             continue
-        started = fire_tick(row, by_name[row.workflow], now)
+        try:
+            started = fire_tick(row, by_name[row.workflow], now)
+        except (InvalidInput, CronSimError, ValueError) as exc:
+            # A cron or time zone this process cannot read, though the one that stored it
+            # could (a tzdata without the zone, another cronsim): logged (each look at the
+            # schedules, no traceback), and the other schedules fire. Raised out of the
+            # loop, it kept every schedule after it (by next tick) from firing.
+            log.error(
+                "schedule %r (cron %r, time zone %r) cannot be evaluated by this process, "
+                "its ticks do not fire here: %s",
+                row.name,
+                row.cron,
+                row.timezone,
+                exc,
+            )
+            unreadable.append(row.pk)
+            continue
         if started is not None:
             fired.append(started)
     if fired and on_fired is not None:
         on_fired([f.instance_pk for f in fired])
-    return fired, next_tick_at(list(by_name), left)
+    return fired, next_tick_at(list(by_name), left, unreadable)
 
 
 @retry_while_locked
