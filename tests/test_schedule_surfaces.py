@@ -20,6 +20,7 @@ from tests.surface_flows import SIMPLE, register_flows
 from tests.test_api import Api, error_of, user_api
 from workflows_app import testing, tokens
 from workflows_app.client import schedules
+from workflows_app.engine import errors
 from workflows_app.models import Instance, Schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -358,6 +359,28 @@ def test_the_dashboard_shows_a_schedules_params_decoded_and_survives_undecodable
         response = client.get(page)
         assert response.status_code == 200
         assert "cannot decode" in response.content.decode()
+
+
+def test_a_schedule_whose_params_cannot_be_decoded_can_still_be_paused_and_deleted(service):
+    """Handles decoded the params when made: with the payload codec they were written with
+    gone (or its key lost), schedules.get raised CodecError, so no surface could pause,
+    resume or delete the schedule (the API answered 400, wf CommandError, the admin's
+    delete failed) while its ticks kept starting instances."""
+    from tests.test_security_review import with_codec
+
+    with with_codec():
+        schedules.create("sealed", workflow=SIMPLE, cron="0 3 * * *", params={"card": "4242"})
+        schedules.create("doomed", workflow=SIMPLE, cron="0 4 * * *", params={"card": "4242"})
+    with with_codec(None):
+        assert schedules.get("sealed").pause().paused
+        paused = service.patch(schedules_url(name="sealed"), {"paused": False})
+        assert paused.status_code == 200, paused.content
+        assert "cannot decode" in paused.json()["result"]["params"]
+        assert "cannot decode" in service.get(schedules_url()).json()["result"][0]["params"]
+        wf("schedules", "delete", "doomed")
+        assert [s.name for s in schedules.list()] == ["sealed"]
+        with pytest.raises(errors.CodecError):
+            schedules.get("sealed").params  # noqa: B018  (reading them still names the fault)
 
 
 def test_dashboard_schedule_actions_check_permissions_and_act():

@@ -24,7 +24,7 @@ from .engine import clock, errors, store
 from .engine.cron import check_cron, check_schedule_name, fire_times, zone
 from .engine.limits import check_size, encode_json
 from .engine.registry import get_definition
-from .models import Instance, Schedule
+from .models import Instance, Schedule, decode_stored
 
 if TYPE_CHECKING:
     from .client import InstanceHandle
@@ -67,7 +67,7 @@ class ScheduleHandle:
     workflow: str
     cron: str
     timezone: str
-    params: Any
+    params_json: str  # as stored: sealed by the payload codec, if one is set
     paused: bool
     declared: bool
     next_run_at: datetime | None
@@ -83,7 +83,7 @@ class ScheduleHandle:
             workflow=row.workflow,
             cron=row.cron,
             timezone=row.timezone,
-            params=row.params,
+            params_json=row.params_json,
             paused=row.paused,
             declared=row.declared,
             next_run_at=row.next_run_at,
@@ -92,6 +92,13 @@ class ScheduleHandle:
             created_at=row.created_at,
             created_by=row.created_by,
         )
+
+    @property
+    def params(self) -> Any:
+        """The params each tick starts an instance with. Decoded when read, not when the
+        handle is made: pausing, resuming, triggering or deleting a schedule whose params
+        this process cannot decode (its payload codec is not set) must not need them."""
+        return decode_stored(self.params_json)
 
     def refresh(self) -> ScheduleHandle:
         return schedules.get(self.name)

@@ -19,9 +19,10 @@ from .client import (
     WorkflowBinding,
     get_workflow,
 )
+from .codec import shown_text
 from .engine import errors
 from .engine.registry import all_definitions
-from .models import Instance, StepRecord
+from .models import Instance, StepRecord, decode_json
 
 
 def binding(name: str) -> WorkflowBinding:
@@ -176,7 +177,8 @@ def schedule_json(schedule: ScheduleHandle, next_runs: int = 0) -> dict[str, Any
         "workflow": schedule.workflow,
         "cron": schedule.cron,
         "timezone": schedule.timezone,
-        "params": schedule.params,
+        # Decoded, or a message naming why not: the schedule can still be listed and changed.
+        "params": decode_json(shown_text(schedule.params_json)),
         "paused": schedule.paused,
         "declared": schedule.declared,
         "next_run_at": iso(schedule.next_run_at),
