@@ -175,6 +175,10 @@ def test_create_refuses_a_taken_name_bad_cron_bad_zone_and_unknown_workflow(regi
         schedules.create("bad-params", workflow="report", cron="* * * * *", params={1, 2})
     with pytest.raises(InvalidInput, match="count"):
         schedules.get("taken").next_runs(0)
+    # Unchecked, -1 was a ValueError from the ORM and None read every instance it started.
+    for limit in (-1, 0, None, 10**6, "5"):
+        with pytest.raises(InvalidInput, match="limit"):
+            schedules.get("taken").instances(limit)
     assert [s.name for s in schedules.list()] == ["taken"]
 
 

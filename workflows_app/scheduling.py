@@ -131,7 +131,10 @@ class ScheduleHandle:
         return upcoming(self.cron, self.timezone, self.paused, count)
 
     def instances(self, limit: int = 20) -> list[Instance]:
-        """The instances this schedule started, newest first."""
+        """The instances this schedule started, newest first (at most 1000, as a page of
+        list(): a schedule firing every minute starts half a million a year)."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
         return list(Instance.objects.filter(schedule=self.name).order_by("-id")[:limit])
 
     async def apause(self) -> ScheduleHandle:
