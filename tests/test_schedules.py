@@ -415,65 +415,33 @@ def test_next_runs_of_a_rare_expression_end_with_the_calendar_not_an_overflow(re
     assert runs == sorted(set(runs))
 
 
-def test_a_stored_next_tick_the_zone_rules_no_longer_give_is_computed_again(registered):
+def test_a_stored_next_tick_this_process_rules_do_not_give_is_waited_out_not_rewritten(
+    registered,
+):
     """next_run_at is computed with the time zone rules of the process that stored it; after
     a tzdata update (a country moving or dropping its daylight-saving time), or between
-    processes with different tzdata, it may not be a tick of the cron as read now. fire_tick
-    then neither fired nor moved it on: it stayed due, fire_due answered it (in the past) as
-    the next tick, and every worker polled the schedules without pause until the next real
-    tick came (up to a day for a daily schedule)."""
+    processes with different tzdata, it may not be a tick of the cron as read here.
+    fire_tick neither fired nor moved it: it stayed due, fire_due answered it (in the
+    past) as the next tick, and every worker polled the schedules without pause until the
+    next tick came (up to a day for a daily schedule). Rewriting it by this process's
+    rules would lose the tick of a process whose rules gave it: it is left as it is, and
+    this process waits for its own next tick of the cron."""
     register_report()
     targets = [store.schedules.Target("report", 1, get_workflow("report").definition().limits())]
+    stored = datetime(2026, 6, 1, 3, 30, tzinfo=UTC)
     with testing.fake_clock(START) as clock:
         schedules.create("hourly", workflow="report", cron="0 * * * *")
         # As rules half an hour off would have it: 03:30, not a tick of "0 * * * *" in UTC.
-        Schedule.objects.filter(name="hourly").update(
-            next_run_at=datetime(2026, 6, 1, 3, 30, tzinfo=UTC)
-        )
+        Schedule.objects.filter(name="hourly").update(next_run_at=stored)
         clock.set(datetime(2026, 6, 1, 3, 31, tzinfo=UTC))
         fired, next_tick = store.schedules.fire_due(targets)
         assert fired == []  # 03:00 is before the tick the schedule waits for: not fired
-        assert next_tick == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
-        assert schedules.get("hourly").next_run_at == next_tick
+        assert next_tick == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)  # not 03:30, in the past
+        assert schedules.get("hourly").next_run_at == stored  # another process's to fire
         clock.set(datetime(2026, 6, 1, 4, 0, tzinfo=UTC))
         testing.run_until_idle()
         assert [i.scheduled_at for i in started("report")] == [next_tick]
-
-
-def test_a_declared_crons_pause_follows_it_when_a_deploy_moves_it(registered):
-    """Declared schedules are named by position (`<workflow>:<n>`): removing the first of
-    two crons put the second at position 0 under the first one's row. An operator's pause
-    of the second ("0 4 * * *") was deleted with its row, and the cron fired again under
-    the first's row (active); reordering the list swapped the pauses between the crons."""
-    from workflows_app.engine import registry
-
-    def deploy(crons: list[str]) -> list[tuple[str, str, bool]]:
-        registry.unregister("shifting")
-        register_report("shifting", crons)
-        testing.run_until_idle()  # a worker start syncs the declarations
-        return [(s.name, s.cron, s.paused) for s in schedules.list(workflow="shifting")]
-
-    with testing.fake_clock(START):
-        register_report("shifting", ["0 3 * * *", "0 4 * * *"])
-        testing.run_until_idle()
-        schedules.get("shifting:1").pause()  # the 04:00 one
-        assert deploy(["0 4 * * *"]) == [("shifting:0", "0 4 * * *", True)]
-        assert schedules.get("shifting:0").next_run_at is None
-        assert deploy(["0 5 * * *", "0 4 * * *"]) == [
-            ("shifting:0", "0 5 * * *", False),
-            ("shifting:1", "0 4 * * *", True),
-        ]
-        assert schedules.get("shifting:0").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
-        # A cron edited in place (none moves to its position) keeps the position's pause.
-        assert deploy(["0 5 * * *", "0 6 * * *"]) == [
-            ("shifting:0", "0 5 * * *", False),
-            ("shifting:1", "0 6 * * *", True),
-        ]
-        assert deploy(["0 6 * * *", "0 5 * * *"]) == [  # reordered: the pause goes along
-            ("shifting:0", "0 6 * * *", True),
-            ("shifting:1", "0 5 * * *", False),
-        ]
-        assert schedules.get("shifting:1").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
+        assert schedules.get("hourly").next_run_at == datetime(2026, 6, 1, 5, 0, tzinfo=UTC)
 
 
 def test_a_schedule_this_process_cannot_evaluate_does_not_stop_the_others(registered, caplog):

@@ -157,7 +157,8 @@ def next_tick_at(
 ) -> datetime | None:
     """The earliest next tick of the schedules this worker can fire: its idle wait ends there.
     left: workflows whose declared schedules a newer version's workers fire (fire_due);
-    unreadable: schedules (pks) whose cron or time zone this process cannot evaluate."""
+    unreadable: schedules (pks) whose cron, time zone or stored next tick this process
+    cannot evaluate (fire_due)."""
     rows = Schedule.objects.filter(paused=False, workflow__in=list(workflows))
     if left:
         rows = rows.exclude(declared=True, workflow__in=list(left))
@@ -178,10 +179,25 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
     # a tick of the new declarations started an instance of this process's old code.
     left = newer_live_versions({r.workflow: by_name[r.workflow].version for r in due if r.declared})
     unreadable = []
+    waits = []  # the next tick, by this process's rules, of a schedule stored by others'
     for row in due:
         if row.declared and row.workflow in left:
             continue
         try:
+            tick = latest_fire_time(row.cron, row.timezone, now)
+            if tick is None or row.next_run_at is None or tick < row.next_run_at:
+                # The stored next tick is not a tick of the cron as this process reads the
+                # zone's rules: its tzdata differs from that of the process that computed
+                # it (a country moved or dropped its daylight-saving time, and the update
+                # is not everywhere yet, or came after). Left as it is, for a process with
+                # the same rules to fire (rewritten here, that one's tick was lost); this
+                # process waits for its own next tick of it. Answered as the next tick,
+                # the past time made every worker poll the schedules without pause.
+                unreadable.append(row.pk)
+                wait = next_fire_time(row.cron, row.timezone, now)
+                if wait is not None:
+                    waits.append(wait)
+                continue
             started = fire_tick(row, by_name[row.workflow], now)
         except (InvalidInput, CronSimError, ValueError) as exc:
             # A cron or time zone this process cannot read, though the one that stored it
@@ -202,24 +218,17 @@ def fire_due(targets: Sequence[Target]) -> tuple[list[Fired], datetime | None]:
             fired.append(started)
     if fired and on_fired is not None:
         on_fired([f.instance_pk for f in fired])
-    return fired, next_tick_at(list(by_name), left, unreadable)
+    next_tick = next_tick_at(list(by_name), left, unreadable)
+    return fired, min([t for t in (next_tick, *waits) if t is not None], default=None)
 
 
 @retry_while_locked
 def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
     """Fire the latest due tick of one schedule, unless another worker fired it first."""
-    if row.next_run_at is None:
-        return None
     guarded = Schedule.objects.filter(pk=row.pk, paused=False, next_run_at=row.next_run_at)
     tick = latest_fire_time(row.cron, row.timezone, now)
-    if tick is None or tick < row.next_run_at:
-        # The stored next tick is not a tick of the cron as the zone's rules read now: the
-        # time zone database changed since it was computed (a country dropped or moved its
-        # daylight-saving time), or another process reads other rules. Nothing is due; the
-        # next tick is computed again, or it stays due (and in the past) without firing,
-        # and every worker's loop, waiting until it, polls the schedules without a pause.
-        guarded.update(next_run_at=next_fire_time(row.cron, row.timezone, now), updated_at=now)
-        return None
+    if tick is None or row.next_run_at is None or tick < row.next_run_at:
+        return None  # not a tick by this process's rules (see fire_due)
     instance_id = tick_instance_id(row.name, tick, target.limits.max_instance_id_length)
 
     def move_on(last_instance_id: str) -> bool:
