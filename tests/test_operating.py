@@ -344,6 +344,24 @@ def test_retention_by_outcome_on_the_engine_clock(tagged):
         assert ids(tagged.list()) == ["only-ok"]
 
 
+def grow_history(handle, count):
+    """`count` more history records for an instance (a long-running one's history)."""
+    row = handle.row()
+    HistoryRecord.objects.bulk_create(
+        (
+            HistoryRecord(
+                instance_id=row.pk,
+                sequence=row.history_seq + n,
+                created_at=START,
+                type="probe.logged",
+            )
+            for n in range(1, count + 1)
+        ),
+        batch_size=5_000,
+    )
+    Instance.objects.filter(pk=row.pk).update(history_seq=row.history_seq + count)
+
+
 def test_a_prune_batch_is_bounded_by_the_rows_it_deletes_not_only_instances(tagged):
     """Three expired instances of 30,000 history records each: a batch of 500 instances
     deleted all 90,000 rows in one transaction; it now stops at PRUNE_ROWS (50,000),
@@ -355,20 +373,7 @@ def test_a_prune_batch_is_bounded_by_the_rows_it_deletes_not_only_instances(tagg
             handle.send_event("go", "ok")
         testing.run_until_idle()
         for handle in handles:
-            row = handle.row()
-            HistoryRecord.objects.bulk_create(
-                (
-                    HistoryRecord(
-                        instance_id=row.pk,
-                        sequence=row.history_seq + n,
-                        created_at=START,
-                        type="probe.logged",
-                    )
-                    for n in range(1, 30_001)
-                ),
-                batch_size=5_000,
-            )
-            Instance.objects.filter(pk=row.pk).update(history_seq=row.history_seq + 30_000)
+            grow_history(handle, 30_000)
         clock.advance("2 hours")
         sizes = []
         assert store.prune(max_batches=1, on_batch=sizes.append) == 1
@@ -492,6 +497,23 @@ def test_a_job_keeps_the_item_rows_of_the_work_left_only(tagged, monkeypatch):
     job.refresh()
     assert (job.done, job.processed, job.applied) == (True, 5, 5)
     assert left.count() == 0
+
+
+def test_a_bulk_delete_batch_is_bounded_by_the_rows_it_deletes(tagged):
+    """As a prune's: three finished instances of 30,000 history records each were one
+    batch, 90,000 rows in one transaction; a batch now stops at PRUNE_ROWS (50,000)."""
+    from workflows_app import bulk
+
+    for handle in waiting_instances(tagged, 3):
+        handle.terminate()
+        grow_history(handle, 30_000)
+    job = tagged.bulk("delete")
+    assert bulk.process_batch(job.id).processed == 1
+    assert bulk.process_batch(job.id).processed == 2
+    assert bulk.process_batch(job.id).done
+    job.refresh()
+    assert (job.matched, job.applied, job.skipped) == (3, 3, 0)
+    assert not HistoryRecord.objects.exists() and not Instance.objects.exists()
 
 
 def test_a_crash_mid_batch_rolls_the_batch_back_and_it_is_taken_again(tagged, monkeypatch):

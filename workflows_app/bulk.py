@@ -105,6 +105,8 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
         if wanted not in lifecycle.FINISHED:
             wanted = None
         rows = store.bulk.batch_rows(pks, locked=wanted is not None)
+        if job.action == BulkAction.DELETE:  # the rest of the batch is the next one
+            pks = store.bulk.within_delete_bound(pks, rows)
         apply = ACTIONS[job.action]
         applied = skipped = 0
         failures: list[str] = []

@@ -16,6 +16,7 @@ from django.db import connection, transaction
 
 from ...models import BulkJob, BulkJobItem, Instance
 from .. import clock
+from .catalog import PRUNE_ROWS
 from .dialect import lock_rows, retry_while_locked, skip_rows_being_claimed
 
 ITEM_TABLE = BulkJobItem._meta.db_table
@@ -77,10 +78,24 @@ def lock_next_batch(size: int, job_pk: int | None = None) -> tuple[BulkJob, list
 def batch_rows(pks: Sequence[int], locked: bool = False) -> dict[int, Instance]:
     """The batch's instances still there (deleted ones are skipped), one query; `locked`:
     their rows locked (in id order) until the batch commits, so the status read holds."""
-    rows = Instance.objects.filter(pk__in=list(pks)).only("id", "workflow", "instance_id", "status")
+    rows = Instance.objects.filter(pk__in=list(pks)).only(
+        "id", "workflow", "instance_id", "status", "history_seq", "step_seq"
+    )
     if locked:
         rows = lock_rows(rows.order_by("id"))
     return {row.pk: row for row in rows}
+
+
+def within_delete_bound(pks: Sequence[int], rows: dict[int, Instance]) -> list[int]:
+    """The first pks whose instances' history records and steps (their counters) stay
+    within PRUNE_ROWS, at least one: a delete batch's transaction is bounded as a prune's."""
+    size = 0
+    for n, pk in enumerate(pks):
+        row = rows.get(pk)
+        size += 0 if row is None else row.history_seq + row.step_seq
+        if n and size > PRUNE_ROWS:
+            return list(pks[:n])
+    return list(pks)
 
 
 def record_batch(
