@@ -467,6 +467,30 @@ def test_routing_wfdash_or_the_user_model_off_default_is_refused(router: str, na
         assert "migrations are not allowed on 'default'" in error.msg
 
 
+@pytest.mark.parametrize(
+    ("wfdash", "named"),
+    [
+        ({"RETENTION": {"success": "7 days", "failure": "30 days"}}, "unknown outcome"),
+        ({"RETENTION": "7 dayz"}, 'settings.WFDASH["RETENTION"]'),
+        ({"PRUNE_SECONDS": "5 minutes"}, "PRUNE_SECONDS"),
+        ({"PRUNE_SECONDS": -1}, "PRUNE_SECONDS"),
+    ],
+)
+def test_bad_retention_settings_are_refused_at_start_up(wfdash: dict, named: str) -> None:
+    """A typo in WFDASH["RETENTION"] passed every check, then raised in each finish: the
+    instances that ended stayed "running" for ever. manage.py check now refuses it."""
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    call_command("check")
+    with override_settings(WFDASH=wfdash), pytest.raises(SystemCheckError) as refused:
+        call_command("check")
+    assert "workflows_app.E003" in str(refused.value) and named in str(refused.value)
+    with override_settings(WFDASH={"RETENTION": {"error": "30 days"}, "PRUNE_SECONDS": 0}):
+        call_command("check")
+
+
 def test_wfdash_commands_shadowed_by_earlier_apps_are_warned_of() -> None:
     """Listed after channels (or staticfiles, daphne), workflows_app's runworker and
     runserver were not the ones manage.py ran: `runworker workflows` served the channel

@@ -61,6 +61,42 @@ def check_database(**_: Any) -> list[Error]:
     ]
 
 
+@register()
+def check_retention(**_: Any) -> list[Error]:
+    """WFDASH["RETENTION"] is read as each instance finishes: a typo there ("failure" for
+    "error", "7 dayz") raised in every finish, leaving each instance that ended "running"
+    for ever (and terminate() refused with the settings' error), while the checks passed.
+    PRUNE_SECONDS is read as a worker starts: a bad one stopped every worker."""
+    from .engine.errors import WorkflowError
+    from .engine.retention import settings_retention
+
+    problems: list[str] = []
+    try:
+        settings_retention()
+    except WorkflowError as exc:
+        named = 'settings.WFDASH["RETENTION"]'
+        problems.append(str(exc) if named in str(exc) else f"{named}: {exc}")
+    prune = getattr(settings, "WFDASH", {}).get("PRUNE_SECONDS", 300)
+    try:
+        seconds = float(prune) if not isinstance(prune, bool) else float("nan")
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 <= seconds < float("inf"):
+        problems.append(
+            f'settings.WFDASH["PRUNE_SECONDS"] must be a number of seconds, 0 or more '
+            f"(0: only `wf prune` prunes), got {prune!r}"
+        )
+    return [
+        Error(
+            problem,
+            hint='e.g. WFDASH = {"RETENTION": {"success": "7 days", "error": "30 days"}, '
+            '"PRUNE_SECONDS": 300}; see docs/operating.md, Retention.',
+            id="workflows_app.E003",
+        )
+        for problem in problems
+    ]
+
+
 # Django runs the command of the first app in INSTALLED_APPS that has one.
 ENGINE_COMMANDS = {
     "runserver": "serves with daphne and starts the embedded worker",
