@@ -159,6 +159,49 @@ def test_postgresql_notifies_history_of_watched_instances_only(approval):
         history_listener.ensure_started(live.result_waiters.wake)
 
 
+@pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="NOTIFY is PostgreSQL's; SQLite subscribers poll"
+)
+def test_a_subscriber_whose_row_was_cleared_registers_again(approval):
+    """A subscription whose row expired (its caller slow to take the next record, or busy
+    past the TTL) and was deleted by another subscriber's open() kept "refreshing" a row
+    that no longer existed: the trigger never notified it again, and each record waited
+    for the next poll."""
+    from workflows_app.engine.store.subscriptions import HistoryFollower
+
+    row = approval.create(id="slow").row()
+    follower = HistoryFollower(row.pk, 0)
+    follower.open()
+    HistorySubscriber.objects.all().delete()  # what an open() does to expired rows
+    follower.refreshed_at = 0.0  # the refresh is due
+    follower.keep_alive()
+    assert HistorySubscriber.objects.filter(instance_id=row.pk).count() == 1
+    heard: list[int] = []
+    arrived = threading.Event()
+
+    def wake(pk: int) -> None:
+        heard.append(pk)
+        arrived.set()
+
+    try:
+        assert history_listener.ensure_started(wake)
+        with transaction.atomic():
+            store.append_history(row.pk, [store.History("test.note", {"n": 1})])
+        assert arrived.wait(SIGNAL_TIMEOUT) and heard == [row.pk]
+    finally:
+        history_listener.ensure_started(live.result_waiters.wake)
+        follower.close()
+    assert not HistorySubscriber.objects.exists()
+    # The instance gone: nothing to register again, and no error.
+    other = approval.create(id="gone").row()
+    gone = HistoryFollower(other.pk, 0)
+    gone.open()
+    store.delete_rows([other.pk])
+    gone.refreshed_at = 0.0
+    gone.keep_alive()
+    assert gone.subscriber is None and not HistorySubscriber.objects.exists()
+
+
 # --- Server-Sent Events -----------------------------------------------------------------
 
 

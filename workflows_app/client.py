@@ -669,7 +669,7 @@ class InstanceHandle:
                         return
                     if not records:
                         woken.wait(follower.wait_seconds)
-                        follower.keep_alive()
+                    follower.keep_alive()  # busy or idle: at most every REFRESH_SECONDS
             finally:
                 follower.close()
 
@@ -689,6 +689,7 @@ class InstanceHandle:
                     if not records:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(woken.wait(), follower.wait_seconds)
+                    if follower.keep_alive_due():
                         await sync_to_async(follower.keep_alive)()
             finally:
                 await asyncio.shield(sync_to_async(follower.close)())

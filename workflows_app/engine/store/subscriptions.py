@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from ...models import HistoryRecord, HistorySubscriber, Instance
@@ -84,13 +84,30 @@ class HistoryFollower:
         ).pk
         self.refreshed_at = now.timestamp()
 
+    def keep_alive_due(self) -> bool:
+        return (
+            self.subscriber is not None
+            and timezone.now().timestamp() - self.refreshed_at > REFRESH_SECONDS
+        )
+
     def keep_alive(self) -> None:
+        """Push the subscriber row's expiry forward (at most every REFRESH_SECONDS). A row
+        that expired meanwhile (a caller slow to take the next record, a stream busy past
+        SUBSCRIBER_TTL) may have been deleted by another subscriber's open(): it is made
+        again, or the trigger would stop notifying and every record wait for a poll."""
+        if not self.keep_alive_due():
+            return
         now = timezone.now()
-        if self.subscriber is not None and now.timestamp() - self.refreshed_at > REFRESH_SECONDS:
-            HistorySubscriber.objects.filter(pk=self.subscriber).update(
-                expires_at=now + SUBSCRIBER_TTL
-            )
-            self.refreshed_at = now.timestamp()
+        expires_at = now + SUBSCRIBER_TTL
+        if not HistorySubscriber.objects.filter(pk=self.subscriber).update(expires_at=expires_at):
+            try:
+                with transaction.atomic():
+                    self.subscriber = HistorySubscriber.objects.create(
+                        instance_id=self.pk, expires_at=expires_at
+                    ).pk
+            except IntegrityError:  # the instance is gone: read() ends the subscription
+                self.subscriber = None
+        self.refreshed_at = now.timestamp()
 
     def close(self) -> None:
         if self.subscriber is not None:
