@@ -355,6 +355,12 @@ def test_list_filters_by_status_and_pages_with_a_cursor(service):
         ("limit=0", "limit must be an integer from 1 to 1000, got 0"),
         ("status=sleepy", "unknown status 'sleepy'"),
         ("cursor=%3F%3F", "invalid cursor"),
+        # Cursors int() took: a space, an underscore, a sign, past a bigint, zero.
+        ("cursor=aWQ6IDU", "invalid cursor"),
+        ("cursor=aWQ6MV8w", "invalid cursor"),
+        ("cursor=aWQ6LTU", "invalid cursor"),
+        ("cursor=aWQ6OTk5OTk5OTk5OTk5OTk5OTk5OTk5OTk", "invalid cursor"),
+        ("cursor=aWQ6MA", "invalid cursor"),
         ("sort=asc", "unknown query parameter(s) ['sort']"),
     ],
 )

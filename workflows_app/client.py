@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -564,13 +565,19 @@ def encode_cursor(pk: int) -> str:
 
 
 def decode_cursor(cursor: str) -> int:
+    """The instance pk a list cursor (encode_cursor's) stands for; InvalidInput for any
+    other text: int() also took "id: 5", "id:1_0", "id:-5" and ids past a bigint, which
+    listed other pages or none instead of saying the cursor was not one."""
     try:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        if not text.startswith("id:"):
+        if not CURSOR_TEXT.fullmatch(text) or not 0 < int(text[3:]) <= MAX_PK:
             raise ValueError
         return int(text[3:])
     except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise errors.InvalidInput(f"invalid cursor {cursor!r}") from None
+        raise errors.InvalidInput(f"invalid cursor {cursor[:40]!r}") from None
+
+
+CURSOR_TEXT = re.compile(r"id:[0-9]{1,19}")
 
 
 # Steps an operator may act on (retry, skip a sleep, send an event): shown however old.
