@@ -148,3 +148,55 @@ def test_spans_are_exported_once_over_otlp_when_the_project_installed_its_own_pr
     assert result.returncode == 0, result.stderr
     names = Counter(name for _, name in exported)
     assert names == {"create exported": 1, "workflow exported": 1, "step only step": 1}
+
+
+TRACING_OFF_SCRIPT = (
+    """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+project = TracerProvider()  # the project's own, installed before Django starts
+own = InMemorySpanExporter()
+project.add_span_processor(SimpleSpanProcessor(own))
+trace.set_tracer_provider(project)
+"""
+    + RUN_EXPORTED_WORKFLOW
+    + """
+from workflows_app.models import Span
+with trace.get_tracer("project").start_as_current_span("project work"):
+    pass
+print("project got:", sorted(span.name for span in own.get_finished_spans()))
+print("stored:", Span.objects.count())
+"""
+)
+
+
+def test_tracing_switched_off_makes_no_spans_in_a_provider_the_project_installed(tmp_path):
+    """WFDASH_TRACING=0 ("turns spans off") only left wfdash's set-up out: the engine's
+    spans still went through the global provider, so a project with a provider of its own
+    (Sentry's SDK, opentelemetry-instrument) recorded and exported a `workflow`, a `step`
+    and a `create` span of every instance. Now the engine makes none; the project's own
+    spans are untouched."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'tracing-off.sqlite3'}",
+        "WFDASH_TRACING": "0",
+        "WFDASH_DEMO": "0",
+    }
+    for name in [n for n in env if n.startswith("OTEL_")]:
+        del env[name]
+    env.pop("REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", TRACING_OFF_SCRIPT],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "project got: ['project work']" in result.stdout, result.stdout
+    assert "stored: 0" in result.stdout

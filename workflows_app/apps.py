@@ -33,6 +33,13 @@ class WorkflowsAppConfig(AppConfig):
             from . import tracing
 
             tracing.configure()
+        else:
+            # Off means no spans: the engine's went on through the global provider, and a
+            # provider the project installed (Sentry's, opentelemetry-instrument's)
+            # recorded and exported every run's and step's.
+            from .engine import spans
+
+            spans.set_enabled(False)
         if any(
             backend.get("BACKEND") == "workflows_app.tasks.WorkflowTaskBackend"
             for backend in getattr(settings, "TASKS", {}).values()
