@@ -535,3 +535,64 @@ def test_ten_looping_workflows_do_not_push_an_eleventh_out_of_the_step_histogram
     }
     # 800 names of all workflows, and past them the first 10 of any workflow with fewer.
     assert 800 <= len(steps - {"pay", "(other)"}) <= 800 + 10 * 10
+
+
+METRICS_OFF_SCRIPT = """
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))  # the project's own
+
+import wfdash.settings
+wfdash.settings.WFDASH["METRICS"] = False
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from workflows_app import testing
+from workflows_app.client import get_workflow
+from workflows_app.engine import WorkflowEntrypoint, register
+
+@register("unmetered")
+class Unmetered(WorkflowEntrypoint):
+    async def run(self, event, step):
+        return await step.do("only step", lambda: 42)
+
+inst = get_workflow("unmetered").create()
+testing.run_until_idle()
+assert inst.status().output == 42
+metrics.get_meter("project").create_counter("project.work").add(1)
+data = reader.get_metrics_data()
+names = sorted(
+    m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+)
+print("project got:", names)
+"""
+
+
+def test_metrics_switched_off_record_nothing_in_a_provider_the_project_installed(tmp_path):
+    """WFDASH["METRICS"] = False only left wfdash's meter provider out: the engine's
+    instruments went on through the global provider, so a project with a provider of its
+    own exported wfdash's started/finished counters and step durations all the same. Now
+    the engine's instruments are no-ops; the project's own are untouched."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'metrics-off.sqlite3'}",
+        "WFDASH_DEMO": "0",
+    }
+    for name in [n for n in env if n.startswith("OTEL_")]:
+        del env[name]
+    env.pop("REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", METRICS_OFF_SCRIPT],
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "project got: ['project.work']" in result.stdout, result.stdout

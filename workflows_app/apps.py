@@ -52,5 +52,11 @@ class WorkflowsAppConfig(AppConfig):
             from . import metrics
 
             metrics.configure()
+        else:
+            # Off means no metrics: the engine's instruments went on through the global
+            # provider, into one the project installed.
+            from .engine import meters
+
+            meters.set_enabled(False)
         if getattr(settings, "WFDASH", {}).get("DEMO", False):
             from . import demo  # noqa: F401  (registers the demo workflows)

@@ -69,9 +69,23 @@ _started = _Tally("workflow")
 _finished = _Tally("workflow", "status")
 
 
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the engine's instruments on or off (WFDASH["METRICS"]): off, they are
+    no-ops, rather than instruments of a meter provider the project installed."""
+    global _enabled
+    _enabled = enabled
+    _instruments.cache_clear()
+
+
 @cache
 def _instruments() -> dict[str, Any]:
-    meter = metrics.get_meter("wfdash.engine")
+    if not _enabled:
+        meter: metrics.Meter = metrics.NoOpMeter("wfdash.engine")
+    else:
+        meter = metrics.get_meter("wfdash.engine")
     meter.create_observable_counter(
         "wfdash.instances.started",
         callbacks=[_started.observe],
