@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q
+from django.db.models import Window as Over
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from .dashboard import CHART_HEIGHT, STEP_CUT_SHORT, bar_chart, chart_peak, time_axis
@@ -238,19 +240,31 @@ def metrics_page(window_key: str, now: datetime | None = None) -> MetricsPage:
     steps = StepRecord.objects.filter(completed_at__gte=since, kind=StepKind.DO).exclude(
         status=StepStatus.FAILED, last_error_name=STEP_CUT_SHORT
     )
-    by_workflow: dict[str, list[StepMetrics]] = {}
-    for name, step, n, failed in (
+    # Each workflow's MAX_STEP_ROWS names that ran most, ranked in the database with the
+    # number of its names: a step named per instance (f"charge {order}") made one row per
+    # instance of the window, all read into Python to keep 200 (144,000 rows, 6 s and
+    # 175 MB for a day of 100 instances a minute on PostgreSQL).
+    ranked = (
         steps.values("instance__workflow", "name")
         .annotate(n=Count("id"), failed=Count("id", filter=Q(status=StepStatus.FAILED)))
+        .annotate(
+            rank=Over(
+                RowNumber(),
+                partition_by=[F("instance__workflow")],
+                order_by=[F("n").desc(), F("name").asc()],
+            ),
+            names=Over(Count("*"), partition_by=[F("instance__workflow")]),
+        )
+        .filter(rank__lte=MAX_STEP_ROWS)
         .order_by()
-        .values_list("instance__workflow", "name", "n", "failed")
-    ):
-        by_workflow.setdefault(name, []).append(StepMetrics(step, n, failed))
-    for name, rows in by_workflow.items():
+        .values_list("instance__workflow", "name", "n", "failed", "names")
+    )
+    for name, step, n, failed, names in ranked:
         w = workflow(name)
-        w.steps_total = len(rows)
-        rows.sort(key=lambda s: (-s.finished, s.name))
-        w.steps = {s.name: s for s in rows[:MAX_STEP_ROWS]}
+        w.steps_total = names
+        w.steps[step] = StepMetrics(step, n, failed)
+    for w in workflows.values():
+        w.steps = dict(sorted(w.steps.items(), key=lambda kv: (-kv[1].finished, kv[0])))
     step_rows = list(
         steps.order_by("-completed_at").values_list(
             "instance__workflow", "name", "started_at", "completed_at"
