@@ -16,6 +16,7 @@ from django.db import connection
 
 from tests import fleet_workflows
 from tests.polling import wait_until
+from tests.test_fleet import needs_redis, redis_url
 from tests.workers import ROOT, answers_http, database_url
 from workflows_app.client import get_workflow
 
@@ -402,3 +403,25 @@ def test_each_engine_log_line_is_written_once(server, started):
             process.kill()
             process.wait(10)
         log.close()
+
+
+@needs_redis  # the worker reaches its metrics port once it has joined the workers' group
+def test_a_worker_whose_metrics_port_is_taken_says_so_in_one_line():
+    """Two workers on one host with the same WFDASH_METRICS_PORT: the second died with
+    http.server's traceback ending in "OSError: [Errno 98] Address already in use", which
+    named neither the setting nor the fix. Now one line says which port and what to do."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result, _ = manage(
+            "runworker",
+            "workflows",
+            DATABASE_URL=database_url(),
+            REDIS_URL=redis_url,
+            WFDASH_METRICS_PORT=str(port),
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"cannot serve this worker's metrics at 127.0.0.1:{port}" in result.stderr
+    assert "WFDASH_METRICS_PORT" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

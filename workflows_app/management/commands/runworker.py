@@ -150,12 +150,12 @@ class EngineChannelsWorker(ChannelsWorker):
             raise CommandError(
                 f"cannot reach Redis (REDIS_URL) at {redis_address()}: {exc}. Start Redis or fix REDIS_URL"
             ) from None
+        metrics_server = serve_metrics()
         listeners = [
             asyncio.ensure_future(self.keep_listening(self.listener, c)) for c in self.channels
         ]
         listeners.append(asyncio.ensure_future(self.keep_listening(self.hints, private)))
         listeners.append(asyncio.ensure_future(self.stay_in_workers_group(private)))
-        metrics_server = serve_metrics()
         log.info(
             "wfdash worker %s running (concurrency %s%s)",
             engine.worker_id,
@@ -264,7 +264,16 @@ def serve_metrics() -> Any:
     from workflows_app import metrics
 
     addr = conf.get("METRICS_ADDR", "127.0.0.1")
-    server = metrics.serve_process_metrics(int(port), addr)
+    try:
+        server = metrics.serve_process_metrics(int(port), addr)
+    except OSError as exc:
+        # A port another process holds (a second worker on the host with the same
+        # setting) or an address not of this host: one line saying which, not a traceback.
+        raise CommandError(
+            f"cannot serve this worker's metrics at {addr}:{port} (WFDASH_METRICS_ADDR, "
+            f"WFDASH_METRICS_PORT): {exc.strerror or exc}. Give each worker on a host a "
+            "port of its own, or leave WFDASH_METRICS_PORT unset"
+        ) from None
     log.info("wfdash worker metrics at http://%s:%s/metrics", addr, server.server_port)
     return server
 
