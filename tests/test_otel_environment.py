@@ -145,6 +145,7 @@ def test_the_service_is_named_as_the_environment_says(tmp_path, variables, servi
         ({"OTEL_TRACES_EXPORTER": "none"}, {"/v1/metrics"}),
         ({"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}, set()),
         ({"OTEL_TRACES_EXPORTER": "console,otlp"}, {"/v1/traces", "/v1/metrics"}),
+        ({"OTEL_METRICS_EXPORTER": "prometheus"}, {"/v1/traces"}),
     ],
 )
 def test_a_signal_whose_exporter_is_none_is_not_exported(tmp_path, variables, exported):
@@ -153,9 +154,12 @@ def test_a_signal_whose_exporter_is_none_is_not_exported(tmp_path, variables, ex
     traces only). wfdash read the endpoint alone and exported both: every minute's metrics
     export to Jaeger failed and was logged. The spans are stored for the dashboard
     whatever is exported."""
-    received, output = run_exporting(tmp_path, **variables)
+    received, output, errors = run_exporting(tmp_path, with_errors=True, **variables)
     assert {path for path, _ in received} == exported
     assert "stored spans: 3" in output
+    # Only an exporter wfdash does not provide is worth a word (console); Prometheus text
+    # is what /metrics serves.
+    assert ("wfdash exports over OTLP only" in errors) == ("console" in str(variables))
 
 
 @pytest.mark.parametrize(

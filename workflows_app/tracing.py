@@ -448,7 +448,8 @@ def exports_otlp(signal: str) -> bool:
         return False
     variable = f"OTEL_{upper}_EXPORTER"
     names = {n.strip().lower() for n in os.environ.get(variable, "otlp").split(",")} - {""}
-    others = names - {"otlp", "none"}
+    # prometheus: what /metrics (and a worker's metrics port) serve already.
+    others = names - {"otlp", "none", *(("prometheus",) if signal == "metrics" else ())}
     if others:
         log.warning(
             "%s names %s: wfdash exports over OTLP only (add that exporter to a provider "
