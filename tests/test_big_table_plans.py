@@ -97,3 +97,29 @@ def test_a_scrape_counts_the_unfinished_instances_from_their_index_alone():
         assert "COVERING INDEX instance_live" in plan, plan
     else:
         assert "Index Only Scan using instance_live" in plan, plan
+
+
+def test_a_prune_batch_takes_the_expired_instances_along_the_expiry_index():
+    # A worker prunes one batch between runs. Chosen ORDER BY id, PostgreSQL walked the
+    # primary key whenever its statistics guessed many expired rows (after a prune had
+    # emptied the backlog, until the next ANALYZE): 930 ms over 1M instances for none.
+    from datetime import timedelta
+
+    from django.test.utils import CaptureQueriesContext
+
+    from workflows_app.engine.store import catalog
+
+    for n in range(4):
+        instance(f"kept-{n}", status="complete", expires_at=NOW + timedelta(days=30))
+    for n in range(3):  # expired in the reverse order of their ids
+        instance(f"gone-{n}", status="complete", expires_at=NOW - timedelta(minutes=n))
+    with CaptureQueriesContext(connection) as queries:
+        assert catalog.prune(now=NOW, batch=2, max_batches=1) == 2
+    left = set(Instance.objects.values_list("instance_id", flat=True))
+    assert left == {"kept-0", "kept-1", "kept-2", "kept-3", "gone-0"}  # the longest expired went
+    table = f'"{Instance._meta.db_table}"'
+    [chosen] = [q["sql"] for q in queries.captured_queries if "LIMIT 2" in q["sql"]]
+    assert f'ORDER BY {table}."expires_at" ASC' in chosen, chosen
+    expired = Instance.objects.filter(expires_at__lte=NOW, status="complete")
+    plan = explain(expired.order_by("expires_at", "id").values_list("id")[:500])
+    assert "instance_expiry" in plan, plan
