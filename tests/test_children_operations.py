@@ -4,6 +4,9 @@ parent whose child runs, and what the API shows of a link across a token's workf
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.messages import get_messages
+from django.urls import reverse
 
 from tests.test_api import Api
 from workflows_app import testing, tokens
@@ -213,3 +216,29 @@ def test_a_restart_from_a_later_step_revives_the_started_child_the_terminate_end
     parent.restart(from_step="done")
     testing.run_until_idle()
     assert child.status().status == "complete"
+
+
+def test_the_admin_refuses_deleting_a_child_its_paused_parent_still_waits_for(admin_client):
+    """docs/operating.md: deleting a finished child whose parent's step.invoke has not taken
+    its output is refused, naming the parent. The admin offers Delete on every finished
+    instance, and its delete raised that refusal out of delete_model: a 500 page."""
+    dad = get_workflow("op-dad").create(id="ad")
+    testing.run_until_idle()
+    (kid,) = dad.children()
+    dad.pause()
+    kid.send_event("go")
+    testing.run_until_idle()
+    assert kid.status().status == "complete"
+
+    url = reverse("admin:workflows_app_instance_delete", args=[kid.row().pk])
+    response = admin_client.post(url, {"post": "yes"}, follow=True)
+    assert response.status_code == 200
+    said = [str(m) for m in get_messages(response.wsgi_request)]
+    assert any("its parent op-dad/ad has not taken its output yet" in m for m in said), said
+    assert Instance.objects.filter(instance_id=kid.id).exists()
+    assert not LogEntry.objects.filter(action_flag=DELETION).exists()  # rolled back with it
+
+    dad.resume()
+    testing.run_until_idle()
+    assert admin_client.post(url, {"post": "yes"}).status_code == 302
+    assert not Instance.objects.filter(instance_id=kid.id).exists()

@@ -591,6 +591,18 @@ class InstanceAdmin(BigTableAdmin):
         # before the instance went with it, the live "deleted" update sent.
         InstanceHandle(obj.workflow, obj.instance_id, obj).delete(actor=request.user.get_username())
 
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The client may refuse what the page offered: a finished child its parent has not
+        # taken the output of yet, or an instance restarted since the page was shown. Said
+        # on the instance's page (the delete and its log entry rolled back), not a 500.
+        try:
+            return super().delete_view(request, object_id, extra_context)
+        except errors.WorkflowError as exc:
+            self.message_user(request, f"Not deleted: {exc}", messages.ERROR)
+            return redirect("admin:workflows_app_instance_change", object_id)
+
     def get_deleted_objects(
         self, objs: Any, request: HttpRequest
     ) -> tuple[Any, Any, set[str], Any]:
