@@ -242,3 +242,31 @@ def test_the_admin_refuses_deleting_a_child_its_paused_parent_still_waits_for(ad
     testing.run_until_idle()
     assert admin_client.post(url, {"post": "yes"}).status_code == 302
     assert not Instance.objects.filter(instance_id=kid.id).exists()
+
+
+def test_a_bulk_cancel_over_a_tree_counts_the_children_its_parents_cancel_took_as_skipped(
+    registered,
+):
+    """docs/operating.md: an action that does not apply counts as skipped. A cancel that
+    compensates cancels the children (and theirs) with it; the job's own cancel of such a
+    child then finds its compensations running and changes nothing, yet counted it
+    applied (with compensate=False the same child counted skipped, being ended already)."""
+    undone: list[int] = []
+
+    @register("op-saga")
+    class Saga(WorkflowEntrypoint):
+        async def run(self, event, step):
+            left = event.payload["left"]
+            await step.do("book", lambda: left, compensate=undone.append)
+            if not left:
+                return await step.wait_for_event("go", type="go", timeout="1 day")
+            return await step.invoke("down", "op-saga", {"left": left - 1})
+
+    get_workflow("op-saga").create(id="saga", params={"left": 2})
+    testing.run_until_idle()
+    job = get_workflow("op-saga").bulk("cancel", status="waiting")
+    testing.run_until_idle()
+    job.refresh()
+    assert job.done and (job.matched, job.applied, job.skipped) == (3, 1, 2)
+    assert sorted(undone) == [0, 1, 2]  # each compensated once
+    assert set(Instance.objects.values_list("status", flat=True)) == {"terminated"}

@@ -40,8 +40,9 @@ def _resume(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
 
 
 def _cancel(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
-    h.cancel(compensate=options.get("compensate", True), actor=actor)
-    return True
+    # Skipped when its compensations run already: a child its parent's cancel (in this
+    # job or before) is compensating, or one cancelled before.
+    return h.cancel_changed(compensate=options.get("compensate", True), actor=actor).changed
 
 
 def _restart(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:

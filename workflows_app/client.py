@@ -901,6 +901,11 @@ class InstanceHandle:
 
     def cancel(self, compensate: bool = True, actor: Any = None) -> str:
         """Stop the instance; with compensate, first undo its completed steps, newest first."""
+        return self.cancel_changed(compensate, actor).status
+
+    def cancel_changed(self, compensate: bool = True, actor: Any = None) -> store.Cancelled:
+        """cancel(), saying also whether it changed anything (False: its compensations
+        were running already, a cancel of it or of its parent's, and go on undisturbed)."""
         status, changed = store.cancel(
             self.workflow, self.id, self._limits(), compensate, _actor(actor)
         )
@@ -913,7 +918,7 @@ class InstanceHandle:
         if changed:
             kind = "compensate" if status == Status.COMPENSATING else "cancel"
             _after_commit(kind, self.row(refresh=False).pk, self.workflow)
-        return status
+        return store.Cancelled(status, changed)
 
     def delete(self, actor: Any = None) -> None:
         """Delete this finished instance with its steps, events, history, spans and errors;

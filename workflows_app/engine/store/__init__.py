@@ -26,6 +26,7 @@ from .catalog import (
     wake_registered_versions,
 )
 from .control import (
+    Cancelled,
     admit_due,
     cancel,
     child_of,
@@ -83,6 +84,7 @@ from .wakes import WakeListener, hint_workers, workers_listen
 
 __all__ = [
     "VERSION_MISSING",
+    "Cancelled",
     "FinishWrite",
     "History",
     "LeaseLost",
