@@ -1280,11 +1280,15 @@ def _end_terminated(
     insts: Sequence[Instance],
     limits_of: Callable[[Instance], Limits],
     actor: str,
-    reason: str,
+    reason: str | Callable[[Instance], str],
     now: datetime,
+    wake_parents: bool = True,
 ) -> None:
     """End live, locked instances: one UPDATE per distinct expiry, their open steps closed,
-    a history record each, and queued instances of their workflows started in their place."""
+    a history record each (`reason`, or each one's), and queued instances of their
+    workflows started in their place. `wake_parents`: the parents of those that have one
+    are due (a parent ending in the same transaction, as in a cascade, is not)."""
+    reason_of = reason if callable(reason) else (lambda _: reason)
     by_expiry: dict[datetime | None, list[int]] = {}
     for inst in insts:
         expiry = retention.expires_at(
@@ -1307,13 +1311,15 @@ def _end_terminated(
     close_open_steps(pks[0] if len(pks) == 1 else pks, now)
     append_histories(
         {
-            inst.pk: History("instance.terminated", {"from": inst.status, "reason": reason}, actor)
+            inst.pk: History(
+                "instance.terminated", {"from": inst.status, "reason": reason_of(inst)}, actor
+            )
             for inst in insts
         },
         now,
     )
     for inst in insts:
-        if inst.parent_id is not None:
+        if wake_parents and inst.parent_id is not None:
             wake_parent(inst.parent_id, inst.parent_step, now)
     for workflow, inst in {inst.workflow: inst for inst in insts}.items():
         limits = limits_of(inst)
@@ -1346,7 +1352,10 @@ def _terminate_children(
 
     Level by level in a loop, not a call per level: a chain of children deeper than
     Python's stack (a workflow that recurses into a child per page) ends too. Each level
-    is locked after the one above it, parents before children as everywhere."""
+    is locked after the one above it, parents before children as everywhere, and ended
+    with a few statements a slice of CASCADE_SLICE children (a parent's child.terminated
+    records in one insert): a statement or more per child took a fan-out of 500 children
+    3,500 statements and 14 s under the parent's lock."""
     while parents:
         by_pk = {parent.pk: parent for parent in parents}
         live = Instance.objects.filter(parent_id__in=list(by_pk), status__in=lifecycle.LIVE)
@@ -1357,24 +1366,9 @@ def _terminate_children(
         # through the channel layer only, a fleet without Redis heard it at its next poll.
         hint_workers("terminate", [child.pk for child in children])
         notified = workers_listen()
+        for start in range(0, len(children), CASCADE_SLICE):
+            _end_children(children[start : start + CASCADE_SLICE], by_pk, actor, now)
         for child in children:
-            parent = by_pk[child.parent_id]
-            append_history(
-                parent.pk,
-                [
-                    History(
-                        "child.terminated", {"workflow": child.workflow, "id": child.instance_id}
-                    )
-                ],
-                now,
-            )
-            _end_terminated(
-                [child],
-                lambda inst: limits_for(inst.workflow, inst.version),
-                actor,
-                f"parent {parent.workflow}/{parent.instance_id} ended",
-                now,
-            )
             # Counted once the transaction commits, as an operator's terminate is (client.py).
             transaction.on_commit(
                 functools.partial(meters.instance_finished, child.workflow, Status.TERMINATED)
@@ -1382,6 +1376,36 @@ def _terminate_children(
             if on_child_terminated is not None:  # a worker running the child stops its run
                 transaction.on_commit(functools.partial(on_child_terminated, child.pk, notified))
         parents = children
+
+
+CASCADE_SLICE = 500  # children a cascade ends with one set of statements (bound parameters)
+
+
+def _end_children(
+    children: Sequence[Instance], parents: dict[int, Instance], actor: str, now: datetime
+) -> None:
+    """End locked children whose parents end in this transaction: each parent's
+    child.terminated records, then the children with their "parent … ended" reason. Their
+    parents are not woken: they are ending (their steps closed already)."""
+    records: dict[int, list[History]] = {}
+    for child in children:
+        data = {"workflow": child.workflow, "id": child.instance_id}
+        records.setdefault(child.parent_id, []).append(History("child.terminated", data))
+    for parent_pk, parent_records in records.items():
+        append_history(parent_pk, parent_records, now)
+
+    def reason(child: Instance) -> str:
+        parent = parents[child.parent_id]
+        return f"parent {parent.workflow}/{parent.instance_id} ended"
+
+    _end_terminated(
+        children,
+        lambda inst: limits_for(inst.workflow, inst.version),
+        actor,
+        reason,
+        now,
+        wake_parents=False,
+    )
 
 
 @retry_while_locked
