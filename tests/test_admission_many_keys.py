@@ -10,11 +10,12 @@ until the queue ahead shrank. Not a race: SQLite too.
 from __future__ import annotations
 
 import pytest
+from django.db import connection, transaction
 
 from tests.test_flow_control import register_gated
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import registry, store
+from workflows_app.engine import clock, registry, store
 from workflows_app.engine.store import control
 from workflows_app.models import Instance
 
@@ -91,3 +92,51 @@ def test_instances_behind_a_thousand_busy_keys_start_when_their_key_has_a_place(
 
         # Those of busy keys still wait for their key.
         assert status(wf, "queued-7")[0] == "queued"
+
+
+def tuples_read() -> int:
+    """Rows and index entries of the instance table this transaction read so far."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_stat_get_xact_tuples_returned(%s::regclass) + (SELECT "
+            "coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0) FROM pg_index "
+            "WHERE indrelid = %s::regclass)",
+            [Instance._meta.db_table, Instance._meta.db_table],
+        )
+        (read,) = cursor.fetchone()
+    return read
+
+
+def test_an_admission_reads_a_bounded_part_of_one_keys_long_backlog(registered):
+    """One customer queued 20,000 instances behind its key (max_concurrent_per_key 1).
+    The scan skips the key once at its bound, but its next page's filter read past every
+    one of them to find the next instance of another key: each create and each run's end
+    of the workflow read the whole backlog (100,000: 70 ms a create). Now an admission
+    reads a bounded part of the line (ADMISSION_EXAMINE), and a create of a free key
+    still starts (_Decided.beyond)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+    name = "one-long-backlog"
+    register_gated(name, max_concurrent_per_key=1)
+    wf = get_workflow(name)
+    wf.create(id="busy-run", concurrency_key="busy")
+    template = wf.create(id="busy-queued", concurrency_key="busy").row()
+    table = Instance._meta.db_table
+    columns = ", ".join(
+        f.column for f in Instance._meta.concrete_fields if f.column not in ("id", "instance_id")
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({columns}, instance_id) SELECT {columns}, 'busy-' || g::text "
+            f"FROM {table}, generate_series(1, 20000) g WHERE id = %s",
+            [template.pk],
+        )
+        cursor.execute(f"ANALYZE {table}")
+    limits = registry.limits_for(name, 1)
+    with transaction.atomic():
+        before = tuples_read()
+        assert store.promote_queued(name, limits, clock.now()) == []
+        read = tuples_read() - before
+    # ADMISSION_EXAMINE (3,000) in line, each read twice (its window's bound, its pages)
+    assert read < 10_000, f"one admission read {read} tuples of a 20,000 backlog"
+    assert wf.create(id="free", concurrency_key="free").status().status == "running"
