@@ -619,10 +619,12 @@ class _Decided:
             _queued(self.name).filter(admit_at__lte=now).exclude(id__in=admitted).update(
                 admit_at=None, waiting_reason=self.full
             )
-        if self.skipped:
+        if self.skipped and not self.cut_short:
             # The same for the instances of a key the scan passed over once it was full:
             # they wait for one of its places, which a run's end of that key frees. One
-            # statement for every such key, each with its reason.
+            # statement for every such key, each with its reason. (Cut short, the
+            # statement above left no instance due: this one, a CASE of up to a thousand
+            # keys, would find none.)
             reasons = [When(concurrency_key=k, then=Value(r)) for k, r in self.skipped.items()]
             _queued(self.name).filter(
                 concurrency_key__in=list(self.skipped), admit_at__lte=now
