@@ -163,3 +163,19 @@ def test_an_admission_cut_short_writes_no_reasons_the_cut_already_wrote(register
     ]
     assert case_updates == []
     assert status(wf, "free")[0] == "running"
+
+
+def test_a_create_behind_a_short_queue_reads_the_queue_once(registered):
+    """The windows of a long line (ADMISSION_WINDOW) cost a read of the window's bound;
+    a create under flow control with a short queue (the common case) makes none."""
+    from django.test.utils import CaptureQueriesContext
+
+    name = "short-queue"
+    register_gated(name, max_concurrent_instances=2, max_concurrent_per_key=1)
+    wf = get_workflow(name)
+    wf.create(id="a", concurrency_key="k")
+    with CaptureQueriesContext(connection) as queries:
+        wf.create(id="b", concurrency_key="k")
+    reads = [q["sql"] for q in queries.captured_queries if "ORDER BY priority, id" in q["sql"]]
+    assert len(reads) == 1, reads
+    assert status(wf, "b") == ("queued", "max_concurrent_per_key (1) reached for key 'k'")

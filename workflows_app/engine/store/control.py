@@ -333,9 +333,10 @@ class _QueueScan:
     pending debounces filled the pass, and an instance whose debounce ended behind them
     was never reached (see _Decided.write's cut_short).
 
-    The instances passed over (a skipped key's backlog, pending debounces) are read in
-    windows of ADMISSION_WINDOW in line, up to ADMISSION_EXAMINE in all: a page's
-    filters look no further than its window's last instance. Unbounded, one customer's
+    After the first page, the instances passed over (a skipped key's backlog, pending
+    debounces) are read in windows of ADMISSION_WINDOW in line, up to ADMISSION_EXAMINE
+    in all: a page's filters look no further than its window's last instance. (The first
+    page skips no key yet: a short queue, the common case, stays one read.) Unbounded, one customer's
     100,000 instances queued behind its key made every create and every run's end of the
     workflow read all of them (70 ms a create). `examined_all` says whether the scan
     stopped at that bound with more in line (what changed behind it is decided anyway:
@@ -364,7 +365,10 @@ class _QueueScan:
     def __iter__(self) -> Iterator[list[Candidate]]:
         after: tuple[int, int] | None = None
         scanned = examined = 0
-        boundary = self._boundary(None)
+        # The first page needs no window: it skips no key yet (the common case, a short
+        # queue, stays one read). The pages after it are read in windows.
+        boundary: tuple[int, int] | None = None
+        windowed = False
         while scanned < ADMISSION_SCAN:
             where = " AND (admit_at IS NULL OR admit_at <= %s OR waiting_reason NOT LIKE %s)"
             params = [self.name, Status.QUEUED, db_time(self.now), DEBOUNCED + "%"]
@@ -397,6 +401,8 @@ class _QueueScan:
                 yield [Candidate(*row) for row in rows]
             if len(rows) == ADMISSION_PAGE:
                 after = (rows[-1][1], rows[-1][0])
+                if not windowed:
+                    windowed, boundary = True, self._boundary(after)
                 continue
             if boundary is None:
                 return  # the whole queue was read
