@@ -179,3 +179,22 @@ def test_a_create_behind_a_short_queue_reads_the_queue_once(registered):
     reads = [q["sql"] for q in queries.captured_queries if "ORDER BY priority, id" in q["sql"]]
     assert len(reads) == 1, reads
     assert status(wf, "b") == ("queued", "max_concurrent_per_key (1) reached for key 'k'")
+
+
+def test_a_bulk_terminate_of_keyed_instances_reads_their_keys_with_their_rows(registered):
+    """terminate_batch (a bulk job's batch) loads only the columns it needs; the keys of
+    the places it frees were not among them, so each instance cost one more query."""
+    from django.test.utils import CaptureQueriesContext
+
+    name = "bulk-keys"
+    register_gated(name, max_concurrent_per_key=1)
+    wf = get_workflow(name)
+    counts = []
+    for size in (3, 9):
+        pks = [
+            wf.create(id=f"{size}-{n}", concurrency_key=f"{size}-{n}").row().pk for n in range(size)
+        ]
+        with CaptureQueriesContext(connection) as queries, transaction.atomic():
+            assert len(store.terminate_batch(pks)) == size
+        counts.append(len(queries.captured_queries))
+    assert counts[0] == counts[1], f"queries for 3 and 9 instances: {counts}"

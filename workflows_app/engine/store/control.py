@@ -1304,6 +1304,7 @@ def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> li
             "retention_error_ms",
             "parent_id",
             "parent_step",
+            "concurrency_key",  # the places freed (promote_queued's freed_keys)
         )
     )
     live = [row for row in rows if lifecycle.can(lifecycle.TERMINATE, row.status)]
