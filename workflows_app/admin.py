@@ -116,29 +116,13 @@ class BoundedCountPaginator(Paginator):
         return self._get_page(self.object_list[bottom : bottom + self.per_page], number, self)
 
 
-def loose_index_scan(model: type[models.Model], column: str, limit: int) -> list[Any]:
-    """The distinct values of a column an index starts with, smallest first: one index
-    probe per value (a recursive query; PostgreSQL has no skip scan of its own), not a
-    read of every row."""
-    quote = connection.ops.quote_name
-    table, col = quote(model._meta.db_table), quote(column)
-    sql = (
-        f"WITH RECURSIVE v(value) AS (SELECT MIN({col}) FROM {table} UNION ALL "
-        f"SELECT (SELECT MIN({col}) FROM {table} WHERE {col} > v.value) FROM v "
-        f"WHERE v.value IS NOT NULL) SELECT value FROM v WHERE value IS NOT NULL LIMIT %s"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [limit])
-        return [row[0] for row in cursor.fetchall()]
-
-
 class IndexedValuesFilter(admin.AllValuesFieldListFilter):
     """The values of a column an index starts with (a workflow name: instance_wf_id,
     error_workflow), read by a loose index scan."""
 
     def __init__(self, field: Any, request: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(field, request, params, *args, **kwargs)
-        self.lookup_choices = loose_index_scan(field.model, field.column, MAX_CHOICES)
+        self.lookup_choices = store.distinct_values(field.model, field.column, MAX_CHOICES)
 
 
 class CatalogVersionFilter(admin.AllValuesFieldListFilter):

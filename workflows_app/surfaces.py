@@ -20,7 +20,7 @@ from .client import (
     get_workflow,
 )
 from .codec import shown_text
-from .engine import errors
+from .engine import errors, store
 from .engine.registry import all_definitions
 from .models import Instance, StepRecord, decode_json
 
@@ -38,8 +38,7 @@ def binding(name: str) -> WorkflowBinding:
 
 def workflow_names() -> list[str]:
     """Registered workflows plus any that have instances in the database."""
-    stored = Instance.objects.values_list("workflow", flat=True).distinct()
-    return sorted({d.name for d in all_definitions()} | set(stored))
+    return sorted({d.name for d in all_definitions()} | set(store.instance_workflows()))
 
 
 def iso(value: datetime | None) -> str | None:

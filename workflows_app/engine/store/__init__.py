@@ -79,7 +79,13 @@ from .runs import (
     rewrite_step,
     write_steps,
 )
-from .search import filter_attributes, index_attributes, order_by_id
+from .search import (
+    distinct_values,
+    filter_attributes,
+    index_attributes,
+    instance_workflows,
+    order_by_id,
+)
 from .wakes import WakeListener, hint_workers, workers_listen
 
 __all__ = [
@@ -108,6 +114,7 @@ __all__ = [
     "delete_instances",
     "delete_rows",
     "dialect",
+    "distinct_values",
     "filter_attributes",
     "finish",
     "get_instance",
@@ -115,6 +122,7 @@ __all__ = [
     "hint_workers",
     "holding_places",
     "index_attributes",
+    "instance_workflows",
     "load_run",
     "load_runs",
     "measure_clock_offset",

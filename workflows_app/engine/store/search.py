@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import connection
+from django.db import connection, models
 from django.db.models import F, FilteredRelation, Q
 
 from ...models import Instance, InstanceAttribute
@@ -94,3 +94,25 @@ def order_by_id(query: Any, newest_first: bool = True) -> Any:
     joined one (the same order, read from an index instead of sorted)."""
     column = ATTRIBUTE_ORDER if ATTRIBUTE_ORDER in query.query.annotations else "id"
     return query.order_by(f"-{column}" if newest_first else column)
+
+
+def distinct_values(model: type[models.Model], column: str, limit: int) -> list[Any]:
+    """The distinct values of a column an index starts with, smallest first, at most
+    `limit`: one index probe per value (a loose index scan by a recursive query;
+    PostgreSQL has no skip scan of its own), not SELECT DISTINCT's read of every row
+    (the workflows of 1M instances: 260-370 ms, 8 probes well under 1 ms)."""
+    quote = connection.ops.quote_name
+    table, col = quote(model._meta.db_table), quote(column)
+    sql = (
+        f"WITH RECURSIVE v(value) AS (SELECT MIN({col}) FROM {table} UNION ALL "
+        f"SELECT (SELECT MIN({col}) FROM {table} WHERE {col} > v.value) FROM v "
+        f"WHERE v.value IS NOT NULL) SELECT value FROM v WHERE value IS NOT NULL LIMIT %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [limit])
+        return [row[0] for row in cursor.fetchall()]
+
+
+def instance_workflows(limit: int = 10_000) -> list[str]:
+    """The workflows that have instances, by name (instance_wf_id starts with it)."""
+    return distinct_values(Instance, "workflow", limit)
