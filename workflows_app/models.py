@@ -243,6 +243,16 @@ class Instance(models.Model):
             models.Index(
                 fields=["schedule", "id"], name="instance_schedule", condition=~Q(schedule="")
             ),
+            # The lists filtered by a finished status across workflows (dashboard, admin),
+            # newest first: by the primary key alone a rare status meant a walk over the
+            # whole table (an unfinished status has instance_live). Partial, so that SQLite,
+            # which plans without statistics, never prefers it for the live statuses
+            # (metrics) or a prune's expired range: it takes a partial index for literals.
+            models.Index(
+                fields=["status", "id"],
+                name="instance_finished_status",
+                condition=Q(status__in=["complete", "errored", "terminated"]),
+            ),
             # An instance's children in the order they were started (the instance pages,
             # GET …/children?cursor=): partial, of children only.
             models.Index(
