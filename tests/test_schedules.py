@@ -187,6 +187,17 @@ def test_register_refuses_an_unparseable_declared_cron(registered):
         register_report("broken", ["0 3 * *"])
 
 
+def test_register_refuses_a_declared_cron_listed_twice(registered):
+    with pytest.raises(InvalidInput, match=r"'0 3 \* \* \*' twice"):
+        register_report("doubled", ["0 3 * * *", "*/5 * * * *", "0  3 * * *"])
+    register_report("distinct", ["0 3 * * *", "0 4 * * *"])
+    testing.run_until_idle()
+    assert {s.name for s in schedules.list() if s.workflow == "distinct"} == {
+        "distinct:0",
+        "distinct:1",
+    }
+
+
 def test_a_declared_schedule_cannot_be_deleted_but_can_be_paused(registered):
     register_report("declared", ["*/10 * * * *"])
     testing.run_until_idle()

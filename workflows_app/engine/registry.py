@@ -126,6 +126,7 @@ def register(
     if isinstance(schedules, str) or not isinstance(schedules, (list, tuple, type(None))):
         raise InvalidInput(f"schedules must be a list of cron expressions, got {schedules!r}")
     crons = tuple(check_cron(expression) for expression in schedules or ())
+    _refuse_repeated_crons(name, crons)
 
     def decorate(cls: type[WorkflowEntrypoint]) -> type[WorkflowEntrypoint]:
         if not (isinstance(cls, type) and issubclass(cls, WorkflowEntrypoint)):
@@ -145,6 +146,20 @@ def register(
         return cls
 
     return decorate
+
+
+def _refuse_repeated_crons(name: str, crons: tuple[str, ...]) -> None:
+    """Each declared cron is its own schedule: one listed twice started two instances at
+    every tick (a copy-paste a deploy would otherwise act on silently)."""
+    seen: set[str] = set()
+    for cron in crons:
+        fields = " ".join(cron.split())
+        if fields in seen:
+            raise InvalidInput(
+                f"schedules of {name!r} list the cron expression {cron!r} twice: "
+                "each would start an instance at every tick"
+            )
+        seen.add(fields)
 
 
 def strict_versions() -> bool:
