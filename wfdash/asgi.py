@@ -13,6 +13,7 @@ django_asgi_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack
 from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter
 
+from workflows_app.backpressure import SendBackpressure
 from workflows_app.consumers import EngineConsumer
 from workflows_app.embedded import start_embedded_worker
 from workflows_app.origins import SameOriginValidator
@@ -20,7 +21,8 @@ from workflows_app.routing import websocket_urlpatterns
 
 router = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        # A streamed response (the history's SSE) waits for a client that stops reading.
+        "http": SendBackpressure(django_asgi_app),
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
         "channel": ChannelNameRouter({"workflows": EngineConsumer.as_asgi()}),
     }
