@@ -327,6 +327,34 @@ def test_runserver_on_an_unreachable_postgresql_fails_in_seconds_in_one_line(rel
     assert took < 20, took
 
 
+def test_a_worker_whose_code_changed_under_a_stored_version_exits_in_one_line():
+    """A deploy that changed a workflow's code without bumping its version: runworker
+    printed 'running', then 'stopped; exiting' and a 25-frame traceback of the engine's
+    start-up, the refusal in its last line. runserver already said it as a CommandError."""
+    from workflows_app.engine import clock
+    from workflows_app.models import WorkflowVersion
+
+    now = clock.now()
+    WorkflowVersion.objects.create(
+        name="order-approval",  # a demo workflow (WFDASH_DEMO=1) registers version 1
+        version=1,
+        source_hash="0" * 64,  # another release's code
+        class_path="workflows_app.demo.workflows.OrderApproval",
+        registered_at=now,
+        last_seen_at=now,
+    )
+    result, took = manage(
+        "runworker", "workflows", DATABASE_URL=database_url(), WFDASH_DEMO="1", timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().startswith(
+        "CommandError: workflow 'order-approval' version 1 is already registered with "
+        "different source code (stored hash 000000000000"
+    ), result.stderr
+    assert "Traceback" not in result.stderr and "running (concurrency" not in result.stderr
+    assert took < 30, took
+
+
 def test_a_worker_that_cannot_reach_postgresql_at_start_retries_then_exits_saying_where():
     """runworker's start-up tries each waited the pool's 30 s: a quarter of an hour of
     tracebacks and pool errors before it exited, SIGTERM unanswered meanwhile. It now

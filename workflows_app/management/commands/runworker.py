@@ -26,6 +26,7 @@ from channels.management.commands.runworker import Command as ChannelsRunworker
 from channels.worker import Worker as ChannelsWorker
 from django.conf import settings
 from django.core.management.base import CommandError
+from django.db import connection
 
 from workflows_app.engine.worker import Worker as EngineWorker
 from workflows_app.engine.worker import notify_local, worker_queues
@@ -304,4 +305,20 @@ class Command(ChannelsRunworker):
             pending = unapplied_migrations()
             if pending:
                 raise CommandError(not_migrated_message(pending))
+            refuse_changed_versions()
         super().handle(*args, **options)
+
+
+def refuse_changed_versions() -> None:
+    """A workflow's code changed under a version the catalog has (a deploy that did not
+    bump it): one line naming it and what to do, exit 1, before the worker says it runs.
+    The engine's start-up refused it too, but as a traceback after 'running'."""
+    from workflows_app.engine.errors import VersionConflict
+    from workflows_app.engine.worker import sync_catalog
+
+    try:
+        sync_catalog()
+    except VersionConflict as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        connection.close()  # this thread's: the engine uses its own
