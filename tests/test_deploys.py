@@ -293,6 +293,53 @@ def test_an_old_worker_leaves_a_new_version_s_instance_to_the_live_new_worker(
             loop_thread.call(new.stop(grace_seconds=0))
 
 
+def test_an_instance_of_a_version_no_worker_runs_any_more_is_looked_at_hourly(
+    registered, loop_thread
+):
+    """A deploy removed a workflow's class (or renamed it, or dropped a version) while
+    instances of it waited. Each was claimed and parked again every minute for good:
+    3,000 such instances cost a worker about 7% of a core and the database 50 writes a
+    second, measured, for as long as nobody deleted them. A version no worker has run
+    for VERSION_LIVE is now looked at hourly; a worker that starts with it still wakes
+    its instances at once. One whose workers are live (a rolling deploy) keeps the
+    minute."""
+    define_mixed(1)
+    with testing.fake_clock() as clock:
+        inst = get_workflow("deploy-mixed").create(id="orphaned")
+        old = new_worker(concurrency=4)
+        loop_thread.call(old.start())  # catalogs version 1 as deployed now
+        loop_thread.call(old.stop(grace_seconds=0))
+        registry.unregister("deploy-mixed", 1)  # the new release has no such class
+        define_mixed(2)  # (but the workflow's name lives on)
+        new = new_worker(concurrency=4)
+        loop_thread.call(new.start())
+        try:
+            clock.advance(store.leases.FOREIGN_VERSION_GRACE)
+            run_as(loop_thread, new)
+            row = inst.row()
+            assert "not registered" in row.waiting_reason
+            assert row.wake_at == clock.now() + store.leases.VERSION_RECHECK  # v1 ran lately
+
+            clock.advance(store.catalog.VERSION_LIVE)  # no worker with v1 since
+            run_as(loop_thread, new)
+            row = inst.row()
+            assert (row.status, row.lease_token) == ("waiting", None)
+            assert row.wake_at == clock.now() + store.catalog.ABSENT_VERSION_RECHECK
+            assert "looked at again hourly" in row.waiting_reason, row.waiting_reason
+            clock.advance(store.leases.VERSION_RECHECK + store.leases.FOREIGN_VERSION_GRACE)
+            run_as(loop_thread, new)
+            assert inst.row().wake_at == row.wake_at  # not taken again meanwhile
+
+            define_mixed(1)  # a worker with version 1 starts: it runs it at once
+            back = new_worker(concurrency=4)
+            loop_thread.call(back.start())
+            run_as(loop_thread, back)
+            assert inst.status().output == "v1 code"
+            loop_thread.call(back.stop(grace_seconds=0))
+        finally:
+            loop_thread.call(new.stop(grace_seconds=0))
+
+
 def test_a_new_worker_leaves_an_in_flight_old_version_to_the_live_old_worker(
     registered, loop_thread
 ):

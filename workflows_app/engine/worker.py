@@ -1175,7 +1175,10 @@ class Worker:
             definition = registry.find_definition(inst.workflow, inst.version)
             if definition is None:
                 reason = f"version {inst.version} of workflow {inst.workflow!r} is not registered in this worker"
-                await self.db(store.park_unrunnable, pk, token, reason)
+                on_demand = inst.workflow.startswith(tuple(registry.resolved_prefixes()))
+                await self.db(
+                    store.park_unrunnable, pk, token, reason, store.VERSION_MISSING, on_demand
+                )
                 return Status.WAITING
             if inst.unproductive_claims >= MAX_UNPRODUCTIVE_CLAIMS:
                 message = (

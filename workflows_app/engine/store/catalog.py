@@ -97,6 +97,20 @@ def newer_live_versions(ours: dict[str, int]) -> dict[str, int]:
 
 
 VERSION_MISSING = "version-missing: "
+# An instance parked for a version no worker has run for VERSION_LIVE (its class removed
+# or renamed, a rollback) is looked at again this seldom, not every VERSION_RECHECK: a
+# worker that starts with the version wakes it at once (wake_registered_versions), and
+# thousands of such instances claimed and parked again every minute cost a worker a
+# core's share and the database a write each, for as long as they stayed.
+ABSENT_VERSION_RECHECK = timedelta(hours=1)
+
+
+def version_live(name: str, version: int, now: datetime | None = None) -> bool:
+    """Whether a worker with this version touched its catalog row within VERSION_LIVE."""
+    since = (now or clock.now()) - VERSION_LIVE
+    return WorkflowVersion.objects.filter(
+        name=name, version=version, last_seen_at__gte=since
+    ).exists()
 
 
 @retry_while_locked
