@@ -474,6 +474,43 @@ def test_sighup_to_daphne_whose_embedded_run_spins_ends_it_too(registered):
     sigterm_ends_a_spinning_embedded_worker("daphne", [DAPHNE_BOOT, "{port}"], signal.SIGHUP)
 
 
+def test_sigterm_to_daphne_whose_database_is_unreachable_ends_it_at_once(registered):
+    """daphne with the embedded worker, PostgreSQL down (a deploy where the database
+    restarts too): the worker's look for migrations waited the pool's 30 s, took the
+    failure for 'migrated', and its start-up retried for a quarter of an hour, a
+    traceback every 30 s; SIGTERM waited for all of it (still running 90 s after it).
+    It now says once why it waits, and a stop signal ends the server at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    server, log, port = start_server(
+        [DAPHNE_BOOT, "{port}"], DATABASE_URL=f"postgres://wf:pw@127.0.0.1:{closed}/nowhere"
+    )
+
+    def logged() -> str:
+        log.seek(0)
+        return log.read()
+
+    try:
+        wait_until(lambda: answers_http(port), 60, "daphne to answer")  # starts the worker
+        wait_until(lambda: "waits: cannot connect" in logged(), 30, "the worker to say why")
+        started = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"daphne still running 20 s after SIGTERM; log: {logged()[-1500:]}")
+        assert time.monotonic() - started < 10
+        text = logged()
+        assert text.count("waits: cannot connect to the database (DATABASE_URL) at") == 1, text
+        assert "Traceback" not in text and ":pw@" not in text, text[-2000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()
+
+
 # --- a rollout that drops a flow limit -------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from django.conf import settings
 
 from .engine.worker import Worker, worker_queues
 from .live import EngineHooks
-from .schema import not_migrated_message, unapplied_migrations
+from .schema import not_migrated_message, unapplied_migrations, unreachable_database
 
 log = logging.getLogger("workflows_app.engine")
 # The signals that stop the server (and drain its worker): the reactor's own and SIGHUP.
@@ -136,23 +136,35 @@ async def _serve(worker: Worker, stop: asyncio.Event) -> None:
 
 
 async def _migrated(worker: Worker, stop: asyncio.Event) -> bool:
-    """Wait for `migrate`, saying so once, instead of a traceback every poll interval;
-    False if the server stops first. The pages keep serving meanwhile."""
+    """Wait for the database and for `migrate`, saying so once each, instead of a
+    traceback every poll interval; False if the server stops first. The pages keep
+    serving meanwhile.
+
+    An unreachable PostgreSQL is asked directly, in seconds (schema.unreachable_database):
+    through the pool each look waited 30 s, the failed one counted as migrated, and the
+    engine's start-up then retried for a quarter of an hour, a traceback every 30 s, with
+    the server's SIGTERM unanswered until it gave up (and the engine never ran)."""
     loop = asyncio.get_running_loop()
-    said = False
+    said = ""  # what the log said the worker waits for: "database", "migrate" or "answer"
     while not stop.is_set():
-        pending = await loop.run_in_executor(None, unapplied_migrations)
-        if not pending:
+        problem = await loop.run_in_executor(None, unreachable_database)
+        pending = None if problem else await loop.run_in_executor(None, unapplied_migrations)
+        if problem is None and pending is not None and not pending:
             if said:
-                log.info("embedded wfdash worker %s: the database is migrated", worker.worker_id)
+                log.info(
+                    "embedded wfdash worker %s: the database is migrated",
+                    worker.worker_id,
+                )
             return True
-        if not said:
-            log.error(
-                "embedded wfdash worker %s waits: %s",
-                worker.worker_id,
-                not_migrated_message(pending),
-            )
-            said = True
+        if problem:
+            kind, waits_for = "database", problem
+        elif pending:
+            kind, waits_for = "migrate", not_migrated_message(pending)
+        else:
+            kind, waits_for = "answer", "the database did not answer; trying again"
+        if kind != said:
+            log.error("embedded wfdash worker %s waits: %s", worker.worker_id, waits_for)
+            said = kind
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), worker.poll_seconds)
     return False
