@@ -462,6 +462,44 @@ def sigterm_ends_a_spinning_embedded_worker(
         log.close()
 
 
+def test_a_second_signal_to_runserver_cuts_the_embedded_worker_s_drain_short(registered):
+    """Ctrl-C twice (or SIGTERM then SIGINT) to a server whose embedded worker runs a long
+    step: the second signal only asked Twisted's stopping reactor to stop again, and
+    the drain waited out its whole grace (WFDASH_DRAIN_SECONDS) first. It now cuts the
+    runs short at once, as runworker's second signal does, their leases released."""
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id="hurried")
+    server, log, port = start_server(
+        [EMBEDDED_BOOT, "127.0.0.1:{port}"],
+        WFDASH_LEASE_SECONDS="60",
+        FLEET_STEP_SECONDS="120",
+        WFDASH_DRAIN_SECONDS="60",
+    )
+    try:
+        wait_until(lambda: answers_http(port), 60, "runserver to answer")
+        wait_until(
+            lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
+            60,
+            "the embedded worker to claim the instance",
+        )
+        started = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            log.seek(0)
+            pytest.fail(f"runserver waited out the drain's grace; log: {log.read()[-1500:]}")
+        assert time.monotonic() - started < 20
+        row = Instance.objects.get(pk=inst.row().pk)
+        assert (row.lease_token, row.lease_owner) == (None, "")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+        log.close()
+
+
 def test_sigterm_to_runserver_whose_embedded_run_spins_gives_its_lease_back_and_exits(registered):
     sigterm_ends_a_spinning_embedded_worker("runserver", [EMBEDDED_BOOT, "127.0.0.1:{port}"])
 
