@@ -25,7 +25,7 @@ import pytest
 from tests import fleet_workflows
 from tests.polling import wait_until
 from tests.test_worker_operations import LoopThread, new_worker
-from tests.workers import ROOT, answers_http, database_url
+from tests.workers import ROOT, answers_http, database_url, send_http_request
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry, store
@@ -437,8 +437,11 @@ def sigterm_ends_a_spinning_embedded_worker(
         log.seek(0)
         return log.read()
 
+    request = None
     try:
-        wait_until(lambda: answers_http(port), 60, f"{command} to answer")  # starts daphne's
+        # The request starts the embedded worker; its answer may never come, since the
+        # worker's spinning run() can take the loop before the page is sent.
+        request = wait_until(lambda: send_http_request(port), 60, f"{command} to listen")
         wait_until(lambda: fleet_workflows.ledger_rows(), 60, "the step before the spin")
         wait_until(lambda: "its event loop has not answered" in logged(), 30, "the stall report")
         started = time.monotonic()
@@ -456,6 +459,8 @@ def sigterm_ends_a_spinning_embedded_worker(
         row = Instance.objects.get(pk=pk)
         assert (row.lease_token, row.lease_owner) == (None, "")
     finally:
+        if request is not None:
+            request.close()
         if server.poll() is None:
             server.kill()
             server.wait(10)

@@ -44,6 +44,23 @@ def answers_http(port: int) -> bool:
         return False
 
 
+def send_http_request(port: int) -> socket.socket | None:
+    """An open connection to a server on this local port that has been sent an HTTP
+    request, its answer not waited for (None while the port refuses): starts a server's
+    embedded worker even when the worker, once started, holds the loop that would answer.
+    The caller closes it."""
+    try:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+    except OSError:
+        return None
+    try:
+        conn.sendall(b"GET /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
 class WorkerProcess:
     # The workers not yet stopped, for the failure message of a multi-process test.
     live: ClassVar[list[WorkerProcess]] = []
