@@ -88,7 +88,8 @@ def script_copy(tmp_path):
         (bin_dir / "python").write_text(
             "#!/bin/sh\n"
             'if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then\n'
-            '  echo "PYTEST redis=$WFDASH_TEST_REDIS_URL database=${DATABASE_URL:-sqlite}"\n'
+            '  echo "PYTEST redis=$WFDASH_TEST_REDIS_URL database=${DATABASE_URL:-sqlite}'
+            ' sqlite=${WFDASH_TEST_SQLITE:-} python=$0 args=$*"\n'
             "  exit 0\n"
             "fi\n"
             f'exec {sys.executable} "$@"\n'
@@ -98,10 +99,10 @@ def script_copy(tmp_path):
     return tmp_path / "scripts" / "test"
 
 
-def run_script(script, **env: str) -> subprocess.CompletedProcess[str]:
+def run_script(script, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("CI", "DATABASE_URL", "REDIS_URL")}
     return subprocess.run(
-        [str(script)],
+        [str(script), *args],
         env={**base, "PYTHON312": "", **env},
         capture_output=True,
         text=True,
@@ -144,3 +145,49 @@ def test_scripts_test_without_redis_skips_the_leg_locally_and_fails_under_ci(scr
     ci = run_script(script_copy, CI="true", WFDASH_TEST_REDIS_URL=redis_url, **env)
     assert ci.returncode == 1
     assert f"no Redis at redis://127.0.0.1:{port} (" in ci.stderr, ci.stderr
+
+
+def test_the_python_312_leg_is_cut_into_parts_that_run_each_of_its_files_once(script_copy):
+    """The Python 3.12 leg followed the SQLite leg alone, the critical path, while the
+    PostgreSQL line was done minutes earlier: it is cut into parts, taken by whichever
+    line is free, each with its own SQLite file and Redis database."""
+    tests = script_copy.parent.parent / "tests"
+    on_312 = ["tests/dashboard/test_views.py"] + [f"tests/test_{n}.py" for n in "abcdefghij"]
+    for name in [*on_312, "tests/test_fleet.py", "tests/test_browser.py", "tests/helpers.py"]:
+        (tests.parent / name).parent.mkdir(parents=True, exist_ok=True)
+        (tests.parent / name).write_text("")
+    port = closed_port()
+    result = run_script(
+        script_copy,
+        WFDASH_TEST_POSTGRES_URL=f"postgres://postgres@127.0.0.1:{port}/test",
+        WFDASH_TEST_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    parts = [line for line in result.stdout.splitlines() if "PYTEST" in line and ".venv312" in line]
+    assert len(parts) == 4, result.stdout
+    ran = [
+        arg for line in parts for arg in line.split("args=")[1].split() if arg.startswith("tests/")
+    ]
+    assert sorted(ran) == sorted(on_312)  # each file once; the multi-process ones not at all
+    assert {line.split()[1] for line in parts} == {
+        f"redis=redis://127.0.0.1:{port}/{n}" for n in (2, 3, 4, 5)
+    }
+    assert len({line.split()[3] for line in parts}) == 4  # a SQLite file each
+    for n in (1, 2, 3, 4):
+        assert result.stdout.count(f"(part {n} of 4)") == 1, result.stdout
+    # An argument (a file, -k ...) runs the leg as one part with it, as before.
+    one = run_script(
+        script_copy,
+        "-k",
+        "x",
+        WFDASH_TEST_POSTGRES_URL=f"postgres://postgres@127.0.0.1:{port}/test",
+        WFDASH_TEST_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    (whole,) = [line for line in one.stdout.splitlines() if "PYTEST" in line and ".venv312" in line]
+    assert whole.endswith(
+        "args=-m pytest -q -p no:cacheprovider --ignore=tests/test_reliability.py "
+        "--ignore=tests/test_fleet.py --ignore=tests/test_fleet_live.py "
+        "--ignore=tests/test_browser.py --ignore=tests/test_browser_metrics.py "
+        "--ignore=tests/test_bench_smoke.py -k x"
+    ), whole
