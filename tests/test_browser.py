@@ -138,10 +138,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "PYTHONUNBUFFERED": "1",
     }
     live = LiveServer(env, free_port(), tmp / "server.log")
-    live.manage("migrate", "--noinput")
-    live.manage(
+    live.manage(  # one Django start-up for both
         "shell",
         "-c",
+        "from django.core.management import call_command; "
+        "call_command('migrate', interactive=False, verbosity=0); "
         "from django.contrib.auth.models import User; "
         "User.objects.create_superuser('admin', 'admin@example.com', 'admin')",
     )

@@ -44,36 +44,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "PYTHONUNBUFFERED": "1",
     }
     live = LiveServer(env, free_port(), tmp / "server.log")
-    live.manage("migrate", "--noinput")
+    # One process for all of it (each manage.py run is a Django start-up): the tables,
+    # the admin, then each instance run to its end on the fake clock, and a schedule's.
     live.manage(
         "shell",
         "-c",
+        "from django.core.management import call_command; "
+        "call_command('migrate', interactive=False, verbosity=0); "
         "from django.contrib.auth.models import User; "
-        "User.objects.create_superuser('admin', 'admin@example.com', 'admin')",
-    )
-    live.manage(
-        "shell",
-        "-c",
+        "User.objects.create_superuser('admin', 'admin@example.com', 'admin'); "
         "from tests.trace_clock import DAY_SLEEPER, register_day_sleeper, run_a_day_long_sleep; "
         "from tests.trace_clock import register_flaky, run_flaky; "
         "register_day_sleeper(); run_a_day_long_sleep(DAY_SLEEPER, 'e2e-day'); "
         "register_flaky(); "
-        "run_flaky('e2e-flaky', {'note': '<b>bold</b>', 'deep': {'list': [1, True, None]}})",
-    )
-    live.manage(
-        "shell",
-        "-c",
+        "run_flaky('e2e-flaky', {'note': '<b>bold</b>', 'deep': {'list': [1, True, None]}}); "
         "from tests.trace_clock import NIGHT_ENDER, LONG_WORDS, run_to_the_end; "
         "from tests.trace_clock import register_night_ender, register_long_words; "
         "register_night_ender(); run_to_the_end(NIGHT_ENDER, 'e2e-night'); "
-        "register_long_words(); run_to_the_end(LONG_WORDS, 'e2e-long')",
-    )
-    live.manage(
-        "shell",
-        "-c",
-        "from tests.trace_clock import DAY_SLEEPER, register_day_sleeper; "
+        "register_long_words(); run_to_the_end(LONG_WORDS, 'e2e-long'); "
         "from workflows_app.client import schedules; "
-        "register_day_sleeper(); schedules.create('digest-every-5-minutes-for-the-eu-region', DAY_SLEEPER, '*/5 * * * *', timezone='America/Argentina/Buenos_Aires')"
+        "schedules.create('digest-every-5-minutes-for-the-eu-region', DAY_SLEEPER, '*/5 * * * *', timezone='America/Argentina/Buenos_Aires')"
         ".trigger()",
     )
     live.start()
