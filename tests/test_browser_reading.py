@@ -147,12 +147,19 @@ def test_axis_labels_stay_inside_the_track_when_a_break_ends_the_trace(page: Pag
     expect(page.locator(".trace-axis .axis-gap")).to_have_text("⋯ 1 d ⋯")
     for width in (1400, 390):
         page.set_viewport_size({"width": width, "height": 900})
-        track = page.locator(".trace-axis .axis-track").bounding_box()
-        assert track is not None
-        for label in page.locator(".trace-axis .axis-track > span").all():
-            box = label.bounding_box()
-            assert box is not None
-            text = label.text_content()
+        # The resize handler redraws the axis's labels (replaced, not moved): read them
+        # once it has run (two frames on), and all in one go, so no label read is one a
+        # redraw (the resize's, or a live update's) has just taken away.
+        track, labels = page.evaluate(
+            """() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => {
+                const axis = document.querySelector(".trace-axis .axis-track");
+                const box = (el) => { const r = el.getBoundingClientRect(); return {x: r.x, width: r.width}; };
+                done([box(axis), [...axis.querySelectorAll(":scope > span")].map(
+                    (span) => [span.textContent, box(span)])]);
+            })))"""
+        )
+        assert labels, f"no labels on the axis at {width} px"
+        for text, box in labels:
             assert box["x"] >= track["x"] - 0.5, f"{text!r} starts left of the axis at {width} px"
             assert box["x"] + box["width"] <= track["x"] + track["width"] + 0.5, (
                 f"{text!r} runs past the axis's right edge at {width} px"
