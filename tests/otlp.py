@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # A subprocess's script (after its own set-up): Django on the DATABASE_URL it is given, one
 # instance of a one-step workflow run to its end; then the caller's checks and flush.
@@ -28,6 +34,30 @@ testing.run_until_idle()
 assert inst.status().output == 42
 """
 EXPORTED_SPANS = {"create exported", "workflow exported", "step only step"}
+
+
+def run_project_script(
+    script: str, database: Path, timeout: float = 60, **variables: str
+) -> subprocess.CompletedProcess[str]:
+    """Run `script` in a Python of its own, as a project on wfdash's settings: on the
+    SQLite file `database`, without Redis, and with none of this process's OTEL_* variables
+    (only those in `variables`): OpenTelemetry's set-up happens once a process."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+    env.pop("REDIS_URL", None)
+    env.update(
+        DJANGO_SETTINGS_MODULE="wfdash.settings",
+        DATABASE_URL=f"sqlite:///{database}",
+        WFDASH_DEMO="0",
+        **variables,
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class OtlpReceiver(BaseHTTPRequestHandler):

@@ -17,6 +17,7 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.dashboard.helpers import make_user
+from tests.otlp import run_project_script
 from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import NonRetryableError, WorkflowEntrypoint, register
@@ -499,23 +500,7 @@ def test_ten_looping_workflows_do_not_push_an_eleventh_out_of_the_step_histogram
     `otel_metric_overflow` series, without its workflow or step label. Now the names of all
     workflows are capped too (meters.MAX_LABELS_TOTAL): past it a workflow keeps its first
     10 names, and its later ones share its own `(other)` label. A process of its own: the SDK's series outlive a test."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'labels.sqlite3'}",
-        "WFDASH_DEMO": "0",
-    }
-    for name in [n for n in env if n.startswith("OTEL_")]:
-        del env[name]
-    env.pop("REDIS_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-c", LOOPING_WORKFLOWS_SCRIPT],
-        env=env,
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    result = run_project_script(LOOPING_WORKFLOWS_SCRIPT, tmp_path / "labels.sqlite3", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -577,22 +562,6 @@ def test_metrics_switched_off_record_nothing_in_a_provider_the_project_installed
     instruments went on through the global provider, so a project with a provider of its
     own exported wfdash's started/finished counters and step durations all the same. Now
     the engine's instruments are no-ops; the project's own are untouched."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'metrics-off.sqlite3'}",
-        "WFDASH_DEMO": "0",
-    }
-    for name in [n for n in env if n.startswith("OTEL_")]:
-        del env[name]
-    env.pop("REDIS_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-c", METRICS_OFF_SCRIPT],
-        env=env,
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_project_script(METRICS_OFF_SCRIPT, tmp_path / "metrics-off.sqlite3", timeout=60)
     assert result.returncode == 0, result.stderr
     assert "project got: ['project.work']" in result.stdout, result.stdout

@@ -3,9 +3,6 @@ and meter providers: a real process exporting to a local OTLP/HTTP receiver."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,31 +12,18 @@ from typing import Any, ClassVar
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.otlp import RUN_EXPORTED_WORKFLOW, run_project_script
 
-SCRIPT = """
-import django
-django.setup()
-from django.core.management import call_command
-call_command("migrate", verbosity=0)
+SCRIPT = (
+    RUN_EXPORTED_WORKFLOW
+    + """
 from opentelemetry import metrics, trace
-from workflows_app import testing
-from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, register
 from workflows_app.models import Span
-
-@register("exported")
-class Exported(WorkflowEntrypoint):
-    async def run(self, event, step):
-        return await step.do("only step", lambda: 42)
-
-inst = get_workflow("exported").create()
-testing.run_until_idle()
-assert inst.status().output == 42
 print("stored spans:", Span.objects.count())
 trace.get_tracer_provider().shutdown()
 metrics.get_meter_provider().shutdown()
 """
+)
 
 
 class _Receiver(BaseHTTPRequestHandler):
@@ -93,26 +77,12 @@ def run_exporting(tmp_path: Path, with_errors: bool = False, **variables: str) -
     """(what the receiver got: path and service name, the process's output[, its
     standard error])."""
     with receiver() as (url, received):
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-            "DATABASE_URL": f"sqlite:///{tmp_path / 'otel-env.sqlite3'}",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": url,
-            "WFDASH_DEMO": "0",
-        }
-        for name in [
-            n for n in env if n.startswith("OTEL_") and n != "OTEL_EXPORTER_OTLP_ENDPOINT"
-        ]:
-            del env[name]
-        env.pop("REDIS_URL", None)
-        env.update(variables)
-        result = subprocess.run(
-            [sys.executable, "-c", SCRIPT],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
+        result = run_project_script(
+            SCRIPT,
+            tmp_path / "otel-env.sqlite3",
             timeout=90,
+            OTEL_EXPORTER_OTLP_ENDPOINT=url,
+            **variables,
         )
         assert result.returncode == 0, result.stderr
         if with_errors:

@@ -5,9 +5,6 @@ and a local OTLP/HTTP receiver."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 from tests import fleet_workflows  # noqa: F401  (registers the workflows the workers run)
-from tests.otlp import RUN_EXPORTED_WORKFLOW, otlp_receiver
+from tests.otlp import RUN_EXPORTED_WORKFLOW, otlp_receiver, run_project_script
 from tests.polling import wait_until
 from workflows_app.client import get_workflow
 from workflows_app.models import Instance, Span
@@ -128,22 +125,11 @@ def test_spans_are_exported_once_over_otlp_when_the_project_installed_its_own_pr
     provider in use, unless that one exports over OTLP already: each span is sent once.
     The project's own processors and the store get the spans as well."""
     url, exported = otlp
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'project-provider.sqlite3'}",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": url,
-        "PROJECT_EXPORTS_OTLP": "1" if project_exports_otlp else "0",
-        "WFDASH_DEMO": "0",
-    }
-    env.pop("REDIS_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-c", PROJECT_PROVIDER_SCRIPT],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_project_script(
+        PROJECT_PROVIDER_SCRIPT,
+        tmp_path / "project-provider.sqlite3",
+        OTEL_EXPORTER_OTLP_ENDPOINT=url,
+        PROJECT_EXPORTS_OTLP="1" if project_exports_otlp else "0",
     )
     assert result.returncode == 0, result.stderr
     names = Counter(name for _, name in exported)
@@ -179,23 +165,8 @@ def test_tracing_switched_off_makes_no_spans_in_a_provider_the_project_installed
     (Sentry's SDK, opentelemetry-instrument) recorded and exported a `workflow`, a `step`
     and a `create` span of every instance. Now the engine makes none; the project's own
     spans are untouched."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'tracing-off.sqlite3'}",
-        "WFDASH_TRACING": "0",
-        "WFDASH_DEMO": "0",
-    }
-    for name in [n for n in env if n.startswith("OTEL_")]:
-        del env[name]
-    env.pop("REDIS_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-c", TRACING_OFF_SCRIPT],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_project_script(
+        TRACING_OFF_SCRIPT, tmp_path / "tracing-off.sqlite3", WFDASH_TRACING="0"
     )
     assert result.returncode == 0, result.stderr
     assert "project got: ['project work']" in result.stdout, result.stdout
