@@ -93,15 +93,21 @@ class OtlpReceiver(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def otlp_receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """(endpoint URL, the spans received so far) while the block runs."""
-    received: list[tuple[str, str]] = []
-    handler = type("Receiver", (OtlpReceiver,), {"spans": received})
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The URL of a local HTTP server answering with `handler` while the block runs."""
     server = HTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(endpoint URL, the spans received so far) while the block runs."""
+    received: list[tuple[str, str]] = []
+    with serving(type("Receiver", (OtlpReceiver,), {"spans": received})) as url:
+        yield url, received

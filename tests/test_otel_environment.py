@@ -3,16 +3,15 @@ and meter providers: a real process exporting to a local OTLP/HTTP receiver."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from tests.otlp import RUN_EXPORTED_WORKFLOW, run_project_script
+from tests.otlp import RUN_EXPORTED_WORKFLOW, run_project_script, serving
 
 SCRIPT = (
     RUN_EXPORTED_WORKFLOW
@@ -62,15 +61,8 @@ class _Receiver(BaseHTTPRequestHandler):
 @contextmanager
 def receiver() -> Iterator[tuple[str, list[tuple[str, str]]]]:
     received: list[tuple[str, str]] = []
-    handler = type("Receiver", (_Receiver,), {"received": received})
-    server = HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(type("Receiver", (_Receiver,), {"received": received})) as url:
+        yield url, received
 
 
 def run_exporting(tmp_path: Path, with_errors: bool = False, **variables: str) -> Any:
