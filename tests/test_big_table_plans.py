@@ -9,25 +9,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 
+from tests.test_operating import explain
 from workflows_app.client import InstanceHandle
 from workflows_app.models import Instance, StepRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-def explain(query) -> str:
-    sql, params = query.query.sql_with_params()
-    with transaction.atomic(), connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
-        cursor.execute(
-            ("EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN ") + sql, params
-        )
-        return " ".join(str(cell) for row in cursor.fetchall() for cell in row)
 
 
 def assert_read_in_order(plan: str, index: str) -> None:
