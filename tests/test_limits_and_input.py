@@ -471,3 +471,27 @@ def test_steps_without_options_take_the_workflows_defaults_and_others_their_own(
     testing.run_until_idle()
     assert inst.status().output == "done"
     assert attempts == {"a": 2, "b": 4, "c": 2}
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ({"max_concurrent": 5}, "unknown limit 'max_concurrent'"),
+        ({"default_step_timeout": "thirty seconds"}, "thirty seconds"),
+        ({"max_batch_size": "many"}, "max_batch_size"),
+        (["max_batch_size", 5], "must be a dict of limits"),
+    ],
+)
+def test_bad_limits_settings_are_refused_at_start_up(limits, named):
+    """A typo in WFDASH["LIMITS"] passed every check, then refused every create and
+    stopped every run with the settings' error. manage.py check now refuses it."""
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    call_command("check")
+    with override_settings(WFDASH={"LIMITS": limits}), pytest.raises(SystemCheckError) as refused:
+        call_command("check")
+    assert "workflows_app.E004" in str(refused.value) and named in str(refused.value)
+    with override_settings(WFDASH={"LIMITS": {"max_concurrent_instances": 5}}):
+        call_command("check")

@@ -97,6 +97,31 @@ def check_retention(**_: Any) -> list[Error]:
     ]
 
 
+@register()
+def check_limits(**_: Any) -> list[Error]:
+    """WFDASH["LIMITS"] is read as each instance is created, and as each run starts: a typo
+    there ("max_concurrent" for "max_concurrent_instances", "30 secs") refused every create
+    and stopped every run with the settings' error, while the checks passed."""
+    from .engine.errors import WorkflowError
+    from .engine.limits import Limits
+
+    configured = getattr(settings, "WFDASH", {}).get("LIMITS")
+    try:
+        if configured is not None and not isinstance(configured, dict):
+            raise WorkflowError(f"must be a dict of limits, got {configured!r}")
+        Limits.build(configured)
+    except WorkflowError as exc:
+        return [
+            Error(
+                f'settings.WFDASH["LIMITS"]: {exc}',
+                hint='e.g. WFDASH = {"LIMITS": {"max_concurrent_instances": 50, '
+                '"default_step_timeout": "10 minutes"}}; see the README.',
+                id="workflows_app.E004",
+            )
+        ]
+    return []
+
+
 # Django runs the command of the first app in INSTALLED_APPS that has one.
 ENGINE_COMMANDS = {
     "runserver": "serves with daphne and starts the embedded worker",
