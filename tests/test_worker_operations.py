@@ -761,3 +761,50 @@ def test_the_first_worker_of_a_process_tunes_the_garbage_collector_once(monkeypa
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*saved)
+
+
+def test_a_stop_that_comes_between_a_claim_and_its_runs_reaches_those_runs(
+    registered, loop_thread, monkeypatch
+):
+    """A stop signal handled while a claim's answer was on its way to the loop (a busy
+    server: SIGTERM then SIGINT to runserver just as its worker claimed) stopped the runs
+    there were, none: the claimed run registered afterwards, neither drained nor cut short,
+    and started its step; the second signal's hurry was lost and the drain waited out its
+    whole grace. A run registered once the worker is stopping now drains (and, hurried,
+    is cut short) before it starts any work, its lease given back."""
+    started = threading.Event()
+    release = threading.Event()
+
+    @register("long-step")
+    class LongStep(WorkflowEntrypoint):
+        async def run(self, event, step):
+            def work():
+                started.set()
+                release.wait(30)
+                return "done"
+
+            return await step.do("work", work, retries={"limit": 0})
+
+    inst = get_workflow("long-step").create(id="late")
+    worker = new_worker()
+    claim = store.claim_and_load
+
+    def claim_then_signals(*args: Any, **kwargs: Any) -> Any:
+        result = claim(*args, **kwargs)
+        if result.runs:  # both signals, handled before the loop sees this claim's answer
+            worker.ask_to_stop("SIGTERM")
+            worker.ask_to_stop("SIGINT")
+            loop_thread.loop.call_soon_threadsafe(worker.hurry)
+        return result
+
+    monkeypatch.setattr(store, "claim_and_load", claim_then_signals)
+    try:
+        loop_thread.call(worker.start())
+        loop_thread.call(worker.run_until_idle(timeout=20))
+        assert not started.is_set(), "the claimed run started its step after the stop"
+        loop_thread.call(worker.stop(grace_seconds=30), timeout=10)
+        row = Instance.objects.get(pk=inst.row().pk)
+        assert (row.lease_token, row.lease_owner) == (None, "")
+        assert row.status == "running"  # due at once for another worker
+    finally:
+        release.set()

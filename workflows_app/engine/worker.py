@@ -1227,6 +1227,13 @@ class Worker:
                 self.sleep_in_process,
             )
             self.runs[pk] = run
+            if self._stopping:
+                # Claimed before a stop the loop handled first (a signal while the claim's
+                # answer was on its way): stop() and hurry() drained and cut short the runs
+                # there were, not this one. It starts no work either.
+                run.drain()
+                if self.hurry_asked:
+                    run.abort("worker shutting down")
             outcome = await run.execute()
             if outcome == "aborted" and run.undecodable is not None:
                 # Not errored (a key restored makes it runnable again) nor left to its lease
