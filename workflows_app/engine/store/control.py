@@ -540,11 +540,7 @@ class _Decided:
                 if admission.full and (candidate.admit_at is None or candidate.admit_at <= now):
                     break  # the rest wait for a place
                 undecided.discard(candidate.pk)
-                ok, reason, admit_at = admission.decide(candidate)
-                if ok:
-                    self.admitted.append(candidate.pk)
-                elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
-                    self.waiting.setdefault((reason, admit_at), []).append(candidate.pk)
+                self.decide(admission, candidate)
             else:
                 at_bound.update(admission.keys_at_bound())
                 continue
@@ -600,11 +596,16 @@ class _Decided:
                 break
             assert candidate.pk is not None
             undecided.discard(candidate.pk)
-            ok, reason, admit_at = admission.decide(candidate)
-            if ok:
-                self.admitted.append(candidate.pk)
-            elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
-                self.waiting.setdefault((reason, admit_at), []).append(candidate.pk)
+            self.decide(admission, candidate)
+
+    def decide(self, admission: Admission, candidate: Candidate) -> None:
+        """Admit the candidate, or note why it waits when that changed."""
+        assert candidate.pk is not None
+        ok, reason, admit_at = admission.decide(candidate)
+        if ok:
+            self.admitted.append(candidate.pk)
+        elif (reason, admit_at) != (candidate.reason, candidate.admit_at):
+            self.waiting.setdefault((reason, admit_at), []).append(candidate.pk)
 
     def write(self, created: Collection[int]) -> list[int]:
         """Store the pass: reasons and times of those that wait, the start of the others."""
