@@ -473,3 +473,24 @@ def test_a_schedule_this_process_cannot_evaluate_does_not_stop_the_others(regist
     assert next_tick == datetime(2026, 6, 2, 3, 0, tzinfo=UTC)  # not the unreadable 02:55
     logged = caplog.text
     assert "'zone-gone'" in logged and "'cron-gone'" in logged and "cannot be evaluated" in logged
+
+
+def test_a_new_schedule_refuses_a_zone_that_is_no_place_but_a_stored_one_still_fires(
+    registered,
+):
+    """The zone database answers "localtime" with each host's own zone (workers in
+    different zones fired one schedule at different instants), "Factory" with "-00" and
+    the right/ zones with leap seconds (~27 s off). A new schedule refuses them; one stored
+    before (when they passed) still fires, rather than stopping at the upgrade."""
+    register_report()
+    for name in ("localtime", "Factory", "right/Europe/Paris"):
+        with pytest.raises(InvalidInput, match=f"{name!r} is not a place's clock"):
+            schedules.create("bad-zone", workflow="report", cron="0 9 * * *", timezone=name)
+    targets = [store.schedules.Target("report", 1, get_workflow("report").definition().limits())]
+    with testing.fake_clock(START) as clock:
+        schedules.create("stored-factory", workflow="report", cron="0 3 * * *")
+        Schedule.objects.filter(name="stored-factory").update(timezone="Factory")
+        assert schedules.get("stored-factory").next_runs(1)
+        clock.set(datetime(2026, 6, 1, 3, 1, tzinfo=UTC))
+        fired, _ = store.schedules.fire_due(targets)
+    assert [f.schedule for f in fired] == ["stored-factory"]

@@ -34,7 +34,7 @@ from django.utils.safestring import SafeString
 from . import tokens
 from .client import InstanceHandle, ScheduleHandle, WorkflowBinding, schedules, start_bulk_job
 from .engine import errors, lifecycle, store
-from .engine.cron import check_cron, check_schedule_name, zone
+from .engine.cron import check_cron, check_schedule_name, check_zone
 from .engine.limits import check_size, encode_json
 from .engine.registry import all_definitions, get_definition
 from .models import (
@@ -1056,7 +1056,7 @@ class ScheduleForm(forms.ModelForm):
         checks = {
             "name": check_schedule_name,
             "cron": check_cron,
-            "timezone": zone,
+            "timezone": check_zone,
             "workflow": get_definition,
         }
         for field, check in checks.items():

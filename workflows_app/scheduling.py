@@ -21,7 +21,7 @@ from django.db import transaction
 from . import live
 from .codec import seal
 from .engine import clock, errors, store
-from .engine.cron import check_cron, check_schedule_name, fire_times, zone
+from .engine.cron import check_cron, check_schedule_name, check_zone, fire_times
 from .engine.limits import check_size, encode_json
 from .engine.registry import get_definition
 from .models import Instance, Schedule, decode_stored
@@ -166,7 +166,7 @@ class Schedules:
         expression or time zone that does not parse, UnknownWorkflow for an unknown workflow."""
         check_schedule_name(name)
         cron = check_cron(cron)
-        zone(timezone)
+        check_zone(timezone)
         definition = get_definition(workflow)
         params_json = encode_json(params, f"params of schedule {name!r}")
         check_size(

@@ -30,6 +30,13 @@ def check_schedule_name(name: object) -> str:
     return name
 
 
+# Names the zone database answers that are no place's clock, refused for a new schedule:
+# "localtime" is each host's own zone (workers in different zones would fire one schedule
+# at different instants), "Factory" has no offset of its own ("-00"), and the "right/"
+# zones count leap seconds (their times are ~27 s away from everyone else's).
+NOT_A_PLACE = re.compile(r"^(localtime|Factory|posixrules|right/.*)$")
+
+
 def zone(timezone: object) -> ZoneInfo:
     """An IANA time zone by name ("UTC", "Europe/Paris"); InvalidInput naming it otherwise."""
     if not isinstance(timezone, str) or not timezone or len(timezone) > 64:
@@ -40,6 +47,17 @@ def zone(timezone: object) -> ZoneInfo:
         raise InvalidInput(
             f"unknown time zone {timezone!r} (use an IANA name such as 'Europe/Paris')"
         ) from None
+
+
+def check_zone(timezone: object) -> ZoneInfo:
+    """zone() for a new schedule, which must also be a place's. A stored schedule in such a
+    zone (accepted before) still fires: refusing it there would stop it at an upgrade."""
+    if isinstance(timezone, str) and NOT_A_PLACE.match(timezone):
+        raise InvalidInput(
+            f"time zone {timezone!r} is not a place's clock (the host's own zone, a "
+            "placeholder or a leap-second clock); use an IANA name such as 'Europe/Paris'"
+        )
+    return zone(timezone)
 
 
 def check_cron(cron: object) -> str:
