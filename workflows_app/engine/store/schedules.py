@@ -35,7 +35,7 @@ from ..limits import Limits
 from ..registry import all_definitions
 from .catalog import newer_live_versions
 from .control import create_in_transaction
-from .dialect import retry_while_locked
+from .dialect import lock_rows, retry_while_locked
 from .records import NewInstance
 
 log = logging.getLogger("workflows_app.engine")
@@ -115,10 +115,17 @@ def create_schedule(
 @retry_while_locked
 def set_paused(name: str, paused: bool) -> Schedule:
     """Pause (no tick fires) or resume (the next tick after now; ticks missed while paused
-    do not fire)."""
+    do not fire).
+
+    Under the row's lock: the next tick is computed from the cron as it is when written.
+    Read unlocked, a deploy that changed the cron meanwhile (sync_declared) was left with
+    the old cron's next tick (a yearly cron made every 5 minutes fired nothing until new
+    year), and a delete meanwhile failed the save instead of saying ScheduleNotFound."""
     now = clock.now()
     with transaction.atomic():
-        row = get_schedule(name)
+        row = lock_rows(Schedule.objects.filter(name=name)).first()
+        if row is None:
+            raise ScheduleNotFound(f"no schedule named {name!r}")
         if row.paused != paused:
             row.paused = paused
             row.next_run_at = None if paused else next_fire_time(row.cron, row.timezone, now)
