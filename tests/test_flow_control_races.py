@@ -76,3 +76,88 @@ def test_a_resume_racing_a_deploy_that_changes_the_cron_takes_the_new_crons_next
         row = schedules.get(declared.name)
         assert (row.cron, row.paused) == ("*/5 * * * *", False)
         assert row.next_run_at == datetime(2026, 6, 1, 2, 55, tzinfo=UTC), row.next_run_at
+
+
+def _pending_debounces(wf, count: int) -> None:
+    """`count` instances queued with a debounce that has not ended (an hour), first in line."""
+    from workflows_app.models import Instance
+
+    template = wf.create(id="pending", debounce_key="pending", debounce="1 hour").row()
+    rows = []
+    for n in range(count):
+        row = Instance.objects.get(pk=template.pk)
+        row.pk, row.instance_id, row.debounce_key = None, f"pending-{n}", f"user-{n}"
+        rows.append(row)
+    Instance.objects.bulk_create(rows, batch_size=1000)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {Instance._meta.db_table}")
+
+
+def test_a_debounce_create_and_an_admission_of_the_due_do_not_read_every_pending_debounce(
+    registered,
+):
+    """The admission pass after a create read the line past every pending debounce ahead
+    of the first instance it could start (the first page of _QueueScan has no window):
+    100,000 users each with a pending debounce made every create of a debounced workflow
+    read them all (39,000 tuples, 157 ms a create; 24 ms behind none), and so did every
+    admit_due pass (54,000 tuples, 100 ms). A pending debounce takes no place and frees
+    none: its create decides nothing; and with no flow control what is due starts without
+    a read of the line."""
+    from tests.test_admission_many_keys import tuples_read
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import clock, registry
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+
+    @register("fc-debounced")
+    class Debounced(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    wf = get_workflow("fc-debounced")
+    with testing.fake_clock(START) as fake:
+        _pending_debounces(wf, 5000)
+        with transaction.atomic():
+            before = tuples_read()
+            new = wf.create(id="new", debounce_key="new", debounce="10 seconds")
+            read = tuples_read() - before
+        assert read < 100, f"a debounce create read {read} tuples behind 5,000 pending debounces"
+        assert new.status().status == "queued"
+        fake.advance("11 seconds")
+        with transaction.atomic():
+            before = tuples_read()
+            started = store.promote_queued(
+                "fc-debounced", registry.limits_for("fc-debounced", 1), clock.now(), due=True
+            )
+            read = tuples_read() - before
+        assert started == [new.row().pk]
+        assert read < 100, f"an admission of the due read {read} tuples"
+        assert new.status().status == "running"
+
+
+def test_admit_due_starts_more_than_a_page_of_due_debounces_at_once(registered):
+    """With no flow control an admission of the due reads a page of them (no read of the
+    line): admit_due takes the next page at once, as the pass that read the line did."""
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import registry
+    from workflows_app.engine.store import control
+    from workflows_app.models import Instance
+
+    @register("fc-many-due")
+    class ManyDue(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return event.payload
+
+    wf = get_workflow("fc-many-due")
+    count = control.ADMISSION_PAGE + 50
+    with testing.fake_clock(START) as fake:
+        for n in range(count):
+            wf.create(id=f"d-{n}", debounce_key=f"user-{n}", debounce="10 seconds")
+        fake.advance("11 seconds")
+        started, _ = store.admit_due([("fc-many-due", registry.limits_for("fc-many-due", 1))])
+        assert len(started) == count
+        assert set(
+            Instance.objects.filter(workflow="fc-many-due").values_list("status", flat=True)
+        ) == {"running"}

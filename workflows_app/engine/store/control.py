@@ -340,7 +340,16 @@ class _QueueScan:
     100,000 instances queued behind its key made every create and every run's end of the
     workflow read all of them (70 ms a create). `examined_all` says whether the scan
     stopped at that bound with more in line (what changed behind it is decided anyway:
-    _Decided.beyond)."""
+    _Decided.beyond).
+
+    The first page's filter still reads every pending debounce ahead of the instances it
+    keeps (no index leaves them out): a create and a run's end of a flow-controlled
+    workflow behind 100,000 of them read them all (a debounce create does not, nor does
+    any pass of a workflow under no flow control: promote_queued). Windowed like the
+    rest, the instances behind them would wait until the debounces ahead of them start
+    (a key debounced again keeps its place in line): bounding it needs an index of the
+    queue without them, (workflow, priority, id) WHERE status = 'queued' AND admit_at IS
+    NULL."""
 
     def __init__(self, name: str, now: datetime, skip_keys: Collection[str]) -> None:
         self.name, self.now, self.skip_keys = name, now, skip_keys
@@ -481,8 +490,12 @@ def promote_queued(
         if not _queued(name).exists():
             return []
     changed = _Changed({*created, *look_at}, {k for k in freed_keys if k is not None}, due)
+    # Under no flow control nothing bounds the starts: what changed starts (if its debounce
+    # ended), with no read of the line, which went past every pending debounce ahead of
+    # it (66 ms a pass behind 100,000). Only a worker's look at a whole queue reads it.
+    whole_line = limits.flow_controlled or not (created or look_at or due)
     for _ in range(ADMISSION_TRIES):
-        decided = _Decided(name, limits, now, created, changed)
+        decided = _Decided(name, limits, now, created, changed, whole_line)
         # Those chosen must still be queued once locked: a pause or a terminate (which
         # take no admission lock when they free no place) may have taken one since the
         # scan read it. Then its place goes to the next in line: decided again. (This
@@ -519,12 +532,19 @@ class _Decided:
         now: datetime,
         created: Collection[int],
         changed: _Changed,
+        whole_line: bool = True,
     ) -> None:
         self.name, self.limits, self.now = name, limits, now
         admission = Admission(name, limits, now)
         self.admitted: list[int] = []
         self.waiting: dict[tuple[str, datetime | None], list[int]] = {}
+        self.skipped: dict[str, str] = {}
+        self.full = ""
         undecided = set(created)
+        if not whole_line:  # no flow control: only what changed (see promote_queued)
+            self.cut_short = False
+            self.beyond(admission, changed, set(), set(), undecided)
+            return
         scanned, self.stopped_early = 0, False
         # Keys whose places are all taken: the scan reads no more of their queue, so a
         # long backlog of one key does not hide the instances of other keys behind it.
@@ -675,8 +695,15 @@ def admit_due(workflows: Sequence[tuple[str, Limits]]) -> tuple[list[int], datet
     )
     admitted: list[int] = []
     for name in set(timed.filter(admit_at__lte=now).values_list("workflow", flat=True)):
-        with transaction.atomic():
-            admitted += promote_queued(name, limits_by_name[name], now, due=True)
+        limits = limits_by_name[name]
+        for _ in range(ADMISSION_SCAN // ADMISSION_PAGE):
+            with transaction.atomic():
+                started = promote_queued(name, limits, now, due=True)
+            admitted += started
+            # Under no flow control a pass starts a page of the due (promote_queued): the
+            # next page, as a pass that read the line started up to ADMISSION_SCAN.
+            if limits.flow_controlled or len(started) < ADMISSION_PAGE:
+                break
     return admitted, first_admit(list(limits_by_name))
 
 
@@ -891,8 +918,11 @@ def _create_instances(
     rows = [_new_row(name, version, item, actor, now, controlled) for item in fresh]
     Instance.objects.bulk_create(rows)
     index_attributes(rows)
-    if controlled and rows:
-        admitted = set(promote_queued(name, limits, now, created={r.pk for r in rows}))
+    # Rows whose debounce has not ended take no place and free none: no admission pass
+    # (it read the line past every pending debounce: 66 ms a create behind 100,000).
+    deciding = [r for r in rows if r.admit_at is None or r.admit_at <= now]
+    if controlled and deciding:
+        admitted = set(promote_queued(name, limits, now, created={r.pk for r in deciding}))
         for row in rows:
             if row.pk in admitted:
                 row.status, row.started_at, row.wake_at, row.admit_at = (
