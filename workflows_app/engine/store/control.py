@@ -110,13 +110,18 @@ HOLDING_PARAMS = [*_HOLDING, Status.PAUSED]
 
 
 def _free_slots(name: str, limits: Limits) -> int | None:
-    """Places left under max_concurrent_instances, or None for no limit."""
+    """Places left under max_concurrent_instances, or None for no limit.
+
+    Counts no further than the limit: past it no place is left however many more hold
+    one (a limit lowered under 100,000 sleeping instances: each create and run's end
+    counted them all, 58-84 ms)."""
     if limits.max_concurrent_instances is None:
         return None
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT count(*) FROM {INSTANCE_TABLE} WHERE workflow = %s AND {HOLDING_SQL}",
-            [name, *HOLDING_PARAMS],
+            f"SELECT count(*) FROM (SELECT 1 FROM {INSTANCE_TABLE} WHERE workflow = %s "
+            f"AND {HOLDING_SQL} LIMIT %s) AS holding",
+            [name, *HOLDING_PARAMS, limits.max_concurrent_instances],
         )
         (active,) = cursor.fetchone()
     return max(0, limits.max_concurrent_instances - active)
