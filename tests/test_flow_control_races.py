@@ -196,3 +196,50 @@ def test_the_places_taken_are_counted_no_further_than_the_limit(registered):
         read = tuples_read() - before
     assert read < 100, f"counting the places taken read {read} tuples"
     assert wf.create(id="new").status().status == "queued"
+
+
+def test_the_starts_in_a_rate_window_are_counted_no_further_than_the_limit(registered):
+    """Admission counted every start its rate window's log held: a rate_limit lowered
+    from 100,000 an hour to 5 counted them all at every create and run's end for an
+    hour. Now no further than the limit (and the first start by the index)."""
+    from datetime import timedelta
+
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import clock
+    from workflows_app.models import RateLimitStart
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+
+    @register("fc-rate-lowered", limits={"rate_limit": {"limit": 5, "period": "1 hour"}})
+    class RateLowered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return None
+
+    table = RateLimitStart._meta.db_table
+
+    def rate_tuples_read() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_stat_get_xact_tuples_returned(%s::regclass) + (SELECT "
+                "coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0) FROM pg_index "
+                "WHERE indrelid = %s::regclass)",
+                [table, table],
+            )
+            return cursor.fetchone()[0]
+
+    with testing.fake_clock(START):
+        earlier = clock.now() - timedelta(minutes=10)  # started under the old limit
+        RateLimitStart.objects.bulk_create(
+            [RateLimitStart(workflow="fc-rate-lowered", started_at=earlier)] * 2000,
+            batch_size=1000,
+        )
+        with transaction.atomic():
+            before = rate_tuples_read()
+            new = get_workflow("fc-rate-lowered").create(id="new")
+            read = rate_tuples_read() - before
+        assert read < 100, f"an admission read {read} tuples of the rate window's log"
+        assert new.row().waiting_reason.startswith(
+            "rate_limit (5 per 1 hour) reached; next start at"
+        )
+        assert new.row().admit_at == earlier + timedelta(hours=1)

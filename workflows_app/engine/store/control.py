@@ -127,9 +127,12 @@ def _free_slots(name: str, limits: Limits) -> int | None:
     return max(0, limits.max_concurrent_instances - active)
 
 
-def _starts_since(name: str, since: datetime) -> tuple[int, datetime | None]:
-    """How many starts of a rate-limited workflow its log holds after `since`, and the
-    first of them (RateLimitStart: instance rows lose starts to deletes and restarts).
+def _starts_since(name: str, since: datetime, cap: int) -> tuple[int, datetime | None]:
+    """How many starts of a rate-limited workflow its log holds after `since` (counted no
+    further than `cap`, the limit: past it no start is left however many more there are;
+    a limit lowered from 100,000 an hour counted them all at every admission for an
+    hour), and the first of them (RateLimitStart: instance rows lose starts to deletes
+    and restarts).
 
     A workflow whose log has no row at all (its instances started before the log
     existed, or it had no rate_limit until now) gets its log seeded first (under the
@@ -137,12 +140,13 @@ def _starts_since(name: str, since: datetime) -> tuple[int, datetime | None]:
     count admission made before the log: an empty log let up to `limit` more start in
     the first period after the upgrade."""
     with connection.cursor() as cursor:
+        in_window = f"FROM {RATE_START_TABLE} WHERE workflow = %s AND started_at > %s"
         count_sql = (
-            f"SELECT count(*), MIN(started_at), (SELECT 1 FROM {RATE_START_TABLE} "
-            "WHERE workflow = %s LIMIT 1) "
-            f"FROM {RATE_START_TABLE} WHERE workflow = %s AND started_at > %s"
+            f"SELECT (SELECT count(*) FROM (SELECT 1 {in_window} LIMIT %s) AS counted), "
+            f"(SELECT started_at {in_window} ORDER BY started_at LIMIT 1), "
+            f"(SELECT 1 FROM {RATE_START_TABLE} WHERE workflow = %s LIMIT 1)"
         )
-        params = [name, name, db_time(since)]
+        params = [name, db_time(since), cap, name, db_time(since), name]
         cursor.execute(count_sql, params)
         count, first, logged = cursor.fetchone()
         if logged is None:
@@ -193,7 +197,7 @@ def _take_rate_start(name: str, limits: Limits, now: datetime) -> bool:
     rate = limits.rate_limit
     assert rate is not None
     window = timedelta(milliseconds=rate.period_ms)
-    started, _ = _starts_since(name, now - window)
+    started, _ = _starts_since(name, now - window, rate.limit)
     if started >= rate.limit:
         return False
     _log_starts(name, 1, now, window)
@@ -245,7 +249,7 @@ class Admission:
         rate = limits.rate_limit
         if rate is not None:
             window = timedelta(milliseconds=rate.period_ms)
-            started, first = _starts_since(name, now - window)
+            started, first = _starts_since(name, now - window, rate.limit)
             self.rate_left = max(0, rate.limit - started)
             # A sliding window: the oldest start in it leaving frees the next start.
             self.rate_reopens_at = (first or now) + window
