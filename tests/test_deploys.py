@@ -340,6 +340,67 @@ def test_an_instance_of_a_version_no_worker_runs_any_more_is_looked_at_hourly(
             loop_thread.call(new.stop(grace_seconds=0))
 
 
+def test_parking_a_pass_of_unrunnable_instances_costs_a_statement_each_and_one_look_up(
+    registered,
+):
+    """park_unrunnable re-read each instance's workflow and version (the worker had them)
+    and asked version_live for each: parking a claim pass of N instances of a version no
+    worker runs cost 4N statements (12 instances: 48). Now the pass looks the versions up
+    once (Worker._absent_of, in the claim's trip) and each park is one fenced UPDATE."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from workflows_app.engine.worker import Worker
+
+    define_mixed(1)
+    wf = get_workflow("deploy-mixed")
+
+    def park_a_pass(count: int) -> int:
+        Instance.objects.all().delete()
+        handles = [wf.create(id=f"gone-{count}-{n}") for n in range(count)]
+        registry.unregister("deploy-mixed", 1)  # a release without the class
+        try:
+            claimed = store.claim_and_load("parker", 50, 30).runs
+            assert len(claimed) == count
+            # One asked to pause while its step ran, before its worker died: it stays paused.
+            paused_pk = claimed[0][0]
+            Instance.objects.filter(pk=paused_pk).update(status="waitingForPause")
+            with CaptureQueriesContext(connection) as queries:
+                absent = Worker._absent_of(claimed)
+                for pk, token, loaded in claimed:
+                    key = (loaded.instance.workflow, loaded.instance.version)
+                    store.park_unrunnable(
+                        pk, token, "not here", store.VERSION_MISSING, key in absent
+                    )
+            assert absent == {("deploy-mixed", 1)}  # no worker ever ran it
+        finally:
+            define_mixed(1)
+        for handle in handles:
+            row = handle.row()
+            assert (row.lease_token, row.lease_owner) == (None, "")
+            assert row.waiting_reason.startswith(store.VERSION_MISSING + "not here; no worker")
+            if row.pk == paused_pk:
+                assert (row.status, row.wake_at) == ("paused", None)
+            else:
+                assert row.status == "waiting"
+                assert row.wake_at == row.updated_at + store.catalog.ABSENT_VERSION_RECHECK
+        return len(queries.captured_queries)
+
+    assert park_a_pass(12) == 12 + 1
+    assert park_a_pass(2) == 2 + 1
+
+
+def test_a_park_whose_lease_was_lost_changes_nothing(registered):
+    """The one-statement park is fenced by its lease, as the fence it replaced was."""
+    define_mixed(1)
+    inst = get_workflow("deploy-mixed").create(id="taken-over")
+    [(pk, token, _)] = store.claim_and_load("parker", 5, 30).runs
+    Instance.objects.filter(pk=pk).update(lease_token="another-run")
+    store.park_unrunnable(pk, token, "not here", store.VERSION_MISSING, True)
+    row = inst.row()
+    assert (row.status, row.lease_token, row.waiting_reason) == ("running", "another-run", "")
+
+
 def test_a_new_worker_leaves_an_in_flight_old_version_to_the_live_old_worker(
     registered, loop_thread
 ):

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from datetime import datetime, timedelta
 from typing import Any
@@ -691,6 +691,8 @@ class Worker:
         self.claimed_all_due = True
         self.next_timer: datetime | None = None
         self.next_timer_known = False  # the last claim's trip read next_timer
+        # The last claim's versions no worker ran lately (_absent_of), for its runs to park.
+        self._absent_versions: set[tuple[str, int]] = set()
         self._ticks_looked_up = -float("inf")
         self._full = False  # the serve loop waits for a place to claim more
         self._waiting_until: datetime | None = None  # engine time its idle wait ends
@@ -943,10 +945,11 @@ class Worker:
         finally:
             self._woken_during_claim = None
         self.claimed_all_due = len(claimed) < free
+        absent, self._absent_versions = self._absent_versions, set()
         for pk, token, loaded in claimed:
             self.tokens[pk] = token
             self.runs_started += 1
-            task = asyncio.ensure_future(self._execute(pk, token, loaded))
+            task = asyncio.ensure_future(self._execute(pk, token, loaded, absent))
             self.tasks[pk] = task
             task.add_done_callback(functools.partial(self._run_done, pk))
         self._drop_wakes_the_claim_answered(woken)
@@ -980,6 +983,7 @@ class Worker:
             if result.first_admit_at is not None and result.first_admit_at <= clock.now():
                 self._admit_after_claim()
         claimed = result.runs
+        self._absent_versions = self._absent_of(claimed)
         self.next_timer_known = result.looked_for_next_wake
         if result.looked_for_next_wake:  # PostgreSQL: read in the claim's own round trip
             self.next_timer = result.next_wake
@@ -990,6 +994,21 @@ class Worker:
             self.next_timer = self._next_wake_at()
             self.next_timer_known = True
         return claimed
+
+    @staticmethod
+    def _absent_of(claimed: list[tuple[int, str, store.LoadedRun | None]]) -> set[tuple[str, int]]:
+        """The versions of claimed runs this process lacks (and registers on no demand)
+        that no worker has run lately: one look-up a claim pass, in its trip, not one per
+        instance parked (store.park_unrunnable)."""
+        prefixes = tuple(registry.resolved_prefixes())
+        missing = {
+            (loaded.instance.workflow, loaded.instance.version)
+            for _, _, loaded in claimed
+            if loaded is not None
+            and not registry.is_registered(loaded.instance.workflow, loaded.instance.version)
+            and not loaded.instance.workflow.startswith(prefixes)
+        }
+        return store.absent_versions(missing) if missing else set()
 
     @staticmethod
     def _admission_limits() -> list[tuple[str, Any]]:
@@ -1162,7 +1181,13 @@ class Worker:
                     "worker %s: could not store spans; will retry", self.worker_id, exc_info=True
                 )
 
-    async def _execute(self, pk: int, token: str, loaded: store.LoadedRun | None) -> str:
+    async def _execute(
+        self,
+        pk: int,
+        token: str,
+        loaded: store.LoadedRun | None,
+        absent: Collection[tuple[str, int]] = (),
+    ) -> str:
         assert self.db is not None
         try:
             if loaded is None:
@@ -1175,10 +1200,9 @@ class Worker:
             definition = registry.find_definition(inst.workflow, inst.version)
             if definition is None:
                 reason = f"version {inst.version} of workflow {inst.workflow!r} is not registered in this worker"
-                on_demand = inst.workflow.startswith(tuple(registry.resolved_prefixes()))
-                await self.db(
-                    store.park_unrunnable, pk, token, reason, store.VERSION_MISSING, on_demand
-                )
+                # absent: its version no worker ran lately (looked up once for the claim pass)
+                gone = (inst.workflow, inst.version) in absent
+                await self.db(store.park_unrunnable, pk, token, reason, store.VERSION_MISSING, gone)
                 return Status.WAITING
             if inst.unproductive_claims >= MAX_UNPRODUCTIVE_CLAIMS:
                 message = (

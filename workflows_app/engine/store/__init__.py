@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import bulk, catalog, control, dialect, plans, schedules
 from .catalog import (
     VERSION_MISSING,
+    absent_versions,
     delete_instances,
     delete_rows,
     prunable,
@@ -98,6 +99,7 @@ __all__ = [
     "NewInstance",
     "StepWrite",
     "WakeListener",
+    "absent_versions",
     "admit_due",
     "analyze_grown_tables",
     "append_history",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
@@ -105,12 +105,23 @@ VERSION_MISSING = "version-missing: "
 ABSENT_VERSION_RECHECK = timedelta(hours=1)
 
 
-def version_live(name: str, version: int, now: datetime | None = None) -> bool:
-    """Whether a worker with this version touched its catalog row within VERSION_LIVE."""
+def absent_versions(
+    versions: Collection[tuple[str, int]], now: datetime | None = None
+) -> set[tuple[str, int]]:
+    """Those of these (workflow, version) pairs no worker has run within VERSION_LIVE (no
+    catalog row touched since): one query for a claim pass's unrunnable instances, not one
+    per instance parked."""
+    if not versions:
+        return set()
     since = (now or clock.now()) - VERSION_LIVE
-    return WorkflowVersion.objects.filter(
-        name=name, version=version, last_seen_at__gte=since
-    ).exists()
+    live = set(
+        WorkflowVersion.objects.filter(
+            name__in={name for name, _ in versions},
+            version__in={version for _, version in versions},
+            last_seen_at__gte=since,
+        ).values_list("name", "version")
+    )
+    return set(versions) - live
 
 
 @retry_while_locked

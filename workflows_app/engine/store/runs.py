@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Min, Q
+from django.db.models import Case, Min, Q, Value, When
 
 from ...models import (
     ErrorRecord,
@@ -31,7 +31,7 @@ from ..attributes import MAX_ATTRIBUTES
 from ..durations import LATEST_INSTANT
 from ..errors import LimitExceeded
 from ..limits import Limits
-from .catalog import ABSENT_VERSION_RECHECK, VERSION_LIVE, VERSION_MISSING, version_live
+from .catalog import ABSENT_VERSION_RECHECK, VERSION_LIVE, VERSION_MISSING
 from .control import end_awaited_children, promote_queued
 from .dialect import (
     array_literal,
@@ -1055,39 +1055,36 @@ def begin_compensation(pk: int, token: str, data: dict[str, Any]) -> None:
 
 @retry_while_locked
 def park_unrunnable(
-    pk: int, token: str, reason: str, prefix: str = VERSION_MISSING, on_demand: bool = False
+    pk: int, token: str, reason: str, prefix: str = VERSION_MISSING, absent: bool = False
 ) -> None:
     """Park an instance this process cannot run (its version is not registered here; with
     prefix "", a stored value its payload codec cannot decode), to be looked at again later:
     after VERSION_RECHECK, or ABSENT_VERSION_RECHECK when no worker has run its version for
-    VERSION_LIVE (not for a workflow a worker registers on demand, `on_demand`: no worker
-    starts with it, so none would wake it)."""
+    VERSION_LIVE (`absent`: the caller looks that up once per version for a claim pass,
+    store.absent_versions). One statement, fenced by the lease: a pass of N instances of a
+    version no worker runs cost 4N (a fence, a re-read of the workflow and version the
+    caller had, a version look-up each, the update)."""
     now = clock.now()
-    with transaction.atomic():
-        try:
-            status, _ = fence(pk, token, now, 0, None)
-        except LeaseLost:
-            return
-        recheck = VERSION_RECHECK
-        if prefix == VERSION_MISSING and not on_demand:
-            workflow, version = Instance.objects.values_list("workflow", "version").get(id=pk)
-            if not version_live(workflow, version, now):
-                recheck = ABSENT_VERSION_RECHECK
-                reason += (
-                    f"; no worker has run it for {VERSION_LIVE.total_seconds() / 60:g} min: looked at again "
-                    "hourly, and at once when a worker that has it starts"
-                )
-        Instance.objects.filter(id=pk).update(
-            # A pause asked for before (its run crashed at the boundary) holds: paused.
-            status=Status.PAUSED if status == Status.WAITING_FOR_PAUSE else Status.WAITING,
-            # Looked at again later: a live worker with the version (busy until now) takes
-            # it first then; one starting with it wakes it at once (wake_registered_versions).
-            wake_at=None if status == Status.WAITING_FOR_PAUSE else now + recheck,
-            waiting_reason=prefix + reason,
-            lease_token=None,
-            lease_owner="",
-            lease_expires_at=None,
+    recheck = VERSION_RECHECK
+    if prefix == VERSION_MISSING and absent:
+        recheck = ABSENT_VERSION_RECHECK
+        reason += (
+            f"; no worker has run it for {VERSION_LIVE.total_seconds() / 60:g} min: looked at again "
+            "hourly, and at once when a worker that has it starts"
         )
+    # A pause asked for before (its run crashed at the boundary) holds: paused, no wake.
+    pausing = Q(status=Status.WAITING_FOR_PAUSE)
+    Instance.objects.filter(id=pk, lease_token=token).update(
+        status=Case(When(pausing, then=Value(Status.PAUSED)), default=Value(Status.WAITING)),
+        # Looked at again later: a live worker with the version (busy until now) takes it
+        # first then; one starting with it wakes it at once (wake_registered_versions).
+        wake_at=Case(When(pausing, then=None), default=Value(now + recheck)),
+        waiting_reason=prefix + reason,
+        updated_at=now,
+        lease_token=None,
+        lease_owner="",
+        lease_expires_at=None,
+    )
 
 
 @retry_while_locked
