@@ -251,6 +251,57 @@ def test_a_parent_moved_to_a_version_that_invokes_another_workflow_fails_clearly
     assert child.status().status == "terminated"
 
 
+@pytest.mark.parametrize(
+    ("asks", "expected"),
+    [
+        ({"version": 2}, "version 2"),  # the step now pins the child's new version
+        ({"id": "parcel-77"}, "id 'parcel-77'"),  # the step now names its child
+    ],
+)
+def test_a_restarted_parent_whose_step_asks_for_another_child_fails_clearly(
+    registered, asks, expected
+):
+    """A replay found the child its step started by the step's name and compared only the
+    workflow: a parent restarted on code whose step pins another version of the child's
+    workflow, or gives it another id, took the old child's output as the new one's
+    (silently the wrong child). It now fails with NonDeterminismError naming what the
+    step asks for, as for another workflow; the same code restarted still finds its
+    child (an unpinned step takes it on whatever version it started)."""
+
+    @register("parcel", version=2)
+    class ParcelV2(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return {"parcel": "v2"}
+
+    @register("mail", version=1)
+    class MailV1(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("send", "parcel", params={"n": 7}, version=1)
+
+    parent = get_workflow("mail").create(id="mail-1", version=1)
+    testing.run_until_idle()
+    assert parent.status().output == {"parcel": 7}
+    parent.restart()  # the same code: the same child, its output taken again
+    testing.run_until_idle()
+    assert parent.status().output == {"parcel": 7}
+    (child,) = parent.children()
+
+    @register("mail", version=2)
+    class MailV2(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("send", "parcel", params={"n": 7}, **asks)
+
+    parent.restart(version=2)
+    testing.run_until_idle()
+    status = parent.status()
+    assert status.status == "errored", status
+    assert status.error["name"] == "NonDeterminismError"
+    message = status.error["message"]
+    assert f'step "send" started {child.id}, a child of workflow "parcel" version 1' in message
+    assert f"now asks it for {expected}" in message
+    assert [c.id for c in parent.children()] == [child.id]  # no second child
+
+
 def test_a_cancel_whose_compensation_fails_for_good_ends_the_instance_errored(registered):
     """README: a compensation that fails for good ends the instance errored with its own
     error. After cancel(compensate=True) that end was refused by the fence meant for

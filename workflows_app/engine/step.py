@@ -19,7 +19,7 @@ import re
 import threading
 import traceback
 import types
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -860,17 +860,24 @@ class Step:
         except store.LeaseLost as exc:
             run.abort(str(exc))
             raise RunAborted(str(exc)) from None
-        if not created and child.workflow != definition.name:
-            # A replay finds the child by the step's name: after a restart on another
-            # version, that step may now ask for another workflow, whose output it would
-            # take from the wrong one.
-            run.fatal = NonDeterminismError(
-                f'step "{name}" started {child.instance_id}, a child of workflow '
-                f'"{child.workflow}", but the workflow now asks it for workflow '
-                f'"{definition.name}": a step that starts another workflow needs another '
-                "name (or restart the instance on the version it started the child with)"
-            )
-            raise run.fatal
+        if not created:
+            # A replay finds the child by the step's name: after a restart (on another
+            # version, or after a deploy), that step may now ask for another workflow, a
+            # pinned version or an id the old child does not have, and would take the old
+            # child's output as that one's. Without id=: the ids derived from the parent
+            # and step (the readable one whatever the child's id length limit is now).
+            ids = {readable, fallback}
+            if id is None:
+                ids.add(f"{run.instance_id}:{_ID_UNSAFE.sub('-', name)}")
+            asked = _other_child_asked(child, definition, version, id, ids)
+            if asked is not None:
+                run.fatal = NonDeterminismError(
+                    f'step "{name}" started {child.instance_id}, a child of workflow '
+                    f'"{child.workflow}" version {child.version}, but the workflow now asks '
+                    f"it for {asked}: a step that starts another child needs another name "
+                    "(or restart the instance on the version it started the child with)"
+                )
+                raise run.fatal
         if created:  # in the parent's context: the creation span links to the parent's span
             created_span = spans.creation_span(
                 child.trace_id, child.pk, definition.name, child.instance_id, actor
@@ -989,6 +996,26 @@ def child_ids(parent_pk: int, parent_id: str, step_name: str, limits: Limits) ->
     if len(readable) > limits.max_instance_id_length or not INSTANCE_ID_PATTERN.match(readable):
         return fallback, fallback
     return readable, fallback
+
+
+def _other_child_asked(
+    child: Instance,
+    definition: Any,
+    version: int | None,
+    given_id: str | None,
+    ids: Collection[str],
+) -> str | None:
+    """What a step now asks for that the child it started is not (None: it is that child):
+    another workflow, another pinned version (`version=`; an unpinned step takes the child
+    on whatever version it started), or another id (`id=`, else the ids derived from the
+    parent and step)."""
+    if child.workflow != definition.name:
+        return f'workflow "{definition.name}"'
+    if version is not None and child.version != definition.version:
+        return f"version {definition.version}"
+    if child.instance_id not in ids:
+        return f"id {given_id!r}" if given_id is not None else "the id it derives (no id=)"
+    return None
 
 
 def _child_attributes(child: Instance | None) -> dict[str, str]:
