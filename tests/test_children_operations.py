@@ -16,7 +16,7 @@ from tests.test_api import Api
 from workflows_app import testing, tokens
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
-from workflows_app.models import HistoryRecord, Instance
+from workflows_app.models import ErrorRecord, HistoryRecord, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -133,6 +133,60 @@ def test_an_invoke_of_no_workflow_name_fails_the_parent_naming_the_step(workflow
     parent = get_workflow("op-bad-parent").create(id="bad")
     testing.run_until_idle()
     assert parent.status().error == {"name": "InvalidInput", "message": f'step "kid": {says}'}
+    assert parent.children() == []
+
+
+@pytest.mark.parametrize("kind", ["invoke", "start"])
+@pytest.mark.parametrize(
+    ("asks", "error"),
+    [
+        ({"workflow": "op-nobody"}, "UnknownWorkflow"),
+        ({"workflow": "op-kid", "version": 9}, "UnknownWorkflow"),
+        ({"workflow": "op-kid", "id": "not an id!"}, "InvalidInput"),
+    ],
+)
+def test_a_child_that_cannot_be_started_fails_the_step_that_asked_for_it(kind, asks, error):
+    """An error starting a child (an unknown workflow or version, a bad id) went up through
+    run() with no step record, no step.failed history, no error row naming the step: the
+    dashboard showed the parent errored beside no failed step, and a replay tried again
+    (a workflow registered meanwhile started a child the first run never had). It fails
+    the step now, as any step error: recorded on it, raised the same on a replay (a
+    NonRetryableError under the original error's name, the instance's error if uncaught)."""
+    tries: list[str] = []
+
+    @register("op-careful")
+    class Careful(WorkflowEntrypoint):
+        async def run(self, event, step):
+            ask = {**asks}
+            workflow = ask.pop("workflow")
+            start = step.invoke if kind == "invoke" else step.start
+            try:
+                await start("kid", workflow, **ask)
+            except Exception as exc:  # caught, then the instance parks and replays
+                tries.append(f"{type(exc).__name__}: {getattr(exc, 'error_name', '')}")
+            await step.sleep("nap", "1 hour")
+            return "carried on"
+
+    with testing.fake_clock() as clock:
+        parent = get_workflow("op-careful").create(id="careful")
+        testing.run_until_idle()
+        assert tries == [f"NonRetryableError: {error}"]
+        (step,) = [s for s in parent.row().steps.all() if s.name == "kid"]
+        assert (step.status, step.last_error_name, step.attempts) == ("failed", error, 1)
+        failed = HistoryRecord.objects.get(instance__instance_id="careful", type="step.failed")
+        assert failed.data["step"] == "kid" and failed.data["error"]["name"] == error
+        (row,) = ErrorRecord.objects.filter(instance__instance_id="careful")
+        assert (row.step_name, row.name, row.source) == ("kid", error, "workflow.step")
+
+        @register("op-nobody")  # deployed meanwhile: the replay still fails the same way
+        class Nobody(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return "late"
+
+        clock.advance("1 hour")
+        testing.run_until_idle()
+    assert tries == [f"NonRetryableError: {error}"] * 2
+    assert parent.status().output == "carried on"
     assert parent.children() == []
 
 

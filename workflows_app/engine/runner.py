@@ -1165,8 +1165,8 @@ class Run:
     def stored_failure(self, record: StepRecord) -> BaseException:
         """The exception a failed step raises, the same on its first run and on every replay."""
         info = json.loads(record.output_json or "{}")
-        if record.kind == StepKind.INVOKE:
-            child = info.get("child", {})
+        if record.kind == StepKind.INVOKE and "child" in info:  # else its child never started
+            child = info["child"]
             return ChildWorkflowFailed(
                 child.get("workflow", ""),
                 child.get("id", ""),

@@ -37,6 +37,7 @@ from .errors import (
     CodecError,
     EventTimeout,
     InvalidInput,
+    InvalidTransition,
     LimitExceeded,
     NonDeterminismError,
     NonRetryableError,
@@ -758,7 +759,13 @@ class Step:
                 # A run that ends from now on terminates the child (Run.awaits_child), even
                 # if this branch is stopped before its waiting checkpoint is written.
                 run.invoke_began = True
-                child = await self._start_child(name, workflow, params, id, version)
+                try:
+                    child = await self._start_child(name, workflow, params, id, version)
+                except WorkflowError as exc:
+                    failure = await self._start_failed(None, name, StepKind.INVOKE, workflow, exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
                 record = run.new_record(name, StepKind.INVOKE, StepStatus.WAITING)
                 record.attempts = 1
                 await run.write(record, [_child_history("child.started", name, child, wait=True)])
@@ -793,8 +800,18 @@ class Step:
         record = run.begin_op(name, StepKind.START_CHILD)
         if record is not None and record.status == StepStatus.COMPLETE:
             return str(record.output)
+        if record is not None and record.status == StepStatus.FAILED:
+            raise run.stored_failure(record)  # its child could not be started (_start_failed)
         async with run.activity():
-            child = await self._start_child(name, workflow, params, id, version)
+            try:
+                child = await self._start_child(name, workflow, params, id, version)
+            except WorkflowError as exc:
+                failure = await self._start_failed(
+                    record, name, StepKind.START_CHILD, workflow, exc
+                )
+                if failure is exc:
+                    raise
+                raise failure from exc
             record = record or run.new_record(name, StepKind.START_CHILD, StepStatus.RUNNING)
             record.status = StepStatus.COMPLETE
             record.attempts = 1
@@ -884,6 +901,37 @@ class Step:
             )
             spans.link_child(run.span, created_span, child.instance_id)
         return child
+
+    async def _start_failed(
+        self,
+        record: StepRecord | None,
+        name: str,
+        kind: str,
+        workflow: Any,
+        exc: WorkflowError,
+    ) -> BaseException:
+        """A child that could not be started (an unknown workflow or version, an invalid
+        id or params, an id taken) fails the step that asked for it, as any step error does:
+        its record, step.failed history, error row and span name the step, and every replay
+        raises the same NonRetryableError (under the original error's name) instead of
+        trying again (a workflow registered meanwhile would start a child the first run
+        did not). Returns what to raise: `exc` itself for a non-determinism or an ended
+        parent (nothing recorded)."""
+        run = self._run
+        if run.fatal is exc or isinstance(exc, (NonDeterminismError, InvalidTransition)):
+            return exc
+        if record is None:
+            record = run.new_record(name, kind, StepStatus.RUNNING)
+        record.attempts = record.max_attempts = 1
+        attributes = run.span_attributes(name, kind)
+        if isinstance(workflow, str):
+            attributes["workflow.child"] = workflow
+        label = "invoke" if kind == StepKind.INVOKE else "start"
+        span = spans.open_span(run.span, f"{label} {name}", record.started_at, attributes)
+        try:
+            return await run.fail_step(record, exc, nonretryable=True, span=span)
+        finally:
+            spans.end_span(span, record.started_at, clock.now())
 
     async def _child_finished(
         self, record: StepRecord, child: Instance | None, workflow: str
