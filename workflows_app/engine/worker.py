@@ -999,7 +999,7 @@ class Worker:
     def _absent_of(claimed: list[tuple[int, str, store.LoadedRun | None]]) -> set[tuple[str, int]]:
         """The versions of claimed runs this process lacks (and registers on no demand)
         that no worker has run lately: one look-up a claim pass, in its trip, not one per
-        instance parked (store.park_unrunnable)."""
+        instance parked (store.park_unrunnable). A failure must not lose the claims."""
         prefixes = tuple(registry.resolved_prefixes())
         missing = {
             (loaded.instance.workflow, loaded.instance.version)
@@ -1008,7 +1008,13 @@ class Worker:
             and not registry.is_registered(loaded.instance.workflow, loaded.instance.version)
             and not loaded.instance.workflow.startswith(prefixes)
         }
-        return store.absent_versions(missing) if missing else set()
+        if not missing:
+            return set()
+        try:
+            return store.absent_versions(missing)
+        except DatabaseError:  # the claims must not be lost: parked for the short recheck
+            log.warning("could not look up the versions of unrunnable instances", exc_info=True)
+            return set()
 
     @staticmethod
     def _admission_limits() -> list[tuple[str, Any]]:
