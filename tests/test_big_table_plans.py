@@ -157,3 +157,22 @@ def test_a_list_filtered_by_status_across_workflows_walks_the_status_index():
     assert_read_in_order(explain(query.values_list("id")[:51]), "instance_finished_status")
     newer = Instance.objects.filter(status="terminated", id__lt=page.rows[0].pk).order_by("-id")
     assert_read_in_order(explain(newer.values_list("id")[:51]), "instance_finished_status")
+
+
+def test_a_page_of_a_version_walks_the_version_index():
+    # The dashboard's and the admin's lists filter by version, of a workflow or across
+    # them, as does GET …/instances?version=: by the primary key a version no recent
+    # instance runs meant a walk over the whole table (1.07M instances: 972 ms; 8 ms).
+    from workflows_app import dashboard
+
+    for n in range(30):
+        instance(f"old-{n}", version=1 if n % 10 else 2)
+        instance(f"other-{n}", workflow="other", version=2)
+    page = dashboard.instance_page(dashboard.ListFilters(workflow="big", version=2))
+    assert [r.instance_id for r in page.rows] == ["old-20", "old-10", "old-0"]
+    across = dashboard.instance_page(dashboard.ListFilters(version=2), limit=2)
+    assert [r.instance_id for r in across.rows] == ["other-29", "other-28"]
+    of_workflow = Instance.objects.filter(workflow="big", version=2)
+    assert_read_in_order(explain(of_workflow.order_by("-id")[:51]), "instance_version")
+    plan = explain(Instance.objects.filter(version=2).order_by("-id")[:51])
+    assert "instance_version" in plan, plan

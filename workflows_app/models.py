@@ -258,6 +258,10 @@ class Instance(models.Model):
             models.Index(
                 fields=["parent", "id"], name="instance_children", condition=Q(parent__isnull=False)
             ),
+            # The lists filtered by version (dashboard, admin, GET …/instances?version=),
+            # of a workflow or across them, newest first: by the primary key alone a rare
+            # version meant a walk over the whole table.
+            models.Index(fields=["version", "workflow", "id"], name="instance_version"),
         ]
 
     def __str__(self) -> str:
