@@ -273,7 +273,8 @@ def run_action(
     if not request.user.has_perm(CHANGE_INSTANCE):
         raise PermissionDenied
     actor = request.user.get_username()
-    if queryset.count() > ACTION_ROWS_IN_REQUEST:
+    # Counted up to the limit: "select all" over a big table counted every row first.
+    if queryset[: ACTION_ROWS_IN_REQUEST + 1].count() > ACTION_ROWS_IN_REQUEST:
         start_bulk_jobs(modeladmin, request, queryset, verb, actor)
         return
     done = 0
@@ -299,8 +300,7 @@ def start_bulk_jobs(
 ) -> None:
     """One background bulk job per workflow of the selection: workers apply it in batches,
     its progress shows in the bulk jobs list, and the request only snapshots the ids."""
-    workflows = queryset.order_by().values_list("workflow", flat=True).distinct()
-    for workflow in sorted(workflows):
+    for workflow in workflows_of(queryset):
         try:
             options = WorkflowBinding(workflow).bulk_options(verb, None, None, None, True)
             job = start_bulk_job(
@@ -322,6 +322,17 @@ def start_bulk_jobs(
             "workers apply it in the background.",
             messages.SUCCESS,
         )
+
+
+def workflows_of(queryset: QuerySet[Instance]) -> list[str]:
+    """The workflows of a selection, in name order: one probe each for the next name past
+    the last one found (a loose index scan of an index that starts with the workflow).
+    SELECT DISTINCT read every row of the selection: all of them for "select all"."""
+    names: list[str] = []
+    query = queryset.order_by("workflow").values_list("workflow", flat=True)
+    while (name := (query.filter(workflow__gt=names[-1]) if names else query).first()) is not None:
+        names.append(name)
+    return names
 
 
 @admin.action(description="Pause selected instances", permissions=["change"])
