@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -159,6 +159,13 @@ def read_bulk_jobs(pks: list[int]) -> list[dict[str, Any]]:
 def read_workflow_summaries(names: set[str]) -> list[dashboard.WorkflowSummaryJSON]:
     """The changed workflows' cards, read together: one scan, not one per workflow."""
     return [s.as_json() for s in dashboard.workflow_summaries(among=names)]
+
+
+def counted(summary: Mapping[str, Any]) -> tuple[Any, Any]:
+    """What of an instance its workflow's overview card counts: its status, and when it
+    finished (the hour's chart). A step's write changes neither: the card is not read
+    again for it (it was, for every change of every running instance)."""
+    return summary["status"], summary["finished_at"]
 
 
 def overview_window(spent: float) -> float:
@@ -511,7 +518,8 @@ class Hub:
             stream = instance_stream(row.pk)
             if before is None or before[0] != text:
                 changes.append({"kind": kind, "instance": summary})
-                self.dirty_workflows.add(row.workflow)
+                if before is None or counted(json.loads(before[0])) != counted(summary):
+                    self.dirty_workflows.add(row.workflow)
                 if stream in self.streams:
                     await self.broadcast(
                         stream, {"type": "instance.status", "kind": kind, "instance": summary}
