@@ -171,3 +171,32 @@ def test_tracing_switched_off_makes_no_spans_in_a_provider_the_project_installed
     assert result.returncode == 0, result.stderr
     assert "project got: ['project work']" in result.stdout, result.stdout
     assert "stored: 0" in result.stdout
+
+
+def test_the_exit_waits_a_bounded_time_for_a_collector_that_never_answers(tmp_path):
+    """With the collector down, the process's exit (after a SIGTERM's drain too) waited
+    out the SDK's shutdown: each exporter's last export retried until its timeout
+    (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s by default), metrics then traces: 11-15 s, here
+    with a 30 s timeout over a minute. Each now gets tracing.EXIT_EXPORT_SECONDS (2 s),
+    saying so in one line."""
+    import socket
+    import time
+
+    silent = socket.socket()  # accepts connections (the kernel's backlog), answers nothing
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    try:
+        result = run_project_script(
+            RUN_EXPORTED_WORKFLOW + "print('done at', __import__('time').time(), flush=True)\n",
+            tmp_path / "silent-collector.sqlite3",
+            timeout=180,
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            OTEL_EXPORTER_OTLP_TIMEOUT="30",
+        )
+        exited = time.time()
+    finally:
+        silent.close()
+    assert result.returncode == 0, result.stderr
+    done = float(result.stdout.split("done at ")[1].split()[0])
+    assert exited - done < 15, (exited - done, result.stderr[-2000:])
+    assert result.stderr.count("OTLP export at exit unfinished after 2 s") == 2, result.stderr

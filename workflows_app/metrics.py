@@ -13,6 +13,7 @@ fleet-wide numbers, and its thread would hold a database connection).
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import os
 import threading
@@ -73,7 +74,9 @@ def configure(extra_readers: Iterable[MetricReader] = ()) -> MeterProvider:
             metric_readers=readers,
             exemplar_filter=_exemplar_filter(otlp),
             resource=tracing.resource(),
+            shutdown_on_exit=False,  # at exit within tracing's bound instead (below)
         )
+        atexit.register(tracing.within_exit_bound, provider.shutdown)
         if not isinstance(metrics.get_meter_provider(), MeterProvider):
             metrics.set_meter_provider(provider)
         meter = provider.get_meter("wfdash.database")

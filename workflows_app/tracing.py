@@ -19,6 +19,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
@@ -34,6 +35,11 @@ from .engine.limits import storable_text
 log = logging.getLogger("workflows_app.tracing")
 
 MAX_QUEUED_SPANS = 100_000  # beyond this, spans are dropped (and counted) rather than grow memory
+
+# How long a process's exit waits for its last OTLP export, of traces and of metrics each.
+# The SDK's shutdown waited out each exporter's retries (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s),
+# one signal after the other: 11-15 s after a SIGTERM's drain with the collector down.
+EXIT_EXPORT_SECONDS = 2.0
 
 
 LOOKUP_INSTANCES = 500  # keys per look-up of the instances still there (SQLite: 32,766 parameters)
@@ -376,6 +382,28 @@ class DatabaseSpanProcessor(SpanProcessor):
         return True
 
 
+def within_exit_bound(shutdown: Callable[[], Any]) -> None:
+    """Run `shutdown` (an exporter's, at the process's exit) for EXIT_EXPORT_SECONDS at
+    most: past that the exit goes on, the export thread (a daemon) left to it. An export
+    blocked on a collector that accepts and never answers ends only at its own timeout."""
+    thread = threading.Thread(target=shutdown, name="wfdash-otlp-exit", daemon=True)
+    thread.start()
+    thread.join(EXIT_EXPORT_SECONDS)
+    if thread.is_alive():
+        log.warning(
+            "OTLP export at exit unfinished after %.0f s (the collector is down?): "
+            "exiting without it",
+            EXIT_EXPORT_SECONDS,
+        )
+
+
+class ExitBoundedSpanProcessor(BatchSpanProcessor):
+    """The OTLP batch processor, its shutdown (the provider's at exit) bounded."""
+
+    def shutdown(self) -> None:
+        within_exit_bound(super().shutdown)
+
+
 _provider: TracerProvider | None = None
 _store: DatabaseSpanProcessor | None = None
 _configure_lock = threading.Lock()
@@ -411,7 +439,7 @@ def configure() -> TracerProvider:
         if exports_otlp("traces") and not _exports_over_otlp(provider):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            provider.add_span_processor(ExitBoundedSpanProcessor(OTLPSpanExporter()))
         if provider is not current:
             trace.set_tracer_provider(provider)
         _provider = provider
