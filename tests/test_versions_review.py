@@ -234,3 +234,39 @@ def test_removing_the_step_an_instance_is_parked_at_fails_it_with_non_determinis
     assert status.status == "errored", status
     assert status.error["name"] == NonDeterminismError.__name__
     assert "approval" in status.error["message"]
+
+
+def test_lax_versions_say_in_one_line_what_they_replaced(lax_versions, caplog):
+    """WFDASH_STRICT_VERSIONS=0 replaced a stored version's code with the code a deploy
+    brought, and a registration's in this process, without a word: the unfinished
+    instances of that version replayed on other code, and nothing in the log said so.
+    Each replacement now logs one warning naming the workflow, the version and the hashes."""
+    import logging
+
+    from workflows_app.engine.worker import sync_catalog
+    from workflows_app.models import WorkflowVersion
+
+    @register("rv-lax")
+    class First(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    sync_catalog()
+    WorkflowVersion.objects.filter(name="rv-lax").update(source_hash="0" * 64)
+    with caplog.at_level(logging.WARNING, logger="workflows_app.engine"):
+        sync_catalog()  # a deploy's code against the stored row: replaced, said so
+        sync_catalog()  # the same code again: nothing more to say
+
+        @register("rv-lax")
+        class Second(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return 2
+
+    said = [r.getMessage() for r in caplog.records if "rv-lax" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith(
+        """WFDASH["STRICT_VERSIONS"] is off: workflow 'rv-lax' version 1 now runs this code"""
+    ), said[0]
+    assert "stored 000000000000" in said[0] and "\n" not in said[0]
+    assert "registered again in this process" in said[1] and "Second replaces" in said[1]
+    assert WorkflowVersion.objects.get(name="rv-lax").source_hash != "0" * 64

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -175,6 +176,14 @@ def _refuse_changed_source(current: Definition, new: Definition) -> None:
     """Other code under a version registered in this process: refused, unless versions are
     not strict, so instances never replay on code other than the code they started with."""
     if not strict_versions():
+        logging.getLogger("workflows_app.engine").warning(
+            'WFDASH["STRICT_VERSIONS"] is off: workflow %r version %s registered again in this '
+            "process with different source code: %s replaces %s",
+            current.name,
+            current.version,
+            new.class_path,
+            current.class_path,
+        )
         return
     raise VersionConflict(
         f"workflow {current.name!r} version {current.version} is already registered in this process "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timedelta
 
@@ -26,6 +27,8 @@ from ..errors import (
     VersionConflict,
 )
 from .dialect import lock_rows, retry_while_locked
+
+log = logging.getLogger("workflows_app.engine")
 
 
 @retry_while_locked
@@ -56,6 +59,17 @@ def sync_catalog(name: str, version: int, source_hash: str, class_path: str, str
                     f"bump the version (register({name!r}, version={version + 1})) so running instances "
                     "keep replaying on the code they started with"
                 )
+            # Not strict (WFDASH_STRICT_VERSIONS=0): replaced, in one line that says so,
+            # since unfinished instances of it replay on this code from now on.
+            log.warning(
+                'WFDASH["STRICT_VERSIONS"] is off: workflow %r version %s now runs this code '
+                "(hash %s, stored %s): its unfinished instances replay on it; bump the version "
+                "to keep them on the code they started with",
+                name,
+                version,
+                source_hash[:12],
+                row.source_hash[:12],
+            )
             row.source_hash = source_hash
         row.class_path = class_path
         row.last_seen_at = now
