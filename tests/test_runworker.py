@@ -355,6 +355,99 @@ def test_a_worker_whose_code_changed_under_a_stored_version_exits_in_one_line():
     assert took < 30, took
 
 
+def test_daphne_whose_workflow_code_changed_under_a_stored_version_exits_in_one_line():
+    """The README's production command, `daphne … wfdash.asgi:application`, with the
+    embedded worker and a workflow whose code changed under a stored version: it served
+    without the engine, saying so only at the first request, as a CRITICAL line and the
+    engine's 25-frame traceback. runworker and runserver refuse it in one line, exit 1;
+    daphne now does too, before it listens."""
+    from workflows_app.engine import clock
+    from workflows_app.models import WorkflowVersion
+
+    now = clock.now()
+    WorkflowVersion.objects.create(
+        name="order-approval",  # a demo workflow (WFDASH_DEMO=1) registers version 1
+        version=1,
+        source_hash="0" * 64,  # another release's code
+        class_path="workflows_app.demo.workflows.OrderApproval",
+        registered_at=now,
+        last_seen_at=now,
+    )
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "wfdash.settings",
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": "",
+        "WFDASH_EMBEDDED_WORKER": "1",
+        "WFDASH_DEMO": "1",
+    }
+    daphne = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(
+        [*daphne, "wfdash.asgi:application"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate(timeout=10)
+        pytest.fail(f"daphne still serving after 60 s: {stderr[-2000:]}")
+    assert process.returncode == 1, stderr
+    assert stderr.strip().startswith(
+        "wfdash: workflow 'order-approval' version 1 is already registered with "
+        "different source code (stored hash 000000000000"
+    ), stderr
+    assert "Traceback" not in stderr and "Listening on" not in stderr, stderr
+
+
+def test_the_embedded_worker_of_another_asgi_server_says_its_refusal_in_one_line(
+    registered, caplog
+):
+    """Under an ASGI server other than daphne's command line (which now exits on it), the
+    embedded worker refused by changed code logged its refusal as the engine's 25-frame
+    traceback: one line now, the refusal's, as runworker and runserver say it."""
+    import asyncio
+    import logging
+
+    from workflows_app import embedded
+    from workflows_app.engine import WorkflowEntrypoint, register
+    from workflows_app.engine import clock as engine_clock
+    from workflows_app.engine.worker import Worker
+    from workflows_app.models import WorkflowVersion
+
+    @register("changed-under-asgi")
+    class Changed(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    now = engine_clock.now()
+    WorkflowVersion.objects.create(
+        name="changed-under-asgi",
+        version=1,
+        source_hash="0" * 64,
+        class_path="elsewhere.Changed",
+        registered_at=now,
+        last_seen_at=now,
+    )
+
+    async def serve() -> None:
+        await asyncio.wait_for(embedded._serve(Worker(), asyncio.Event()), 60)
+
+    with caplog.at_level(logging.CRITICAL, logger="workflows_app.engine"):
+        asyncio.run(serve())
+    [said] = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert said.getMessage().startswith(
+        "embedded wfdash worker refused: workflow 'changed-under-asgi' version 1 is already "
+        "registered with different source code"
+    ), said.getMessage()
+    assert said.exc_info is None
+
+
 def test_a_worker_that_cannot_reach_postgresql_at_start_retries_then_exits_saying_where():
     """runworker's start-up tries each waited the pool's 30 s: a quarter of an hour of
     tracebacks and pool errors before it exited, SIGTERM unanswered meanwhile. It now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from django.core.asgi import get_asgi_application
@@ -15,9 +16,18 @@ from channels.routing import ChannelNameRouter, ProtocolTypeRouter, URLRouter
 
 from workflows_app.backpressure import SendBackpressure
 from workflows_app.consumers import EngineConsumer
-from workflows_app.embedded import start_embedded_worker
+from workflows_app.embedded import changed_versions, start_embedded_worker
 from workflows_app.origins import SameOriginValidator
 from workflows_app.routing import websocket_urlpatterns
+
+if "daphne.cli" in sys.modules:
+    # daphne's command line is importing the application to serve it: a workflow's code
+    # changed under a stored version refuses the embedded worker, so refuse to serve, in
+    # one line and exit 1, as runserver and runworker do. It served without the engine,
+    # saying so only at the first request, in the engine's traceback.
+    refused = changed_versions()
+    if refused:
+        raise SystemExit(f"wfdash: {refused}")
 
 router = ProtocolTypeRouter(
     {

@@ -55,6 +55,30 @@ def embedded_queues() -> tuple[str, ...] | None:
     return queues
 
 
+def changed_versions() -> str | None:
+    """What refuses the embedded worker's start, as one line: a workflow's code changed
+    under a version the catalog has (a deploy that did not bump it). None when nothing
+    does, or when the database cannot say yet (not reachable or not migrated: the worker
+    waits for it, saying so). Called before the server serves: runserver raises it as a
+    CommandError, daphne's command line exits with it (wfdash/asgi.py)."""
+    from django.db import DatabaseError, connection
+
+    from .engine.errors import VersionConflict
+    from .engine.worker import sync_catalog
+
+    if not embedded_enabled():
+        return None
+    try:
+        sync_catalog()
+    except VersionConflict as exc:
+        return str(exc)
+    except DatabaseError:
+        return None
+    finally:
+        connection.close()  # this thread's: the engine and the requests use their own
+    return None
+
+
 def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:
     """Start the engine in `loop` (default: the running loop) once per process."""
     global _worker, _task, _stop, _loop
@@ -125,9 +149,15 @@ def _stop_reactor(reactor: Any) -> None:
 
 
 async def _serve(worker: Worker, stop: asyncio.Event) -> None:
+    from .engine.errors import VersionConflict
+
     try:
         if await _migrated(worker, stop):
             await worker.serve(stop)
+    except VersionConflict as exc:
+        # Another ASGI server than daphne's command line (which exits on it before
+        # serving): one line, as runworker and runserver say it, not the engine's traceback.
+        log.critical("embedded wfdash worker refused: %s; no workflow runs in this process", exc)
     except Exception:
         # Nothing runs from now on: say so as loudly as the log allows.
         log.critical(

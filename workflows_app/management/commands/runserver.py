@@ -9,7 +9,6 @@ from typing import Any
 from daphne.management.commands.runserver import Command as DaphneRunserver
 from daphne.server import Server
 from django.core.management.base import CommandError
-from django.db import DatabaseError
 
 
 class EngineServer(Server):
@@ -47,15 +46,10 @@ class Command(DaphneRunserver):
     def inner_run(self, *args: Any, **options: Any) -> Any:
         # Refuse to serve with an engine that could not start: a version registered with
         # changed code would otherwise stop the embedded worker while pages still load.
-        from workflows_app.embedded import embedded_enabled
-        from workflows_app.engine.errors import VersionConflict
-        from workflows_app.engine.worker import sync_catalog
+        # Not migrated yet: the migration check says so; the worker waits for it.
+        from workflows_app.embedded import changed_versions
 
-        if embedded_enabled():
-            try:
-                sync_catalog()
-            except VersionConflict as exc:
-                raise CommandError(str(exc)) from None
-            except DatabaseError:
-                pass  # not migrated yet: the migration check says so; the worker retries
+        refused = changed_versions()
+        if refused:
+            raise CommandError(refused)
         return super().inner_run(*args, **options)
