@@ -166,7 +166,8 @@ EMBEDDED_BOOT = (
 def start_server(boot: list[str], **settings: str) -> tuple[subprocess.Popen[str], Any, int]:
     """Start `boot` (a server process running the embedded worker) on the test database;
     the boot's last argument is filled with a free port. Returns the process, its log
-    (a file) and the port."""
+    (a file) and the port. `boot` is Python's `-c` code and arguments, or a script's path
+    (ending .py) and arguments."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -183,7 +184,12 @@ def start_server(boot: list[str], **settings: str) -> tuple[subprocess.Popen[str
     }
     log = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen(
-        [sys.executable, "-c", *boot[:-1], boot[-1].format(port=port)],
+        [
+            sys.executable,
+            *([] if boot[0].endswith(".py") else ["-c"]),
+            *boot[:-1],
+            boot[-1].format(port=port),
+        ],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -239,6 +245,66 @@ def test_sigterm_to_runserver_releases_the_embedded_worker_s_leases(registered):
     cancels its connections' application instances), so the instance it was running stays
     leased until the lease runs out, and the takeover counts toward the poison limit."""
     sigterm_leaves_no_lease("runserver", [EMBEDDED_BOOT, "127.0.0.1:{port}"], "embedded-mid-step")
+
+
+def children(pid: int) -> list[int]:
+    """The process ids of a process's children (Linux)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listed:
+        return [int(child) for child in listed.read().split()]
+
+
+@pytest.mark.parametrize("to", ["parent", "child"])
+def test_sigterm_to_runserver_with_its_autoreloader_releases_the_embedded_worker_s_leases(
+    registered, tmp_path, to
+):
+    """`manage.py runserver` as a developer runs it, with the autoreloader: the embedded
+    worker is in the reloader's child, whose server runs in a thread without signal
+    handlers. SIGTERM to the parent (the command started) ended its wait on the child in
+    SystemExit, and subprocess.run then SIGKILLed the child; SIGTERM to the child ended
+    its main thread. Either way the worker died mid-step, its lease held until it ran
+    out. Now the parent passes SIGTERM on and waits; the child drains, then exits."""
+    boot = tmp_path / "reloading_runserver.py"
+    boot.write_text(
+        "import sys, django; django.setup(); import tests.fleet_workflows\n"
+        "from django.core.management import call_command\n"
+        "call_command('runserver', sys.argv[1])\n"
+    )
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id=f"reloading-{to}")
+    server, log, port = start_server(
+        [str(boot), "127.0.0.1:{port}"],
+        PYTHONPATH=str(ROOT),  # a script's own folder is on sys.path, not the project's
+        WFDASH_LEASE_SECONDS="60",
+        FLEET_STEP_SECONDS="120",  # the first step outlives the drain's grace
+        WFDASH_DRAIN_SECONDS="0.5",
+    )
+    try:
+        wait_until(lambda: answers_http(port), 60, "runserver to answer")
+        wait_until(
+            lambda: Instance.objects.filter(pk=inst.row().pk, lease_token__isnull=False).exists(),
+            60,
+            "the embedded worker to claim the instance",
+        )
+        if to == "parent":
+            server.send_signal(signal.SIGTERM)
+        else:
+            [child] = children(server.pid)
+            os.kill(child, signal.SIGTERM)
+        server.wait(30)
+        row = Instance.objects.get(pk=inst.row().pk)
+        log.seek(0)
+        assert row.lease_token is None, (
+            f"runserver exited ({server.returncode}) leaving the instance leased until "
+            f"{row.lease_expires_at}. log tail: {log.read()[-1500:]}"
+        )
+        assert server.returncode == 0, server.returncode
+    finally:
+        if server.poll() is None:
+            for child in children(server.pid):
+                os.kill(child, signal.SIGKILL)
+            server.kill()
+            server.wait(10)
+        log.close()
 
 
 # --- a rolling deploy: old and new workers side by side --------------------------------------

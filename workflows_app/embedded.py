@@ -134,13 +134,25 @@ def _tell_the_worker_of_stop_signals() -> None:
 
 
 def _note_stop_signal(before: Callable[[int, Any], Any], signum: int, frame: Any) -> None:
+    note_stop_signal(signum)
+    before(signum, frame)
+
+
+_stop_signals_seen = 0
+
+
+def note_stop_signal(signum: int) -> bool:
+    """Tell the embedded worker (if started) of a stop signal: the first asks it to stop,
+    a second hurries its drain. True for the process's first stop signal."""
+    global _stop_signals_seen
+    _stop_signals_seen += 1
     worker = _worker
     if worker is not None:
         first = worker.ask_to_stop(signal.Signals(signum).name)
         if not first and _loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 _loop.call_soon_threadsafe(worker.hurry)
-    before(signum, frame)
+    return _stop_signals_seen == 1
 
 
 def _stop_reactor(reactor: Any) -> None:

@@ -4,11 +4,19 @@ before the first request, so timers fire with no browser connected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
 from typing import Any
 
 from daphne.management.commands.runserver import Command as DaphneRunserver
 from daphne.server import Server
 from django.core.management.base import CommandError
+from django.utils import autoreload
 
 
 class EngineServer(Server):
@@ -43,6 +51,21 @@ class Command(DaphneRunserver):
             raise CommandError(problem)
         return super().handle(*args, **options)
 
+    def run(self, **options: Any) -> None:
+        """With the autoreloader, Django's parent process waited on its child in
+        subprocess.run: a SIGTERM to it (SystemExit) or a Ctrl-C there had subprocess.run
+        SIGKILL the child, and the child's own SIGTERM handler only ended its main thread.
+        Either way the embedded worker, in the child, died mid-step with its leases held
+        until they ran out. Here the parent passes SIGTERM on to the child and waits for
+        it, and the child drains its worker on SIGTERM, SIGINT or SIGHUP, as without the
+        autoreloader."""
+        if not options["use_reloader"]:
+            return super().run(**options)
+        if os.environ.get(autoreload.DJANGO_AUTORELOAD_ENV) != "true":
+            sys.exit(_reloader_parent())
+        _reloader_child(self.inner_run, **options)
+        return None
+
     def inner_run(self, *args: Any, **options: Any) -> Any:
         # Refuse to serve with an engine that could not start: a version registered with
         # changed code would otherwise stop the embedded worker while pages still load.
@@ -52,4 +75,67 @@ class Command(DaphneRunserver):
         refused = changed_versions()
         if refused:
             raise CommandError(refused)
+        global _server_thread
+        _server_thread = threading.current_thread()
         return super().inner_run(*args, **options)
+
+
+_server_thread: threading.Thread | None = None
+# How long the reloader's child waits for its server thread (the worker's drain, then the
+# reactor's shutdown) after a stop signal before it exits anyway.
+CHILD_STOP_SECONDS = 60.0
+
+
+def _reloader_parent() -> int:
+    """Django's restart_with_reloader, but the child is waited for, not killed: SIGTERM is
+    passed on to it; SIGINT and SIGHUP (the terminal's, sent to its whole foreground
+    group, the child included) are left to it. Exit code 3 asks for a restart (a file
+    changed), as in Django."""
+    environ = {**os.environ, autoreload.DJANGO_AUTORELOAD_ENV: "true"}
+    arguments = autoreload.get_child_arguments()
+    while True:
+        child = subprocess.Popen(arguments, env=environ, close_fds=False)
+        signal.signal(signal.SIGTERM, functools.partial(_pass_on, child))
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: None)
+        returncode = child.wait()
+        if returncode != 3:
+            return returncode
+
+
+def _pass_on(child: subprocess.Popen[bytes], signum: int, frame: Any) -> None:
+    child.send_signal(signum)
+
+
+def _reloader_child(inner_run: Any, **options: Any) -> None:
+    """Django's run_with_reloader in the child, with stop signals that drain the embedded
+    worker: the server runs in a thread whose reactor sets no signal handlers, and the
+    main thread watches files."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _stop_child)
+    reloader = autoreload.get_reloader()
+    autoreload.start_django(reloader, inner_run, **options)
+
+
+def _stop_child(signum: int, frame: Any) -> None:
+    """Stop the reactor (its shutdown drains the embedded worker, embedded.py), wait for
+    the server's thread to end, then exit. A second signal, arriving during that wait,
+    cuts the drain short (Worker.hurry), as in runworker."""
+    from twisted.internet import reactor
+
+    from workflows_app.embedded import note_stop_signal
+
+    first = note_stop_signal(signum)
+    with contextlib.suppress(Exception):  # not running yet, or stopping already
+        reactor.callFromThread(_stop_reactor, reactor)
+    if not first:
+        return
+    server = _server_thread
+    if server is not None:
+        server.join(CHILD_STOP_SECONDS)
+    sys.exit(0)
+
+
+def _stop_reactor(reactor: Any) -> None:
+    with contextlib.suppress(Exception):  # already stopping
+        reactor.stop()
