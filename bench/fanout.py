@@ -195,7 +195,7 @@ class ListSocket:
             if seq < expected:
                 return
             self.seq = seq
-            if seq > expected:
+            if seq > expected or kind == "resync":  # a lost message, or one too large
                 self.resyncs += 1
                 self.resync = asyncio.ensure_future(self.ws.send(json.dumps({"type": "resync"})))
             rows = [(c["instance"]["pk"], c["instance"]["status"]) for c in msg.get("changes", ())]

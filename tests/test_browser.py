@@ -7,6 +7,7 @@ Every wait is a Playwright wait on a DOM condition, never a sleep.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -417,6 +418,50 @@ def test_a_list_page_that_lost_a_live_message_notices_and_resyncs(
     server.manage("wf", "pause", "e2e-gap", "--workflow", "trial-reminder")
     expect(row_badge).to_have_attribute("data-status", "paused")  # by the resync's snapshot
     assert dropped, "no update was sent to drop"
+    assert page.locator("body").get_attribute("data-resyncs") == "1"
+    assert_not_reloaded(page)
+
+
+def test_a_list_page_sent_a_resync_for_a_message_too_large_asks_for_its_rows(
+    page: Page, server: LiveServer
+) -> None:
+    """A batch past fanout.MAX_FRAME_BYTES (a herd's) comes as a `resync` message of the
+    same number: no number is skipped, so the page must ask for its rows on the message
+    itself (the batch telling of the pause is replaced by one here)."""
+    server.manage(
+        "wf", "start", "trial-reminder", "--id", "e2e-big", "--params", '{"trial": "14 days"}'
+    )
+    replaced: list[str] = []
+
+    def replace_the_pause_batch(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+
+        def from_server(message: str | bytes) -> None:
+            if (
+                not replaced
+                and isinstance(message, str)
+                and '"instance.batch"' in message
+                and '"paused"' in message
+            ):
+                replaced.append(message)
+                seq = json.loads(message)["seq"]
+                message = json.dumps(
+                    {"type": "resync", "reason": "too large for one frame", "seq": seq}
+                )
+            ws.send(message)
+
+        upstream.on_message(from_server)
+        ws.on_message(lambda message: upstream.send(message))
+
+    page.route_web_socket(re.compile(r"/ws/instances/$"), replace_the_pause_batch)
+    page.goto("/instances/?workflow=trial-reminder")
+    expect(page.locator("body")).to_have_attribute("data-socket", "connected")
+    mark_page(page)
+    row_badge = page.locator('tr[data-instance-id="e2e-big"] .badge')
+    expect(row_badge).to_have_attribute("data-status", "waiting")
+    server.manage("wf", "pause", "e2e-big", "--workflow", "trial-reminder")
+    expect(row_badge).to_have_attribute("data-status", "paused")  # by the resync's snapshot
+    assert replaced, "no update was sent to replace"
     assert page.locator("body").get_attribute("data-resyncs") == "1"
     assert_not_reloaded(page)
 

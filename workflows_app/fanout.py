@@ -79,6 +79,15 @@ ACCESS_SHARED_SECONDS = 5.0
 # in another process announces its batches only through a cross-process layer (Redis).
 BULK_READ_SECONDS = 0.25
 
+# The largest frame a stream's message may be (bytes: json.dumps writes ASCII). A list
+# socket's batch carries every instance that changed in a window, ~250 bytes each (up to
+# ~4 KiB with long non-ASCII names and error names), however many: a herd of thousands
+# changing at once made a frame of megabytes, sent to every list page, and past 1 MiB
+# refused by clients that cap a message there (the websockets library's default). Past
+# this, the stream's message is a `resync` instead, of the same number: each page asks
+# for a snapshot of the rows it shows, as on a lost message (dashboard.js).
+MAX_FRAME_BYTES = 256 * 1024
+
 LIST_STREAM = "instances"
 OVERVIEW_STREAM = "overview"
 
@@ -595,6 +604,14 @@ class Hub:
             return  # its last page closed meanwhile (an await since the caller looked)
         seq = self.seqs[stream] = self.seq(stream) + 1
         text = json.dumps({**message, "seq": seq})
+        if len(text) > MAX_FRAME_BYTES:
+            log.info(
+                "a %s message of %d bytes sent as a resync (MAX_FRAME_BYTES %d)",
+                message.get("type"),
+                len(text),
+                MAX_FRAME_BYTES,
+            )
+            text = json.dumps({"type": "resync", "reason": "too large for one frame", "seq": seq})
         for subscriber in list(self.streams.get(stream, ())):
             try:
                 await subscriber.deliver(seq, text)

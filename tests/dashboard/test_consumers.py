@@ -125,6 +125,36 @@ async def test_the_list_socket_reports_status_changes_from_actions_and_the_engin
     await communicator.disconnect()
 
 
+async def test_a_list_message_too_large_for_one_frame_comes_as_a_resync(
+    approval_workflow, monkeypatch
+):
+    """A window's batch carries every instance that changed in it, however many: a herd
+    of thousands changing at once sent every list page a frame of megabytes (past 1 MiB,
+    clients that cap a message there, the websockets library's default, closed). Past
+    fanout.MAX_FRAME_BYTES the message is now a `resync` of the same number, and the page
+    asks for the rows it shows (lowered here so that one change is past it)."""
+    from workflows_app import fanout
+
+    monkeypatch.setattr(fanout, "MAX_FRAME_BYTES", 120, raising=False)
+    communicator, connected = await connect("/ws/instances/", await staff_cookie())
+    assert connected
+    snapshot = await receive_until(communicator, "snapshot")
+    inst = await get_workflow(approval_workflow).acreate(id="herd-1")
+    async with asyncio.timeout(RECEIVE_TIMEOUT):
+        while (message := await communicator.receive_json_from()).get("type") == "heartbeat":
+            pass
+    assert message == {
+        "type": "resync",
+        "reason": "too large for one frame",
+        "seq": snapshot["seq"] + 1,
+    }
+    pk = (await database_sync_to_async(inst.row)()).pk
+    await communicator.send_json_to({"type": "watch", "pks": [pk]})  # as dashboard.js does
+    rows = (await receive_until(communicator, "snapshot"))["instances"]
+    assert [(row["id"], row["status"]) for row in rows] == [("herd-1", "running")]
+    await communicator.disconnect()
+
+
 async def test_the_detail_socket_relays_steps_history_and_status(approval_workflow):
     inst = await get_workflow(approval_workflow).acreate(id="d1")
     pk = (await database_sync_to_async(inst.row)()).pk

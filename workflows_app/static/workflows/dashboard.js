@@ -685,6 +685,9 @@
           if (msg.seq > expected) resync();
         }
       }
+      // A message too large for one frame (a herd's batch) comes as a resync: ask for
+      // the state instead, as on a lost message.
+      if (msg.type === "resync") { resync(); return; }
       const handler = page[msg.type];
       if (typeof handler === "function") handler(msg);
       else if (msg.type === "error") console.warn("wfdash socket:", msg.error);
