@@ -436,3 +436,46 @@ def test_a_trace_whose_spans_keep_ending_stays_known_while_newer_traces_come(mon
     begin(3, 30)
     assert trace_ids.instance_of(2) is None  # the least recent was forgotten, not the first
     assert (trace_ids.instance_of(1), trace_ids.instance_of(3)) == (10, 30)
+
+
+def _sampler_cases() -> list[tuple[object, int]]:
+    """(parent context, trace id) pairs: no parent, an invalid one, local and remote
+    parents sampled and not, one with a trace state; trace ids of an instance and not."""
+    from opentelemetry.context import Context
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    contexts: list[object] = [None, Context(), trace.set_span_in_context(trace.INVALID_SPAN)]
+    for remote in (False, True):
+        for flags in (TraceFlags.DEFAULT, TraceFlags.SAMPLED):
+            for state in (None, TraceState([("vendor", "x")])):
+                parent = SpanContext(
+                    0xA1, 0xB2, is_remote=remote, trace_flags=TraceFlags(flags), trace_state=state
+                )
+                contexts.append(trace.set_span_in_context(NonRecordingSpan(parent)))
+    return [(context, trace_id) for context in contexts for trace_id in (0xA1, 0xC3)]
+
+
+def test_the_default_sampler_s_shortcut_decides_as_the_sdk_s_parent_based_sampler():
+    """RecordInstanceTraces takes the SDK's default sampler's decision (parentbased_always_on)
+    from the parent's span context itself, not through the SDK's three samplers (17
+    Python calls a span, three spans an instance in a herd of timers). The same wrapper
+    around an equal ParentBased that is not the SDK's own DEFAULT_ON object goes the long
+    way: both must decide alike, keep the same attributes and trace state, and record an
+    instance's dropped spans."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON, ParentBased
+
+    trace_ids = tracing.InstanceTraceIds()
+    trace_ids.known[0xA1] = 7  # 0xA1 is an instance's trace; 0xC3 is not
+    short = tracing.RecordInstanceTraces(DEFAULT_ON, trace_ids)
+    long = tracing.RecordInstanceTraces(ParentBased(ALWAYS_ON), trace_ids)
+    assert short._parent_based_on and not long._parent_based_on
+    attributes = {"workflow.name": "w", "workflow.run": 1}
+    decisions = Counter()
+    for context, trace_id in _sampler_cases():
+        got = short.should_sample(context, trace_id, "step s", None, attributes, ())
+        want = long.should_sample(context, trace_id, "step s", None, attributes, ())
+        assert got.decision is want.decision, (context, trace_id)
+        assert dict(got.attributes) == dict(want.attributes)
+        assert got.trace_state == want.trace_state
+        decisions[got.decision.name] += 1
+    assert decisions == {"RECORD_AND_SAMPLE": 14, "RECORD_ONLY": 4, "DROP": 4}
