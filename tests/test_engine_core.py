@@ -775,6 +775,72 @@ def test_a_step_callable_takes_the_context_when_it_has_one_required_positional_a
     assert [_takes_context(fn) for fn in takes_not] == [False] * len(takes_not)
 
 
+def test_a_step_callable_is_async_as_inspect_says_on_every_shape():
+    """_is_async answers a plain function from its code's flag (inspect's ten calls were
+    a step's largest share of the engine's own calls in a herd of timers); every other
+    shape goes through inspect as before. Both must agree with inspect's own answer."""
+    import functools
+    import inspect
+    import sys
+
+    from workflows_app.engine.step import _is_async
+
+    async def coroutine_fn():
+        return 1
+
+    def plain():
+        return 1
+
+    async def agen():
+        yield 1
+
+    def gen():
+        yield 1
+
+    class AsyncCall:
+        async def __call__(self):
+            return 1
+
+        async def method(self):
+            return 1
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def expected(fn):
+        target = fn.func if isinstance(fn, functools.partial) else fn
+        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+            type(target).__call__
+        )
+
+    with_attribute = lambda: 1  # noqa: E731
+    with_attribute.note = "an attribute"
+    shapes = [
+        coroutine_fn,
+        plain,
+        agen,
+        gen,
+        lambda: 1,
+        with_attribute,
+        AsyncCall(),
+        AsyncCall().method,
+        decorated(coroutine_fn),
+        decorated(plain),
+        functools.partial(coroutine_fn),
+        functools.partial(plain),
+        print,
+    ]
+    if sys.version_info >= (3, 12):
+        marked = lambda: 1  # noqa: E731
+        shapes.append(inspect.markcoroutinefunction(marked))
+    assert [_is_async(fn) for fn in shapes] == [expected(fn) for fn in shapes]
+    assert _is_async(coroutine_fn) and not _is_async(plain) and not _is_async(agen)
+
+
 def test_a_new_step_record_is_the_record_keywords_would_make():
     """new_step_record passes its values by position (Model.__init__'s fast path): every
     field must hold what the keyword form with the model's defaults gives."""

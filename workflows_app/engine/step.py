@@ -214,6 +214,10 @@ def _takes_context(fn: Callable[..., Any]) -> bool:
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
+    if type(fn) is types.FunctionType and not fn.__dict__:
+        # A plain function (no marker of inspect.markcoroutinefunction, nothing wrapped):
+        # its code's flag, which is all inspect reads of it, without inspect's ten calls.
+        return bool(fn.__code__.co_flags & inspect.CO_COROUTINE)
     target = fn.func if isinstance(fn, functools.partial) else fn
     # An object whose __call__ is async counts too.
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
