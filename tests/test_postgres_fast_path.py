@@ -324,6 +324,27 @@ class SkewedHostClock(clock.RealClock):
         return super().host_now() + self.skew
 
 
+def test_the_engine_clock_reads_the_host_clock_its_offset_and_a_subclass_s_own_host_now():
+    """clock.now() reads a RealClock inline (two calls fewer a reading); a subclass with
+    its own host_now() (a skewed host, here and in the tests below) and a controllable
+    clock must still be asked themselves, on either database."""
+    saved = clock.get_clock()
+    try:
+        real = clock.RealClock()
+        real.offset = timedelta(hours=-2)
+        clock.set_clock(real)
+        before = datetime.now(UTC)
+        read = clock.now()
+        assert before - timedelta(hours=2) <= read <= datetime.now(UTC) - timedelta(hours=2)
+        clock.set_clock(SkewedHostClock(timedelta(days=3)))
+        assert clock.now() - datetime.now(UTC) > timedelta(days=2, hours=23)
+        fixed = datetime(2030, 1, 2, tzinfo=UTC)
+        clock.set_clock(clock.ControllableClock(fixed))
+        assert clock.now() == fixed
+    finally:
+        clock.set_clock(saved)
+
+
 def database_now() -> datetime:
     with connection.cursor() as cursor:
         cursor.execute("SELECT clock_timestamp()")

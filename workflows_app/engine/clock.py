@@ -75,7 +75,10 @@ def set_clock(clock: RealClock | ControllableClock) -> None:
 
 
 def now() -> datetime:
-    return _clock.now()
+    current = _clock
+    if type(current) is RealClock:  # RealClock.now() inline: two Python calls fewer
+        return datetime.now(UTC) + current.offset  # (4-8 readings an instance in a herd)
+    return current.now()  # a controllable clock, or a subclass with its own host_now()
 
 
 def on_clock_moved(listener: Callable[[], None]) -> Callable[[], None]:
