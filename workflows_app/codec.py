@@ -23,6 +23,11 @@ import json
 from functools import cache
 from typing import Any, Protocol
 
+# At module level: a function's own `from django.conf import settings` costs a Python call
+# (importlib's _handle_fromlist, django.conf being a package) each time it runs, and
+# seal() asks for the codec twice an instance in a herd of timers.
+from django.conf import settings
+
 ENVELOPE_START = '{"$codec":'
 SENSITIVE_END = ',"sensitive":true}'
 REDACTED = "[REDACTED]"
@@ -43,8 +48,6 @@ def _codec_from_path(path: str) -> PayloadCodec:
 
 def payload_codec() -> PayloadCodec | None:
     """The configured codec instance, or None (the default: values stored as plain JSON)."""
-    from django.conf import settings
-
     path = getattr(settings, "WFDASH", {}).get("PAYLOAD_CODEC")
     return _codec_from_path(path) if path else None
 

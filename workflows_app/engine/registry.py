@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings  # not in limits(): that import was a call every run
+
 from .cron import check_cron
 from .errors import InvalidInput, UnknownWorkflow, VersionConflict
 from .limits import Limits
@@ -72,8 +74,6 @@ class Definition:
         that adds, changes or drops one applies it to the instances of older versions too
         (an older version's own would admit the queue past the new bound, or leave it
         queued after an end that frees a place)."""
-        from django.conf import settings
-
         configured = getattr(settings, "WFDASH", {}).get("LIMITS")
         newest = _newest(self.name) or self
         built_from = self._built_limits[0] if self._built_limits else None
@@ -165,8 +165,6 @@ def _refuse_repeated_crons(name: str, crons: tuple[str, ...]) -> None:
 
 def strict_versions() -> bool:
     """WFDASH["STRICT_VERSIONS"]: changed code under a registered version is refused (default)."""
-    from django.conf import settings
-
     if not settings.configured:
         return True
     return bool(getattr(settings, "WFDASH", {}).get("STRICT_VERSIONS", True))
@@ -265,8 +263,6 @@ def limits_for(name: str, version: int) -> Limits:
         try:
             definition = get_definition(name)
         except UnknownWorkflow:
-            from django.conf import settings
-
             return Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
     return definition.limits()
 
