@@ -41,6 +41,8 @@ _enabled = True
 
 
 def tracer() -> trace.Tracer:
+    """The engine's tracer (a no-op one while spans are off). The spans a herd instance
+    makes read `_tracer or tracer()`: the module's tracer, once made, with no call."""
     global _tracer
     if not _enabled:
         return trace.NoOpTracer()
@@ -111,12 +113,12 @@ def start_workflow_span(
     parent): its own trace stays one per instance, with a link to the parent's."""
     token = forced_trace.set(_forced(trace_id_hex, instance_pk))
     try:
-        return tracer().start_span(
+        return (_tracer or tracer()).start_span(
             f"workflow {name}",
             context=otel_context.Context(),
             kind=SpanKind.SERVER,
             attributes=attributes,
-            links=span_links(linked),
+            links=span_links(linked) if linked else (),
             start_time=now_ns(),
         )
     finally:
@@ -155,7 +157,7 @@ class child_span:
     __slots__ = ("span", "token")
 
     def __init__(self, parent: Span | None, name: str, attributes: dict[str, Any]) -> None:
-        self.span = tracer().start_span(
+        self.span = (_tracer or tracer()).start_span(
             name,
             context=trace.set_span_in_context(parent) if parent is not None else None,
             attributes=attributes,
@@ -194,7 +196,7 @@ def finished_span(
 ) -> None:
     """A span that started in an earlier run (a sleep, an event wait), ended now."""
     ctx = trace.set_span_in_context(parent) if parent is not None else None
-    span = tracer().start_span(
+    span = (_tracer or tracer()).start_span(
         name, context=ctx, attributes=attributes, start_time=ns(start), links=links
     )
     if error is not None:
