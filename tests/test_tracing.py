@@ -479,3 +479,27 @@ def test_the_default_sampler_s_shortcut_decides_as_the_sdk_s_parent_based_sample
         assert got.trace_state == want.trace_state
         decisions[got.decision.name] += 1
     assert decisions == {"RECORD_AND_SAMPLE": 14, "RECORD_ONLY": 4, "DROP": 4}
+
+
+def test_span_ids_come_from_the_fallback_generator_set_last():
+    """InstanceTraceIds hands the tracer its fallback's own span id method (no call of its
+    own a span); a fallback set later (configure() puts a project's generator behind
+    ours) must give the span ids from then on, and the trace ids of no instance."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class Fixed(IdGenerator):
+        def __init__(self, base: int) -> None:
+            self.base = base
+
+        def generate_span_id(self) -> int:
+            return self.base + 1
+
+        def generate_trace_id(self) -> int:
+            return self.base + 2
+
+    ids = tracing.InstanceTraceIds(Fixed(100))
+    assert (ids.generate_span_id(), ids.generate_trace_id()) == (101, 102)
+    ids.fallback = Fixed(200)
+    assert (ids.generate_span_id(), ids.generate_trace_id()) == (201, 202)
+    assert isinstance(ids.fallback, Fixed) and ids.fallback.base == 200
+    assert 0 < tracing.InstanceTraceIds().generate_span_id() < 2**64

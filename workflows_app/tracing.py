@@ -121,13 +121,25 @@ class InstanceTraceIds(IdGenerator):
         self._lock = threading.Lock()
         self.fallback = fallback or RandomIdGenerator()
 
+    @property
+    def fallback(self) -> IdGenerator:
+        """The generator of every span id and of the trace ids of no instance."""
+        return self._fallback
+
+    @fallback.setter
+    def fallback(self, generator: IdGenerator) -> None:
+        self._fallback = generator
+        # Span ids straight from it: the tracer asks once a span (three an instance in a
+        # herd of timers), with no call of this class in between.
+        self.generate_span_id = generator.generate_span_id  # type: ignore[method-assign]
+
     def generate_span_id(self) -> int:
-        return self.fallback.generate_span_id()
+        return self._fallback.generate_span_id()
 
     def generate_trace_id(self) -> int:
         forced = engine_spans.forced_trace.get()
         if not forced:
-            return self.fallback.generate_trace_id()
+            return self._fallback.generate_trace_id()
         trace_id, instance_pk = forced
         with self._lock:
             self.known[trace_id] = instance_pk
