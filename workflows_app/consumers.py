@@ -350,11 +350,14 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         return True
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if not isinstance(content, dict) or content.get("type") not in self.client_types:
+        kind = content.get("type") if isinstance(content, dict) else None
+        # A str first: a list or an object as "type" is unhashable, and the set lookup
+        # raised: a forged frame ended the consumer instead of getting an error frame.
+        if not isinstance(kind, str) or kind not in self.client_types:
             await self.reject(f"unknown message; this socket accepts {sorted(self.client_types)}")
-        elif content["type"] == "ping":
+        elif kind == "ping":
             await self.send_json({"type": "pong"})
-        elif content["type"] == "resync":
+        elif kind == "resync":
             self.request_snapshot()
         else:
             await self.handle_client(content)
