@@ -116,6 +116,7 @@ class Call:
     token: ApiToken
     _body: Any = field(default=None, init=False)
     _read: bool = field(default=False, init=False)
+    _empty: bool = field(default=True, init=False)  # no body at all (not JSON null)
 
     @property
     def actor(self) -> str:
@@ -138,13 +139,14 @@ class Call:
                     "InvalidEncoding",
                     f"request body is not UTF-8: {exc.reason} at byte {exc.start}",
                 ) from None
+            self._empty = not text.strip()
             try:
                 self._body = (
-                    json.loads(
+                    None
+                    if self._empty
+                    else json.loads(
                         text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys
                     )
-                    if text.strip()
-                    else None
                 )
             except (ValueError, RecursionError) as exc:
                 raise ApiError(
@@ -154,9 +156,11 @@ class Call:
         return self._body
 
     def object_body(self, allowed: set[str]) -> dict[str, Any]:
-        """The body as an object with only the allowed fields ({} when empty)."""
+        """The body as an object with only the allowed fields ({} when empty). A JSON
+        null is not an empty body: taken as one, `null` created, cancelled or triggered
+        with the defaults, where every other non-object is refused."""
         body = self.body()
-        if body is None:
+        if self._empty:
             return {}
         if not isinstance(body, dict):
             raise ApiError(
