@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .converters import MAX_PK
 from .models import Status, StepKind, StepStatus
 
 ANY: dict[str, Any] = {"description": "any JSON value"}
@@ -15,11 +16,22 @@ TIME = {"type": "string", "format": "date-time"}
 TIME_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
 ATTRIBUTES = {
     "type": "object",
+    "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"},
     "additionalProperties": {"type": ["string", "number", "boolean"]},
     "description": "search attributes: keys of letters, digits, '_', '.', '-'; "
     "string, number or boolean values",
 }
 DURATION = {"type": ["string", "integer"]}
+# What the server takes, so a client (or a fuzzer) that follows the document is not refused.
+VERSION = {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}
+INSTANCE_ID = {
+    "type": "string",
+    "minLength": 1,
+    "pattern": "^[A-Za-z0-9_][A-Za-z0-9_.:-]*$",
+    "description": "letters, digits, '_', '-', '.', ':', not starting with '-', '.' or ':'; "
+    'at most WFDASH["LIMITS"] max_instance_id_length characters (100 by default)',
+}
+EVENT_TYPE = "^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$"
 
 
 def ref(name: str) -> dict[str, str]:
@@ -48,6 +60,11 @@ def success(result: dict[str, Any], paged: bool = False) -> dict[str, Any]:
 
 def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def required_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """A request body the operation cannot do without (an empty one is refused)."""
+    return {**json_body(schema, description), "required": True}
 
 
 ERROR_RESPONSES = {
@@ -97,7 +114,7 @@ def instance_page(
                 {
                     "name": "cursor",
                     "in": "query",
-                    "schema": {"type": "integer", "minimum": 0},
+                    "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PK},
                     "description": "result_info.cursor of the previous page (default 0: "
                     "from the first)",
                 },
@@ -284,8 +301,14 @@ SCHEMAS: dict[str, Any] = {
     ),
     "CreateInstance": obj(
         {
-            "id": {"type": "string", "description": "instance id; a UUID when omitted"},
-            "instance_id": {"type": "string", "description": "alias of id (Cloudflare's name)"},
+            "id": {
+                **INSTANCE_ID,
+                "description": "instance id; a UUID when omitted. " + INSTANCE_ID["description"],
+            },
+            "instance_id": {
+                **INSTANCE_ID,
+                "description": "alias of id (Cloudflare's name); both given must be equal",
+            },
             "params": ANY,
             "idempotency_key": {
                 "type": "string",
@@ -338,15 +361,23 @@ SCHEMAS: dict[str, Any] = {
                 ],
             },
             "status": ref("Status"),
-            "version": {"type": "integer"},
+            "version": VERSION,
             "attributes": ATTRIBUTES,
             "created_before": TIME,
             "created_after": TIME,
-            "event_type": {"type": "string", "description": "send_event: the event's type"},
+            "event_type": {
+                "type": "string",
+                "pattern": EVENT_TYPE,
+                "description": "send_event: the event's type",
+            },
             "payload": ANY,
-            "from_step": {"type": "string", "description": "restart: from this step"},
+            "from_step": {
+                "type": "string",
+                "minLength": 1,
+                "description": "restart: from this step",
+            },
             "to_version": {
-                "type": "integer",
+                **VERSION,
                 "description": "restart: the registered version they run on from then on",
             },
             "compensate": {"type": "boolean", "default": True, "description": "cancel"},
@@ -389,13 +420,17 @@ SCHEMAS: dict[str, Any] = {
                 "description": "restart only: drop this step's checkpoint and later ones",
             },
             "version": {
-                "type": "integer",
+                **VERSION,
                 "description": "restart only: run on this registered version from now on "
                 "(the kept checkpoints replay on its code); default: the instance's own",
             },
         },
         required=["status"],
-    ),
+    )
+    | {  # from_step and version only with restart
+        "if": {"properties": {"status": {"const": "restart"}}},
+        "else": {"properties": {"from_step": False, "version": False}},
+    },
     "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
     "EventSent": obj(
         {"id": {"type": "string"}, "workflow": {"type": "string"}, "type": {"type": "string"}}
@@ -444,7 +479,12 @@ SCHEMAS: dict[str, Any] = {
     "CreateSchedule": obj(
         {
             "name": {"type": "string", "pattern": "^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,79}$"},
-            "cron": {"type": "string", "examples": ["*/15 * * * *"]},
+            "cron": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 200,
+                "examples": ["*/15 * * * *"],
+            },
             "timezone": {"type": "string", "default": "UTC"},
             "params": ANY,
         },
@@ -550,7 +590,12 @@ def document(mount: str = "") -> dict[str, Any]:
                 "get": {
                     "summary": "List instances, newest first",
                     "operationId": "listInstances",
-                    "description": READ,
+                    "description": READ
+                    + " Filter by search attribute with `attr.<key>=<value>` query parameters"
+                    " (any number of them: exact matches, e.g. attr.customer=c-9; keys as in"
+                    ' attributes; a number, true or false is typed: quote it, attr.seats="5",'
+                    " to match a string). Not listed as parameters: OpenAPI names each one, and"
+                    " a parameter literally named `attr.<key>` is refused.",
                     "parameters": [
                         {"name": "status", "in": "query", "schema": ref("Status")},
                         page_limit(50),
@@ -561,14 +606,6 @@ def document(mount: str = "") -> dict[str, Any]:
                             "description": "result_info.cursor of the previous page",
                         },
                         {"name": "version", "in": "query", "schema": {"type": "integer"}},
-                        {
-                            "name": "attr.<key>",
-                            "in": "query",
-                            "schema": {"type": "string"},
-                            "description": "exact match on a search attribute, e.g. "
-                            "attr.customer=c-9 (any number of them); a number, true or false "
-                            'is typed: quote it (attr.seats="5") to match a string',
-                        },
                     ],
                     "responses": responses(
                         json_body(
@@ -612,7 +649,7 @@ def document(mount: str = "") -> dict[str, Any]:
                     "summary": "Create several instances, all or none",
                     "operationId": "createBatch",
                     "description": WRITE,
-                    "requestBody": json_body(
+                    "requestBody": required_body(
                         {"type": "array", "items": ref("CreateInstance")}, "the instances"
                     ),
                     "responses": responses(
@@ -642,7 +679,7 @@ def document(mount: str = "") -> dict[str, Any]:
                     "operationId": "startBulkJob",
                     "description": WRITE
                     + " The delete action needs `workflows_app.delete_instance`.",
-                    "requestBody": json_body(ref("BulkJobStart"), "the action and the filter"),
+                    "requestBody": required_body(ref("BulkJobStart"), "the action and the filter"),
                     "responses": responses(
                         json_body(success(ref("BulkJob")), "started; GET its address for progress"),
                         "400",
@@ -710,7 +747,7 @@ def document(mount: str = "") -> dict[str, Any]:
                         {
                             "name": "cursor",
                             "in": "query",
-                            "schema": {"type": "integer", "minimum": 0},
+                            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PK},
                             "description": "the records after this history sequence "
                             "(result_info.cursor of the previous page; default 0: from the start)",
                         },
@@ -757,14 +794,14 @@ def document(mount: str = "") -> dict[str, Any]:
                             "in": "query",
                             "required": False,
                             "description": "start after this history sequence (default 0: all)",
-                            "schema": {"type": "integer", "minimum": 0},
+                            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PK},
                         },
                         {
                             "name": "Last-Event-ID",
                             "in": "header",
                             "required": False,
                             "description": "resume after this sequence (wins over cursor)",
-                            "schema": {"type": "integer", "minimum": 0},
+                            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PK},
                         },
                     ],
                     "responses": responses(
@@ -784,7 +821,7 @@ def document(mount: str = "") -> dict[str, Any]:
                     "summary": "Pause, resume, terminate or restart",
                     "operationId": "changeStatus",
                     "description": WRITE,
-                    "requestBody": json_body(ref("StatusChange"), "the action"),
+                    "requestBody": required_body(ref("StatusChange"), "the action"),
                     "responses": responses(
                         json_body(success(ref("InstanceState")), "the new status"),
                         "400",
@@ -799,7 +836,10 @@ def document(mount: str = "") -> dict[str, Any]:
                 "parameters": [
                     WORKFLOW,
                     INSTANCE,
-                    path_param("event_type", "matches ^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$"),
+                    {
+                        **path_param("event_type", "the event's type"),
+                        "schema": {"type": "string", "pattern": EVENT_TYPE},
+                    },
                 ],
                 "post": {
                     "summary": "Send an event (the body is its payload)",
@@ -845,7 +885,7 @@ def document(mount: str = "") -> dict[str, Any]:
                     "summary": "Create a cron schedule that starts an instance at every tick",
                     "operationId": "createSchedule",
                     "description": WRITE,
-                    "requestBody": json_body(ref("CreateSchedule"), "the schedule"),
+                    "requestBody": required_body(ref("CreateSchedule"), "the schedule"),
                     "responses": responses(
                         json_body(success(ref("Schedule")), "created, with its next runs"),
                         "400",
@@ -871,7 +911,7 @@ def document(mount: str = "") -> dict[str, Any]:
                     "summary": "Pause or resume a schedule (ticks missed while paused never fire)",
                     "operationId": "changeSchedule",
                     "description": WRITE,
-                    "requestBody": json_body(ref("ScheduleChange"), "the new state"),
+                    "requestBody": required_body(ref("ScheduleChange"), "the new state"),
                     "responses": responses(
                         json_body(success(ref("Schedule")), "the schedule"),
                         "400",
