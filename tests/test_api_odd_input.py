@@ -108,7 +108,7 @@ REFUSED_BODIES = [
     ("createBatch", "POST", f"{base()}/batch", [{"id": ""}], "non-empty string"),
     ("createBatch", "POST", f"{base()}/batch", NO_BODY, "JSON array of instances, got null"),
     ("startBulkJob", "POST", BULK, {"action": "pause", "version": 0}, "version must be"),
-    ("startBulkJob", "POST", BULK, {"action": "restart", "to_version": 0}, "from 1 to"),
+    ("startBulkJob", "POST", BULK, {"action": "restart", "to_version": 0}, "to_version must"),
     ("startBulkJob", "POST", BULK, {"action": "restart", "from_step": ""}, "from_step must be"),
     ("startBulkJob", "POST", BULK, {"action": "send_event", "event_type": ""}, "event type ''"),
     ("startBulkJob", "POST", BULK, NO_BODY, "action must be one of"),

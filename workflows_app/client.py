@@ -472,6 +472,7 @@ class WorkflowBinding:
             if from_step is not None:
                 check_text(from_step, "from_step")
             if to_version is not None:
+                check_version(to_version, "to_version")
                 InstanceHandle(self.name, "")._workflow_version(to_version)  # registered?
             return {
                 **({"from_step": from_step} if from_step else {}),
@@ -605,10 +606,11 @@ def instance_info(row: Instance) -> InstanceInfo:
     )
 
 
-def check_version(version: Any) -> None:
+def check_version(version: Any, field: str = "version") -> None:
+    """field: the name the caller gave it (a bulk restart's is to_version)."""
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
         raise errors.InvalidInput(
-            f"version must be an integer from 1 to {MAX_VERSION}, got {version!r}"
+            f"{field} must be an integer from 1 to {MAX_VERSION}, got {version!r}"
         )
 
 
