@@ -9,6 +9,7 @@ from urllib.parse import urlencode
 
 import jsonschema
 import pytest
+from django.db import connection
 from django.test import Client
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
@@ -179,3 +180,26 @@ def test_every_query_parameter_the_document_lists_is_one_the_server_takes(servic
             continue  # an opaque cursor: only one the server gave is valid
         response = service.get(f"{base()}?{urlencode({parameter['name']: value})}")
         assert response.status_code == 200, (parameter["name"], response.json())
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_pausing_a_schedule_deleted_meanwhile_is_404_not_500(service, monkeypatch, paused):
+    """Fuzzing with two workers, a PATCH …/schedules/{name} read the schedule, a DELETE of
+    it committed, and the PATCH's save(update_fields=...) found no row: DatabaseError, a
+    500. The delete is made here right after the PATCH's read, in its transaction."""
+    from workflows_app.engine.store import schedules as store
+
+    made = schedules.create("odd-s", workflow=APPROVAL, cron="0 3 * * *", actor="test")
+    if not paused:
+        made.pause()
+    read = store.get_schedule
+
+    def read_then_deleted(name: str) -> Schedule:
+        row = read(name)
+        if connection.in_atomic_block:  # set_paused's read (the API's lookup is not in one)
+            Schedule.objects.filter(pk=row.pk).delete()
+        return row
+
+    monkeypatch.setattr(store, "get_schedule", read_then_deleted)
+    status, code, message = error_of(service.patch(f"{SCHEDULE}/odd-s", {"paused": paused}))
+    assert (status, code) == (404, "ScheduleNotFound") and "'odd-s'" in message
