@@ -106,6 +106,8 @@ REFUSED_BODIES = [
     ("createInstance", "POST", base(), {"id": ""}, "non-empty string"),
     ("createInstance", "POST", base(), {"instance_id": "has space"}, "invalid instance id"),
     ("createInstance", "POST", base(), {"attributes": {"": 1}}, "invalid attribute key ''"),
+    ("createInstance", "POST", base(), {"idempotency_key": ""}, "idempotency_key must"),
+    ("createInstance", "POST", base(), {"concurrency_key": ""}, "concurrency_key must"),
     ("createBatch", "POST", f"{base()}/batch", [{"id": ""}], "non-empty string"),
     ("createBatch", "POST", f"{base()}/batch", NO_BODY, "JSON array of instances, got null"),
     ("startBulkJob", "POST", BULK, {"action": "pause", "version": 0}, "version must be"),
@@ -113,6 +115,10 @@ REFUSED_BODIES = [
     ("startBulkJob", "POST", BULK, {"action": "restart", "from_step": ""}, "from_step must be"),
     ("startBulkJob", "POST", BULK, {"action": "send_event", "event_type": ""}, "event type ''"),
     ("startBulkJob", "POST", BULK, NO_BODY, "action must be one of"),
+    ("startBulkJob", "POST", BULK, {"action": "pause", "compensate": False}, "takes no compensate"),
+    ("startBulkJob", "POST", BULK, {"action": "resume", "event_type": "x"}, "takes no event_type"),
+    ("startBulkJob", "POST", BULK, {"action": "cancel", "from_step": "x"}, "takes no from_step"),
+    ("startBulkJob", "POST", BULK, {"action": "send_event"}, "needs event_type"),
     (
         "changeStatus",
         "PATCH",
@@ -129,6 +135,13 @@ REFUSED_BODIES = [
     ),
     ("changeStatus", "PATCH", f"{INSTANCE}/status", {"status": "restart", "version": 0}, "version"),
     ("changeStatus", "PATCH", f"{INSTANCE}/status", NO_BODY, "status must be one of"),
+    (
+        "changeStatus",
+        "PATCH",
+        f"{INSTANCE}/status",
+        {"status": "restart", "from_step": ""},
+        "no step named ''",
+    ),
     ("createSchedule", "POST", SCHEDULE, {"name": "s-2", "cron": ""}, "cron must be"),
     ("createSchedule", "POST", SCHEDULE, NO_BODY, "missing field(s) ['cron', 'name']"),
     ("changeSchedule", "PATCH", f"{SCHEDULE}/odd-s", NO_BODY, "paused must be true or false"),
@@ -203,3 +216,13 @@ def test_pausing_a_schedule_deleted_meanwhile_is_404_not_500(service, monkeypatc
     monkeypatch.setattr(store, "get_schedule", read_then_deleted)
     status, code, message = error_of(service.patch(f"{SCHEDULE}/odd-s", {"paused": paused}))
     assert (status, code) == (404, "ScheduleNotFound") and "'odd-s'" in message
+
+
+def test_null_for_a_restart_option_means_not_given_on_both_sides(service):
+    """The server takes {"from_step": null} as no from_step; the document said a string."""
+    waiting_approval("odd-1")
+    body = {"status": "restart", "from_step": None, "version": None}
+    response = service.patch(f"{INSTANCE}/status", body)
+    assert response.status_code == 200, response.json()
+    assert not documented_body_errors("changeStatus", body)
+    assert not documented_body_errors("changeStatus", {"status": "pause", "from_step": None})

@@ -32,6 +32,7 @@ INSTANCE_ID = {
     'at most WFDASH["LIMITS"] max_instance_id_length characters (100 by default)',
 }
 EVENT_TYPE = "^[a-zA-Z0-9_][a-zA-Z0-9_-]{0,99}$"
+KEY = {"type": "string", "minLength": 1, "maxLength": 200}
 
 
 def ref(name: str) -> dict[str, str]:
@@ -311,7 +312,7 @@ SCHEMAS: dict[str, Any] = {
             },
             "params": ANY,
             "idempotency_key": {
-                "type": "string",
+                **KEY,
                 "description": "same key, same workflow and version: same instance",
             },
             "retention": {
@@ -331,11 +332,11 @@ SCHEMAS: dict[str, Any] = {
                 "description": "lower starts first while queued",
             },
             "concurrency_key": {
-                "type": "string",
+                **KEY,
                 "description": "bounded by the workflow's max_concurrent_per_key",
             },
             "debounce_key": {
-                "type": "string",
+                **KEY,
                 "description": "with debounce: an instance of this key not started yet takes these params",
             },
             "debounce": {
@@ -383,7 +384,25 @@ SCHEMAS: dict[str, Any] = {
             "compensate": {"type": "boolean", "default": True, "description": "cancel"},
         },
         required=["action"],
-    ),
+    )
+    | {
+        # Each action's own options, only with it (bulk_options refuses the others).
+        "allOf": [
+            {
+                "if": {"properties": {"action": {"const": "send_event"}}},
+                "then": {"required": ["event_type"]},
+                "else": {"properties": {"event_type": False, "payload": False}},
+            },
+            {
+                "if": {"properties": {"action": {"const": "restart"}}},
+                "else": {"properties": {"from_step": False, "to_version": False}},
+            },
+            {
+                "if": {"properties": {"action": {"const": "cancel"}}},
+                "else": {"properties": {"compensate": {"const": True}}},
+            },
+        ]
+    },
     "BulkJob": obj(
         {
             "id": {"type": "integer"},
@@ -416,20 +435,22 @@ SCHEMAS: dict[str, Any] = {
         {
             "status": {"type": "string", "enum": ["pause", "resume", "terminate", "restart"]},
             "from_step": {
-                "type": "string",
+                "type": ["string", "null"],
+                "minLength": 1,
                 "description": "restart only: drop this step's checkpoint and later ones",
             },
             "version": {
                 **VERSION,
+                "type": ["integer", "null"],
                 "description": "restart only: run on this registered version from now on "
                 "(the kept checkpoints replay on its code); default: the instance's own",
             },
         },
         required=["status"],
     )
-    | {  # from_step and version only with restart
+    | {  # from_step and version only with restart (null: not given)
         "if": {"properties": {"status": {"const": "restart"}}},
-        "else": {"properties": {"from_step": False, "version": False}},
+        "else": {"properties": {"from_step": {"type": "null"}, "version": {"type": "null"}}},
     },
     "Cancel": obj({"compensate": {"type": "boolean", "default": True}}, required=[]),
     "EventSent": obj(
