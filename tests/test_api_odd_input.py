@@ -107,6 +107,9 @@ REFUSED_BODIES = [
     ("createInstance", "POST", base(), {"instance_id": "has space"}, "invalid instance id"),
     ("createInstance", "POST", base(), {"attributes": {"": 1}}, "invalid attribute key ''"),
     ("createInstance", "POST", base(), {"idempotency_key": ""}, "idempotency_key must"),
+    ("createInstance", "POST", base(), {"attributes": {"a": "x\x00y"}}, "a NUL character"),
+    ("createInstance", "POST", base(), {"debounce": 1000}, "go together"),
+    ("createInstance", "POST", base(), {"debounce_key": "k"}, "go together"),
     ("createInstance", "POST", base(), {"concurrency_key": ""}, "concurrency_key must"),
     ("createBatch", "POST", f"{base()}/batch", [{"id": ""}], "non-empty string"),
     ("createBatch", "POST", f"{base()}/batch", NO_BODY, "JSON array of instances, got null"),
@@ -226,3 +229,9 @@ def test_null_for_a_restart_option_means_not_given_on_both_sides(service):
     assert response.status_code == 200, response.json()
     assert not documented_body_errors("changeStatus", body)
     assert not documented_body_errors("changeStatus", {"status": "pause", "from_step": None})
+
+
+def test_null_attributes_mean_none_on_both_sides(service):
+    body = {"id": "odd-2", "attributes": None}
+    assert service.post(base(), body).status_code == 201
+    assert not documented_body_errors("createInstance", body)

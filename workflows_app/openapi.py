@@ -17,11 +17,13 @@ TIME_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
 ATTRIBUTES = {
     "type": "object",
     "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"},
-    "additionalProperties": {"type": ["string", "number", "boolean"]},
+    "additionalProperties": {"type": ["string", "number", "boolean"], "pattern": "^[^\\u0000]*$"},
     "description": "search attributes: keys of letters, digits, '_', '.', '-'; "
     "string, number or boolean values",
 }
 DURATION = {"type": ["string", "integer"]}
+# A create's attributes: null is taken as none.
+ATTRIBUTES_GIVEN = {**ATTRIBUTES, "type": ["object", "null"]}
 # What the server takes, so a client (or a fuzzer) that follows the document is not refused.
 VERSION = {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}
 INSTANCE_ID = {
@@ -343,10 +345,11 @@ SCHEMAS: dict[str, Any] = {
                 "type": ["string", "integer"],
                 "description": "start this long after the last create with the debounce_key",
             },
-            "attributes": ATTRIBUTES,
+            "attributes": ATTRIBUTES_GIVEN,
         },
         required=[],
-    ),
+    )
+    | {"dependentRequired": {"debounce": ["debounce_key"], "debounce_key": ["debounce"]}},
     "BulkJobStart": obj(
         {
             "action": {
