@@ -771,7 +771,7 @@ def test_create_with_attributes_and_list_by_them(service):
         ("attr.a%20b=x", "invalid attribute key 'a b'"),
         ("attr.=x", "invalid attribute key ''"),
         ("attr.k=1&attr.k=2", "attr.k is given 2 times"),
-        ("version=x", "version must be a positive integer"),
+        ("version=x", "version must be an integer from 1 to 2147483647"),
         ("attributes=x", "unknown query parameter(s) ['attributes']"),
     ],
 )

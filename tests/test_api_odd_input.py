@@ -168,6 +168,7 @@ def test_a_body_the_server_refuses_the_document_refuses_too(
 
 PAST_A_BIGINT = 2**63
 REFUSED_QUERIES = [
+    ("listInstances", base(), "version", 0),
     ("getHistory", f"{INSTANCE}/history", "cursor", PAST_A_BIGINT),
     ("getSteps", f"{INSTANCE}/steps", "cursor", PAST_A_BIGINT),
     ("getChildren", f"{INSTANCE}/children", "cursor", PAST_A_BIGINT),
@@ -235,3 +236,12 @@ def test_null_attributes_mean_none_on_both_sides(service):
     body = {"id": "odd-2", "attributes": None}
     assert service.post(base(), body).status_code == 201
     assert not documented_body_errors("createInstance", body)
+
+
+def test_a_version_filter_of_seven_digits_is_a_version_not_a_refusal(service):
+    """?version=1000000 (the document allows up to 2**31-1) was refused as 'version must
+    be a positive integer': the check allowed 6 digits, as for ?limit=."""
+    response = service.get(f"{base()}?version=1000000")
+    assert response.status_code == 200 and response.json()["result"] == []
+    status, _, message = error_of(service.get(f"{base()}?version=2147483648"))
+    assert status == 400 and "version must be an integer from 1 to 2147483647" in message

@@ -49,6 +49,8 @@ LIMIT_PATTERN = re.compile(
     r"[0-9]{1,6}"
 )  # ASCII digits only: "²".isdigit() is True, int("²") fails
 
+VERSION_PATTERN = re.compile(r"[0-9]{1,10}")
+
 # Most specific first: the first class an error is an instance of decides its status.
 ERROR_STATUS: tuple[tuple[type[errors.WorkflowError], int], ...] = (
     (errors.UnknownWorkflow, 404),
@@ -357,9 +359,13 @@ def list_instances(call: Call, name: str) -> JsonResponse:
             400, "InvalidInput", f"limit must be an integer from 1 to 1000, got {limit_text[:20]!r}"
         )
     version_text = query.get("version")
-    if version_text is not None and not LIMIT_PATTERN.fullmatch(version_text):
+    # Up to 10 digits: the client's check_version refuses past 2**31-1. LIMIT_PATTERN's 6
+    # refused version=1000000, which the document allows, calling it not positive.
+    if version_text is not None and not VERSION_PATTERN.fullmatch(version_text):
         raise ApiError(
-            400, "InvalidInput", f"version must be a positive integer, got {version_text[:20]!r}"
+            400,
+            "InvalidInput",
+            f"version must be an integer from 1 to 2147483647, got {version_text[:20]!r}",
         )
     page = surfaces.binding(name).list(
         status=query.get("status"),

@@ -629,7 +629,7 @@ def document(mount: str = "") -> dict[str, Any]:
                             "schema": {"type": "string"},
                             "description": "result_info.cursor of the previous page",
                         },
-                        {"name": "version", "in": "query", "schema": {"type": "integer"}},
+                        {"name": "version", "in": "query", "schema": VERSION},
                     ],
                     "responses": responses(
                         json_body(
