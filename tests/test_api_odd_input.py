@@ -203,7 +203,8 @@ def test_every_query_parameter_the_document_lists_is_one_the_server_takes(servic
 def test_pausing_a_schedule_deleted_meanwhile_is_404_not_500(service, monkeypatch, paused):
     """Fuzzing with two workers, a PATCH …/schedules/{name} read the schedule, a DELETE of
     it committed, and the PATCH's save(update_fields=...) found no row: DatabaseError, a
-    500. The delete is made here right after the PATCH's read, in its transaction."""
+    500. set_paused now reads the row under its lock and finds it gone; the delete is made
+    here right after the API's own look-up, before set_paused."""
     from workflows_app.engine.store import schedules as store
 
     made = schedules.create("odd-s", workflow=APPROVAL, cron="0 3 * * *", actor="test")
@@ -213,7 +214,7 @@ def test_pausing_a_schedule_deleted_meanwhile_is_404_not_500(service, monkeypatc
 
     def read_then_deleted(name: str) -> Schedule:
         row = read(name)
-        if connection.in_atomic_block:  # set_paused's read (the API's lookup is not in one)
+        if not connection.in_atomic_block:  # the API's look-up, not a read in set_paused
             Schedule.objects.filter(pk=row.pk).delete()
         return row
 

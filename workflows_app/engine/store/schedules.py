@@ -130,12 +130,7 @@ def set_paused(name: str, paused: bool) -> Schedule:
             row.paused = paused
             row.next_run_at = None if paused else next_fire_time(row.cron, row.timezone, now)
             row.updated_at = now
-            # An UPDATE that counts its rows: a delete between the read and this write
-            # left save(update_fields=...) nothing to update, and it raised DatabaseError
-            # (a 500 from PATCH …/schedules/{name}); the schedule is gone, so say so.
-            fields = {"paused": paused, "next_run_at": row.next_run_at, "updated_at": now}
-            if not Schedule.objects.filter(pk=row.pk).update(**fields):
-                raise ScheduleNotFound(f"no schedule named {name!r}")
+            row.save(update_fields=["paused", "next_run_at", "updated_at"])
     return row
 
 
