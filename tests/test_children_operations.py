@@ -330,12 +330,8 @@ def test_a_bulk_cancel_over_a_tree_counts_the_children_its_parents_cancel_took_a
     assert set(Instance.objects.values_list("status", flat=True)) == {"terminated"}
 
 
-def test_terminating_a_fan_out_takes_as_many_statements_for_many_children_as_for_few(
-    registered,
-):
-    """The cascade ended each child with its own statements (7 a child): a parent with 500
-    children took 3,500 statements and 14 s on PostgreSQL under its row lock, a click or
-    an API call that could outlast the web server's timeout. Now a few a level."""
+def register_fan() -> None:
+    """op-fan: starts payload["children"] op-kid children, then waits for an event."""
 
     @register("op-fan")
     class Fan(WorkflowEntrypoint):
@@ -343,6 +339,16 @@ def test_terminating_a_fan_out_takes_as_many_statements_for_many_children_as_for
             count = event.payload["children"]
             await asyncio.gather(*[step.start(f"c{i}", "op-kid") for i in range(count)])
             await step.wait_for_event("go", type="go", timeout="1 day")
+
+
+def test_terminating_a_fan_out_takes_as_many_statements_for_many_children_as_for_few(
+    registered,
+):
+    """The cascade ended each child with its own statements (7 a child): a parent with 500
+    children took 3,500 statements and 14 s on PostgreSQL under its row lock, a click or
+    an API call that could outlast the web server's timeout. Now a few a level."""
+
+    register_fan()
 
     def statements_to_terminate(children: int) -> int:
         parent = get_workflow("op-fan").create(id=f"fan-{children}", params={"children": children})
@@ -373,12 +379,7 @@ def test_restarting_a_fan_out_takes_as_many_statements_for_many_children_as_for_
     terminated on its own before stays as it is; the others run again, each with its
     instance.restarted record."""
 
-    @register("op-fan")
-    class Fan(WorkflowEntrypoint):
-        async def run(self, event, step):
-            count = event.payload["children"]
-            await asyncio.gather(*[step.start(f"c{i}", "op-kid") for i in range(count)])
-            await step.wait_for_event("go", type="go", timeout="1 day")
+    register_fan()
 
     def statements_to_restart(children: int) -> int:
         parent = get_workflow("op-fan").create(id=f"fan-{children}", params={"children": children})

@@ -327,10 +327,8 @@ def test_runserver_on_an_unreachable_postgresql_fails_in_seconds_in_one_line(rel
     assert took < 20, took
 
 
-def test_a_worker_whose_code_changed_under_a_stored_version_exits_in_one_line():
-    """A deploy that changed a workflow's code without bumping its version: runworker
-    printed 'running', then 'stopped; exiting' and a 25-frame traceback of the engine's
-    start-up, the refusal in its last line. runserver already said it as a CommandError."""
+def store_other_release_of_order_approval() -> None:
+    """The demo's order-approval version 1 as another release stored it (other code)."""
     from workflows_app.engine import clock
     from workflows_app.models import WorkflowVersion
 
@@ -343,6 +341,13 @@ def test_a_worker_whose_code_changed_under_a_stored_version_exits_in_one_line():
         registered_at=now,
         last_seen_at=now,
     )
+
+
+def test_a_worker_whose_code_changed_under_a_stored_version_exits_in_one_line():
+    """A deploy that changed a workflow's code without bumping its version: runworker
+    printed 'running', then 'stopped; exiting' and a 25-frame traceback of the engine's
+    start-up, the refusal in its last line. runserver already said it as a CommandError."""
+    store_other_release_of_order_approval()
     result, took = manage(
         "runworker", "workflows", DATABASE_URL=database_url(), WFDASH_DEMO="1", timeout=120
     )
@@ -361,18 +366,7 @@ def test_daphne_whose_workflow_code_changed_under_a_stored_version_exits_in_one_
     without the engine, saying so only at the first request, as a CRITICAL line and the
     engine's 25-frame traceback. runworker and runserver refuse it in one line, exit 1;
     daphne now does too, before it listens."""
-    from workflows_app.engine import clock
-    from workflows_app.models import WorkflowVersion
-
-    now = clock.now()
-    WorkflowVersion.objects.create(
-        name="order-approval",  # a demo workflow (WFDASH_DEMO=1) registers version 1
-        version=1,
-        source_hash="0" * 64,  # another release's code
-        class_path="workflows_app.demo.workflows.OrderApproval",
-        registered_at=now,
-        last_seen_at=now,
-    )
+    store_other_release_of_order_approval()
     port = free_port()
     env = {
         **os.environ,
