@@ -193,3 +193,23 @@ def test_the_python_312_leg_is_cut_into_parts_that_run_each_of_its_files_once(sc
         "--ignore=tests/test_browser_metrics.py --ignore=tests/test_browser_reading.py "
         "--ignore=tests/test_bench_smoke.py -k x"
     ), whole
+
+
+def test_scripts_test_writes_the_projects_bytecode_before_the_legs(script_copy):
+    """With PYTHONDONTWRITEBYTECODE set (as on CI's machine), every worker, daphne and
+    manage.py process a test started compiled the project's modules anew (pip compiles
+    site-packages, not an editable install's sources): 0.13 s of CPU each. The script
+    writes them once before any leg."""
+    module = script_copy.parent.parent / "workflows_app" / "compiled.py"
+    module.parent.mkdir()
+    module.write_text("X = 1\n")
+    port = closed_port()
+    result = run_script(
+        script_copy,
+        PYTHONDONTWRITEBYTECODE="1",
+        WFDASH_TEST_POSTGRES_URL=f"postgres://postgres@127.0.0.1:{port}/test",
+        WFDASH_TEST_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    tag = sys.implementation.cache_tag
+    assert (module.parent / "__pycache__" / f"compiled.{tag}.pyc").exists()
