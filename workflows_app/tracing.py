@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -410,14 +411,15 @@ class DatabaseSpanProcessor(SpanProcessor):
         return True
 
 
-def within_exit_bound(shutdown: Callable[[], Any]) -> None:
-    """Run `shutdown` (an exporter's, at the process's exit) for EXIT_EXPORT_SECONDS at
-    most: past that the exit goes on, the export thread (a daemon) left to it. An export
-    blocked on a collector that accepts and never answers ends only at its own timeout."""
-    thread = threading.Thread(target=shutdown, name="wfdash-otlp-exit", daemon=True)
-    thread.start()
-    thread.join(EXIT_EXPORT_SECONDS)
-    if thread.is_alive():
+def within_exit_bound(shutdown: Callable[..., Any]) -> None:
+    """Run an SDK shutdown (an exporter's, at the process's exit) with EXIT_EXPORT_SECONDS
+    as its own timeout: it joins its export thread (a daemon) that long, then tells the
+    exporter to stop retrying, and the exit goes on. (No thread of ours: Python 3.12 and
+    later refuse to start one in an atexit callback.) An export blocked on a collector
+    that accepts and never answers ends only at its own timeout, or with the process."""
+    started = time.monotonic()
+    shutdown(timeout_millis=EXIT_EXPORT_SECONDS * 1000)
+    if time.monotonic() - started >= EXIT_EXPORT_SECONDS * 0.95:
         log.warning(
             "OTLP export at exit unfinished after %.0f s (the collector is down?): "
             "exiting without it",
@@ -426,10 +428,16 @@ def within_exit_bound(shutdown: Callable[[], Any]) -> None:
 
 
 class ExitBoundedSpanProcessor(BatchSpanProcessor):
-    """The OTLP batch processor, its shutdown (the provider's at exit) bounded."""
+    """The OTLP batch processor, its shutdown (the provider's at exit) bounded. The
+    SDK's BatchSpanProcessor.shutdown takes no timeout (its batch processor waits 30 s);
+    the batch processor's own shutdown does, so it is called with ours."""
 
     def shutdown(self) -> None:
-        within_exit_bound(super().shutdown)
+        batch = getattr(self, "_batch_processor", None)
+        if batch is None:  # an SDK that keeps it elsewhere: its own (unbounded) way
+            super().shutdown()
+        else:
+            within_exit_bound(batch.shutdown)
 
 
 _provider: TracerProvider | None = None
