@@ -325,7 +325,8 @@ class WorkflowBinding:
         query = self.matching(status, version, attributes, created_before, created_after)
         if cursor:
             query = query.filter(id__lt=decode_cursor(cursor))
-        rows = list(store.order_by_id(query)[: limit + 1])
+        sorted_range = not attributes and store.reads_created_range(created_before, created_after)
+        rows = list(store.order_by_id(query, sorted_range=sorted_range)[: limit + 1])
         more = len(rows) > limit
         rows = rows[:limit]
         return Page(

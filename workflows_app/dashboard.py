@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, TypedDict
 
 from django.db.models import Count, Q, QuerySet
@@ -368,7 +368,11 @@ def instance_page(
 ) -> Page:
     """The instance list's page: keyset-paginated, newest first (see _keyset_page)."""
     query = filters.apply(Instance.objects.only(*ROW_FIELDS))
-    return _keyset_page(query, after, before, limit, store.order_by_id)
+    sorted_range = not filters.attributes and store.reads_created_range(
+        filters.created_to, filters.created_from
+    )
+    order = partial(store.order_by_id, sorted_range=sorted_range)
+    return _keyset_page(query, after, before, limit, order)
 
 
 def _by_id(query: Any, newest_first: bool = True) -> Any:

@@ -86,6 +86,7 @@ from .search import (
     index_attributes,
     instance_workflows,
     order_by_id,
+    reads_created_range,
 )
 from .wakes import WakeListener, hint_workers, workers_listen
 
@@ -143,6 +144,7 @@ __all__ = [
     "promote_stranded_queues",
     "prunable",
     "prune",
+    "reads_created_range",
     "release",
     "restart",
     "resume",
