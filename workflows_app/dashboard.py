@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property, partial
 from typing import Any, TypedDict
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, Max, Min, Q, QuerySet
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
@@ -36,6 +36,11 @@ from .models import (
 )
 
 PAGE_SIZE = 50
+# The list's free-text search (?q=, a substring no index serves) reads at most this many
+# instances a page, newest first among those the other filters leave; Older / Newer go on
+# from where it stopped. Unbounded, a rare term read the whole table for every page and
+# live refresh (1M instances: 1.0-1.2 s here, 4-6 s with bigger params).
+SEARCH_SCAN = 100_000
 CHART_MINUTES = 60  # the overview chart and "last hour" figures cover this window
 CHART_BUCKET_MINUTES = 5
 CHART_HEIGHT = 30  # SVG user units; the chart's viewBox is 100 x CHART_HEIGHT
@@ -291,14 +296,18 @@ def search_text(q: str) -> Q:
     """
     sealed = ENVELOPE_START
     return (
-        Q(instance_id=q)
-        | Q(idempotency_key=q)
+        named_exactly(q)
         | Q(instance_id__startswith=q)
         | (Q(params_json__icontains=q) & ~Q(params_json__startswith=sealed))
         | (Q(output_json__icontains=q) & ~Q(output_json__startswith=sealed))
         | Q(error_name__icontains=q)
         | Q(error_message__icontains=q)
     )
+
+
+def named_exactly(q: str) -> Q:
+    """The search's matches an index finds: the id or idempotency key itself."""
+    return Q(instance_id=q) | Q(idempotency_key=q)
 
 
 # The columns a list row shows; loading only these keeps a page cheap at any table size.
@@ -322,6 +331,9 @@ class Page:
     rows: list[Any]
     older: str | None  # cursor of the next (older) page
     newer: str | None  # cursor of the previous (newer) page
+    # "older" / "newer": the search read its SEARCH_SCAN instances before it had a page;
+    # more may match past them, which the cursor of that direction goes on to read.
+    search_stopped: str = ""
 
 
 def _keyset_page(
@@ -372,7 +384,71 @@ def instance_page(
         filters.created_to, filters.created_from
     )
     order = partial(store.order_by_id, sorted_range=sorted_range)
+    if filters.q:
+        return _search_page(filters, after, before, limit, order)
     return _keyset_page(query, after, before, limit, order)
+
+
+def _scan_edge(
+    query: Any, order: Callable[..., Any], q: str, newest_first: bool = True
+) -> int | None:
+    """Where a search page stops reading: the id of the last of the first SEARCH_SCAN
+    instances of query in page order (read from the index the order walks), None when
+    no instance lies past it. Past it, to the next instance of that id or idempotency key
+    (an index finds it): an exact id is found however old, reading as far as it (as
+    every search read before)."""
+    first = order(query, newest_first=newest_first)[:SEARCH_SCAN]
+    edge = first.aggregate(edge=Min("id") if newest_first else Max("id"))["edge"]
+    past = "id__lt" if newest_first else "id__gt"
+    if edge is None or not query.filter(**{past: edge}).exists():
+        return None
+    beyond = query.filter(named_exactly(q), **{past: edge})
+    named = order(beyond, newest_first=newest_first).values_list("id", flat=True).first()
+    return edge if named is None else named
+
+
+def _search_page(
+    filters: ListFilters,
+    after: str | None,
+    before: str | None,
+    limit: int,
+    order: Callable[..., Any],
+) -> Page:
+    """A page of the free-text search: _keyset_page's, matched among at most SEARCH_SCAN
+    instances from the cursor on (the other filters' rows, in page order). A page that
+    stops there short of `limit` rows (even of none) gives the cursor of the edge it
+    reached, so the next page in that direction searches on from it."""
+    base = replace(filters, q="").apply(Instance.objects.only(*ROW_FIELDS))
+    matches = search_text(filters.q)
+    if before:
+        start = decode_cursor(before)
+        window = base.filter(id__gt=start)
+        edge = _scan_edge(window, order, filters.q, newest_first=False)
+        scanned = window if edge is None else window.filter(id__lte=edge)
+        rows = list(order(scanned.filter(matches), newest_first=False)[: limit + 1])
+        more_newer = len(rows) > limit
+        rows = rows[:limit][::-1]
+        stopped = edge is not None and not more_newer
+        newer = encode_cursor(rows[0].pk) if more_newer else None
+        return Page(
+            rows,
+            encode_cursor(rows[-1].pk if rows else start + 1),
+            encode_cursor(edge) if stopped else newer,
+            "newer" if stopped else "",
+        )
+    start = decode_cursor(after) if after else None
+    window = base if start is None else base.filter(id__lt=start)
+    edge = _scan_edge(window, order, filters.q)
+    scanned = window if edge is None else window.filter(id__gte=edge)
+    rows = list(order(scanned.filter(matches))[: limit + 1])
+    more_older = len(rows) > limit
+    rows = rows[:limit]
+    stopped = edge is not None and not more_older
+    older = encode_cursor(rows[-1].pk) if more_older else None
+    newer = None
+    if start is not None and (rows or start > 1):
+        newer = encode_cursor(rows[0].pk if rows else start - 1)
+    return Page(rows, encode_cursor(edge) if stopped else older, newer, "older" if stopped else "")
 
 
 def _by_id(query: Any, newest_first: bool = True) -> Any:
@@ -385,12 +461,15 @@ def count_matching(filters: ListFilters) -> int:
 
 
 def rows_newer_than(filters: ListFilters, pk: int, limit: int = PAGE_SIZE) -> list[Instance]:
-    """Instances created after the newest row a live page shows, for prepending."""
-    return list(
-        store.order_by_id(filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk))[
-            :limit
-        ]
-    )
+    """Instances created after the newest row a live page shows, for prepending; a search
+    reads the newest SEARCH_SCAN of them at most, as its page does."""
+    query = filters.apply(Instance.objects.only(*ROW_FIELDS)).filter(id__gt=pk)
+    if filters.q:
+        unsearched = replace(filters, q="").apply(Instance.objects.filter(id__gt=pk))
+        edge = _scan_edge(unsearched, _by_id, filters.q)
+        if edge is not None:
+            query = query.filter(id__gte=edge)
+    return list(store.order_by_id(query)[:limit])
 
 
 # --- instance detail ----------------------------------------------------------------------

@@ -116,6 +116,8 @@ def instance_list(request: HttpRequest) -> HttpResponse:
             "rows": page.rows,
             "older": page.older,
             "newer": page.newer,
+            "search_stopped": page.search_stopped,
+            "search_scan": f"{dashboard.SEARCH_SCAN:,}",
             "query": query.urlencode(),
             "first_page": not request.GET.get("after") and not request.GET.get("before"),
             "create_form": forms.CreateInstanceForm(),

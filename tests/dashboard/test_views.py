@@ -953,3 +953,24 @@ def test_a_wait_cut_short_by_a_terminate_stays_in_the_trace_ending_with_the_inst
     assert 'class="span span-open"' not in page  # nothing grows once the instance ended
     assert page.count('class="span span-cut"') == 1
     assert "waitForEvent approval" in page and "cut short" in page
+
+
+def test_a_search_that_stopped_at_its_bound_says_so_and_links_on(
+    operator_client, approval_workflow, monkeypatch
+):
+    # ?q= reads dashboard.SEARCH_SCAN instances a page: a page that found too few there
+    # says so, and Older searches on from where it stopped.
+    from workflows_app import dashboard
+
+    monkeypatch.setattr(dashboard, "SEARCH_SCAN", 2)
+    workflow = get_workflow(approval_workflow)
+    workflow.create(id="needle-1")
+    for n in range(2):
+        workflow.create(id=f"hay-{n}")
+    url = reverse("workflows:instances")
+    page = operator_client.get(url, {"q": "needle"}).content.decode()
+    assert "The search reads 2 instances a page and found none of them matching" in page
+    assert "No instances match." not in page
+    older = re.search(r"after=([\w-]+)", page).group(1)
+    on = operator_client.get(url, {"q": "needle", "after": older}).content.decode()
+    assert 'data-instance-id="needle-1"' in on
