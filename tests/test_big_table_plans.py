@@ -6,10 +6,10 @@ figures are in the commits that added each index."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tests.test_operating import explain
 from workflows_app.client import InstanceHandle
@@ -318,3 +318,42 @@ def test_a_search_for_an_id_finds_it_however_old_it_is(monkeypatch):
     # A live list prepends the rows its search would show, from the newest SEARCH_SCAN.
     newer = dashboard.rows_newer_than(dashboard.ListFilters(q="later"), 0)
     assert [r.instance_id for r in newer] == ["later-9", "later-8", "later-7"]
+
+
+def test_admission_reads_its_line_along_the_line_index_and_ended_debounces_by_admit_at():
+    # The line's index (instance_in_line) holds no pending debounce: through the queue
+    # index a first page read every one ahead of it (100,000: 134 ms), and so did the look
+    # for stranded queues every 5 s. The debounces that ended are read by their admit_at.
+    from workflows_app.engine.store import control
+
+    debounced = {"status": "queued", "waiting_reason": control.DEBOUNCED + "…"}
+    for n in range(30):
+        instance(f"pending-{n}", admit_at=NOW + timedelta(hours=1), **debounced)
+        instance(f"queued-{n}", status="queued")
+    ended = instance("ended", admit_at=NOW, priority=1, **debounced)
+    statements: list[tuple[str, list]] = []
+
+    def capture(execute, sql, params, many, context):
+        statements.append((sql, params))
+        return execute(sql, params, many, context)
+
+    scan = control._QueueScan("big", NOW, {"k"})
+    with connection.execute_wrapper(capture):
+        [first] = list(scan)
+        scan._page((5, 0), (5, 10**9))
+        scan._boundary((5, 0))
+        assert control._queued_for_a_place(["big", "none"]) == {"big"}
+    queued = Instance.objects.filter(instance_id__startswith="queued").values_list("id", flat=True)
+    assert [c.pk for c in first] == [ended.pk, *sorted(queued)]
+    plans = [explain_sql(sql, params) for sql, params in statements]
+    assert all("instance_in_line" in plan for plan in plans), plans
+    assert "instance_admit_at" in plans[0], plans[0]  # the ended debounces, beside it
+
+
+def explain_sql(sql: str, params: list) -> str:
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table: ask what it can use
+        prefix = "EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN "
+        cursor.execute(prefix + sql, params)
+        return " ".join(str(cell) for row in cursor.fetchall() for cell in row)

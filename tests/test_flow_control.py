@@ -262,6 +262,44 @@ def test_a_debounce_that_ends_while_the_limit_is_full_waits_for_a_place(register
         assert late.status().status == "waiting"
 
 
+def test_a_debounce_that_ended_takes_its_place_in_line_by_priority(registered):
+    """The line's pages read the queue without any debounce (instance_in_line); one
+    that ended and admit_due has not decided yet is read beside them, in line by
+    priority: here ahead of an instance queued before it."""
+    register_gated("debounced-in-line", max_concurrent_instances=1)
+    wf = get_workflow("debounced-in-line")
+    with testing.fake_clock() as clock:
+        holder = wf.create(id="holder")
+        plain = wf.create(id="plain")
+        urgent = wf.create(id="urgent", priority=1, debounce_key="k", debounce="1 second")
+        clock.advance("2 seconds")  # no admit_due: the run's end below finds it due
+        assert urgent.row().waiting_reason.startswith("debounced until ")
+        holder.terminate()
+        assert (urgent.status().status, plain.status().status) == ("running", "queued")
+
+
+def test_more_debounces_ending_at_once_than_a_pass_reads_start_by_priority(registered, monkeypatch):
+    """More debounces ended than a pass reads (ADMISSION_SCAN, made 2 here: no worker
+    admitted for a while): the pages read them in line, so the first by priority
+    starts, not the first to have ended."""
+    from workflows_app.engine.store import control
+
+    register_gated("many-ended", max_concurrent_instances=1)
+    wf = get_workflow("many-ended")
+    monkeypatch.setattr(control, "ADMISSION_SCAN", 2)
+    with testing.fake_clock() as clock:
+        holder = wf.create(id="holder")
+        ended = [
+            wf.create(id=f"p{priority}", priority=priority, debounce_key=f"k{n}", debounce=after)
+            for n, (priority, after) in enumerate(
+                [(9, "1 second"), (8, "2 seconds"), (7, "3 seconds"), (1, "4 seconds")]
+            )
+        ]
+        clock.advance("5 seconds")
+        holder.terminate()
+        assert [e.status().status for e in ended] == ["queued", "queued", "queued", "running"]
+
+
 def test_the_api_creates_with_priority_and_keys_and_refuses_bad_ones_naming_the_field(registered):
     from django.test import Client
 

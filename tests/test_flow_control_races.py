@@ -4,6 +4,7 @@ scale (each test failed before its fix)."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from datetime import UTC, datetime
 
@@ -85,7 +86,7 @@ def _pending_debounces(wf, count: int) -> None:
     template = wf.create(id="pending", debounce_key="pending", debounce="1 hour").row()
     rows = []
     for n in range(count):
-        row = Instance.objects.get(pk=template.pk)
+        row = copy.copy(template)
         row.pk, row.instance_id, row.debounce_key = None, f"pending-{n}", f"user-{n}"
         rows.append(row)
     Instance.objects.bulk_create(rows, batch_size=1000)
@@ -243,3 +244,52 @@ def test_the_starts_in_a_rate_window_are_counted_no_further_than_the_limit(regis
             "rate_limit (5 per 1 hour) reached; next start at"
         )
         assert new.row().admit_at == earlier + timedelta(hours=1)
+
+
+def test_a_flow_controlled_admission_reads_a_page_not_every_pending_debounce(registered):
+    """Under flow control every create and run's end reads the head of the line; through
+    the queue index its first page's filter read every pending debounce ahead of the
+    instances it kept (100,000 of them: 100,000 rows, 134 ms), and so did the look for
+    stranded queues of a workflow under no flow control, every 5 s (36 ms). The line's
+    index (instance_in_line) holds no pending debounce: 5 rows, 0.04 ms."""
+    from tests.test_admission_many_keys import tuples_read
+    from tests.test_flow_control import register_gated
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import clock, registry
+    from workflows_app.models import Instance
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+    register_gated("fc-line", max_concurrent_instances=2)
+    register_gated("fc-free")
+    line, free = get_workflow("fc-line"), get_workflow("fc-free")
+    with testing.fake_clock(START):
+        holder = line.create(id="holder")
+        _pending_debounces(line, 3000)
+        _pending_debounces(free, 3000)
+        with transaction.atomic():
+            before = tuples_read()
+            second = line.create(id="second")
+            read = tuples_read() - before
+        assert (holder.status().status, second.status().status) == ("running", "running")
+        assert read < 300, f"a create read {read} tuples behind 3,000 pending debounces"
+        third = line.create(id="third")
+        with transaction.atomic():  # a run's end with no place freed
+            before = tuples_read()
+            limits = registry.limits_for("fc-line", 1)
+            assert store.promote_queued("fc-line", limits, clock.now()) == []
+            read = tuples_read() - before
+        assert read < 300, f"an admission read {read} tuples behind 3,000 pending debounces"
+        assert third.status().status == "queued"
+
+        stranded = [("fc-free", registry.limits_for("fc-free", 1))]
+        with transaction.atomic():
+            before = tuples_read()
+            assert store.promote_stranded_queues(stranded) == 0
+            read = tuples_read() - before
+        assert read < 50, f"a look for stranded queues read {read} tuples"
+        # What a process of the previous release queued (a limit this one dropped) starts.
+        left = free.create(id="left").row()
+        Instance.objects.filter(pk=left.pk).update(status="queued", wake_at=None)
+        assert store.promote_stranded_queues(stranded) == 1
+        assert Instance.objects.get(pk=left.pk).status == "running"

@@ -34,6 +34,17 @@ class Status(models.TextChoices):
 LIVE_STATUSES = sorted(set(Status.values) - {Status.COMPLETE, Status.ERRORED, Status.TERMINATED})
 LIVE_STATUSES_SQL = "status IN ({})".format(", ".join(f"'{s}'" for s in LIVE_STATUSES))
 
+# The waiting_reason of a queued instance whose debounce holds it until its admit_at.
+DEBOUNCED = "debounced until "
+# Admission's line (instance_in_line): the queued instances no debounce holds (admit_at
+# NULL, or a time that is a rate window's). The queries it serves spell the same condition
+# (IN_LINE_SQL): SQLite uses a partial index only for a WHERE term written as its own.
+IN_LINE = Q(status="queued") & (Q(admit_at__isnull=True) | ~Q(waiting_reason__startswith=DEBOUNCED))
+IN_LINE_SQL = (
+    "status = 'queued' AND (admit_at IS NULL OR "
+    f"NOT (waiting_reason LIKE '{DEBOUNCED}%' ESCAPE '\\'))"
+)
+
 
 def decode_json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
@@ -202,6 +213,12 @@ class Instance(models.Model):
                 fields=["workflow", "priority", "id"],
                 name="instance_queue",
                 condition=Q(status="queued"),
+            ),
+            # admission's line without the pending debounces (IN_LINE): a page of it, and
+            # whether a workflow's instances wait for a place (promote_stranded_queues),
+            # read that page, not the debounces ahead of it.
+            models.Index(
+                fields=["workflow", "priority", "id"], name="instance_in_line", condition=IN_LINE
             ),
             # admit_due: WHERE status = 'queued' AND admit_at <= now (debounce, rate windows)
             models.Index(
