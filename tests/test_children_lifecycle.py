@@ -12,6 +12,8 @@ from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, clock, register, store
 from workflows_app.engine.errors import InvalidTransition, NonRetryableError
+from workflows_app.engine.worker import Worker
+from workflows_app.live import EngineHooks
 from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -62,13 +64,17 @@ def _flows(registered):
     @register("post-and-check")
     class PostAndCheck(WorkflowEntrypoint):
         """Starts a child, then invokes one and, beside it, a step that fails while the
-        invoked child still runs."""
+        invoked child still runs. A bad address is refused once the check's answer (an
+        event) comes: by then the invoke waits, its checkpoint written (the run parked),
+        whatever the machine's load; a step failing at once raced the invoke's creation
+        of its child, and under load the parent's end could come first (no child)."""
 
         async def run(self, event, step):
             await step.start("notify", "parcel", params={"wait": True, "n": 2})
 
             async def check():
                 if address["bad"]:
+                    await step.wait_for_event("answer", type="checked", timeout="1 day")
                     await step.do("check", refuse)
 
             sent, _ = await asyncio.gather(
@@ -129,6 +135,10 @@ def test_a_parent_that_errors_while_its_invoke_waits_terminates_that_child():
     child of its step.start runs on (detached)."""
     parent = get_workflow("post-and-check").create(id="pc1")
     testing.run_until_idle()
+    assert parent.status().status == "waiting"
+    assert [c.status().status for c in parent.children()] == ["waiting", "waiting"]
+    parent.send_event("checked")
+    testing.run_until_idle()
     assert parent.status().error["name"] == "BadAddress"
     started, child = parent.children()
     assert (started.id, started.status().status) == ("pc1:notify", "waiting")
@@ -142,6 +152,74 @@ def test_a_parent_that_errors_while_its_invoke_waits_terminates_that_child():
     child.send_event("go")
     testing.run_until_idle()
     assert parent.status().output == {"parcel": 1}
+
+
+def test_a_parent_that_ends_before_its_invoke_creates_the_child_leaves_no_orphan(monkeypatch):
+    """Under load a gathered branch failing at once can end the parent before step.invoke's
+    creation of its child takes the parent's lock (the database thread making it was
+    slower): the creation is refused, the parent having ended, so no child waits for ever
+    with nobody to take its output; a restart creates it for the invoke. The creation is
+    held here until the parent's end has committed (two database threads, also on
+    SQLite), so the run ends in that order every time."""
+    ended, created = threading.Event(), threading.Event()
+    refused: list[str] = []
+    start_child, finish = store.start_child, store.finish
+
+    def start_child_after_the_end(*args, **kwargs):
+        try:
+            assert ended.wait(20), "the parent never ended"
+            return start_child(*args, **kwargs)
+        except InvalidTransition as exc:
+            refused.append(str(exc))
+            raise
+        finally:
+            created.set()
+
+    def finish_then_tell(*args, **kwargs):
+        try:
+            return finish(*args, **kwargs)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(store, "start_child", start_child_after_the_end)
+    monkeypatch.setattr(store, "finish", finish_then_tell)
+
+    @register("invoke-or-refuse-at-once")
+    class InvokeOrRefuseAtOnce(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def check():
+                if address["bad"]:
+                    raise NonRetryableError("no address", "BadAddress")
+                return "checked"
+
+            invoked = step.invoke("send", "parcel", params={"wait": True, "n": 4})
+            return await asyncio.gather(invoked, check())
+
+    async def run_until_idle_with_two_database_threads() -> None:
+        worker = Worker(worker_id="testing", db_threads=2, hooks=EngineHooks())
+        await worker.start()
+        try:
+            await worker.run_until_idle()
+        finally:
+            await worker.stop(grace_seconds=0)
+
+    parent = get_workflow("invoke-or-refuse-at-once").create(id="ir1")
+    asyncio.run(run_until_idle_with_two_database_threads())
+    assert parent.status().error["name"] == "BadAddress"
+    assert created.wait(20), "the invoke never asked for its child"
+    assert len(refused) == 1 and "it starts no child" in refused[0]
+    assert parent.children() == []
+    assert "child.terminated" not in [h.type for h in parent.history()]
+    monkeypatch.setattr(store, "start_child", start_child)
+    monkeypatch.setattr(store, "finish", finish)
+    address["bad"] = False
+    parent.restart()
+    testing.run_until_idle()
+    (child,) = parent.children()
+    assert (child.status().status, parent.status().status) == ("waiting", "waiting")
+    child.send_event("go")
+    testing.run_until_idle()
+    assert parent.status().output == [{"parcel": 4}, "checked"]
 
 
 def test_a_parent_that_completes_without_awaiting_its_invoke_terminates_that_child():
