@@ -315,7 +315,12 @@ class DatabaseSpanProcessor(SpanProcessor):
     def _store(self, batch: list[tuple[ReadableSpan, int]]) -> list[StoredSpan]:
         from django.db import connection, transaction
 
-        from .engine.store.dialect import ns_time_adapter, sql_cursor, statement_cursor
+        from .engine.store.dialect import (
+            batch_json,
+            ns_time_adapter,
+            sql_cursor,
+            statement_cursor,
+        )
 
         postgres = connection.vendor == "postgresql"
         # (instance key, trace id, span id, parent, name, kind, start, end, status, message,
@@ -330,9 +335,13 @@ class DatabaseSpanProcessor(SpanProcessor):
             # found. One statement of one shape whatever the batch: prepared once per
             # connection, its text never rebuilt nor parsed again.
             keys = ("i", "t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
-            batch_json = _json([dict(zip(keys, row)) for row in rows], _ENCODE_COMPACT)
+            spans = [dict(zip(keys, row)) for row in rows]
+            text = batch_json(spans, _json_fallback)
+            if text is None or "null" in text or "\\u0000" in text:
+                # orjson writes a NaN or an infinity as null (text here); _json cleans a NUL
+                text = _json(spans, _ENCODE_COMPACT)
             with statement_cursor() as cursor:
-                cursor.execute(insert, [batch_json])
+                cursor.execute(insert, [text])
                 by_span: dict[str, int | None] = dict(cursor.fetchall())
             return [StoredSpan(by_span.get(r[2]), r[1], r[2], r[4], r[8]) for r in rows]
         # SQLite: the transaction is IMMEDIATE (settings), so no instance the look-up found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import time
 import weakref
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import psycopg
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -36,6 +38,27 @@ from .. import clock
 from ..spans import instant
 
 LOCKED_RETRIES = 3
+
+
+def batch_json(value: Any, default: Callable[[Any], Any] | None = None) -> str | None:
+    """JSON text of a batch of rows one statement parses (a group's ends, a flush of
+    spans), by orjson: a third of the standard encoder's time on these many small dicts,
+    which took a tenth of a herd of timers' CPU. A datetime is written as isoformat()
+    writes it (RFC 3339), without a call back to Python. None where orjson refuses a value
+    (an int past 64 bits, a lone surrogate): the caller's standard encoding says what it
+    always said of it."""
+    try:
+        return orjson.dumps(value, default=default).decode()
+    except orjson.JSONEncodeError:
+        return None
+
+
+def compact_json_of(value: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """batch_json, or the standard encoder's text where orjson refuses a value."""
+    text = batch_json(value, default)
+    return text if text is not None else json.dumps(value, separators=(",", ":"), default=default)
+
+
 # Printable ASCII without quote or backslash: JSON writes such a string the same everywhere.
 
 

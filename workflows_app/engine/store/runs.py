@@ -36,6 +36,7 @@ from .control import end_awaited_children, promote_queued
 from .dialect import (
     array_literal,
     close_if_dropped,
+    compact_json_of,
     db_time,
     from_db_time,
     lock_rows,
@@ -820,8 +821,8 @@ def _finish_many_params(ends: Sequence[FinishWrite], now: datetime) -> dict[str,
         rows.append(row)
     name, message = FINISHED_BEFORE_STEP
     return {
-        "rows": json.dumps(rows, separators=(",", ":"), default=_json_default),
-        "steps": json.dumps(steps, separators=(",", ":"), default=_json_default),
+        "rows": compact_json_of(rows, _json_default),
+        "steps": compact_json_of(steps, _json_default),
         "now": db_time(now),
         "latest": db_time(LATEST_INSTANT),
         "complete": Status.COMPLETE,
