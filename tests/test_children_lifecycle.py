@@ -499,3 +499,65 @@ def test_a_child_whose_invoke_was_cut_short_before_its_checkpoint_ends_with_its_
     child.send_event("go")
     testing.run_until_idle()
     assert parent.status().output == [{"parcel": 3}, "checked"]
+
+
+def test_a_start_child_created_before_its_checkpoint_outlives_its_parent_end(monkeypatch):
+    """step.start had created its child (committed) but its branch was stopped before its
+    checkpoint was written, when a gathered branch failed while a step.invoke waited: the
+    end spared only the children of checkpointed step.start steps, and terminated this
+    one with the invoke's, though "start, don't wait" outlives the parent. The start's
+    answer is held here until its branch has been stopped (the invoke's child created
+    too), so the run ends inside that gap every time, with one database thread or four."""
+    created = {"send": threading.Event(), "notify": threading.Event()}
+    stopped = threading.Event()
+    original = store.start_child
+
+    def start_child_then_hold(workflow, version, limits, item, *args, **kwargs):
+        answer = original(workflow, version, limits, item, *args, **kwargs)
+        created[item.parent_step].set()
+        if item.parent_step == "notify":
+            assert stopped.wait(20), "the start's branch was never stopped"
+        return answer
+
+    monkeypatch.setattr(store, "start_child", start_child_then_hold)
+
+    @register("invoke-start-and-refuse")
+    class InvokeStartAndRefuse(WorkflowEntrypoint):
+        async def run(self, event, step):
+            async def notify():
+                try:
+                    return await step.start("notify", "parcel", params={"wait": True, "n": 2})
+                except asyncio.CancelledError:
+                    stopped.set()
+                    raise
+
+            async def check():
+                loop = asyncio.get_running_loop()
+                for made in created.values():
+                    assert await loop.run_in_executor(None, made.wait, 20)
+                if address["bad"]:
+                    raise NonRetryableError("no address", "BadAddress")
+                return "checked"
+
+            sent = step.invoke("send", "parcel", params={"wait": True, "n": 1})
+            return await asyncio.gather(sent, notify(), check())
+
+    parent = get_workflow("invoke-start-and-refuse").create(id="is1")
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "BadAddress"
+    children = {child.id: child for child in parent.children()}
+    assert children["is1:send"].status().status == "terminated"
+    assert children["is1:notify"].status().status == "waiting", children["is1:notify"].history()
+    terminated = [h.data["id"] for h in parent.history() if h.type == "child.terminated"]
+    assert terminated == ["is1:send"]
+    # A restart's replay of the start finds that child: it starts no second one.
+    monkeypatch.setattr(store, "start_child", original)
+    address["bad"] = False
+    parent.restart()
+    testing.run_until_idle()
+    assert sorted(child.id for child in parent.children()) == ["is1:notify", "is1:send"]
+    assert parent.status().status == "waiting"
+    children["is1:notify"].send_event("go")
+    children["is1:send"].send_event("go")
+    testing.run_until_idle()
+    assert parent.status().output == [{"parcel": 1}, "is1:notify", "checked"]

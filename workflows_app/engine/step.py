@@ -807,6 +807,9 @@ class Step:
         if record is not None and record.status == StepStatus.FAILED:
             raise run.stored_failure(record)  # its child could not be started (_start_failed)
         async with run.activity():
+            # The child may exist from now on before this checkpoint does (this branch
+            # stopped in between): a run that ends meanwhile leaves it running all the same.
+            run.starts_began.add(name)
             try:
                 child = await self._start_child(name, workflow, params, id, version)
             except WorkflowError as exc:

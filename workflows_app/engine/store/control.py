@@ -1509,19 +1509,21 @@ def _end_terminated(
             promote_queued(workflow, limits, now, freed_keys=freed)
 
 
-def end_awaited_children(pk: int, now: datetime) -> None:
+def end_awaited_children(pk: int, now: datetime, detached: Sequence[str] = ()) -> None:
     """A parent that ended on its own (complete or errored) while a step.invoke of it still
     waited (a gathered branch failed, or run() returned without awaiting it) terminates that
     child, and the child's children: nothing will take its output. The children of its
     step.start steps run on: "start, don't wait" outlives the parent (detached), as does a
     child compensating (its parent's cancel(compensate=True), whose own compensation
-    failed: the child's are not cut short). Inside the parent's finishing transaction, its
-    row locked; a restart revives them (the child.terminated records)."""
+    failed: the child's are not cut short). A step.start is known by its checkpoint, or
+    by `detached` (those the ending run began: a branch stopped between the creation and
+    the checkpoint leaves a child and no checkpoint). Inside the parent's finishing
+    transaction, its row locked; a restart revives them (the child.terminated records)."""
     parent = Instance.objects.only("id", "workflow", "instance_id").get(id=pk)
-    detached = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values_list(
+    checkpointed = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values_list(
         "name", flat=True
     )
-    spared = Q(parent_step__in=list(detached)) | Q(status=Status.COMPENSATING)
+    spared = Q(parent_step__in=[*checkpointed, *detached]) | Q(status=Status.COMPENSATING)
     _terminate_children([parent], "", now, spared=spared)
 
 
