@@ -30,7 +30,7 @@ from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register, registry, store
 from workflows_app.engine.worker import ABORT_WAIT_SECONDS, STUCK_EXIT_CODE
-from workflows_app.models import Instance
+from workflows_app.models import Instance, WorkflowVersion
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -727,3 +727,35 @@ def test_what_the_previous_release_queued_under_a_limit_the_new_one_dropped_star
             assert (holder.status().output, behind.status().output) == (1, 2)
         finally:
             loop_thread.call(new.stop(grace_seconds=0))
+
+
+def test_a_worker_whose_connection_drops_during_its_start_up_checks_starts_all_the_same(
+    registered, caplog
+):
+    """A fleet's backends ended (a restart, a failover) while a worker was still checking
+    the database at start: its worker exited 1 on the traceback. The checks now begin
+    again on a new connection; a database that keeps dropping it is a CommandError."""
+    from django.core.management.base import CommandError
+    from django.db import connection
+
+    from workflows_app.engine import faults
+    from workflows_app.management.commands import runworker
+
+    @register("checked-at-start")
+    class CheckedAtStart(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "ok"
+
+    try:
+        # The server ends the checks' connection under them (SQLite: an OperationalError).
+        faults.configure("start_checks=terminate_backend@1")
+        with caplog.at_level("WARNING", logger=runworker.log.name):
+            runworker.start_checks()
+        assert "dropped the connection during the start-up checks" in caplog.text
+        assert WorkflowVersion.objects.filter(name="checked-at-start").exists()  # synced
+        faults.configure(f"start_checks=terminate_backend@1-{runworker.START_CHECK_TRIES}")
+        with pytest.raises(CommandError, match="dropped the connection 5 times"):
+            runworker.start_checks()
+    finally:
+        faults.configure("")
+        connection.close()
