@@ -254,6 +254,18 @@ def _json(value: Any, encode: Any = _ENCODE) -> str:
     return encode(_storable(value)) if "\\u0000" in text or "\\ud" in text else text
 
 
+def _fast_json(value: Any) -> str:
+    """_json's text (compact) by orjson, about a fifth of its time (batch_json). A text
+    holding null (orjson's NaN or infinity), or a NUL, is written again by _json, which
+    cleans them; a value orjson refuses (an int past 64 bits, a lone surrogate) too."""
+    from .engine.store.dialect import batch_json  # the store needs Django's apps ready
+
+    text = batch_json(value, _json_fallback)
+    if text is None or "null" in text or "\\u0000" in text:
+        return _json(value, _ENCODE_COMPACT)
+    return text
+
+
 def _storable(value: Any) -> Any:
     """value with its text as both databases store text: no NUL, no lone surrogate (an
     exception's message may hold one, as an undecodable file name does)."""
@@ -316,7 +328,6 @@ class DatabaseSpanProcessor(SpanProcessor):
         from django.db import connection, transaction
 
         from .engine.store.dialect import (
-            batch_json,
             ns_time_adapter,
             sql_cursor,
             statement_cursor,
@@ -336,12 +347,8 @@ class DatabaseSpanProcessor(SpanProcessor):
             # connection, its text never rebuilt nor parsed again.
             keys = ("i", "t", "s", "p", "n", "k", "st", "e", "c", "m", "a", "ev", "l")
             spans = [dict(zip(keys, row)) for row in rows]
-            text = batch_json(spans, _json_fallback)
-            if text is None or "null" in text or "\\u0000" in text:
-                # orjson writes a NaN or an infinity as null (text here); _json cleans a NUL
-                text = _json(spans, _ENCODE_COMPACT)
             with statement_cursor() as cursor:
-                cursor.execute(insert, [text])
+                cursor.execute(insert, [_fast_json(spans)])
                 by_span: dict[str, int | None] = dict(cursor.fetchall())
             return [StoredSpan(by_span.get(r[2]), r[1], r[2], r[4], r[8]) for r in rows]
         # SQLite: the transaction is IMMEDIATE (settings), so no instance the look-up found
@@ -400,9 +407,9 @@ class DatabaseSpanProcessor(SpanProcessor):
                 (attributes, events or [], links or [])
                 if postgres
                 else (
-                    _json(attributes),
-                    _json(events) if events else "[]",
-                    _json(links) if links else "[]",
+                    _fast_json(attributes),
+                    _fast_json(events) if events else "[]",
+                    _fast_json(links) if links else "[]",
                 )
             ),
         )
