@@ -561,3 +561,139 @@ def test_a_start_child_created_before_its_checkpoint_outlives_its_parent_end(mon
     children["is1:send"].send_event("go")
     testing.run_until_idle()
     assert parent.status().output == [{"parcel": 1}, "is1:notify", "checked"]
+
+
+@pytest.fixture
+def start_child_crashed_run(registered, monkeypatch):
+    """A parent whose first run created the child of its step.start and was cut short
+    before that step's checkpoint: the fault point refuses the checkpoint (every try: the
+    run is stopped and released, as when its worker dies there). Its next run (the same
+    pass) comes to the start only after a gathered invoke and check, the order its code
+    takes after the first run, as timing may have it: it parks with the invoke waiting
+    and the check waiting for its answer, the start's child running, no checkpoint of it.
+    Returns the parent."""
+    from workflows_app.engine import faults, runner
+
+    monkeypatch.setattr(runner, "WRITE_RETRY_DELAYS", (0.01, 0.01))  # three tries, then stop
+    runs: list[int] = []
+
+    @register("start-then-check")
+    class StartThenCheck(WorkflowEntrypoint):
+        async def run(self, event, step):
+            runs.append(len(runs) + 1)  # this run's number
+
+            async def notify():
+                return await step.start("notify", "parcel", params={"wait": True, "n": 2})
+
+            if len(runs) == 1:  # the first run starts the child first
+                await notify()
+
+            async def check():
+                if address["bad"]:
+                    await step.wait_for_event("answer", type="checked", timeout="1 day")
+                    await step.do("check", refuse)
+                return "checked"
+
+            sent, checked = await asyncio.gather(
+                step.invoke("send", "parcel", params={"wait": True, "n": 1}), check()
+            )
+            return [sent, checked, await notify()]
+
+    def refuse():
+        raise NonRetryableError("no address", "BadAddress")
+
+    parent = get_workflow("start-then-check").create(id="sc1")
+    faults.configure("before_checkpoint=raise@1-3")  # the start's checkpoint, its 3 tries
+    try:
+        testing.run_until_idle()
+    finally:
+        faults.configure("")
+    assert runs == [1, 2]
+    assert parent.status().status == "waiting"
+    children = {child.id: child for child in parent.children()}
+    assert {i: c.status().status for i, c in children.items()} == {
+        "sc1:notify": "waiting",
+        "sc1:send": "waiting",
+    }
+    assert {s.name: s.kind for s in parent.steps()} == {"send": "invoke", "answer": "waitForEvent"}
+    return parent
+
+
+@pytest.mark.parametrize(
+    ("end", "error"), [("errored", "BadAddress"), ("poison", "PoisonInstance")]
+)
+def test_a_start_child_an_earlier_run_created_outlives_its_parent_end(
+    start_child_crashed_run, end, error
+):
+    """The step.start's child was created by an earlier run that was cut short before
+    the start's checkpoint. The run that ends the parent (a gathered check refused while
+    the invoke waits, or the worker's PoisonInstance end) never came to the start: the
+    end knew a step.start by its checkpoint or by the starts the ending run began, found
+    neither, and terminated that child with the invoke's, though "start, don't wait"
+    outlives the parent. The child's row now says a step.start created it."""
+    parent = start_child_crashed_run
+    children = {child.id: child for child in parent.children()}
+    if end == "errored":
+        parent.send_event("checked")
+    else:
+        Instance.objects.filter(pk=parent.row().pk).update(
+            unproductive_claims=3, status="running", wake_at=clock.now()
+        )
+    testing.run_until_idle()
+    assert parent.status().error["name"] == error
+    assert children["sc1:send"].status().status == "terminated"
+    assert children["sc1:notify"].status().status == "waiting"
+    terminated = [h.data["id"] for h in parent.history() if h.type == "child.terminated"]
+    assert terminated == ["sc1:send"]
+    # A restart revives the invoke's child; the replay's start finds its child: no second.
+    address["bad"] = False
+    parent.restart()
+    testing.run_until_idle()
+    assert parent.status().status == "waiting"
+    children["sc1:send"].send_event("go")
+    testing.run_until_idle()
+    assert sorted(child.id for child in parent.children()) == ["sc1:notify", "sc1:send"]
+    assert parent.status().output == [{"parcel": 1}, "checked", "sc1:notify"]
+    assert children["sc1:notify"].status().status == "waiting"
+
+
+def test_children_made_before_0028_are_told_apart_by_their_steps_checkpoints():
+    """A child made before migration 0028 (or by a worker of the release before it) has
+    no kind on its row (NULL): the parent's end spares it when its step has a START_CHILD
+    checkpoint, and terminates it as an awaited one otherwise, as before 0028."""
+    parent = get_workflow("post-and-check").create(id="pc0")
+    testing.run_until_idle()
+    assert parent.status().status == "waiting"
+    Instance.objects.filter(parent_id=parent.row().pk).update(detached=None)
+    parent.send_event("checked")
+    testing.run_until_idle()
+    assert parent.status().error["name"] == "BadAddress"
+    started, child = parent.children()
+    assert (started.id, started.status().status) == ("pc0:notify", "waiting")
+    assert child.status().status == "terminated"
+
+
+def test_a_child_found_by_a_replay_takes_the_kind_of_the_step_that_finds_it(registered):
+    """A replay's step.start or step.invoke finds the child its step made by the step's
+    name. One made before 0028 (NULL) takes the kind of the step that finds it; so does
+    one a restart on a new version finds by the name of a step of the other kind, which
+    now awaits it (or no longer does): a later end of the parent terminates or spares it
+    as that step's."""
+    parent = get_workflow("post-and-forget").create(id="pk1")
+    testing.run_until_idle()
+    (child,) = parent.children()
+    assert child.row().detached is True
+    Instance.objects.filter(pk=child.row().pk).update(detached=None)  # as made before 0028
+    parent.restart()
+    testing.run_until_idle()
+    assert (parent.status().output, child.row().detached) == ("posted", True)
+
+    @register("post-and-forget", version=2)
+    class AwaitsItNow(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("notify", "parcel", params={"wait": True, "n": 2})
+
+    parent.restart(version=2)
+    testing.run_until_idle()
+    assert (parent.status().status, child.row().detached) == ("waiting", False)
+    assert [c.id for c in parent.children()] == ["pk1:notify"]

@@ -137,6 +137,11 @@ class Instance(models.Model):
     )
     parent_step = models.CharField(max_length=300, blank=True)
     parent_span = models.CharField(max_length=49, blank=True)
+    # A child: True when a step.start created it ("start, don't wait": it outlives its
+    # parent's end), False for a step.invoke's (ended with a parent that no longer waits).
+    # NULL for an instance without a parent, and for a child created before migration
+    # 0028 (or by a worker of the release before it): its parent's checkpoints tell.
+    detached = models.BooleanField(null=True, blank=True)
     # The schedule that started the instance and the tick it fired for ("" / NULL otherwise).
     schedule = models.CharField(max_length=80, blank=True, default="")
     scheduled_at = models.DateTimeField(null=True, blank=True)

@@ -195,10 +195,6 @@ class Run:
         # A step.invoke of this run began creating its child: from then on the child may
         # exist before its waiting checkpoint does (a branch stopped in between).
         self.invoke_began = False
-        # The step.start steps of this run that began creating their child: each child may
-        # exist before its checkpoint does (a branch stopped in between), and outlives the
-        # parent's end all the same (end_awaited_children spares it).
-        self.starts_began: set[str] = set()
         self.sleeps_ended = loaded.sleeps_ended  # see Step._sleep
         self.compensation_checkpoints = loaded.compensations
         # Checkpoints by the step before them in their branch: where replay must go next.
@@ -644,7 +640,6 @@ class Run:
                 end.step,
                 end_children,
                 unwound,
-                sorted(self.starts_began) if end_children else (),
             )
         )
 

@@ -764,7 +764,9 @@ class Step:
                 # if this branch is stopped before its waiting checkpoint is written.
                 run.invoke_began = True
                 try:
-                    child = await self._start_child(name, workflow, params, id, version)
+                    child = await self._start_child(
+                        name, workflow, params, id, version, detached=False
+                    )
                 except WorkflowError as exc:
                     failure = await self._start_failed(None, name, StepKind.INVOKE, workflow, exc)
                     if failure is exc:
@@ -807,11 +809,8 @@ class Step:
         if record is not None and record.status == StepStatus.FAILED:
             raise run.stored_failure(record)  # its child could not be started (_start_failed)
         async with run.activity():
-            # The child may exist from now on before this checkpoint does (this branch
-            # stopped in between): a run that ends meanwhile leaves it running all the same.
-            run.starts_began.add(name)
             try:
-                child = await self._start_child(name, workflow, params, id, version)
+                child = await self._start_child(name, workflow, params, id, version, detached=True)
             except WorkflowError as exc:
                 failure = await self._start_failed(
                     record, name, StepKind.START_CHILD, workflow, exc
@@ -837,7 +836,13 @@ class Step:
             return child.instance_id
 
     async def _start_child(
-        self, name: str, workflow: str, params: Any, id: str | None, version: int | None
+        self,
+        name: str,
+        workflow: str,
+        params: Any,
+        id: str | None,
+        version: int | None,
+        detached: bool,
     ) -> Instance:
         from .registry import get_definition  # the registry imports this module
 
@@ -867,6 +872,7 @@ class Step:
             parent_pk=run.pk,
             parent_step=name,
             parent_span=f"{trace_id}:{span_id}" if span_id else "",
+            detached=detached,  # step.start's: it outlives the parent's end (Instance.detached)
             parent_token=run.token,
         )
         actor = f"{run.definition.name}/{run.instance_id}"

@@ -918,6 +918,11 @@ def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int
                 parent_id=item.parent_pk, parent_step=item.parent_step
             ).first()
             if child is not None:
+                if child.detached != item.detached:
+                    # Made before 0028 (NULL), or by a step of the other kind (a restart
+                    # on a version that changed it): the step that finds it now says.
+                    Instance.objects.filter(id=child.pk).update(detached=item.detached)
+                    child.detached = item.detached
                 found[position] = child
     return found
 
@@ -1080,6 +1085,7 @@ def _new_row(
         parent_id=item.parent_pk,
         parent_step=item.parent_step,
         parent_span=item.parent_span,
+        detached=item.detached,
         queue=item.queue,
     )
     return new_model_object(Instance, given)
@@ -1509,21 +1515,25 @@ def _end_terminated(
             promote_queued(workflow, limits, now, freed_keys=freed)
 
 
-def end_awaited_children(pk: int, now: datetime, detached: Sequence[str] = ()) -> None:
+def end_awaited_children(pk: int, now: datetime) -> None:
     """A parent that ended on its own (complete or errored) while a step.invoke of it still
     waited (a gathered branch failed, or run() returned without awaiting it) terminates that
     child, and the child's children: nothing will take its output. The children of its
     step.start steps run on: "start, don't wait" outlives the parent (detached), as does a
     child compensating (its parent's cancel(compensate=True), whose own compensation
-    failed: the child's are not cut short). A step.start is known by its checkpoint, or
-    by `detached` (those the ending run began: a branch stopped between the creation and
-    the checkpoint leaves a child and no checkpoint). Inside the parent's finishing
-    transaction, its row locked; a restart revives them (the child.terminated records)."""
+    failed: the child's are not cut short). A step.start's child says so on its row, from
+    its creation: whichever run created it, and whether or not its checkpoint was written
+    (a branch stopped, a run cut short in between). One made before migration 0028 (NULL)
+    is known by its step's START_CHILD checkpoint, as before. Inside the parent's
+    finishing transaction, its row locked; a restart revives them (the child.terminated
+    records)."""
     parent = Instance.objects.only("id", "workflow", "instance_id").get(id=pk)
-    checkpointed = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values_list(
-        "name", flat=True
+    started = StepRecord.objects.filter(instance_id=pk, kind=StepKind.START_CHILD).values("name")
+    spared = (
+        Q(detached=True)
+        | Q(detached__isnull=True, parent_step__in=started)
+        | Q(status=Status.COMPENSATING)
     )
-    spared = Q(parent_step__in=[*checkpointed, *detached]) | Q(status=Status.COMPENSATING)
     _terminate_children([parent], "", now, spared=spared)
 
 

@@ -83,6 +83,7 @@ class NewInstance:
     parent_pk: int | None = None
     parent_step: str = ""
     parent_span: str = ""
+    detached: bool | None = None  # a step.start's child (Instance.detached)
     # The lease of the parent's run that starts it: a run that lost it (a cancel, a
     # terminate, a restart overtook it) starts no child.
     parent_token: str | None = None

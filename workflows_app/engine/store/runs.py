@@ -571,7 +571,6 @@ def finish(
     step: StepWrite | None = None,
     end_children: bool = False,
     unwound: bool = False,
-    detached: Sequence[str] = (),
 ) -> bool:
     """End the instance (complete, errored, terminated), free its place, start queued ones.
 
@@ -580,9 +579,7 @@ def finish(
     `step`: the run's last checkpoint, not written yet (Run.write's hold), goes with the
     end: in its one statement (PostgreSQL) or its transaction. `end_children`: the run
     ends while a step.invoke of it waits for its child, which is terminated in the same
-    transaction (end_awaited_children); only such a run pays for the look. `detached`: its
-    step.start steps that began creating a child this run, spared with the checkpointed
-    ones (a child may exist before its checkpoint does). `unwound`: the
+    transaction (end_awaited_children); only such a run pays for the look. `unwound`: the
     end of the run that unwound a cancel(compensate=True), errored when a compensation
     failed for good, passes the fence that refuses other ends while that cancel is pending.
     """
@@ -610,7 +607,7 @@ def finish(
             return False
         finished = _finish_rows(*end, history, error_record, unwound)
         if finished and end_children:
-            end_awaited_children(pk, end[4], detached)
+            end_awaited_children(pk, end[4])
     if finished and step is not None:
         faults.hit("after_checkpoint")
     return finished
