@@ -9,6 +9,7 @@ import pytest
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, register
+from workflows_app.models import Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -150,3 +151,23 @@ def test_an_instance_beyond_the_admission_scan_is_not_told_a_limit_the_workflow_
         assert tail.status().status == "queued"
         assert "max_concurrent_instances" not in reason, reason
         assert reason, "a queued instance says why it waits"
+
+
+def test_a_long_concurrency_key_of_odd_characters_queues_with_a_reason_that_fits(registered):
+    """A key of 200 zero-width spaces is accepted (1-200 characters), but the reason its
+    instances wait quoted it whole, by repr(): 1,245 characters, past the 500 of the
+    waiting_reason column. PostgreSQL refused the admission's write: the create failed
+    with a DataError (a 500 at the API) whenever the key's places were all taken."""
+    register_gated_version("odd-key", 1, max_concurrent_per_key=1)
+    wf = get_workflow("odd-key")
+    key = "\u200b" * 200
+    first = wf.create(id="first", concurrency_key=key)
+    second = wf.create(id="second", concurrency_key=key)
+    assert statuses([first, second]) == ["running", "queued"]
+    reason = second.status().waiting_reason
+    assert reason.startswith("max_concurrent_per_key (1) reached for key '\\u200b")
+    assert len(reason) <= Instance._meta.get_field("waiting_reason").max_length
+    testing.run_until_idle()
+    first.send_event("go")
+    testing.run_until_idle()
+    assert statuses([first, second]) == ["complete", "waiting"]
