@@ -171,3 +171,27 @@ def test_a_long_concurrency_key_of_odd_characters_queues_with_a_reason_that_fits
     first.send_event("go")
     testing.run_until_idle()
     assert statuses([first, second]) == ["complete", "waiting"]
+
+
+def test_a_debounce_merge_takes_the_concurrency_key_of_the_newest_create(registered):
+    """The pending instance takes the newest create's params (and attributes, priority,
+    version): its concurrency key too. Kept, the instance ran the params of a create for
+    key B under key A, beside another instance of B, past max_concurrent_per_key=1."""
+    register_gated_version("debounce-key-moves", 1, max_concurrent_per_key=1)
+    wf = get_workflow("debounce-key-moves")
+    with testing.fake_clock() as clock:
+        busy = wf.create(id="busy", concurrency_key="B")
+        pending = wf.create(id="pending", concurrency_key="A", debounce_key="d", debounce="1 s")
+        merged = wf.create(
+            params={"for": "B"}, concurrency_key="B", debounce_key="d", debounce="1 s"
+        )
+        assert (merged.id, merged.created) == (pending.id, False)
+        assert merged.row().concurrency_key == "B"
+        assert merged.history()[-1].data["concurrency_key"] == "B"
+        clock.advance("2 seconds")
+        testing.run_until_idle()
+        assert statuses([busy, merged]) == ["waiting", "queued"]
+        assert merged.status().waiting_reason == "max_concurrent_per_key (1) reached for key 'B'"
+        busy.send_event("go")
+        testing.run_until_idle()
+        assert statuses([busy, merged]) == ["complete", "waiting"]

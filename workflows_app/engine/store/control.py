@@ -938,7 +938,9 @@ def _debounce(
     name: str, version: int, item: NewInstance, now: datetime, actor: str
 ) -> Instance | None:
     """An instance with the item's debounce key that has not started: it takes the new
-    params, search attributes (the newest create describes it) and version (it has no
+    params, search attributes and concurrency key (the newest create describes it: kept,
+    the old key let the new params run beside an instance of the key the create named,
+    past max_concurrent_per_key), and version (it has no
     checkpoint a version could disagree with: a create of a new version after a rollout
     must not run the old code on its params) and starts debounce after now. The create's
     idempotency key, when the instance has another, is kept beside it: the create's retry
@@ -962,12 +964,15 @@ def _debounce(
         version=version,
         admit_at=admit_at,
         priority=item.priority,
+        concurrency_key=item.concurrency_key,
         waiting_reason=DEBOUNCED + admit_at.isoformat(),
         updated_at=now,
     )
     data: dict[str, Any] = {"until": admit_at.isoformat()}
     if pending.version != version:
         data["version"] = version
+    if pending.concurrency_key != item.concurrency_key:
+        data["concurrency_key"] = item.concurrency_key
     append_history(pending.pk, [History("instance.debounced", data, actor)], now)
     key = item.idempotency_key
     if key and not (key == pending.idempotency_key and pending.version == version):
