@@ -195,3 +195,21 @@ def test_a_debounce_merge_takes_the_concurrency_key_of_the_newest_create(registe
         busy.send_event("go")
         testing.run_until_idle()
         assert statuses([busy, merged]) == ["complete", "waiting"]
+
+
+def test_a_debounce_merge_takes_the_retention_of_the_newest_create(registered):
+    """A create merged into a pending instance asked for its retention: the instance
+    that ran its params kept the first create's (none here: kept for ever)."""
+    register_gated_version("debounce-retention", 1)
+    wf = get_workflow("debounce-retention")
+    with testing.fake_clock() as clock:
+        pending = wf.create(id="pending", debounce_key="d", debounce="1 s")
+        merged = wf.create(debounce_key="d", debounce="1 s", retention={"success": "7 days"})
+        assert (merged.id, merged.created) == (pending.id, False)
+        clock.advance("2 seconds")
+        testing.run_until_idle()
+        merged.send_event("go")
+        testing.run_until_idle()
+        row = merged.row()
+        assert row.status == "complete"
+        assert row.expires_at == row.finished_at + timedelta(days=7)

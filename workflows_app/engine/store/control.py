@@ -938,9 +938,10 @@ def _debounce(
     name: str, version: int, item: NewInstance, now: datetime, actor: str
 ) -> Instance | None:
     """An instance with the item's debounce key that has not started: it takes the new
-    params, search attributes and concurrency key (the newest create describes it: kept,
-    the old key let the new params run beside an instance of the key the create named,
-    past max_concurrent_per_key), and version (it has no
+    params, search attributes, concurrency key and retention (the newest create describes
+    it: kept, the old key let the new params run beside an instance of the key the create
+    named, past max_concurrent_per_key, and the old retention kept for ever what the
+    create asked to delete after a week), and version (it has no
     checkpoint a version could disagree with: a create of a new version after a rollout
     must not run the old code on its params) and starts debounce after now. The create's
     idempotency key, when the instance has another, is kept beside it: the create's retry
@@ -965,6 +966,8 @@ def _debounce(
         admit_at=admit_at,
         priority=item.priority,
         concurrency_key=item.concurrency_key,
+        retention_ms=item.retention_ms,
+        retention_error_ms=item.retention_error_ms,
         waiting_reason=DEBOUNCED + admit_at.isoformat(),
         updated_at=now,
     )
