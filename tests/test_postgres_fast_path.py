@@ -1072,3 +1072,69 @@ async def test_a_worker_looks_at_the_tables_growth_between_claims_every_few_seco
         assert analyzed[1] == []  # not grown since
     finally:
         await asyncio.get_running_loop().run_in_executor(None, worker.db.close)
+
+
+def test_a_claim_and_the_next_timer_read_none_of_the_fleets_leased_rows(registered):
+    """A running instance stays due (its wake_at is kept for the run after a crash), so
+    the claim's read by wake_at, and the idle wait's read of the next timer, went past
+    every row the fleet's workers held before the first they could take: 2,000 leased
+    rows read twice a claim. Now the unleased due rows and those whose lease ran out are
+    read by indexes of their own (instance_unleased_runnable, instance_lease_expiry); the
+    claim still takes both, in wake_at order."""
+    postgres_only()
+    from tests.test_admission_many_keys import tuples_read
+
+    wf = get_workflow("fleet")
+    template = wf.create(id="template").row()
+    now = clock.now()
+    table = Instance._meta.db_table
+    copied = [
+        f.column
+        for f in Instance._meta.concrete_fields
+        if f.column
+        not in ("id", "instance_id", "wake_at", "lease_token", "lease_expires_at", "status")
+    ]
+    columns = ", ".join(copied)
+
+    def clone(prefix: str, count: int, wake_at, token: str | None, expires, status: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}, instance_id, wake_at, lease_token, "
+                f"lease_expires_at, status) SELECT {columns}, %s || g::text, "
+                "%s - g * interval '1 millisecond', "
+                "CASE WHEN %s::text IS NULL THEN NULL ELSE %s || g::text END, %s, %s "
+                f"FROM {table}, generate_series(1, %s) g WHERE id = %s",
+                [prefix, wake_at, token, token, expires, status, count, template.pk],
+            )
+
+    # Held by other workers: due long ago, leases live for another minute.
+    clone("held-", 2000, now - timedelta(hours=1), "other-", now + timedelta(minutes=1), "running")
+    # A worker that died: its leases ran out a minute ago.
+    clone("orphan-", 3, now - timedelta(minutes=30), "dead-", now - timedelta(minutes=1), "running")
+    Instance.objects.filter(pk=template.pk).update(wake_at=now - timedelta(minutes=10))
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {table}")
+    with transaction.atomic():
+        before = tuples_read()
+        next_wake = store.next_wake_at()
+        claimed = store.claim_runnable("w-test", 50, 30)
+        read = tuples_read() - before
+    assert next_wake == now - timedelta(minutes=10)
+    taken = dict(
+        Instance.objects.filter(pk__in=[pk for pk, _ in claimed]).values_list(
+            "instance_id", "lease_owner"
+        )
+    )
+    assert sorted(taken) == ["orphan-1", "orphan-2", "orphan-3", "template"]
+    assert set(taken.values()) == {"w-test"}
+    assert Instance.objects.filter(lease_token__startswith="other-").count() == 2000
+    # The 4 rows taken, through 2 indexes, and the next timer's: not 2,000 twice.
+    assert read < 100, f"{read} rows and index entries read"
+    # So does the plan the server keeps for the statement once it is prepared.
+    from workflows_app.engine.store import leases
+
+    params = leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
+    for sql in (leases.CLAIM_SQL, leases.CLAIM_BY_PRIORITY_SQL):
+        plan = _generic_plan(sql, params)
+        assert "instance_unleased_runnable" in plan and "instance_lease_expiry" in plan, plan
+        assert "using instance_runnable" not in plan, plan

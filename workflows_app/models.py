@@ -184,6 +184,14 @@ class Instance(models.Model):
             models.Index(
                 fields=["wake_at"], name="instance_runnable", condition=Q(wake_at__isnull=False)
             ),
+            # the same without the leased rows: the claim's pick of the unleased and the
+            # idle wait's next timer read no running instance of the fleet's (those stay
+            # due in instance_runnable while their leases last)
+            models.Index(
+                fields=["wake_at"],
+                name="instance_unleased_runnable",
+                condition=Q(wake_at__isnull=False, lease_token__isnull=True),
+            ),
             # a worker of some queues only: WHERE queue = ? AND wake_at <= now ORDER BY
             # wake_at (tasks only; other instances, queue NULL, are not in it)
             models.Index(
@@ -203,6 +211,12 @@ class Instance(models.Model):
                 fields=["queue", "priority", "wake_at"],
                 name="instance_queue_priority",
                 condition=Q(queue__isnull=False, wake_at__isnull=False),
+            ),
+            # the claim's pick of the due rows whose lease ran out (a worker died or hung)
+            models.Index(
+                fields=["lease_expires_at"],
+                name="instance_lease_expiry",
+                condition=Q(lease_token__isnull=False),
             ),
             # heartbeat: WHERE lease_token IN (the worker's tokens); only leased rows are in it
             models.Index(

@@ -427,13 +427,36 @@ _RUNNABLE = """wake_at <= %(now)s AND (lease_expires_at IS NULL OR lease_expires
           SELECT jsonb_array_elements_text(CAST(%(versions)s AS jsonb)))
         OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(CAST(%(prefixes)s AS jsonb)) AS p
           WHERE starts_with(workflow, p.value)))"""
-_PICKED = f"""
-    SELECT id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
-        workflow, version
-    FROM {INSTANCE_TABLE}
-    WHERE {_RUNNABLE}
-    ORDER BY wake_at LIMIT %(limit)s
-    FOR NO KEY UPDATE SKIP LOCKED"""
+
+
+def _first_due(columns: str) -> str:
+    """The first %(limit)s rows of _RUNNABLE by wake_at, locked, skipping those another
+    claim holds; `columns` and due_at (their wake_at). Read as the rows no worker holds
+    (instance_unleased_runnable) and those whose lease ran out, the first lost first
+    (instance_lease_expiry): a running instance stays due, so one read through
+    instance_runnable went past every leased row of the fleet first (600 of them: 1.1 ms
+    of the server's time a claim). A lease always has its expiry: each write of a
+    lease_token writes lease_expires_at."""
+    return f"""
+        WITH unleased AS (
+            SELECT {columns}, wake_at AS due_at FROM {INSTANCE_TABLE}
+            WHERE lease_token IS NULL AND {_RUNNABLE}
+            ORDER BY wake_at LIMIT %(limit)s
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), expired AS (
+            SELECT {columns}, wake_at AS due_at FROM {INSTANCE_TABLE}
+            WHERE lease_token IS NOT NULL AND lease_expires_at <= %(now)s AND {_RUNNABLE}
+            ORDER BY lease_expires_at LIMIT %(limit)s
+            FOR NO KEY UPDATE SKIP LOCKED
+        )
+        SELECT * FROM unleased UNION ALL SELECT * FROM expired
+        ORDER BY due_at LIMIT %(limit)s"""
+
+
+_TASK_COLUMNS = """id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
+        workflow, version"""
+_PICKED_COLUMNS = "id, old_token, old_status, compensate_on_cancel, workflow, version"
+_PICKED = f"SELECT {_PICKED_COLUMNS} FROM ({_first_due(_TASK_COLUMNS)}) AS due"
 # A worker that runs Django tasks (a task is an instance with a queue) takes the due tasks
 # by priority: a task's rank is its wake_at put back PRIORITY_AGING for each level of
 # priority (0-9, lower first), so of tasks due together the more urgent runs first, the
@@ -449,9 +472,6 @@ _PICKED = f"""
 # are let go at the statement's end.
 PRIORITY_AGING = timedelta(minutes=1)
 _RANK = f"wake_at + priority * interval '{int(PRIORITY_AGING.total_seconds())} seconds'"
-_TASK_COLUMNS = """id, lease_token AS old_token, status AS old_status, compensate_on_cancel,
-        workflow, version"""
-_PICKED_COLUMNS = "id, old_token, old_status, compensate_on_cancel, workflow, version"
 
 
 def _tasks_by_rank(candidates: str, places: str) -> str:
@@ -467,11 +487,7 @@ def _tasks_by_rank(candidates: str, places: str) -> str:
 
 _PICKED_BY_PRIORITY = f"""
     WITH due AS MATERIALIZED (
-        SELECT {_TASK_COLUMNS}, queue IS NOT NULL AS is_task
-        FROM {INSTANCE_TABLE}
-        WHERE {_RUNNABLE}
-        ORDER BY wake_at LIMIT %(limit)s
-        FOR NO KEY UPDATE SKIP LOCKED
+        {_first_due(f"{_TASK_COLUMNS}, queue IS NOT NULL AS is_task")}
     ), places AS (SELECT count(*) AS n FROM due WHERE is_task)
     SELECT {_PICKED_COLUMNS} FROM due WHERE NOT is_task
     UNION ALL SELECT * FROM ({
