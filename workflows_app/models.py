@@ -212,11 +212,13 @@ class Instance(models.Model):
                 name="instance_queue_priority",
                 condition=Q(queue__isnull=False, wake_at__isnull=False),
             ),
-            # the claim's pick of the due rows whose lease ran out (a worker died or hung)
+            # the claim's pick of the due rows whose lease ran out (a worker died or hung).
+            # Of the rows with an expiry, not "with a token": a read by token (a claim's
+            # loads, a heartbeat) could then take it too, and read every lease of the fleet.
             models.Index(
                 fields=["lease_expires_at"],
                 name="instance_lease_expiry",
-                condition=Q(lease_token__isnull=False),
+                condition=Q(lease_expires_at__isnull=False),
             ),
             # heartbeat: WHERE lease_token IN (the worker's tokens); only leased rows are in it
             models.Index(

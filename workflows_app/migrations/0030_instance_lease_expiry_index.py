@@ -1,4 +1,6 @@
-"""The index of the leases by expiry: (lease_expires_at) WHERE lease_token IS NOT NULL.
+"""The index of the leases by expiry: (lease_expires_at) WHERE lease_expires_at IS NOT NULL
+(a lease's token and expiry are written together; a predicate on the token would let a
+read by token, a claim's loads or a heartbeat, take this index and read every lease).
 
 The claim picks the due rows whose lease ran out (a worker that died or hung) through it,
 beside those no worker holds (0029), instead of reading every leased row of the fleet
@@ -24,7 +26,7 @@ class Migration(migrations.Migration):
         AddIndexConcurrently(
             model_name="instance",
             index=models.Index(
-                condition=models.Q(("lease_token__isnull", False)),
+                condition=models.Q(("lease_expires_at__isnull", False)),
                 fields=["lease_expires_at"],
                 name="instance_lease_expiry",
             ),
