@@ -401,6 +401,15 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
 
 
+def _terminate_live(h: InstanceHandle, actor: str) -> None:
+    """A bulk terminate's: an instance that had already finished is a failure to report,
+    not one more "Terminated" (terminate() changes nothing and says so with False)."""
+    if not h.terminate(actor=actor):
+        raise errors.InvalidTransition(
+            f"cannot terminate instance {h.id!r}: it is already {h.status().status}"
+        )
+
+
 def _send_event_keeping_input(
     request: HttpRequest, h: InstanceHandle, row: Instance
 ) -> HttpResponse:
@@ -441,8 +450,12 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
     for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(
         "id", "workflow", "instance_id"
     ):
+        handle = InstanceHandle(row.workflow, row.instance_id, row)
         try:
-            ACTIONS[action](InstanceHandle(row.workflow, row.instance_id, row), request, actor)
+            if action == "terminate":
+                _terminate_live(handle, actor)
+            else:
+                ACTIONS[action](handle, request, actor)
             done += 1
         except WorkflowError as exc:
             failed.append(f"{row.instance_id}: {exc}")

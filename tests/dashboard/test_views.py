@@ -442,6 +442,22 @@ def test_bulk_actions_apply_to_each_selected_instance(operator_client, approval_
     assert a.status().status == "terminated" and b.status().status == "terminated"
 
 
+def test_bulk_terminate_counts_only_the_instances_it_terminated(operator_client, approval_workflow):
+    """terminate() of a finished instance changes nothing (it returns False): the bulk
+    message said "Terminated 2 instances." when only one was, as the admin does not."""
+    live, ended = waiting_instance(approval_workflow), waiting_instance(approval_workflow)
+    ended.terminate(actor="test")
+    response = operator_client.post(
+        reverse("workflows:bulk"),
+        {"action": "terminate", "pk": [live.row().pk, ended.row().pk]},
+        follow=True,
+    )
+    page = response.content.decode()
+    assert live.status().status == "terminated"
+    assert "Terminated 1 instance." in page
+    assert f"{ended.id}: cannot terminate instance" in page and "already terminated" in page
+
+
 def test_bulk_with_nothing_selected_says_what_is_missing(operator_client, approval_workflow):
     response = operator_client.post(reverse("workflows:bulk"), {"action": "pause"}, follow=True)
     page = response.content.decode()
