@@ -265,6 +265,37 @@ def test_children_ended_with_their_parent_are_told_to_every_worker_at_commit(reg
         listener.stop()
 
 
+def test_instances_a_bulk_terminate_ends_are_told_to_every_worker_at_commit(registered):
+    """A bulk terminate ends a batch in a few statements (store.terminate_batch), not
+    through terminate(); its instances were announced through the channel layer only, so
+    in a fleet without Redis the worker running one went on running its step until its
+    next poll, where terminate() of the same instance NOTIFYs every worker at commit."""
+    postgres_only()
+    from workflows_app import bulk
+
+    @register("notify-bulk-terminate")
+    class Waiter(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.wait_for_event("go", type="go")
+
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        wf = get_workflow("notify-bulk-terminate")
+        handles = [wf.create(id=f"bulk-{n}") for n in range(3)]
+        testing.run_until_idle()
+        job = wf.bulk("terminate", status="waiting")
+        assert bulk.process_batch(job.id) is not None
+        assert job.refresh().applied == 3
+        for handle in handles:
+            pk = handle.row().pk
+            wait_until(lambda pk=pk: ("terminate", pk) in heard, 10, "the hint of its terminate")
+    finally:
+        listener.stop()
+
+
 @needs_redis
 def test_a_hint_workers_hear_by_notify_is_not_sent_through_redis_as_well(
     registered, settings, monkeypatch

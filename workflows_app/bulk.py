@@ -92,12 +92,18 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
         actor = job.actor or f"bulk#{job.pk}"
         if job.action == BulkAction.TERMINATE:
             # The common case at scale: a few statements per batch instead of a few per
-            # instance; each terminated instance is announced as terminate() would.
+            # instance; each terminated instance is announced as terminate() would: every
+            # worker told at commit (PostgreSQL NOTIFY: a fleet without Redis hears it
+            # only so), and through the channel layer only where they do not LISTEN.
             terminated = store.terminate_batch(pks, actor)
+            store.hint_workers("terminate", [row.pk for row in terminated])
+            notified = store.workers_listen()
             for row in terminated:
                 count_ended_on_commit(row.workflow, Status.TERMINATED)
                 transaction.on_commit(
-                    functools.partial(live.instance_changed, "terminate", row.pk, row.workflow)
+                    functools.partial(
+                        live.instance_changed, "terminate", row.pk, row.workflow, notified
+                    )
                 )
             return store.bulk.record_batch(
                 job, pks, len(terminated), len(pks) - len(terminated), []
