@@ -220,3 +220,45 @@ def test_a_typed_wait_judges_the_payload_it_will_receive_not_the_python_object_s
     inst.send_event("items", {"items": (1, 2)})  # EventPayloadInvalid today
     testing.run_until_idle()
     assert inst.status().output == {"items": [1, 2]}
+
+
+def test_a_wait_whose_schema_reference_does_not_resolve_refuses_an_event_clearly(registered):
+    """check_schema (step.py) accepts a schema whose $ref points nowhere: it checks the
+    schema's form, not where its references lead. send_event's validation then raised
+    jsonschema's _WrappedReferencingError, no WorkflowError: the API answered 500
+    InternalError, the dashboard's form a server error, a bulk send_event logged a
+    traceback. It is refused as a payload that no payload can pass, and nothing stored."""
+    import json
+
+    from django.test import Client
+
+    from workflows_app import tokens
+    from workflows_app.engine import errors
+    from workflows_app.models import HistoryRecord, InboxEvent
+
+    @register("dangling-ref")
+    class DanglingRef(WorkflowEntrypoint):
+        async def run(self, event, step):
+            received = await step.wait_for_event(
+                "approval", type="go", schema={"$ref": "#/$defs/missing"}
+            )
+            return received.payload
+
+    inst = get_workflow("dangling-ref").create(id="dangling")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    history = HistoryRecord.objects.count()
+    with pytest.raises(errors.EventPayloadInvalid, match="does not resolve"):
+        inst.send_event("go", {"ok": True})
+    _, secret = tokens.issue("dangling-ref-test")
+    response = Client().post(
+        "/api/workflows/dangling-ref/instances/dangling/events/go",
+        json.dumps({"ok": True}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {secret}"},
+    )
+    assert response.status_code == 400, response.content
+    assert response.json()["errors"][0]["code"] == "EventPayloadInvalid"
+    assert not InboxEvent.objects.exists()
+    assert HistoryRecord.objects.count() == history
+    assert inst.status().status == "waiting"

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jsonschema
+import referencing.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, transaction
@@ -880,10 +881,19 @@ class InstanceHandle:
             validator_class = jsonschema.validators.validator_for(json.loads(schema_json))
             validator = validator_class(json.loads(schema_json))
             stored = json.loads(payload_json)  # what the wait receives (a tuple is an array)
-            violations = [
-                f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
-                for e in validator.iter_errors(stored)
-            ]
+            try:
+                violations = [
+                    f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
+                    for e in validator.iter_errors(stored)
+                ]
+            except referencing.exceptions.Unresolvable as exc:
+                # check_schema passed it (it checks the form, not where a $ref leads): no
+                # payload can pass this wait, so this one is refused as not matching.
+                raise errors.EventPayloadInvalid(
+                    f"payload of event {type!r} cannot match the schema of the step waiting "
+                    f"for it: a reference in the schema does not resolve ({exc})",
+                    [f"(schema): {exc}"],
+                ) from None
             if violations:
                 raise errors.EventPayloadInvalid(
                     f"payload of event {type!r} does not match the schema of the step waiting for it: "
