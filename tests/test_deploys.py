@@ -740,6 +740,7 @@ def test_a_worker_whose_connection_drops_during_its_start_up_checks_starts_all_t
 
     from workflows_app.engine import faults
     from workflows_app.management.commands import runworker
+    from workflows_app.schema import START_CHECK_TRIES
 
     @register("checked-at-start")
     class CheckedAtStart(WorkflowEntrypoint):
@@ -753,10 +754,135 @@ def test_a_worker_whose_connection_drops_during_its_start_up_checks_starts_all_t
             runworker.start_checks()
         assert "dropped the connection during the start-up checks" in caplog.text
         assert WorkflowVersion.objects.filter(name="checked-at-start").exists()  # synced
-        faults.configure(f"start_checks=terminate_backend@1-{runworker.START_CHECK_TRIES}")
-        tries = runworker.START_CHECK_TRIES
-        with pytest.raises(CommandError, match=f"dropped the connection {tries} times"):
+        faults.configure(f"start_checks=terminate_backend@1-{START_CHECK_TRIES}")
+        with pytest.raises(CommandError, match=f"dropped the connection {START_CHECK_TRIES} times"):
             runworker.start_checks()
     finally:
         faults.configure("")
+        connection.close()
+
+
+def end_this_thread_s_connection_from_another() -> None:
+    """PostgreSQL ends this thread's open connection, as a failover or a restart ends a
+    pooled one: the next statement on it fails. Waits until the backend is gone."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: the fault is pg_terminate_backend")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        [pid] = cursor.fetchone()
+    with connection.Database.connect(**connection.get_connection_params()) as other:
+        ended = other.execute("SELECT pg_terminate_backend(%s, 5000)", [pid]).fetchone()
+    assert ended == (True,)
+
+
+def said_by_the_engine(caplog: pytest.LogCaptureFixture, level: str) -> list[str]:
+    """wfdash's lines at `level` (psycopg's pool also warns when it discards a connection
+    the server ended)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == level and r.name.startswith("workflows_app")
+    ]
+
+
+def define_changed_under_version_1() -> None:
+    """A workflow whose code changed under version 1, as another release stored it."""
+    from workflows_app.engine import clock
+
+    @register("changed-at-start")
+    class ChangedAtStart(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "this release's code"
+
+    now = clock.now()
+    WorkflowVersion.objects.create(
+        name="changed-at-start",
+        version=1,
+        source_hash="0" * 64,  # another release's code
+        class_path="elsewhere.ChangedAtStart",
+        registered_at=now,
+        last_seen_at=now,
+    )
+
+
+def test_daphne_and_runserver_refuse_changed_code_when_the_database_drops_the_check_s_connection(
+    registered, settings
+):
+    """daphne (wfdash/asgi.py) and runserver check the catalog before they serve
+    (changed_versions): a connection the server had ended (a failover, a restart during a
+    deploy) was taken for a database that could not say yet, so a workflow whose code
+    changed under a stored version was served without its engine, refused later in a
+    CRITICAL line. The check now begins again on a new connection."""
+    from django.db import connection
+
+    from workflows_app import embedded
+
+    settings.WFDASH = {**settings.WFDASH, "EMBEDDED_WORKER": True}
+    define_changed_under_version_1()
+    try:
+        end_this_thread_s_connection_from_another()
+        assert (embedded.changed_versions() or "").startswith(
+            "workflow 'changed-at-start' version 1 is already registered with different"
+        )
+    finally:
+        connection.close()
+
+
+def test_the_embedded_worker_s_start_check_says_a_dropped_connection_in_one_line(
+    registered, settings, caplog
+):
+    """The check daphne and runserver make begins again with runworker's helper: one
+    warning line a try; a database that keeps dropping the connection refuses the start,
+    in one line."""
+    from django.db import connection
+
+    from workflows_app import embedded
+    from workflows_app.engine import faults
+    from workflows_app.schema import START_CHECK_TRIES
+
+    settings.WFDASH = {**settings.WFDASH, "EMBEDDED_WORKER": True}
+    define_changed_under_version_1()
+    try:
+        # The server ends the check's connection under it (SQLite: an OperationalError).
+        faults.configure("start_checks=terminate_backend@1")
+        with caplog.at_level("WARNING", logger=embedded.log.name):
+            assert (embedded.changed_versions() or "").startswith(
+                "workflow 'changed-at-start' version 1 is already registered with different"
+            )
+        [warning] = said_by_the_engine(caplog, "WARNING")
+        assert warning.startswith(
+            "embedded wfdash worker: the database dropped the connection during the "
+            "start-up checks ("
+        ), warning
+        faults.configure(f"start_checks=terminate_backend@1-{START_CHECK_TRIES}")
+        assert (embedded.changed_versions() or "").startswith(
+            f"the database dropped the connection {START_CHECK_TRIES} times during the "
+            "embedded wfdash worker's start-up checks: "
+        )
+    finally:
+        faults.configure("")
+        connection.close()
+
+
+def test_runserver_s_migration_check_begins_again_when_the_database_drops_its_connection(
+    registered, caplog
+):
+    """runserver's start looks for unapplied migrations (Django's check_migrations): a
+    connection the server had ended (a failover, a restart) ended the start on the
+    traceback. It now begins again on a new connection, saying so in one warning line."""
+    from django.db import connection
+
+    from workflows_app.management.commands.runserver import Command
+
+    try:
+        end_this_thread_s_connection_from_another()
+        with caplog.at_level("WARNING", logger="workflows_app.engine"):
+            Command().check_migrations()
+        [warning] = said_by_the_engine(caplog, "WARNING")
+        assert warning.startswith(
+            "runserver: the database dropped the connection during the start-up checks ("
+        ), warning
+    finally:
         connection.close()

@@ -22,7 +22,12 @@ from django.conf import settings
 
 from .engine.worker import Worker, worker_queues
 from .live import EngineHooks
-from .schema import not_migrated_message, unapplied_migrations, unreachable_database
+from .schema import (
+    begin_again_on_dropped_connection,
+    not_migrated_message,
+    unapplied_migrations,
+    unreachable_database,
+)
 
 log = logging.getLogger("workflows_app.engine")
 # The signals that stop the server (and drain its worker): the reactor's own and SIGHUP.
@@ -57,26 +62,42 @@ def embedded_queues() -> tuple[str, ...] | None:
 
 def changed_versions() -> str | None:
     """What refuses the embedded worker's start, as one line: a workflow's code changed
-    under a version the catalog has (a deploy that did not bump it). None when nothing
-    does, or when the database cannot say yet (not reachable or not migrated: the worker
-    waits for it, saying so). Called before the server serves: runserver raises it as a
-    CommandError, daphne's command line exits with it (wfdash/asgi.py)."""
-    from django.db import DatabaseError, connection
+    under a version the catalog has (a deploy that did not bump it), or a database that
+    kept dropping the connection under the check. None when nothing does, or when the
+    database cannot say yet (not reachable or not migrated: the worker waits for it,
+    saying so). Called before the server serves: runserver raises it as a CommandError,
+    daphne's command line exits with it (wfdash/asgi.py)."""
+    from django.core.management.base import CommandError
+    from django.db import DatabaseError
 
     from .engine.errors import VersionConflict
-    from .engine.worker import sync_catalog
 
     if not embedded_enabled():
         return None
     try:
-        sync_catalog()
-    except VersionConflict as exc:
+        begin_again_on_dropped_connection(sync_catalog_once_migrated, "embedded wfdash worker")
+    except (VersionConflict, CommandError) as exc:
         return str(exc)
-    except DatabaseError:
+    except DatabaseError:  # not a dropped connection: the engine's own start says what
         return None
+    return None
+
+
+def sync_catalog_once_migrated() -> None:
+    """The engine's catalog sync (VersionConflict for changed code), unless the database
+    is not reachable or not migrated yet. A dropped connection is the caller's to try
+    again: it was taken for a database that could not say, and a deploy whose code changed
+    under a stored version served without its engine."""
+    from django.db import connection
+
+    from .engine.worker import sync_catalog
+
+    if unreachable_database() or unapplied_migrations():
+        return
+    try:
+        sync_catalog()
     finally:
         connection.close()  # this thread's: the engine and the requests use their own
-    return None
 
 
 def start_embedded_worker(loop: asyncio.AbstractEventLoop | None = None) -> Worker | None:

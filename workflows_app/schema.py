@@ -1,12 +1,22 @@
 """Whether the database has the code's schema: an engine started before `migrate` fails
-every statement, every poll interval, with a traceback that does not say to migrate."""
+every statement, every poll interval, with a traceback that does not say to migrate. And
+the start-up checks of runworker, runserver and daphne, tried again when the server drops
+their connection (begin_again_on_dropped_connection)."""
 
 from __future__ import annotations
 
-from django.db import DatabaseError, connections
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.db.migrations.executor import MigrationExecutor
 
+log = logging.getLogger("workflows_app.engine")
 CONNECT_SECONDS = 5  # a command run from a shell gives up on the database after this
+START_CHECK_TRIES = 5  # start-up checks begun again after a dropped connection, at most
+T = TypeVar("T")
 
 
 def unreachable_database(using: str = "default", seconds: int = CONNECT_SECONDS) -> str | None:
@@ -104,3 +114,39 @@ def not_migrated_message(pending: list[str], before: str = "starting the wfdash 
         f"the database has {len(pending)} unapplied migration(s) ({shown}): run "
         f"`python manage.py migrate` before {before}"
     )
+
+
+def begin_again_on_dropped_connection(checks: Callable[[], T], who: str) -> T:
+    """checks(), a server's or worker's start-up checks (the database reachable, migrated,
+    no workflow's code changed under a stored version), begun again on a new connection
+    when the server drops theirs (a restart, a failover, pg_terminate_backend): one warning
+    line a time, up to START_CHECK_TRIES, then a CommandError saying so. runworker exited
+    1 on the traceback when a fleet's backends were ended as it started; daphne and
+    runserver took the dropped connection for a database that could not say yet and
+    served a workflow whose code had changed under a stored version, without its engine.
+    `who` names the process in those lines ("wfdash worker")."""
+    from django.core.management.base import CommandError
+
+    from workflows_app.engine import faults
+
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            faults.hit("start_checks")
+            return checks()
+        except (OperationalError, InterfaceError) as exc:
+            connections["default"].close()
+            problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if attempt == START_CHECK_TRIES:
+                raise CommandError(
+                    f"the database dropped the connection {attempt} times during the "
+                    f"{who}'s start-up checks: {problem}"
+                ) from None
+            log.warning(
+                "%s: the database dropped the connection during the start-up checks (%s); "
+                "trying again",
+                who,
+                problem,
+            )
+            time.sleep(0.5 * attempt)

@@ -8,8 +8,8 @@
 Points: after_claim (instances leased, before their runs), after_side_effect (a step's
 callable returned, before its checkpoint), before_checkpoint (inside a checkpoint's
 transaction, before it writes), after_checkpoint (a checkpoint committed),
-before_release (a worker gives back the leases of runs cut short), start_checks (runworker's
-start-up checks, each try).
+before_release (a worker gives back the leases of runs cut short), start_checks (each try of
+the start-up checks of runworker, runserver and daphne's embedded worker).
 Actions: kill (os._exit(137), like SIGKILL), sleep:SECONDS, drop_connection (close this
 thread's database connection), terminate_backend (PostgreSQL ends this thread's connection
 under it; elsewhere: raise), raise (an OperationalError).

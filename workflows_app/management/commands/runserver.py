@@ -79,6 +79,14 @@ class Command(DaphneRunserver):
         _server_thread = threading.current_thread()
         return super().inner_run(*args, **options)
 
+    def check_migrations(self) -> None:
+        """Django's look for unapplied migrations, begun again on a new connection when the
+        server drops it (a restart, a failover): it ended runserver's start on the
+        traceback."""
+        from workflows_app.schema import begin_again_on_dropped_connection
+
+        begin_again_on_dropped_connection(super().check_migrations, "runserver")
+
 
 _server_thread: threading.Thread | None = None
 # How long the reloader's child waits for its server thread (the worker's drain, then the

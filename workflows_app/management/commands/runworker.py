@@ -303,42 +303,25 @@ class Command(ChannelsRunworker):
         super().handle(*args, **options)
 
 
-START_CHECK_TRIES = 5  # start-up checks begun again after a dropped connection, at most
-
-
 def start_checks() -> None:
     """Before the engine starts: the database reachable, migrated, and no workflow's code
-    changed under a stored version. A connection the server drops meanwhile (a restart, a
-    failover, pg_terminate_backend) costs a try, not the worker: the checks begin again on
-    a new connection. It exited 1 when a fleet's backends were ended as it started."""
-    from django.db import InterfaceError, OperationalError
+    changed under a stored version; begun again on a new connection when the server drops
+    theirs (it exited 1 when a fleet's backends were ended as it started)."""
+    from workflows_app.schema import begin_again_on_dropped_connection
 
-    from workflows_app.engine import faults
+    begin_again_on_dropped_connection(check_database_once, "wfdash worker")
+
+
+def check_database_once() -> None:
+    """One try of start_checks: CommandError when the database is not reachable (after
+    waiting for it), not migrated, or refuses a version."""
     from workflows_app.schema import not_migrated_message, unapplied_migrations
 
-    for attempt in range(1, START_CHECK_TRIES + 1):
-        wait_for_database()
-        try:
-            faults.hit("start_checks")
-            pending = unapplied_migrations()
-            if pending:
-                raise CommandError(not_migrated_message(pending))
-            refuse_changed_versions()
-            return
-        except (OperationalError, InterfaceError) as exc:
-            connection.close()
-            problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            if attempt == START_CHECK_TRIES:
-                raise CommandError(
-                    f"the database dropped the connection {attempt} times during the "
-                    f"worker's start-up checks: {problem}"
-                ) from None
-            log.warning(
-                "wfdash worker: the database dropped the connection during the start-up "
-                "checks (%s); trying again",
-                problem,
-            )
-            time.sleep(0.5 * attempt)
+    wait_for_database()
+    pending = unapplied_migrations()
+    if pending:
+        raise CommandError(not_migrated_message(pending))
+    refuse_changed_versions()
 
 
 def refuse_changed_versions() -> None:
