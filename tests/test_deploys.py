@@ -886,3 +886,48 @@ def test_runserver_s_migration_check_begins_again_when_the_database_drops_its_co
         ), warning
     finally:
         connection.close()
+
+
+def test_a_worker_started_just_after_a_failover_says_each_dropped_connection_in_one_line(
+    registered, loop_thread, caplog
+):
+    """A failover ends every connection psycopg's pool holds idle: the engine's start
+    (runworker's, and the embedded worker's under daphne or runserver) took them one
+    after the other and started all the same, but logged each as a WARNING with its
+    traceback. Each is one line now."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: the fault is pg_terminate_backend")
+
+    def use_a_pooled_connection() -> None:
+        connection.ensure_connection()
+        connection.close()  # back to the pool, idle
+
+    borrowers = [threading.Thread(target=use_a_pooled_connection) for _ in range(2)]
+    for borrower in borrowers:
+        borrower.start()
+    for borrower in borrowers:
+        borrower.join()
+    with connection.Database.connect(**connection.get_connection_params()) as other:
+        [ended] = other.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        ).fetchone()
+    assert ended >= 2
+    worker = new_worker()
+    with caplog.at_level("WARNING", logger="workflows_app.engine"):
+        loop_thread.call(worker.start())
+    try:
+        said = [r for r in caplog.records if r.name.startswith("workflows_app")]
+        assert said, "the pool gave the start no connection the failover had ended"
+        for record in said:
+            assert not record.exc_info, record.getMessage()
+            assert record.getMessage().startswith(
+                f"worker {worker.worker_id}: database error at start (terminating connection "
+                "due to administrator command); retrying"
+            ), record.getMessage()
+    finally:
+        loop_thread.call(worker.stop(grace_seconds=0))
+        connection.close()

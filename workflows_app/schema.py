@@ -128,6 +128,7 @@ def begin_again_on_dropped_connection(checks: Callable[[], T], who: str) -> T:
     from django.core.management.base import CommandError
 
     from workflows_app.engine import faults
+    from workflows_app.text import first_line
 
     attempt = 0
     while True:
@@ -137,7 +138,7 @@ def begin_again_on_dropped_connection(checks: Callable[[], T], who: str) -> T:
             return checks()
         except (OperationalError, InterfaceError) as exc:
             connections["default"].close()
-            problem = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            problem = first_line(exc)
             if attempt == START_CHECK_TRIES:
                 raise CommandError(
                     f"the database dropped the connection {attempt} times during the "

@@ -45,6 +45,12 @@ def printable(text: str) -> str:
     return _TERMINAL_UNSAFE.sub(_escape, text)
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's message on one line (a database's may add DETAIL and HINT lines)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__
+
+
 def one_line(text: str) -> str:
     """A user's text as one field of a line (a table cell, "error: …", a log line's
     part): printable(), and its newlines and tabs shown as \\n and \\t, so it cannot

@@ -30,6 +30,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 
 from ..models import Status
+from ..text import first_line
 from . import clock, meters, registry, spans, store
 from .runner import Run, awaits_child
 from .store import History
@@ -714,14 +715,18 @@ class Worker:
                 try:
                     await self._prepare()
                     break
-                except DatabaseError:
+                except (DatabaseError, InterfaceError) as exc:
                     # The database is restarting or dropped us: a worker outlives that.
                     if attempt == STARTUP_ATTEMPTS - 1:
                         raise
+                    # A dropped connection (a failover ends every pooled one) in one line:
+                    # each logged its traceback; another error keeps its traceback.
+                    dropped = isinstance(exc, (OperationalError, InterfaceError))
                     log.warning(
-                        "worker %s: database error at start; retrying",
+                        "worker %s: database error at start%s; retrying",
                         self.worker_id,
-                        exc_info=True,
+                        f" ({first_line(exc)})" if dropped else "",
+                        exc_info=not dropped,
                     )
                     await asyncio.sleep(min(self.poll_seconds, 1.0))
         except BaseException:

@@ -49,7 +49,7 @@ from workflows_app.engine import clock, errors, lifecycle, store
 from workflows_app.engine.attributes import parse_filter as parse_attribute_filter
 from workflows_app.models import ApiToken, BulkAction, Instance, StepRecord
 from workflows_app.schema import not_migrated_message, unapplied_migrations, unreachable_database
-from workflows_app.text import one_line, printable, terminal_json
+from workflows_app.text import first_line, one_line, printable, terminal_json
 
 POLL_SECONDS = 0.5
 START_BATCH = 100  # instances per create_batch of `start --count`
@@ -62,12 +62,6 @@ BULK_BATCH_TRIES = 3  # `wf bulk`: a batch the database rolls back this often en
 PAGE_MAX = 1000
 STATUS_CHILDREN = 100  # the newest children `wf status` shows (a fan-out has thousands)
 STATUS_STEPS = 50  # `wf status`: the newest steps it shows by default
-
-
-def first_line(exc: BaseException) -> str:
-    """An error's message on one line (a database's may add DETAIL and HINT lines)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0].strip() if lines else type(exc).__name__
 
 
 def parse_json_arg(value: str | None, flag: str) -> Any:
