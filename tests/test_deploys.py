@@ -307,6 +307,62 @@ def test_sigterm_to_runserver_with_its_autoreloader_releases_the_embedded_worker
         log.close()
 
 
+def test_a_code_change_under_runserver_s_autoreloader_gives_the_embedded_worker_s_lease_back(
+    registered, tmp_path
+):
+    """A file changed under `manage.py runserver`: Django's reloader ended the child
+    (sys.exit(3) in its main thread) with the embedded worker mid-step, its lease held:
+    the next child took the run only once the lease ran out (WFDASH_LEASE_SECONDS, 30 s
+    by default), the takeover counted towards the poison limit. The child now drains its
+    worker first, as at SIGTERM, and the next child takes the run at once."""
+    boot = tmp_path / "reloading_runserver.py"
+    boot.write_text(
+        "import sys, django; django.setup(); import tests.fleet_workflows\n"
+        "from django.core.management import call_command\n"
+        "call_command('runserver', sys.argv[1])\n"
+    )
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id="reloaded-mid-step")
+    server, log, port = start_server(
+        [str(boot), "127.0.0.1:{port}"],
+        PYTHONPATH=str(ROOT),  # a script's own folder is on sys.path, not the project's
+        WFDASH_LEASE_SECONDS="60",
+        FLEET_STEP_SECONDS="120",  # the first step outlives the drain's grace
+        WFDASH_DRAIN_SECONDS="0.5",
+    )
+
+    def leased_to() -> str | None:
+        return Instance.objects.filter(pk=inst.row().pk).values_list("lease_owner", flat=True)[0]
+
+    try:
+        wait_until(lambda: answers_http(port), 60, "runserver to answer")
+        wait_until(leased_to, 60, "the embedded worker to claim the instance")
+        before = leased_to()
+        edits = iter(range(1, 1000))
+
+        def edited_and_seen() -> bool:
+            # The reloader watches __main__'s file from its first look, which may come
+            # after the server answers: edited until it says so, once.
+            os.utime(boot, (time.time(), time.time() + next(edits)))
+            log.seek(0)
+            return f"{boot} changed, reloading." in log.read()
+
+        wait_until(edited_and_seen, 30, "the reloader to see the edit", 0.5)
+        # Well within the 60 s lease: the next child's worker takes the run at once.
+        wait_until(lambda: leased_to() not in (None, before), 30, "the next child to take the run")
+    except BaseException:
+        log.seek(0)
+        print(log.read()[-3000:])
+        raise
+    finally:
+        if server.poll() is None:
+            for child in children(server.pid):
+                os.kill(child, signal.SIGKILL)
+            server.kill()
+            server.wait(10)
+        log.close()
+
+
 # --- a rolling deploy: old and new workers side by side --------------------------------------
 
 

@@ -90,8 +90,9 @@ class Command(DaphneRunserver):
 
 _server_thread: threading.Thread | None = None
 # How long the reloader's child waits for its server thread (the worker's drain, then the
-# reactor's shutdown) after a stop signal before it exits anyway.
+# reactor's shutdown) after a stop signal or a file change before it exits anyway.
 CHILD_STOP_SECONDS = 60.0
+RELOAD_EXIT_CODE = 3  # the child's exit code that asks its parent for another (Django's)
 
 
 def _reloader_parent() -> int:
@@ -107,7 +108,7 @@ def _reloader_parent() -> int:
         for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, frame: None)
         returncode = child.wait()
-        if returncode != 3:
+        if returncode != RELOAD_EXIT_CODE:
             return returncode
 
 
@@ -118,30 +119,49 @@ def _pass_on(child: subprocess.Popen[bytes], signum: int, frame: Any) -> None:
 def _reloader_child(inner_run: Any, **options: Any) -> None:
     """Django's run_with_reloader in the child, with stop signals that drain the embedded
     worker: the server runs in a thread whose reactor sets no signal handlers, and the
-    main thread watches files."""
+    main thread watches files. A file changed: Django's reloader ended the child at once
+    (sys.exit(3) in this thread), the worker mid-step, its leases held until they ran out:
+    the next child took those runs only then, each takeover counted towards the poison
+    limit (three edits during one long step errored the run). The worker drains first
+    now, as at SIGTERM, and the next child takes the runs at once."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop_child)
     reloader = autoreload.get_reloader()
-    autoreload.start_django(reloader, inner_run, **options)
+    try:
+        autoreload.start_django(reloader, inner_run, **options)
+    except SystemExit as exc:
+        if exc.code == RELOAD_EXIT_CODE:
+            _stop_server()
+            _wait_for_server()
+        raise
 
 
 def _stop_child(signum: int, frame: Any) -> None:
     """Stop the reactor (its shutdown drains the embedded worker, embedded.py), wait for
     the server's thread to end, then exit. A second signal, arriving during that wait,
     cuts the drain short (Worker.hurry), as in runworker."""
-    from twisted.internet import reactor
-
     from workflows_app.embedded import note_stop_signal
 
     first = note_stop_signal(signum)
-    with contextlib.suppress(Exception):  # not running yet, or stopping already
-        reactor.callFromThread(_stop_reactor, reactor)
+    _stop_server()
     if not first:
         return
+    _wait_for_server()
+    sys.exit(0)
+
+
+def _stop_server() -> None:
+    """Stop the reactor; its shutdown drains the embedded worker (embedded.py)."""
+    from twisted.internet import reactor
+
+    with contextlib.suppress(Exception):  # not running yet, or stopping already
+        reactor.callFromThread(_stop_reactor, reactor)
+
+
+def _wait_for_server() -> None:
     server = _server_thread
     if server is not None:
         server.join(CHILD_STOP_SECONDS)
-    sys.exit(0)
 
 
 def _stop_reactor(reactor: Any) -> None:
