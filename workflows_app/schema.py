@@ -6,6 +6,7 @@ their connection (begin_again_on_dropped_connection)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -137,7 +138,7 @@ def begin_again_on_dropped_connection(checks: Callable[[], T], who: str) -> T:
             faults.hit("start_checks")
             return checks()
         except (OperationalError, InterfaceError) as exc:
-            connections["default"].close()
+            close_dropped_connection()
             problem = first_line(exc)
             if attempt == START_CHECK_TRIES:
                 raise CommandError(
@@ -151,3 +152,30 @@ def begin_again_on_dropped_connection(checks: Callable[[], T], who: str) -> T:
                 problem,
             )
             time.sleep(0.5 * attempt)
+
+
+class _ThisThreadsDiscard(logging.Filter):
+    """psycopg's pool line for a broken connection given back by this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.thread == self.thread
+            and str(record.msg).startswith("discarding closed connection")
+        )
+
+
+def close_dropped_connection() -> None:
+    """Close this thread's connection the server ended, without psycopg's pool line for
+    it ("discarding closed connection: <psycopg.Connection [BAD] at 0x…>", on stderr
+    beside the start-up checks' own line, which says what happened)."""
+    pool_log = logging.getLogger("psycopg.pool")
+    quiet = _ThisThreadsDiscard()
+    pool_log.addFilter(quiet)
+    try:
+        connections["default"].close()
+    finally:
+        pool_log.removeFilter(quiet)
