@@ -16,7 +16,7 @@ from django.test import Client
 from django.urls import reverse
 
 from tests.dashboard.helpers import make_user
-from tests.surface_flows import SIMPLE, register_flows
+from tests.surface_flows import OTHER, SIMPLE, register_flows
 from tests.test_api import Api, error_of, user_api
 from workflows_app import testing, tokens
 from workflows_app.client import schedules
@@ -340,6 +340,19 @@ def test_the_dashboard_lists_schedules_with_next_and_last_runs_and_links_their_i
     ).content.decode()
     assert reverse("workflows:schedule", args=["every-5"]) in instance_page
     assert client.get(reverse("workflows:schedule", args=["missing"])).status_code == 404
+
+
+def test_the_schedule_page_lists_only_the_instances_of_the_schedules_workflow():
+    """A schedule deleted and made again under its name for another workflow: its page
+    listed the instances the old one had started (filtered by name alone)."""
+    old = schedules.create("shared", workflow=SIMPLE, cron="0 3 * * *").trigger()
+    schedules.get("shared").delete()
+    new = schedules.create("shared", workflow=OTHER, cron="0 3 * * *").trigger()
+    client = Client()
+    client.force_login(make_user("viewer", "view_instance"))
+    page = client.get(reverse("workflows:schedule", args=["shared"])).content.decode()
+    assert reverse("workflows:instance", args=[OTHER, new.id]) in page
+    assert old.id not in page
 
 
 def test_the_dashboard_shows_a_schedules_params_decoded_and_survives_undecodable_ones():

@@ -156,6 +156,20 @@ def test_trigger_starts_one_instance_now_and_delete_removes_the_schedule(registe
         assert inst.status().status == "complete"  # its instances stay
 
 
+def test_a_schedule_made_again_for_another_workflow_lists_only_its_own_instances(registered):
+    """Names are unique among the schedules that exist, not forever: instances() filtered
+    by name alone, so "shared" made again for "audit" listed the instances the deleted
+    "shared" of "report" had started."""
+    register_report()
+    register_report("audit")
+    old = schedules.create("shared", workflow="report", cron="0 0 1 1 *").trigger()
+    schedules.get("shared").delete()
+    again = schedules.create("shared", workflow="audit", cron="0 0 1 1 *")
+    new = again.trigger()
+    assert [i.instance_id for i in again.instances()] == [new.id]
+    assert Instance.objects.get(workflow="report", instance_id=old.id).schedule == "shared"
+
+
 def test_create_refuses_a_taken_name_bad_cron_bad_zone_and_unknown_workflow(registered):
     register_report()
     schedules.create("taken", workflow="report", cron="* * * * *")

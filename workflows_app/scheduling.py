@@ -135,7 +135,7 @@ class ScheduleHandle:
         list(): a schedule firing every minute starts half a million a year)."""
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
-        return list(Instance.objects.filter(schedule=self.name).order_by("-id")[:limit])
+        return list(store.schedules.started_instances(self.name, self.workflow)[:limit])
 
     async def apause(self) -> ScheduleHandle:
         return await sync_to_async(self.pause)()

@@ -19,7 +19,7 @@ from typing import Any
 
 from cronsim import CronSimError
 from django.db import IntegrityError, transaction
-from django.db.models import Min
+from django.db.models import Min, QuerySet
 
 from ...models import Instance, Schedule
 from .. import clock
@@ -79,6 +79,13 @@ def get_schedule(name: str) -> Schedule:
         return Schedule.objects.get(name=name)
     except Schedule.DoesNotExist:
         raise ScheduleNotFound(f"no schedule named {name!r}") from None
+
+
+def started_instances(name: str, workflow: str) -> QuerySet[Instance]:
+    """The instances a schedule started, newest first. By its workflow as well as its name:
+    names are unique only among the schedules that exist, so a schedule deleted and made
+    again for another workflow listed the old workflow's instances as its own."""
+    return Instance.objects.filter(schedule=name, workflow=workflow).order_by("-id")
 
 
 @retry_while_locked
