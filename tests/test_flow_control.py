@@ -100,6 +100,44 @@ def test_limits_refuse_a_bad_rate_limit_or_key_bound():
     )
 
 
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        # Shown as written in the reason queued instances wait: 507 characters, past the
+        # 500 of waiting_reason (PostgreSQL: DataError at the admission that reached it).
+        ({"rate_limit": {"limit": 1, "period": "1" + " " * 500 + "minute"}}, "rate_limit period"),
+        # Passed to SQL as a LIMIT: "bigint out of range" (PostgreSQL), OverflowError
+        # (SQLite) at every create.
+        ({"max_concurrent_instances": 10**600}, "max_concurrent_instances"),
+        ({"rate_limit": {"limit": 10**600, "period": "1 minute"}}, "rate_limit limit"),
+        ({"max_concurrent_per_key": 2**63}, "max_concurrent_per_key"),
+        ({"max_buffered_events": 2**31}, "max_buffered_events"),
+    ],
+)
+def test_register_refuses_a_count_or_rate_period_the_engine_cannot_store(registered, limits, named):
+    with pytest.raises(InvalidInput, match=named):
+        register_gated("unbounded", **limits)
+
+
+def test_the_largest_accepted_limits_create_and_queue_on_both_databases(registered):
+    """The largest count passes to SQL and the longest period fits the reason it shows."""
+    from workflows_app.engine.limits import MAX_COUNT_LIMIT, MAX_PERIOD_CHARS
+
+    period = "1" + " " * (MAX_PERIOD_CHARS - 7) + "minute"
+    register_gated(
+        "widest",
+        max_concurrent_instances=MAX_COUNT_LIMIT,
+        rate_limit={"limit": 1, "period": period},
+    )
+    wf = get_workflow("widest")
+    with testing.fake_clock():
+        first, second = wf.create(), wf.create()
+        assert statuses([first, second]) == ["running", "queued"]
+        assert second.status().waiting_reason.startswith(f"rate_limit (1 per {period}) reached")
+        second.terminate()
+        assert statuses([first, second]) == ["running", "terminated"]
+
+
 def test_max_concurrent_per_key_bounds_active_instances_sharing_a_key(registered):
     register_gated("per-key", max_concurrent_per_key=2)
     wf = get_workflow("per-key")

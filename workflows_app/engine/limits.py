@@ -26,6 +26,15 @@ BACKOFFS = ("constant", "linear", "exponential")
 # The most retries a step may ask for: its attempt counts (limit + 1) are stored in 32-bit
 # integer columns (PostgreSQL's integer).
 MAX_RETRY_LIMIT = 2**31 - 2
+# The most a count limit (max_concurrent_instances, max_concurrent_per_key,
+# max_buffered_events, rate_limit's limit) may be: admission passes them to SQL as a LIMIT
+# (10**600 was "bigint out of range" on PostgreSQL, an OverflowError on SQLite, at every
+# create) and quotes them in waiting_reason. Far past any real bound; None is no bound.
+MAX_COUNT_LIMIT = 2**31 - 1
+# A rate_limit period as written is shown in the reason its queued instances wait
+# (waiting_reason, 500 characters): "1" + 500 spaces + "minute" parsed, then failed every
+# admission pass on PostgreSQL that reached the window's end.
+MAX_PERIOD_CHARS = 50
 MAX_ERROR_NAME_LENGTH = 200  # the error name columns (instance, step, error record)
 # An error's message and stack as stored (step record, instance, errors table, history,
 # span): one a step raised with a whole response in it is shortened, saying by how much.
@@ -34,6 +43,20 @@ MAX_ERROR_STACK_CHARS = 16384
 # An event payload is copied into its event.received history record up to this size; a
 # larger one leaves its size and start there (the whole payload is in the step's output).
 HISTORY_PAYLOAD_MAX_BYTES = 16 * 1024
+
+
+def check_count(name: str, value: Any, none_allowed: bool = True) -> int | None:
+    """A count limit: an integer from 1 to MAX_COUNT_LIMIT (or None, no bound, if allowed)."""
+    if value is None and none_allowed:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNT_LIMIT:
+        # str() of an integer past 4,300 digits raises ValueError.
+        huge = isinstance(value, int) and value.bit_length() > 64
+        raise InvalidInput(
+            f"{name} must be a positive integer{' or None' if none_allowed else ''} "
+            f"(at most {MAX_COUNT_LIMIT}), got {'an integer past 2**64' if huge else repr(value)}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -53,9 +76,12 @@ class RateLimit:
             raise InvalidInput(
                 f'rate_limit must be {{"limit": <positive integer>, "period": <duration>}}, got {value!r}'
             )
-        limit = value["limit"]
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise InvalidInput(f"rate_limit limit must be a positive integer, got {limit!r}")
+        limit = check_count("rate_limit limit", value["limit"], none_allowed=False)
+        if isinstance(value["period"], str) and len(value["period"]) > MAX_PERIOD_CHARS:
+            raise InvalidInput(
+                f"rate_limit period must be at most {MAX_PERIOD_CHARS} characters "
+                f'(e.g. "1 minute"), got {len(value["period"])}'
+            )
         period = parse_duration(value["period"])
         if period < 1:
             raise InvalidInput(
@@ -119,22 +145,16 @@ class Limits:
                     )
                 if key in cls._DURATIONS:
                     value = parse_duration(value)
-                elif key == "max_concurrent_instances":
-                    if value is not None and (isinstance(value, float) and math.isinf(value)):
+                elif key in (
+                    "max_concurrent_instances",
+                    "max_concurrent_per_key",
+                    "max_buffered_events",
+                ):
+                    if key == "max_concurrent_instances" and (
+                        isinstance(value, float) and math.isinf(value)
+                    ):
                         value = None
-                    if value is not None and (
-                        not isinstance(value, int) or isinstance(value, bool) or value < 1
-                    ):
-                        raise InvalidInput(
-                            f"max_concurrent_instances must be a positive integer or None, got {value!r}"
-                        )
-                elif key in ("max_concurrent_per_key", "max_buffered_events"):
-                    if value is not None and (
-                        not isinstance(value, int) or isinstance(value, bool) or value < 1
-                    ):
-                        raise InvalidInput(
-                            f"{key} must be a positive integer or None, got {value!r}"
-                        )
+                    value = check_count(key, value)
                 elif key == "rate_limit":
                     value = RateLimit.build(value)
                 elif key == "default_retry_backoff":
