@@ -264,6 +264,33 @@ def test_a_value_the_codec_cannot_decode_parks_the_run_naming_it_never_a_wrong_v
             assert started.status().output == {"limit": 500, "params": {"customer": "cust-plain"}}
 
 
+def test_a_run_parked_on_an_undecodable_value_of_long_names_says_so_within_the_column(
+    registered,
+):
+    """The reason quotes the workflow name (up to 200 characters) and the instance id (here
+    200), then the codec's error and what to configure: 560 characters, past the 500 of
+    waiting_reason. PostgreSQL refused the park (DataError), so the run was never parked
+    and came back at each lease's end; SQLite kept the reason whole."""
+    name = "w" * 200
+
+    @register(name, limits={"max_instance_id_length": 200})
+    class LongNames(WorkflowEntrypoint):
+        async def run(self, event: Any, step: Any) -> Any:
+            return event.payload
+
+    wf = get_workflow(name)
+    with testing.fake_clock():
+        with with_codec():
+            inst = wf.create(id="i" * 200, params={"n": 1})
+        with with_codec("tests.codecs.OtherKeyCodec"):
+            testing.run_until_idle()
+        row = inst.row()
+        assert row.status == "waiting", row.status
+        assert row.waiting_reason.startswith(f"cannot decode the params of {name}/")
+        assert len(row.waiting_reason) == Instance._meta.get_field("waiting_reason").max_length
+        assert row.waiting_reason.endswith("…")
+
+
 def test_a_bulk_send_event_refused_by_a_schema_keeps_its_sealed_payload_out_of_the_job_errors(
     registered,
 ):

@@ -65,6 +65,7 @@ from .records import (
     append_history,
     clear_lease,
     close_open_steps,
+    fit_waiting_reason,
     insert_history,
     insert_history_rows,
     locked_instance,
@@ -217,7 +218,6 @@ def _take_rate_start(name: str, limits: Limits, now: datetime) -> bool:
 # The reason of an instance whose debounce has not ended (DEBOUNCED, models): its admit_at
 # is a "not before". (Any other queued instance's admit_at only says when to look at the
 # queue again.)
-WAITING_REASON_CHARS = Instance._meta.get_field("waiting_reason").max_length
 ADMISSION_SCAN = 1000  # queued instances looked at per admission pass, at most
 ADMISSION_PAGE = 100
 ADMISSION_WINDOW = 1000  # queued instances in line a page's filters look through, at most
@@ -323,12 +323,8 @@ class Admission:
         """Why the key's instances wait, within the waiting_reason column: a key of 200
         characters quoted by repr() (a zero-width space is 6 characters there, a control
         character 4) was up to 1,200, and PostgreSQL refused the write of the whole pass."""
-        said = f"max_concurrent_per_key ({self.limits.max_concurrent_per_key}) reached for key "
-        shown = repr(key)
-        room = WAITING_REASON_CHARS - len(said)
-        if len(shown) > room:
-            shown = shown[: room - 1] + "…"
-        return said + shown
+        bound = self.limits.max_concurrent_per_key
+        return fit_waiting_reason(f"max_concurrent_per_key ({bound}) reached for key {key!r}")
 
     @property
     def full(self) -> bool:

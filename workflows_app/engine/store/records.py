@@ -53,6 +53,17 @@ INBOX_TABLE = InboxEvent._meta.db_table
 
 
 ERROR_TABLE = ErrorRecord._meta.db_table
+WAITING_REASON_CHARS = Instance._meta.get_field("waiting_reason").max_length
+
+
+def fit_waiting_reason(reason: str) -> str:
+    """A reason as the waiting_reason column holds it: cut to its length, ending in "…".
+    Reasons quote names and keys (a workflow name and an instance id of 200 characters, a
+    step name of 300, a concurrency key repr()'d): PostgreSQL refused a longer one, failing
+    the whole write (an admission pass, a park), where SQLite stored it whole."""
+    if len(reason) <= WAITING_REASON_CHARS:
+        return reason
+    return reason[: WAITING_REASON_CHARS - 1] + "…"
 
 
 class LeaseLost(Exception):

@@ -63,6 +63,7 @@ from .records import (
     append_history,
     close_open_steps,
     compact_json,
+    fit_waiting_reason,
     insert_history,
     insert_history_rows,
     wake_parent,
@@ -1080,7 +1081,7 @@ def park_unrunnable(
         # Looked at again later: a live worker with the version (busy until now) takes it
         # first then; one starting with it wakes it at once (wake_registered_versions).
         wake_at=Case(When(pausing, then=None), default=Value(now + recheck)),
-        waiting_reason=prefix + reason,
+        waiting_reason=fit_waiting_reason(prefix + reason),
         updated_at=now,
         lease_token=None,
         lease_owner="",
