@@ -290,18 +290,18 @@ def search_text(q: str) -> Q:
 
     The JSON columns are searched as the text they are stored as (compact JSON), so
     `"plan":"pro"` matches a key and its value. A substring cannot use an index: this
-    scans the rows the other filters leave (LIKE on SQLite, UPPER() LIKE on PostgreSQL).
-    Values sealed by the payload codec (and sensitive outputs) are left out: their
-    stored text is an envelope, and matching on it would say something about the data.
+    scans the rows the other filters leave (store.contains_any_case: alike on both
+    databases). Values sealed by the payload codec (and sensitive outputs) are left out:
+    their stored text is an envelope, and matching on it would say something about the data.
     """
     sealed = ENVELOPE_START
     return (
         named_exactly(q)
         | Q(instance_id__startswith=q)
-        | (Q(params_json__icontains=q) & ~Q(params_json__startswith=sealed))
-        | (Q(output_json__icontains=q) & ~Q(output_json__startswith=sealed))
-        | Q(error_name__icontains=q)
-        | Q(error_message__icontains=q)
+        | (store.contains_any_case("params_json", q) & ~Q(params_json__startswith=sealed))
+        | (store.contains_any_case("output_json", q) & ~Q(output_json__startswith=sealed))
+        | store.contains_any_case("error_name", q)
+        | store.contains_any_case("error_message", q)
     )
 
 

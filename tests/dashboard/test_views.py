@@ -112,6 +112,37 @@ def test_the_overview_shows_counts_versions_and_error_rate(operator_client, appr
     assert "<svg" in page
 
 
+def test_the_search_ignores_the_case_of_non_ascii_letters_on_both_databases(
+    operator_client, approval_workflow
+):
+    """SQLite's LIKE folds ASCII letters only: "münchen" found "MÜNCHEN" on PostgreSQL
+    (UPPER() LIKE UPPER()) and nothing on SQLite. Both compare by UPPER() now: ß (whose
+    upper case is itself) does not match SS on either."""
+    workflow = get_workflow(approval_workflow)
+    for instance_id, city in (
+        ("upper", "MÜNCHEN"),
+        ("plain", "Munchen"),
+        ("greek", "ΣΟΦΊΑ"),
+        ("sharp", "straße"),
+        ("glob", "ü*[x]?_%"),
+    ):
+        workflow.create(id=instance_id, params={"city": city})
+    url = reverse("workflows:instances")
+
+    def found(q: str) -> set[str]:
+        page = operator_client.get(url, {"q": q}).content.decode()
+        return set(re.findall(r'data-instance-id="([^"]+)"', page))
+
+    assert found("münchen") == {"upper"}
+    assert found("ÜnCh") == {"upper"}
+    assert found("σοφία") == {"greek"}
+    assert found("STRASSE") == set()
+    assert found("STRAßE") == {"sharp"}
+    # GLOB's and LIKE's own characters match as themselves.
+    assert found("Ü*[X]?_%") == {"glob"}
+    assert found("Ü?[X") == found("Ü_") == found("Ü%") == set()
+
+
 def test_the_list_filters_searches_and_paginates_by_keyset(
     operator_client, approval_workflow, django_assert_max_num_queries
 ):

@@ -81,6 +81,7 @@ from .runs import (
     write_steps,
 )
 from .search import (
+    contains_any_case,
     distinct_values,
     filter_attributes,
     index_attributes,
@@ -112,6 +113,7 @@ __all__ = [
     "child_of",
     "claim_and_load",
     "claim_runnable",
+    "contains_any_case",
     "control",
     "create_instances",
     "delete_instances",
