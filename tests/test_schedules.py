@@ -170,6 +170,46 @@ def test_a_schedule_made_again_for_another_workflow_lists_only_its_own_instances
     assert Instance.objects.get(workflow="report", instance_id=old.id).schedule == "shared"
 
 
+def register_short_ids(version: int, max_length: int) -> None:
+    @register("short-ids", version=version, limits={"max_instance_id_length": max_length})
+    class ShortIds(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return version
+
+
+def test_a_tick_s_instance_id_holds_to_max_instance_id_length(registered, caplog):
+    """The digest form of a tick's id is 29 characters: under a lower max_instance_id_length
+    it was stored anyway, where a create (even of an id it makes up) is held to the limit.
+    Now a schedule that cannot fit its ticks' ids is refused, and a tick whose id a limit
+    lowered since cannot hold is skipped, saying so, like one whose params break a limit."""
+    from workflows_app.engine.errors import LimitExceeded
+
+    register_short_ids(1, 29)
+    with testing.fake_clock(START) as clock:
+        long_name = "n" * 80  # its readable id (97 characters) does not fit: the digest does
+        schedules.create(long_name, workflow="short-ids", cron="0 3 * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        [fired] = started("short-ids")
+        assert len(fired.instance_id) == 29 and fired.scheduled_at is not None
+        register_short_ids(2, 20)
+        with pytest.raises(LimitExceeded, match="max_instance_id_length is 20, got 29"):
+            schedules.create("short", workflow="short-ids", cron="0 3 * * *")
+        with pytest.raises(LimitExceeded, match="max_instance_id_length is 20, got 36"):
+            schedules.get(long_name).trigger()  # its uuid, as a create's made-up id
+        clock.advance("1 day")
+        testing.run_until_idle()
+        assert [i.instance_id for i in started("short-ids")] == [fired.instance_id]
+        assert "max_instance_id_length is 20, got 29" in caplog.text
+        assert schedules.get(long_name).next_run_at == datetime(2026, 6, 3, 3, 0, tzinfo=UTC)
+    with pytest.raises(InvalidInput, match="max_instance_id_length of at least 29"):
+
+        @register("short-declared", limits={"max_instance_id_length": 28}, schedules=["0 3 * * *"])
+        class ShortDeclared(WorkflowEntrypoint):
+            async def run(self, event, step):
+                return None
+
+
 def test_create_refuses_a_taken_name_bad_cron_bad_zone_and_unknown_workflow(registered):
     register_report()
     schedules.create("taken", workflow="report", cron="* * * * *")

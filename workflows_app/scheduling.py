@@ -168,6 +168,10 @@ class Schedules:
         cron = check_cron(cron)
         check_zone(timezone)
         definition = get_definition(workflow)
+        # LimitExceeded now when the workflow's max_instance_id_length holds no tick's id.
+        store.schedules.tick_instance_id(
+            name, clock.now(), definition.limits().max_instance_id_length
+        )
         params_json = encode_json(params, f"params of schedule {name!r}")
         check_size(
             params_json,

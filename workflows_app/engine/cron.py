@@ -17,6 +17,10 @@ from cronsim import CronSim, CronSimError
 from .errors import InvalidInput
 
 MAX_CRON_LENGTH = 200
+# The shortest instance id a schedule's tick gets: "<12 hex digits of a digest of the
+# schedule's name>@<the tick, 16 characters>" (store.schedules.tick_instance_id). A
+# workflow's max_instance_id_length below it holds no tick's instance.
+SHORTEST_TICK_ID = 29
 SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,79}$")
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings  # not in limits(): that import was a call every run
 
-from .cron import check_cron
+from .cron import SHORTEST_TICK_ID, check_cron
 from .errors import InvalidInput, UnknownWorkflow, VersionConflict
 from .limits import Limits
 
@@ -123,11 +123,16 @@ def register(
         )
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise InvalidInput(f"workflow version must be a positive integer, got {version!r}")
-    Limits.build(limits)  # validate now, at import time, not at the first run
+    own = Limits.build(limits)  # validate now, at import time, not at the first run
     if isinstance(schedules, str) or not isinstance(schedules, (list, tuple, type(None))):
         raise InvalidInput(f"schedules must be a list of cron expressions, got {schedules!r}")
     crons = tuple(check_cron(expression) for expression in schedules or ())
     _refuse_repeated_crons(name, crons)
+    if crons and own.max_instance_id_length < SHORTEST_TICK_ID:
+        raise InvalidInput(
+            f"schedules of {name!r} need max_instance_id_length of at least {SHORTEST_TICK_ID} "
+            f"(the id of a tick's instance), got {own.max_instance_id_length}"
+        )
 
     def decorate(cls: type[WorkflowEntrypoint]) -> type[WorkflowEntrypoint]:
         if not (isinstance(cls, type) and issubclass(cls, WorkflowEntrypoint)):

@@ -27,11 +27,12 @@ from ..cron import latest_fire_time, next_fire_time
 from ..errors import (
     InstanceAlreadyExists,
     InvalidInput,
+    LimitExceeded,
     ScheduleExists,
     ScheduleNotFound,
     WorkflowError,
 )
-from ..limits import Limits
+from ..limits import Limits, check_instance_id
 from ..registry import all_definitions
 from .catalog import newer_live_versions
 from .control import create_in_transaction
@@ -66,11 +67,22 @@ class Fired:
 
 
 def tick_instance_id(schedule: str, tick: datetime, max_length: int) -> str:
-    """The id of the instance of one tick: readable, and the same in every worker."""
+    """The id of the instance of one tick: readable, and the same in every worker.
+
+    Within the workflow's max_instance_id_length, as every id a create stores (the one it
+    makes up too): under a low limit a digest of the name keeps it unique, and below that
+    form's SHORTEST_TICK_ID characters LimitExceeded (the digest form was stored anyway)."""
     stamp = tick.strftime("%Y%m%dT%H%M%SZ")
     instance_id = f"{schedule}@{stamp}"
-    if len(instance_id) > max_length:  # a low max_instance_id_length: a digest keeps it unique
+    if len(instance_id) > max_length:
         instance_id = f"{hashlib.sha256(schedule.encode()).hexdigest()[:12]}@{stamp}"
+    if len(instance_id) > max_length:
+        raise LimitExceeded(
+            "max_instance_id_length",
+            len(instance_id),
+            max_length,
+            f"instance id of a tick of schedule {schedule!r}",
+        )
     return instance_id
 
 
@@ -243,7 +255,6 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
     tick = latest_fire_time(row.cron, row.timezone, now)
     if tick is None or row.next_run_at is None or tick < row.next_run_at:
         return None  # not a tick by this process's rules (see fire_due)
-    instance_id = tick_instance_id(row.name, tick, target.limits.max_instance_id_length)
 
     def move_on(last_instance_id: str) -> bool:
         """The guarded update: True for the one process that moves this tick on."""
@@ -256,7 +267,9 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
             )
         )
 
+    instance_id = ""
     try:
+        instance_id = tick_instance_id(row.name, tick, target.limits.max_instance_id_length)
         with transaction.atomic():
             if not move_on(instance_id):
                 return None  # fired (or paused, or changed) by another process meanwhile
@@ -273,8 +286,8 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
             move_on(instance_id)
         return None
     except WorkflowError:
-        # The instance cannot be created (its params break a limit lowered since): skip
-        # the tick rather than retry it at every turn of every worker's loop.
+        # The instance cannot be created (its params, or its id, break a limit lowered
+        # since): skip the tick rather than retry it at every turn of every worker's loop.
         log.exception("schedule %r could not start its tick %s; skipped", row.name, tick)
         with transaction.atomic():
             move_on("")
@@ -287,12 +300,14 @@ def trigger(name: str, target: Target, actor: str = "") -> Instance:
     """Start one instance of the schedule now, outside its ticks."""
     row = get_schedule(name)
     now = clock.now()
+    # Held to max_instance_id_length as the id a create makes up is.
+    instance_id = check_instance_id(str(uuid.uuid4()), target.limits)
     with transaction.atomic():
         instance = create_in_transaction(
             target.workflow,
             target.version,
             target.limits,
-            NewInstance(str(uuid.uuid4()), row.params_json, schedule=row.name, scheduled_at=now),
+            NewInstance(instance_id, row.params_json, schedule=row.name, scheduled_at=now),
             actor or f"{DECLARED_ACTOR}:{row.name}",
         )
         Schedule.objects.filter(pk=row.pk).update(
