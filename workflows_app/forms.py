@@ -10,11 +10,18 @@ from typing import Any
 from django import forms
 from django.utils import timezone
 
+from .client import InstanceHandle, get_workflow
 from .converters import parse_pk
 from .dashboard import ListFilters, workflow_names
 from .engine.attributes import parse_filter as parse_attribute_filter
 from .engine.durations import INSTANT_RANGE, parse_instant
-from .engine.errors import InvalidDuration, InvalidInput
+from .engine.errors import (
+    EventPayloadInvalid,
+    InvalidDuration,
+    InvalidEventType,
+    InvalidInput,
+    WorkflowError,
+)
 from .models import Status
 
 
@@ -85,10 +92,36 @@ class CreateInstanceForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["workflow"].choices = [(n, n) for n in workflow_names()]
 
+    def create(self, actor: str) -> InstanceHandle | None:
+        """Start the instance this (valid) form describes, as the dashboard and the admin
+        do; None with the client's refusal on the form."""
+        data = self.cleaned_data
+        try:
+            return get_workflow(data["workflow"]).create(
+                params=data["params"],
+                id=data["id"] or None,
+                idempotency_key=data["idempotency_key"] or None,
+                actor=actor,
+                attributes=data["attributes"],
+            )
+        except WorkflowError as exc:
+            self.add_error(None, str(exc))
+            return None
+
 
 class SendEventForm(forms.Form):
     type = forms.CharField(max_length=100)
     payload = JSONField(label="Payload (JSON)")
+
+    def add_refusal(self, exc: WorkflowError) -> None:
+        """The client's refusal of the event beside the field it is about: a refused payload
+        is usually one field off, and the operator fixes it without retyping the rest."""
+        if isinstance(exc, EventPayloadInvalid):
+            self.add_error("payload", str(exc))
+        elif isinstance(exc, InvalidEventType):
+            self.add_error("type", str(exc))
+        else:
+            self.add_error(None, str(exc))
 
 
 class RestartForm(forms.Form):

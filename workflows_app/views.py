@@ -28,10 +28,9 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, dashboard_metrics, forms, surfaces
-from .client import BulkJobHandle, InstanceHandle, WorkflowBinding, get_workflow, schedules
+from .client import BulkJobHandle, InstanceHandle, WorkflowBinding, schedules
 from .client import start_bulk_job as start_bulk_job_for
 from .converters import parse_pk
-from .engine import errors
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 
@@ -300,18 +299,8 @@ def error_list(request: HttpRequest) -> HttpResponse:
 def create_instance(request: HttpRequest) -> HttpResponse:
     form = forms.CreateInstanceForm(request.POST)
     if form.is_valid():
-        data = form.cleaned_data
-        try:
-            handle = get_workflow(data["workflow"]).create(
-                params=data["params"],
-                id=data["id"] or None,
-                idempotency_key=data["idempotency_key"] or None,
-                actor=request.user.get_username(),
-                attributes=data["attributes"],
-            )
-        except WorkflowError as exc:
-            form.add_error(None, str(exc))
-        else:
+        handle = form.create(request.user.get_username())
+        if handle is not None:
             messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
             return redirect(dashboard.instance_url(handle.row(refresh=False)))
     return render(
@@ -426,12 +415,8 @@ def _send_event_keeping_input(
                 form.cleaned_data["payload"],
                 actor=request.user.get_username(),
             )
-        except errors.EventPayloadInvalid as exc:
-            form.add_error("payload", str(exc))
-        except errors.InvalidEventType as exc:
-            form.add_error("type", str(exc))
         except WorkflowError as exc:
-            form.add_error(None, str(exc))
+            form.add_refusal(exc)
         else:
             messages.success(request, f"Sent event “{form.cleaned_data['type']}”.")
             return _back(request, dashboard.instance_url(row))
