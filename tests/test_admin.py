@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import json
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -212,7 +213,9 @@ def test_an_instance_cannot_be_edited_added_or_deleted_while_it_runs_in_the_admi
     row = waiting_approval("o-1").row()
     before = snapshot()
     assert admin_client.post(change(row), {"status": "complete"}).status_code == 403
-    assert admin_client.get(reverse("admin:workflows_app_instance_add")).status_code == 403
+    # The add page starts an instance through the client; a row's fields add nothing.
+    add = reverse("admin:workflows_app_instance_add")
+    assert admin_client.post(add, {"status": "complete", "instance_id": "x"}).status_code == 400
     assert (
         admin_client.post(
             reverse("admin:workflows_app_instance_delete", args=[row.pk]), {"post": "yes"}
@@ -348,6 +351,258 @@ def test_a_finished_instance_can_be_deleted(admin_client):
     )
     assert response.status_code == 302
     assert not Instance.objects.exists() and not StepRecord.objects.exists()
+
+
+# --- skip sleep, send event, restart from a step, create (SPEC section 6) -----------------
+
+
+def sleeping_approval(instance_id: str) -> Instance:
+    """An approval instance in its one-hour cool-off sleep."""
+    handle = waiting_approval(instance_id)
+    handle.send_event("approval", {"ok": True})
+    testing.run_until_idle()
+    assert handle.status().status == "waiting" and handle.row().wake_at is not None
+    return handle.row()
+
+
+def act_with_form(client: Client, action: str, fields: dict[str, Any], *rows: Instance) -> Any:
+    """An action that asks for input: pick it in the list (its form page), then apply it."""
+    selection = {"action": action, "index": "0", "_selected_action": [r.pk for r in rows]}
+    page = client.post(changelist(Instance), selection)
+    assert page.status_code == 200, page.content[:500]
+    text = page.content.decode()
+    assert 'name="csrfmiddlewaretoken"' in text and 'name="apply"' in text
+    for pk in selection["_selected_action"]:
+        assert f'name="_selected_action" value="{pk}"' in text
+    return client.post(changelist(Instance), {**selection, **fields, "apply": "1"}, follow=True)
+
+
+def shown_messages(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_skip_sleep_wakes_each_sleeping_instance_and_names_those_not_sleeping(admin_client):
+    sleeping = sleeping_approval("o-1")
+    waiting = waiting_approval("o-2").row()
+    before = snapshot()["events"]
+    messages = act(admin_client, "skip_sleep", sleeping, waiting)
+    assert messages == [
+        f"Could not skip sleep {APPROVAL}/o-2: instance 'o-2' is not sleeping (it is waiting)",
+        "Skip sleep: 1 instance(s).",
+    ]
+    testing.run_until_idle()
+    assert Instance.objects.get(pk=sleeping.pk).status == "complete"
+    assert Instance.objects.get(pk=waiting.pk).status == "waiting"
+    assert snapshot()["events"] == before
+    skipped = HistoryRecord.objects.filter(type="sleep.skipped")
+    assert list(skipped.values_list("instance_id", "actor")) == [(sleeping.pk, "boss")]
+
+
+def test_send_event_asks_for_the_type_and_payload_and_sends_it_to_each_instance(admin_client):
+    rows = [waiting_approval("o-1").row(), waiting_approval("o-2").row()]
+    response = act_with_form(
+        admin_client, "send_event", {"type": "approval", "payload": '{"ok": true}'}, *rows
+    )
+    assert response.redirect_chain[-1][0].startswith(changelist(Instance))
+    assert shown_messages(response) == ["Send event: 2 instance(s)."]
+    events = InboxEvent.objects.filter(type="approval")
+    assert sorted(events.values_list("instance_id", "actor")) == [(r.pk, "boss") for r in rows]
+    testing.run_until_idle()
+    assert {Instance.objects.get(pk=r.pk).wake_at is not None for r in rows} == {True}
+
+
+def test_send_event_reports_each_instance_whose_wait_refuses_the_payload(admin_client):
+    waiting = waiting_approval("o-1").row()
+    done = get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    response = act_with_form(
+        admin_client, "send_event", {"type": "approval", "payload": '{"ok": "yes"}'}, waiting
+    )
+    [message] = shown_messages(response)
+    assert message.startswith(f"Could not send event {APPROVAL}/o-1: payload of event 'approval'")
+    assert "ok: 'yes' is not of type 'boolean'" in message
+    assert not InboxEvent.objects.exists()
+    response = act_with_form(
+        admin_client, "send_event", {"type": "note", "payload": ""}, waiting, done.row()
+    )
+    messages = shown_messages(response)
+    assert "Send event: 1 instance(s)." in messages
+    assert any(m.startswith(f"Could not send event {SIMPLE}/s-1: ") for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"type": "approval", "payload": '{"ok": tru'}, "Not valid JSON: Expecting value"),
+        ({"type": "", "payload": "{}"}, "This field is required."),
+        ({"type": XSS, "payload": "{}"}, "invalid event type"),
+        (
+            {"type": "approval", "payload": '"' + "x" * (1024 * 1024) + '"'},
+            "max_event_payload_bytes is 1048576 bytes",
+        ),
+    ],
+    ids=["bad-json", "no-type", "invalid-type", "oversized-payload"],
+)
+def test_send_event_refuses_bad_input_on_its_form_and_changes_nothing(admin_client, fields, error):
+    row = waiting_approval("o-1").row()
+    before = snapshot()
+    response = act_with_form(admin_client, "send_event", fields, row)
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert html.escape(error, quote=False) in page.replace("&#x27;", "'"), page[-3000:]
+    assert XSS not in page
+    assert 'value="approval"' in page or fields["type"] != "approval"  # the input is kept
+    assert snapshot() == before
+
+
+def test_restart_from_a_step_asks_for_the_step_and_keeps_the_checkpoints_before_it(admin_client):
+    handle = get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    row = handle.row()
+    one = StepRecord.objects.get(instance=row, name="one").pk
+    response = act_with_form(admin_client, "restart_from_step", {"from_step": "two"}, row)
+    assert shown_messages(response) == ["Restart: 1 instance(s)."]
+    assert Instance.objects.get(pk=row.pk).status == "running"
+    assert list(StepRecord.objects.filter(instance=row).values_list("pk", flat=True)) == [one]
+    restarted = HistoryRecord.objects.get(instance=row, type="instance.restarted")
+    assert restarted.actor == "boss" and "two" in json.dumps(restarted.data)
+    testing.run_until_idle()
+    assert Instance.objects.get(pk=row.pk).status == "complete"
+
+
+def test_restart_from_a_step_refuses_bad_input_and_names_each_instance_without_it(admin_client):
+    handle = get_workflow(SIMPLE).create(id="s-1")
+    testing.run_until_idle()
+    row = handle.row()
+    before = snapshot()
+    for fields, error in [
+        ({"from_step": ""}, "This field is required."),
+        ({"from_step": "two", "version": "0"}, "greater than or equal to 1"),
+        ({"from_step": "two", "version": "7"}, "version 7"),
+    ]:
+        response = act_with_form(admin_client, "restart_from_step", fields, row)
+        assert response.status_code == 400, fields
+        assert error in response.content.decode(), (fields, response.content.decode()[-3000:])
+    response = act_with_form(admin_client, "restart_from_step", {"from_step": "<b>nope"}, row)
+    assert shown_messages(response) == [
+        f"Could not restart {SIMPLE}/s-1: instance 's-1' has no step named '<b>nope'"
+    ]
+    assert "&lt;b&gt;nope" in response.content.decode()
+    assert "<b>nope" not in response.content.decode()
+    assert snapshot() == before
+
+
+def test_the_new_actions_need_the_change_permission():
+    sleeping = sleeping_approval("o-1")
+    viewer = staff_client("viewer", "view_instance")
+    before = snapshot()
+    for action in ("skip_sleep", "send_event", "restart_from_step"):
+        response = viewer.post(
+            changelist(Instance),
+            {"action": action, "index": "0", "_selected_action": [sleeping.pk], "apply": "1"},
+            follow=True,
+        )
+        assert response.status_code == 200  # the list: it offers a viewer no action
+        assert shown_messages(response) == [], action
+    for verb in ("skip-sleep", "send-event", "restart-from-step"):
+        act_url = reverse("admin:workflows_app_instance_act", args=[sleeping.pk, verb])
+        assert viewer.post(act_url, {"apply": "1", "type": "approval"}).status_code == 403
+    assert viewer.get(reverse("admin:workflows_app_instance_add")).status_code == 403
+    assert viewer.post(reverse("admin:workflows_app_instance_add"), {}).status_code == 403
+    assert "instance/add/" not in viewer.get(changelist(Instance)).content.decode()
+    assert snapshot() == before
+
+
+def test_an_instance_page_offers_skip_sleep_send_event_and_restart_from_a_step(admin_client):
+    row = waiting_approval("o-1").row()
+    other = waiting_approval("o-2").row()
+    page = admin_client.get(change(row)).content.decode()
+    for label in ("Skip sleep", "Send event…", "Restart from a step…"):
+        assert f">{label}</button>" in page
+    act_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "send-event"])
+    form_page = admin_client.post(act_url)
+    assert form_page.status_code == 200
+    assert f'action="{act_url}"' in form_page.content.decode()
+    assert f'href="{change(row)}"' in form_page.content.decode()  # cancel: back to the page
+    response = admin_client.post(
+        act_url, {"type": "approval", "payload": '{"ok": true}', "apply": "1"}, follow=True
+    )
+    assert response.redirect_chain[-1][0] == change(row)
+    assert shown_messages(response) == ["Send event: 1 instance(s)."]
+    assert list(InboxEvent.objects.values_list("instance_id", flat=True)) == [row.pk]
+    assert other.pk != row.pk
+    testing.run_until_idle()
+    skip_url = reverse("admin:workflows_app_instance_act", args=[row.pk, "skip-sleep"])
+    assert shown_messages(admin_client.post(skip_url, follow=True)) == [
+        "Skip sleep: 1 instance(s)."
+    ]
+    testing.run_until_idle()
+    assert Instance.objects.get(pk=row.pk).status == "complete"
+    assert Instance.objects.get(pk=other.pk).status == "waiting"
+
+
+def test_send_event_and_restart_over_a_big_selection_start_bulk_jobs_with_their_input(
+    admin_client, monkeypatch
+):
+    monkeypatch.setattr(admin_module, "ACTION_ROWS_IN_REQUEST", 1)
+    rows = [waiting_approval("o-1").row(), waiting_approval("o-2").row()]
+    everything = {"select_across": "1"}
+    response = act_with_form(
+        admin_client,
+        "send_event",
+        {**everything, "type": "approval", "payload": '{"ok": true}'},
+        rows[0],
+    )
+    job = BulkJob.objects.get()
+    assert (job.action, job.matched, job.actor) == ("send_event", 2, "boss")
+    assert f"Started bulk send event #{job.pk} of 2 instance(s)" in " ".join(
+        shown_messages(response)
+    )
+    assert not InboxEvent.objects.exists()  # not in the request
+    testing.run_until_idle()
+    assert InboxEvent.objects.filter(type="approval").count() == 2
+    before = snapshot()
+    messages = shown_messages(
+        admin_client.post(
+            changelist(Instance),
+            {"action": "skip_sleep", "index": "0", "select_across": "1", "_selected_action": [1]},
+            follow=True,
+        )
+    )
+    assert messages == [
+        "Could not skip sleep: select at most 1 instances (there is no bulk skip sleep)."
+    ]
+    assert snapshot() == before
+    act_with_form(admin_client, "restart_from_step", {**everything, "from_step": "charge"}, rows[0])
+    restart = BulkJob.objects.get(action="restart")
+    assert (restart.matched, restart.options) == (2, {"from_step": "charge"})
+
+
+def test_the_add_page_starts_an_instance_through_the_client(admin_client):
+    add = reverse("admin:workflows_app_instance_add")
+    assert "instance/add/" in admin_client.get(changelist(Instance)).content.decode()
+    page = admin_client.get(add).content.decode()
+    assert 'name="workflow"' in page and 'name="params"' in page and "csrfmiddlewaretoken" in page
+    response = admin_client.post(
+        add, {"workflow": SIMPLE, "id": "new-1", "params": '{"note": "n"}'}, follow=True
+    )
+    row = Instance.objects.get(instance_id="new-1")
+    assert response.redirect_chain[-1][0] == change(row)
+    assert shown_messages(response) == [f"Started {SIMPLE} instance new-1."]
+    assert (row.workflow, row.created_by, row.params) == (SIMPLE, "boss", {"note": "n"})
+    before = snapshot()
+    for fields, error in [
+        ({"workflow": SIMPLE, "params": "{nope"}, "Not valid JSON"),
+        ({"workflow": "no-such", "params": ""}, "Select a valid choice."),
+        ({"workflow": SIMPLE, "id": "a\x00b"}, "Null characters are not allowed."),
+        ({"workflow": SIMPLE, "id": "new-1"}, "already has an instance with id &#x27;new-1&#x27;"),
+    ]:
+        response = admin_client.post(add, fields)
+        assert response.status_code == 400, fields
+        assert error in response.content.decode(), (fields, response.content.decode()[-2000:])
+    operator = staff_client("operator", "view_instance", "change_instance")
+    assert operator.get(add).status_code == 200
+    assert snapshot() == before
 
 
 # --- an instance's own page (issue 17, item 8) ------------------------------------------

@@ -2,7 +2,8 @@
 
 Engine rows are read-only here: the engine owns them, and a form saving a stale
 Instance would overwrite what a worker just wrote. State changes go through the client
-(admin actions pause / resume / terminate / restart / cancel), like every other surface.
+(admin actions pause / resume / terminate / restart / skip sleep / send event / cancel, and
+the add page, which starts an instance), like every other surface.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
@@ -37,6 +39,7 @@ from .engine import errors, lifecycle, store
 from .engine.cron import check_cron, check_schedule_name, check_zone
 from .engine.limits import check_size, encode_json
 from .engine.registry import all_definitions, get_definition
+from .forms import CreateInstanceForm, RestartForm, SendEventForm
 from .models import (
     ApiToken,
     BulkJob,
@@ -55,6 +58,8 @@ from .templatetags.wfdash import bdi_json
 CHANGE_INSTANCE = "workflows_app.change_instance"
 # Instances an admin action changes within its request; a bigger selection becomes bulk jobs.
 ACTION_ROWS_IN_REQUEST = 500
+NO_BULK_JOB = ""  # run_action's bulk_action for an action no bulk job applies (skip sleep)
+APPLY = "apply"  # the submit button of an action's own form page: its input is there to apply
 
 
 def pretty_json(value: Any) -> SafeString:
@@ -267,15 +272,29 @@ def run_action(
     queryset: QuerySet[Instance],
     verb: str,
     act: Callable[[InstanceHandle, str], Any],
+    bulk_action: str | None = None,
+    bulk_options: dict[str, Any] | None = None,
 ) -> None:
     """Apply one client call to each selected instance; report successes and each failure.
-    A bigger selection ("select all" over a big table) becomes bulk jobs instead."""
-    if not request.user.has_perm(CHANGE_INSTANCE):
-        raise PermissionDenied
+    A bigger selection ("select all" over a big table) becomes bulk jobs instead: of
+    bulk_action (the verb if None; NO_BULK_JOB: there is none, the selection is refused)
+    with bulk_options (WorkflowBinding.bulk_options's event_type, payload, from_step,
+    to_version)."""
+    require_change_permission(request)
     actor = request.user.get_username()
     # Counted up to the limit: "select all" over a big table counted every row first.
     if queryset[: ACTION_ROWS_IN_REQUEST + 1].count() > ACTION_ROWS_IN_REQUEST:
-        start_bulk_jobs(modeladmin, request, queryset, verb, actor)
+        if bulk_action == NO_BULK_JOB:
+            modeladmin.message_user(
+                request,
+                f"Could not {verb}: select at most {ACTION_ROWS_IN_REQUEST} instances "
+                f"(there is no bulk {verb}).",
+                messages.ERROR,
+            )
+            return
+        start_bulk_jobs(
+            modeladmin, request, queryset, verb, actor, bulk_action or verb, bulk_options or {}
+        )
         return
     done = 0
     for row in queryset.order_by("id"):
@@ -297,15 +316,17 @@ def start_bulk_jobs(
     queryset: QuerySet[Instance],
     verb: str,
     actor: str,
+    bulk_action: str,
+    bulk_options: dict[str, Any],
 ) -> None:
     """One background bulk job per workflow of the selection: workers apply it in batches,
     its progress shows in the bulk jobs list, and the request only snapshots the ids."""
     for workflow in workflows_of(queryset):
         try:
-            options = WorkflowBinding(workflow).bulk_options(verb, None, None, None, True)
+            options = checked_bulk_options(workflow, bulk_action, bulk_options)
             job = start_bulk_job(
                 workflow,
-                verb,
+                bulk_action,
                 queryset.filter(workflow=workflow),
                 {"selected_in": "admin"},
                 options,
@@ -322,6 +343,19 @@ def start_bulk_jobs(
             "workers apply it in the background.",
             messages.SUCCESS,
         )
+
+
+def checked_bulk_options(workflow: str, action: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The client's check of an action's options against a workflow (its limits, its
+    versions), as for a bulk job of it; raises the client's error."""
+    return WorkflowBinding(workflow).bulk_options(
+        action,
+        options.get("event_type"),
+        options.get("payload"),
+        options.get("from_step"),
+        True,
+        options.get("to_version"),
+    )
 
 
 def workflows_of(queryset: QuerySet[Instance]) -> list[str]:
@@ -378,11 +412,164 @@ def cancel(
     )
 
 
+@admin.action(description="Skip the current sleep of selected instances", permissions=["change"])
+def skip_sleep(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> None:
+    # The client refuses an instance with no sleep to skip (InvalidTransition): reported.
+    run_action(
+        modeladmin,
+        request,
+        queryset,
+        "skip sleep",
+        lambda h, actor: h.skip_sleep(actor=actor),
+        NO_BULK_JOB,
+    )
+
+
+class RestartFromStepForm(RestartForm):
+    from_step = forms.CharField(
+        max_length=300,
+        label="From step",
+        help_text="the step's name: its checkpoint and every later one are dropped",
+    )
+    version = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=2**31 - 1,
+        label="On version",
+        help_text="optional: run on this registered version from now on",
+    )
+
+
+@admin.action(description="Restart selected instances from a step…", permissions=["change"])
+def restart_from_step(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> HttpResponse | None:
+    """Asks for the step (and a version) on a page of its own, then restarts each instance."""
+    require_change_permission(request)
+    form = RestartFromStepForm(request.POST if APPLY in request.POST else None)
+    if form.is_valid():
+        options = {
+            "from_step": form.cleaned_data["from_step"],
+            "to_version": form.cleaned_data["version"],
+        }
+        if options_fit_selection(form, queryset, "restart", options):
+            run_action(
+                modeladmin,
+                request,
+                queryset,
+                "restart",
+                lambda h, actor: h.restart(
+                    from_step=options["from_step"], actor=actor, version=options["to_version"]
+                ),
+                "restart",
+                options,
+            )
+            return None
+    return action_form_page(
+        modeladmin, request, form, "Restart from a step", "Restart", queryset=queryset
+    )
+
+
+@admin.action(description="Send an event to selected instances…", permissions=["change"])
+def send_event(
+    modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]
+) -> HttpResponse | None:
+    """Asks for the event type and JSON payload on a page of its own, checks them once (as
+    a bulk send does), then sends the event to each instance."""
+    require_change_permission(request)
+    form = SendEventForm(request.POST if APPLY in request.POST else None)
+    if form.is_valid():
+        options = {"event_type": form.cleaned_data["type"], "payload": form.cleaned_data["payload"]}
+        if options_fit_selection(form, queryset, "send_event", options):
+            run_action(
+                modeladmin,
+                request,
+                queryset,
+                "send event",
+                lambda h, actor: h.send_event(
+                    options["event_type"], options["payload"], actor=actor
+                ),
+                "send_event",
+                options,
+            )
+            return None
+    return action_form_page(modeladmin, request, form, "Send an event", "Send", queryset=queryset)
+
+
+def options_fit_selection(
+    form: forms.Form, queryset: QuerySet[Instance], action: str, options: dict[str, Any]
+) -> bool:
+    """Check the options against each workflow of the selection before any instance is
+    touched; a refusal goes on the form (beside its field where the form knows it)."""
+    try:
+        for workflow in workflows_of(queryset):
+            checked_bulk_options(workflow, action, options)
+    except errors.WorkflowError as exc:
+        if isinstance(form, SendEventForm):
+            form.add_refusal(exc)
+        else:
+            form.add_error(None, str(exc))  # it names the option: from_step, to_version
+        return False
+    return True
+
+
+def require_change_permission(request: HttpRequest) -> None:
+    if not request.user.has_perm(CHANGE_INSTANCE):
+        raise PermissionDenied
+
+
+def action_form_page(
+    modeladmin: admin.ModelAdmin,
+    request: HttpRequest,
+    form: forms.Form,
+    title: str,
+    button: str,
+    queryset: QuerySet[Instance] | None = None,
+) -> TemplateResponse:
+    """The page of an action's (or the add page's) form: it posts back to where it came
+    from with the selection it was asked for (the change list's action, select-all and
+    checked rows; an instance page's button needs none). 400 once it was refused."""
+    kept = ("action", "select_across", "index", ACTION_CHECKBOX_NAME)
+    hidden = [(name, value) for name in kept for value in request.POST.getlist(name)]
+    pk = request.resolver_match.kwargs.get("pk") if request.resolver_match else None
+    if pk is not None:
+        back = reverse("admin:workflows_app_instance_change", args=[pk])
+    elif queryset is not None:
+        back = request.get_full_path()
+    else:
+        back = reverse("admin:workflows_app_instance_changelist")
+    selected = None
+    if queryset is not None:
+        n = queryset[: ACTION_ROWS_IN_REQUEST + 1].count()
+        selected = AtLeast(ACTION_ROWS_IN_REQUEST) if n > ACTION_ROWS_IN_REQUEST else n
+    return TemplateResponse(
+        request,
+        "admin/workflows_app/instance/action_form.html",
+        {
+            **modeladmin.admin_site.each_context(request),
+            "opts": modeladmin.model._meta,
+            "title": title,
+            "form": form,
+            "button": button,
+            "apply": APPLY,
+            "hidden": hidden,
+            "selected": selected,
+            "back_url": back,
+        },
+        status=400 if form.is_bound else 200,
+    )
+
+
 # The actions an instance's own admin page offers as buttons: verb, label, admin action.
 INSTANCE_PAGE_ACTIONS = {
     "pause": ("Pause", pause),
     "resume": ("Resume", resume),
+    "skip-sleep": ("Skip sleep", skip_sleep),
+    "send-event": ("Send event…", send_event),
     "restart": ("Restart from the beginning", restart),
+    "restart-from-step": ("Restart from a step…", restart_from_step),
     "terminate": ("Terminate", terminate),
     "cancel": ("Cancel and compensate", cancel),
 }
@@ -430,7 +617,7 @@ class InstanceAdmin(BigTableAdmin):
     # No date_hierarchy: its links are the distinct months (or years) of every instance's
     # created_at, a scan of the table; the "created" filter narrows by date without one.
     ordering = ("-id",)
-    actions = (pause, resume, terminate, restart, cancel)
+    actions = (pause, resume, skip_sleep, send_event, terminate, restart, restart_from_step, cancel)
     inlines = (StepInline, HistoryInline)
     params = json_field("params", "params")
     output_pretty = json_field("output", "output")
@@ -544,8 +731,9 @@ class InstanceAdmin(BigTableAdmin):
         if verb not in INSTANCE_PAGE_ACTIONS:
             raise Http404(f"no action {verb!r}")
         _label, action = INSTANCE_PAGE_ACTIONS[verb]
-        action(self, request, Instance.objects.filter(pk=pk))  # checks the change permission
-        return redirect("admin:workflows_app_instance_change", pk)
+        # It checks the change permission; one that asks for input returns its form's page.
+        response = action(self, request, Instance.objects.filter(pk=pk))
+        return response or redirect("admin:workflows_app_instance_change", pk)
 
     def change_view(
         self,
@@ -566,8 +754,26 @@ class InstanceAdmin(BigTableAdmin):
             {**(extra_context or {}), "instance_actions": buttons if can_act else []},
         )
 
+    def add_view(
+        self, request: HttpRequest, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """Start an instance through the client, with the dashboard's create form and its
+        checks: a model form would save an engine row no worker knows how to run."""
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        form = CreateInstanceForm(request.POST if request.method == "POST" else None)
+        if form.is_valid():
+            handle = form.create(request.user.get_username())
+            if handle is not None:
+                self.message_user(
+                    request, f"Started {handle.workflow} instance {handle.id}.", messages.SUCCESS
+                )
+                return redirect("admin:workflows_app_instance_change", handle.row(refresh=False).pk)
+        return action_form_page(self, request, form, "Start an instance", "Start")
+
     def has_add_permission(self, request: HttpRequest) -> bool:
-        return False  # instances start through the client (dashboard, API, `wf start`)
+        # Starting one is an instance write, as in the dashboard: the change permission.
+        return request.user.has_perm(CHANGE_INSTANCE)
 
     def has_change_permission(self, request: HttpRequest, obj: Instance | None = None) -> bool:
         # The list needs it for the actions; a single instance's form is view-only.
