@@ -130,6 +130,38 @@ def test_an_untyped_wait_beside_a_typed_wait_of_one_type_takes_any_payload(regis
     assert inst.status().output == ["free text", {"ok": True}]
 
 
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"$ref": "#/$defs/missing"}, "#/$defs/missing"),  # refused where the wait is declared
+        ({"properties": {"n": {"$ref": "other.json"}}}, "other.json"),  # found only on use
+    ],
+)
+def test_a_wait_whose_schema_reference_does_not_resolve_fails_with_a_wfdash_error(
+    registered, schema, named
+):
+    """check_schema checks a schema's form, not where its $ref leads: an event buffered
+    before such a wait made the payload check raise jsonschema's private
+    _WrappedReferencingError, and the instance errored under that name. A reference that
+    points nowhere inside the schema is refused when the wait is declared; one that needs
+    another document (tried only when a payload is checked) fails the run as InvalidInput
+    too, naming it."""
+
+    @register("dangling-ref-engine")
+    class DanglingRef(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("approval", type="go", schema=schema)).payload
+
+    inst = get_workflow("dangling-ref-engine").create()
+    inst.send_event("go", {"n": 1})  # buffered: no wait yet
+    testing.run_until_idle()
+    status = inst.status()
+    assert status.status == "errored", status
+    assert status.error["name"] == "InvalidInput", status.error
+    assert "does not resolve" in status.error["message"], status.error
+    assert named in status.error["message"], status.error
+
+
 # --- hints over the Redis channel layer (PostgreSQL with WAKE_NOTIFY off, or SQLite) ----
 
 from channels.layers import channel_layers, get_channel_layer  # noqa: E402
