@@ -7,6 +7,7 @@ timeline says who did what.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -322,7 +323,7 @@ def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
 
 
 def _pause(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE:
+    if _pause_one(h, actor) == PAUSE_REQUESTED:
         return "Pause requested: the instance pauses when its running step finishes."
     return "Paused."
 
@@ -387,16 +388,51 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     return _back(request, dashboard.instance_url(row))
 
 
-BULK_DONE = {"pause": "Paused", "resume": "Resumed", "terminate": "Terminated"}
+# What an action did to one instance, in the words of the bulk message ("Paused 2
+# instances, pause requested for 1 instance."), in the order the message gives them.
+PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED = (
+    "paused",
+    "pause requested for",
+    "resumed",
+    "terminated",
+)
+BULK_OUTCOMES = (PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED)
 
 
-def _terminate_live(h: InstanceHandle, actor: str) -> None:
+def _pause_one(h: InstanceHandle, actor: str) -> str:
+    """An instance whose run is in a step is only asked to pause (at the step's end)."""
+    return PAUSE_REQUESTED if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE else PAUSED
+
+
+def _resume_one(h: InstanceHandle, actor: str) -> str:
+    h.resume(actor=actor)
+    return RESUMED
+
+
+def _terminate_live(h: InstanceHandle, actor: str) -> str:
     """A bulk terminate's: an instance that had already finished is a failure to report,
     not one more "Terminated" (terminate() changes nothing and says so with False)."""
     if not h.terminate(actor=actor):
         raise errors.InvalidTransition(
             f"cannot terminate instance {h.id!r}: it is already {h.status().status}"
         )
+    return TERMINATED
+
+
+BULK_APPLY: dict[str, Callable[[InstanceHandle, str], str]] = {
+    "pause": _pause_one,
+    "resume": _resume_one,
+    "terminate": _terminate_live,
+}
+
+
+def _bulk_done(outcomes: Counter[str]) -> str:
+    said = ", ".join(
+        f"{outcome} {outcomes[outcome]} instance{pluralize(outcomes[outcome])}"
+        for outcome in BULK_OUTCOMES
+        if outcomes[outcome]
+    )
+    return said[:1].upper() + said[1:] + "."
 
 
 def _send_event_keeping_input(
@@ -431,21 +467,18 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
         messages.error(request, "; ".join(" ".join(e) for e in form.errors.values()))
         return _back(request, reverse("workflows:instances"))
     action, actor = form.cleaned_data["action"], request.user.get_username()
-    done, failed = 0, []
+    outcomes: Counter[str] = Counter()
+    failed = []
     for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(
         "id", "workflow", "instance_id"
     ):
         handle = InstanceHandle(row.workflow, row.instance_id, row)
         try:
-            if action == "terminate":
-                _terminate_live(handle, actor)
-            else:
-                ACTIONS[action](handle, request, actor)
-            done += 1
+            outcomes[BULK_APPLY[action](handle, actor)] += 1
         except WorkflowError as exc:
             failed.append(f"{row.instance_id}: {exc}")
-    if done:
-        messages.success(request, f"{BULK_DONE[action]} {done} instance{pluralize(done)}.")
+    if outcomes:
+        messages.success(request, _bulk_done(outcomes))
     for error in failed[:10]:
         messages.error(request, error)
     if len(failed) > 10:

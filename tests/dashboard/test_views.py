@@ -489,6 +489,28 @@ def test_bulk_terminate_counts_only_the_instances_it_terminated(operator_client,
     assert f"{ended.id}: cannot terminate instance" in page and "already terminated" in page
 
 
+def test_bulk_pause_says_which_pauses_are_only_requested(operator_client, approval_workflow):
+    """pause() of an instance a run holds only asks for the pause (waitingForPause: it
+    pauses when its running step finishes); the bulk message counted it among "Paused 2
+    instances." as the single-instance button does not."""
+    from datetime import timedelta
+
+    from workflows_app.engine import clock
+
+    idle, held = waiting_instance(approval_workflow), waiting_instance(approval_workflow)
+    Instance.objects.filter(pk=held.row().pk).update(  # as a run running a step would
+        status="running", lease_token="a-run", lease_expires_at=clock.now() + timedelta(minutes=5)
+    )
+    response = operator_client.post(
+        reverse("workflows:bulk"),
+        {"action": "pause", "pk": [idle.row().pk, held.row().pk]},
+        follow=True,
+    )
+    page = response.content.decode()
+    assert idle.status().status == "paused" and held.status().status == "waitingForPause"
+    assert "Paused 1 instance, pause requested for 1 instance." in page
+
+
 def test_bulk_with_nothing_selected_says_what_is_missing(operator_client, approval_workflow):
     response = operator_client.post(reverse("workflows:bulk"), {"action": "pause"}, follow=True)
     page = response.content.decode()
