@@ -492,6 +492,32 @@ def test_bulk_progress_is_recorded_per_batch_and_a_repeat_skips_what_is_done(tag
     assert (again.matched, again.applied, again.skipped, again.failed) == (5, 0, 5, 0)
 
 
+def version_loads(queries) -> int:
+    """Statements that load an instance's deferred `version` alone: what a handle built
+    from a row read without it costs when it reads its limits (one more query each)."""
+    return sum(
+        q["sql"].startswith(
+            'SELECT "workflows_app_instance"."id", "workflows_app_instance"."version" FROM'
+        )
+        for q in queries.captured_queries
+    )
+
+
+def test_a_bulk_job_reads_each_instance_s_version_with_its_row(tagged):
+    """batch_rows left out `version`: every resume, cancel, restart or send_event of a bulk
+    job loaded it once more per instance (3 statements here) to read the limits."""
+    from django.test.utils import CaptureQueriesContext
+
+    from workflows_app import bulk
+
+    for handle in waiting_instances(tagged, 3):
+        handle.pause()
+    job = tagged.bulk("resume", status="paused")
+    with CaptureQueriesContext(connection) as queries:
+        assert bulk.process_batch(job.id).applied == 3
+    assert version_loads(queries) == 0
+
+
 def test_a_job_keeps_the_item_rows_of_the_work_left_only(tagged, monkeypatch):
     """A job's snapshot (one row per matched instance) shrinks batch by batch: a finished
     job of 100,000 instances left 100,000 rows behind for ever, job after job."""

@@ -616,6 +616,11 @@ def check_version(version: Any, field: str = "version") -> None:
         )
 
 
+# The fields of an Instance row an InstanceHandle given it reads: its pk, and its version
+# for the limits (a row read without it loads it again, one query per handle).
+HANDLE_FIELDS = ("id", "workflow", "instance_id", "version")
+
+
 class InstanceHandle:
     """One instance of a workflow, by id. Methods read and write the database each call."""
 

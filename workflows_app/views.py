@@ -29,9 +29,10 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, dashboard_metrics, forms, surfaces
-from .client import BulkJobHandle, InstanceHandle, WorkflowBinding, schedules
+from .client import HANDLE_FIELDS, BulkJobHandle, InstanceHandle, WorkflowBinding, schedules
 from .client import start_bulk_job as start_bulk_job_for
 from .converters import parse_pk
+from .engine import errors
 from .engine.errors import WorkflowError
 from .models import Instance, Status
 
@@ -377,7 +378,7 @@ ACTIONS: dict[str, Callable[[InstanceHandle, HttpRequest, str], str]] = {
 def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     if action not in ACTIONS and action != "send-event":
         raise Http404(f"no action {action!r}")
-    row = get_object_or_404(Instance.objects.only("id", "workflow", "instance_id"), pk=pk)
+    row = get_object_or_404(Instance.objects.only(*HANDLE_FIELDS), pk=pk)
     handle = InstanceHandle(row.workflow, row.instance_id, row)
     if action == "send-event":
         return _send_event_keeping_input(request, handle, row)
@@ -469,9 +470,7 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
     action, actor = form.cleaned_data["action"], request.user.get_username()
     outcomes: Counter[str] = Counter()
     failed = []
-    for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(
-        "id", "workflow", "instance_id"
-    ):
+    for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(*HANDLE_FIELDS):
         handle = InstanceHandle(row.workflow, row.instance_id, row)
         try:
             outcomes[BULK_APPLY[action](handle, actor)] += 1

@@ -511,6 +511,28 @@ def test_bulk_pause_says_which_pauses_are_only_requested(operator_client, approv
     assert "Paused 1 instance, pause requested for 1 instance." in page
 
 
+def test_dashboard_actions_read_each_instance_s_version_with_its_row(
+    operator_client, approval_workflow
+):
+    """The bulk and single-instance actions read rows without `version`: each resume
+    loaded it once more (one statement per instance) to read the instance's limits."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.test_operating import version_loads
+
+    a, b, c = (waiting_instance(approval_workflow) for _ in range(3))
+    for inst in (a, b, c):
+        inst.pause()
+    with CaptureQueriesContext(connection) as queries:
+        operator_client.post(
+            reverse("workflows:bulk"), {"action": "resume", "pk": [a.row().pk, b.row().pk]}
+        )
+        operator_client.post(action_url(c, "resume"))
+    assert {a.status().status, b.status().status, c.status().status} == {"running"}
+    assert version_loads(queries) == 0
+
+
 def test_bulk_with_nothing_selected_says_what_is_missing(operator_client, approval_workflow):
     response = operator_client.post(reverse("workflows:bulk"), {"action": "pause"}, follow=True)
     page = response.content.decode()

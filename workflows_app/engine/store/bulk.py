@@ -78,8 +78,8 @@ def lock_next_batch(size: int, job_pk: int | None = None) -> tuple[BulkJob, list
 def batch_rows(pks: Sequence[int], locked: bool = False) -> dict[int, Instance]:
     """The batch's instances still there (deleted ones are skipped), one query; `locked`:
     their rows locked (in id order) until the batch commits, so the status read holds."""
-    rows = Instance.objects.filter(pk__in=list(pks)).only(
-        "id", "workflow", "instance_id", "status", "history_seq", "step_seq"
+    rows = Instance.objects.filter(pk__in=list(pks)).only(  # version: the handle's limits
+        "id", "workflow", "instance_id", "version", "status", "history_seq", "step_seq"
     )
     if locked:
         rows = lock_rows(rows.order_by("id"))
