@@ -177,3 +177,81 @@ def test_a_queued_instance_paused_while_a_finish_admits_it_does_not_take_the_fre
         c.row().waiting_reason,
         b_history,
     )
+
+
+def test_a_bulk_terminate_of_a_child_locks_its_parent_before_it(registered):
+    """terminate_batch locked the batch's rows, then woke the parent of a child it ended
+    (wake_parent's UPDATE of the parent's row): a child locked before its parent, where
+    terminate(), a parent's cascade and a child's finish lock the parent first. A
+    transaction holding the parent and then wanting the child (the parent's terminate)
+    deadlocked with it on PostgreSQL. Here a transaction holds the parent's row; the
+    batch must wait for it before it locks the child, so the child can still be locked."""
+    from django.db import DatabaseError, connection, connections, transaction
+
+    from tests.polling import a_backend_waits_for_a_lock, wait_until
+    from workflows_app.engine.store.dialect import lock_rows
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: SQLite locks the whole database, never a row")
+
+    @register("lo-child")
+    class Child(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return (await step.wait_for_event("go", type="go")).payload
+
+    @register("lo-parent")
+    class Parent(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.invoke("child", "lo-child")
+
+    parent = get_workflow("lo-parent").create(id="p")
+    testing.run_until_idle()
+    [child] = parent.children()
+    assert (parent.status().status, child.status().status) == ("waiting", "waiting")
+    parent_pk, child_pk = parent.row().pk, child.row().pk
+    held, release = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def hold_the_parent() -> None:
+        try:
+            with transaction.atomic():
+                list(lock_rows(Instance.objects.filter(id=parent_pk)).values_list("id"))
+                held.set()
+                release.wait(30)
+        finally:
+            held.set()
+            connections.close_all()
+
+    def terminate_the_child() -> None:
+        try:
+            with transaction.atomic():
+                outcome["terminated"] = [row.pk for row in store.terminate_batch([child_pk])]
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    holder, batch = (threading.Thread(target=f) for f in (hold_the_parent, terminate_the_child))
+    holder.start()
+    try:
+        assert held.wait(30)
+        batch.start()
+        wait_until(
+            lambda: not batch.is_alive() or a_backend_waits_for_a_lock(),
+            30,
+            "the batch to wait for the parent's row",
+        )
+        try:
+            with transaction.atomic():  # the batch must not hold the child meanwhile
+                Instance.objects.select_for_update(nowait=True, no_key=True).get(id=child_pk)
+            child_free = True
+        except DatabaseError:
+            child_free = False
+    finally:
+        release.set()
+        holder.join(30)
+        batch.join(30)
+    assert child_free, "the batch locked the child before the parent"
+    assert outcome == {"terminated": [child_pk]}, outcome
+    assert child.status().status == "terminated"
+    assert Instance.objects.get(id=parent_pk).wake_at is not None  # woken to see it

@@ -1430,14 +1430,27 @@ def terminate(
 def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> list[Instance]:
     """Terminate the live instances among pks as terminate() does each, with a few
     statements for the lot (inside the caller's transaction: a bulk job's batch); returns
-    the instances terminated. Rows are locked in id order, as every multi-row lock is.
+    the instances terminated. Rows are locked in id order, as every multi-row lock is,
+    with the parents of the batch's children in the same statement: an ended child wakes
+    its parent (wake_parent updates its row), and a parent is locked before its child
+    everywhere (locked_with_parent): taken after the child, it could deadlock with a
+    transaction holding the parent and wanting the child (its terminate's cascade). A
+    parent was created before its child, so id order puts it first. (The parents' ids
+    are read first, by their pks: in the locking statement, an OR with a subquery on
+    parent_id is a filter over every row, not an index lookup.)
 
     As terminate() of each in id order (a parent before its children): an instance whose
     parent is terminated in the same batch ends with it, through the parent's cascade
     (child.terminated on the parent, which a restart of the parent revives), and is not
     returned, as a terminate() of it afterwards would find it ended already."""
-    rows = list(
-        lock_rows(Instance.objects.filter(id__in=list(pks)).order_by("id")).only(
+    batch = set(pks)
+    parents = Instance.objects.filter(id__in=list(pks), parent_id__isnull=False).values_list(
+        "parent_id", flat=True
+    )  # read unlocked: an instance's parent is set when it is created, never changed
+    locked = lock_rows(Instance.objects.filter(id__in=sorted(batch.union(parents))).order_by("id"))
+    rows = [
+        row
+        for row in locked.only(
             "id",
             "workflow",
             "instance_id",
@@ -1449,7 +1462,8 @@ def terminate_batch(pks: Sequence[int], actor: str = "", reason: str = "") -> li
             "parent_step",
             "concurrency_key",  # the places freed (promote_queued's freed_keys)
         )
-    )
+        if row.pk in batch
+    ]
     live = [row for row in rows if lifecycle.can(lifecycle.TERMINATE, row.status)]
     # A row whose parent is ended here too ends in that parent's cascade, which ends every
     # live child level by level: only the others (the roots of the batch) are ended here.
