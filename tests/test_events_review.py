@@ -255,8 +255,9 @@ def test_a_typed_wait_judges_the_payload_it_will_receive_not_the_python_object_s
 
 
 def test_a_wait_whose_schema_reference_does_not_resolve_refuses_an_event_clearly(registered):
-    """check_schema (step.py) accepts a schema whose $ref points nowhere: it checks the
-    schema's form, not where its references lead. send_event's validation then raised
+    """A wait's schema whose $ref names another document no one can fetch: the wait's
+    declaration leaves such references to the payload's check (one pointing inside the
+    schema at nothing is refused there). send_event's validation then raised
     jsonschema's _WrappedReferencingError, no WorkflowError: the API answered 500
     InternalError, the dashboard's form a server error, a bulk send_event logged a
     traceback. It is refused as a payload that no payload can pass, and nothing stored."""
@@ -272,7 +273,7 @@ def test_a_wait_whose_schema_reference_does_not_resolve_refuses_an_event_clearly
     class DanglingRef(WorkflowEntrypoint):
         async def run(self, event, step):
             received = await step.wait_for_event(
-                "approval", type="go", schema={"$ref": "#/$defs/missing"}
+                "approval", type="go", schema={"$ref": "other.json"}
             )
             return received.payload
 
