@@ -254,6 +254,40 @@ def children(pid: int) -> list[int]:
         return [int(child) for child in listed.read().split()]
 
 
+def start_reloading_runserver(
+    tmp_path: Any, instance_id: str
+) -> tuple[Any, Any, subprocess.Popen[str], Any, int]:
+    """`manage.py runserver` as a developer runs it, with the autoreloader, and an instance
+    of "fleet" whose first step (120 s) outlives the drain's grace (0.5 s), leases of 60 s.
+    Returns the instance, the boot script, the server, its log and its port."""
+    boot = tmp_path / "reloading_runserver.py"
+    boot.write_text(
+        "import sys, django; django.setup(); import tests.fleet_workflows\n"
+        "from django.core.management import call_command\n"
+        "call_command('runserver', sys.argv[1])\n"
+    )
+    fleet_workflows.ensure_ledger()
+    inst = get_workflow("fleet").create(id=instance_id)
+    server, log, port = start_server(
+        [str(boot), "127.0.0.1:{port}"],
+        PYTHONPATH=str(ROOT),  # a script's own folder is on sys.path, not the project's
+        WFDASH_LEASE_SECONDS="60",
+        FLEET_STEP_SECONDS="120",
+        WFDASH_DRAIN_SECONDS="0.5",
+    )
+    return inst, boot, server, log, port
+
+
+def stop_with_children(server: subprocess.Popen[str], log: Any) -> None:
+    """Kill a reloading server still running, and its reloader's child, then close its log."""
+    if server.poll() is None:
+        for child in children(server.pid):
+            os.kill(child, signal.SIGKILL)
+        server.kill()
+        server.wait(10)
+    log.close()
+
+
 @pytest.mark.parametrize("to", ["parent", "child"])
 def test_sigterm_to_runserver_with_its_autoreloader_releases_the_embedded_worker_s_leases(
     registered, tmp_path, to
@@ -264,21 +298,7 @@ def test_sigterm_to_runserver_with_its_autoreloader_releases_the_embedded_worker
     SystemExit, and subprocess.run then SIGKILLed the child; SIGTERM to the child ended
     its main thread. Either way the worker died mid-step, its lease held until it ran
     out. Now the parent passes SIGTERM on and waits; the child drains, then exits."""
-    boot = tmp_path / "reloading_runserver.py"
-    boot.write_text(
-        "import sys, django; django.setup(); import tests.fleet_workflows\n"
-        "from django.core.management import call_command\n"
-        "call_command('runserver', sys.argv[1])\n"
-    )
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("fleet").create(id=f"reloading-{to}")
-    server, log, port = start_server(
-        [str(boot), "127.0.0.1:{port}"],
-        PYTHONPATH=str(ROOT),  # a script's own folder is on sys.path, not the project's
-        WFDASH_LEASE_SECONDS="60",
-        FLEET_STEP_SECONDS="120",  # the first step outlives the drain's grace
-        WFDASH_DRAIN_SECONDS="0.5",
-    )
+    inst, _, server, log, port = start_reloading_runserver(tmp_path, f"reloading-{to}")
     try:
         wait_until(lambda: answers_http(port), 60, "runserver to answer")
         wait_until(
@@ -300,12 +320,7 @@ def test_sigterm_to_runserver_with_its_autoreloader_releases_the_embedded_worker
         )
         assert server.returncode == 0, server.returncode
     finally:
-        if server.poll() is None:
-            for child in children(server.pid):
-                os.kill(child, signal.SIGKILL)
-            server.kill()
-            server.wait(10)
-        log.close()
+        stop_with_children(server, log)
 
 
 def test_a_code_change_under_runserver_s_autoreloader_gives_the_embedded_worker_s_lease_back(
@@ -316,21 +331,7 @@ def test_a_code_change_under_runserver_s_autoreloader_gives_the_embedded_worker_
     the next child took the run only once the lease ran out (WFDASH_LEASE_SECONDS, 30 s
     by default), the takeover counted towards the poison limit. The child now drains its
     worker first, as at SIGTERM, and the next child takes the run at once."""
-    boot = tmp_path / "reloading_runserver.py"
-    boot.write_text(
-        "import sys, django; django.setup(); import tests.fleet_workflows\n"
-        "from django.core.management import call_command\n"
-        "call_command('runserver', sys.argv[1])\n"
-    )
-    fleet_workflows.ensure_ledger()
-    inst = get_workflow("fleet").create(id="reloaded-mid-step")
-    server, log, port = start_server(
-        [str(boot), "127.0.0.1:{port}"],
-        PYTHONPATH=str(ROOT),  # a script's own folder is on sys.path, not the project's
-        WFDASH_LEASE_SECONDS="60",
-        FLEET_STEP_SECONDS="120",  # the first step outlives the drain's grace
-        WFDASH_DRAIN_SECONDS="0.5",
-    )
+    inst, boot, server, log, port = start_reloading_runserver(tmp_path, "reloaded-mid-step")
 
     def leased_to() -> str | None:
         return Instance.objects.filter(pk=inst.row().pk).values_list("lease_owner", flat=True)[0]
@@ -356,12 +357,7 @@ def test_a_code_change_under_runserver_s_autoreloader_gives_the_embedded_worker_
         print(log.read()[-3000:])
         raise
     finally:
-        if server.poll() is None:
-            for child in children(server.pid):
-                os.kill(child, signal.SIGKILL)
-            server.kill()
-            server.wait(10)
-        log.close()
+        stop_with_children(server, log)
 
 
 # --- a rolling deploy: old and new workers side by side --------------------------------------

@@ -4,8 +4,10 @@ through LISTEN/NOTIFY between processes; the database's clock for leases and tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -27,6 +29,20 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def postgres_only() -> None:
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL only: SQLite has no LISTEN/NOTIFY and no data-modifying CTEs")
+
+
+@contextlib.contextmanager
+def hints_heard() -> Iterator[list[tuple[str, int | None]]]:
+    """The (kind, instance pk) of each wake hint a NOTIFY listener of this database hears
+    while the block runs, the listener listening before it starts."""
+    heard: list[tuple[str, int | None]] = []
+    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
+    listener.start()
+    try:
+        assert listener.listening.wait(10)
+        yield heard
+    finally:
+        listener.stop()
 
 
 def test_each_checkpoint_claim_and_finish_is_one_statement_and_the_history_is_whole(registered):
@@ -175,11 +191,7 @@ def test_a_notify_wakes_a_worker_in_another_process_without_redis(workers):
 
 def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
     postgres_only()
-    heard: list[tuple[str, int | None]] = []
-    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
-    listener.start()
-    try:
-        assert listener.listening.wait(10)
+    with hints_heard() as heard:
         wait_until(lambda: ("wake", None) in heard, 10, "the listener's first wake")
         from django.db import transaction
 
@@ -190,8 +202,6 @@ def test_hints_are_delivered_at_commit_and_dropped_with_a_rollback():
             store.hint_workers("terminate", [42])
         wait_until(lambda: ("terminate", 42) in heard, 10, "the committed hint")
         assert ("event", 41) not in heard
-    finally:
-        listener.stop()
 
 
 def test_a_child_that_ends_tells_every_worker_its_parent_is_due(registered):
@@ -211,18 +221,12 @@ def test_a_child_that_ends_tells_every_worker_its_parent_is_due(registered):
         async def run(self, event, step):
             return await step.invoke("child", "notify-child", {})
 
-    heard: list[tuple[str, int | None]] = []
-    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
-    listener.start()
-    try:
-        assert listener.listening.wait(10)
+    with hints_heard() as heard:
         parent = get_workflow("notify-parent").create(id="told")
         testing.run_until_idle()
         assert parent.status().output == 7
         pk = parent.row().pk
         wait_until(lambda: ("child", pk) in heard, 10, "the hint of the child's end")
-    finally:
-        listener.stop()
 
 
 @pytest.mark.parametrize("action", ["terminate", "cancel"])
@@ -245,11 +249,7 @@ def test_children_ended_with_their_parent_are_told_to_every_worker_at_commit(reg
             await step.start("audit", "notify-cascade-child", {})
             await step.wait_for_event("go", type="go")
 
-    heard: list[tuple[str, int | None]] = []
-    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
-    listener.start()
-    try:
-        assert listener.listening.wait(10)
+    with hints_heard() as heard:
         parent = get_workflow("notify-cascade-parent").create(id=f"cascade-{action}")
         testing.run_until_idle()
         (child,) = parent.children()
@@ -261,8 +261,6 @@ def test_children_ended_with_their_parent_are_told_to_every_worker_at_commit(reg
         expected = "terminate" if action == "terminate" else "compensate"
         pk = child.row().pk
         wait_until(lambda: (expected, pk) in heard, 10, f"the hint of the child's {action}")
-    finally:
-        listener.stop()
 
 
 def test_instances_a_bulk_terminate_ends_are_told_to_every_worker_at_commit(registered):
@@ -278,11 +276,7 @@ def test_instances_a_bulk_terminate_ends_are_told_to_every_worker_at_commit(regi
         async def run(self, event, step):
             await step.wait_for_event("go", type="go")
 
-    heard: list[tuple[str, int | None]] = []
-    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
-    listener.start()
-    try:
-        assert listener.listening.wait(10)
+    with hints_heard() as heard:
         wf = get_workflow("notify-bulk-terminate")
         handles = [wf.create(id=f"bulk-{n}") for n in range(3)]
         testing.run_until_idle()
@@ -292,8 +286,6 @@ def test_instances_a_bulk_terminate_ends_are_told_to_every_worker_at_commit(regi
         for handle in handles:
             pk = handle.row().pk
             wait_until(lambda pk=pk: ("terminate", pk) in heard, 10, "the hint of its terminate")
-    finally:
-        listener.stop()
 
 
 @needs_redis
@@ -504,18 +496,12 @@ def test_an_event_is_stored_made_due_recorded_and_hinted_in_one_statement(regist
     inst = get_workflow("one-statement-waiter").create()
     testing.run_until_idle()
     assert inst.status().status == "waiting"
-    heard: list[tuple[str, int | None]] = []
-    listener = store.WakeListener(lambda kind, pk: heard.append((kind, pk)))
-    listener.start()
-    try:
-        assert listener.listening.wait(10)
+    with hints_heard() as heard:
         connection.close()  # the counter sees the statements of connections opened under it
         with testing.QueryCounter() as queries:
             inst.send_event("go", {"n": 1})
         pk = inst.row().pk
         wait_until(lambda: ("event", pk) in heard, 10, "the event's hint")
-    finally:
-        listener.stop()
     writes = [s for s in queries.statements if "clock_timestamp" not in s]
     assert len(writes) == 1 and writes[0].lstrip().startswith("WITH inst AS"), writes
     sent = HistoryRecord.objects.get(instance_id=pk, type="event.sent")
