@@ -133,8 +133,8 @@ def test_an_untyped_wait_beside_a_typed_wait_of_one_type_takes_any_payload(regis
 @pytest.mark.parametrize(
     ("schema", "named"),
     [
-        ({"$ref": "#/$defs/missing"}, "#/$defs/missing"),  # refused where the wait is declared
-        ({"properties": {"n": {"$ref": "other.json"}}}, "other.json"),  # found only on use
+        ({"$ref": "#/$defs/missing"}, "#/$defs/missing"),
+        ({"properties": {"n": {"$ref": "other.json"}}}, "other.json"),  # never fetched
     ],
 )
 def test_a_wait_whose_schema_reference_does_not_resolve_fails_with_a_wfdash_error(
@@ -143,9 +143,8 @@ def test_a_wait_whose_schema_reference_does_not_resolve_fails_with_a_wfdash_erro
     """check_schema checks a schema's form, not where its $ref leads: an event buffered
     before such a wait made the payload check raise jsonschema's private
     _WrappedReferencingError, and the instance errored under that name. A reference that
-    points nowhere inside the schema is refused when the wait is declared; one that needs
-    another document (tried only when a payload is checked) fails the run as InvalidInput
-    too, naming it."""
+    does not resolve inside the schema (another document is never fetched) is refused when
+    the wait is declared, as InvalidInput naming it."""
 
     @register("dangling-ref-engine")
     class DanglingRef(WorkflowEntrypoint):
@@ -160,6 +159,73 @@ def test_a_wait_whose_schema_reference_does_not_resolve_fails_with_a_wfdash_erro
     assert status.error["name"] == "InvalidInput", status.error
     assert "does not resolve" in status.error["message"], status.error
     assert named in status.error["message"], status.error
+
+
+def test_a_schema_reference_to_another_document_is_never_fetched(registered):
+    """jsonschema's default registry fetched a $ref's http(s) document at each payload's
+    check: synchronously in the worker's event loop or the request sending the event, from
+    any address the schema named. References now resolve within the schema and the
+    meta-schemas only: the wait is refused where it is declared, a stored schema of an
+    earlier release refuses the event, and no request leaves."""
+    import http.server
+    import json
+    import threading
+
+    from workflows_app.engine import errors
+    from workflows_app.models import StepRecord
+
+    fetched: list[str] = []
+
+    class Document(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            fetched.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "object"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Document)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    remote = {"$ref": f"http://127.0.0.1:{server.server_address[1]}/payload.json"}
+    try:
+
+        @register("remote-ref")
+        class RemoteRef(WorkflowEntrypoint):
+            async def run(self, event, step):
+                schema = event.payload["schema"]
+                return (await step.wait_for_event("approval", type="go", schema=schema)).payload
+
+        declared = get_workflow("remote-ref").create(params={"schema": remote})
+        testing.run_until_idle()
+        status = declared.status()
+        assert (status.status, status.error["name"]) == ("errored", "InvalidInput"), status
+        assert "never fetched" in status.error["message"], status.error
+
+        stored = get_workflow("remote-ref").create(params={"schema": {"type": "object"}})
+        testing.run_until_idle()
+        StepRecord.objects.filter(instance__instance_id=stored.id, name="approval").update(
+            event_schema_json=json.dumps(remote)
+        )
+        with pytest.raises(errors.EventPayloadInvalid, match="does not resolve"):
+            stored.send_event("go", {"ok": True})
+        assert stored.status().status == "waiting"
+        # Meta-schemas still resolve (they ship with jsonschema): a payload that is a schema.
+        meta_schema = {"$ref": "https://json-schema.org/draft/2020-12/schema"}
+        meta = get_workflow("remote-ref").create(params={"schema": meta_schema})
+        testing.run_until_idle()
+        assert meta.status().status == "waiting"
+        with pytest.raises(errors.EventPayloadInvalid, match="does not match"):
+            meta.send_event("go", {"type": 5})
+        meta.send_event("go", {"type": "object"})
+        testing.run_until_idle()
+        assert meta.status().output == {"type": "object"}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert fetched == []
 
 
 # --- hints over the Redis channel layer (PostgreSQL with WAKE_NOTIFY off, or SQLite) ----
@@ -255,9 +321,8 @@ def test_a_typed_wait_judges_the_payload_it_will_receive_not_the_python_object_s
 
 
 def test_a_wait_whose_schema_reference_does_not_resolve_refuses_an_event_clearly(registered):
-    """A wait's schema whose $ref names another document no one can fetch: the wait's
-    declaration leaves such references to the payload's check (one pointing inside the
-    schema at nothing is refused there). send_event's validation then raised
+    """A wait parked by an earlier release, whose stored schema's $ref does not resolve
+    (declared now, such a wait is refused: the test above). send_event's validation raised
     jsonschema's _WrappedReferencingError, no WorkflowError: the API answered 500
     InternalError, the dashboard's form a server error, a bulk send_event logged a
     traceback. It is refused as a payload that no payload can pass, and nothing stored."""
@@ -267,19 +332,20 @@ def test_a_wait_whose_schema_reference_does_not_resolve_refuses_an_event_clearly
 
     from workflows_app import tokens
     from workflows_app.engine import errors
-    from workflows_app.models import HistoryRecord, InboxEvent
+    from workflows_app.models import HistoryRecord, InboxEvent, StepRecord
 
     @register("dangling-ref")
     class DanglingRef(WorkflowEntrypoint):
         async def run(self, event, step):
-            received = await step.wait_for_event(
-                "approval", type="go", schema={"$ref": "other.json"}
-            )
+            received = await step.wait_for_event("approval", type="go", schema={"type": "object"})
             return received.payload
 
     inst = get_workflow("dangling-ref").create(id="dangling")
     testing.run_until_idle()
     assert inst.status().status == "waiting"
+    StepRecord.objects.filter(instance__instance_id="dangling", name="approval").update(
+        event_schema_json=json.dumps({"$ref": "other.json"})
+    )
     history = HistoryRecord.objects.count()
     with pytest.raises(errors.EventPayloadInvalid, match="does not resolve"):
         inst.send_event("go", {"ok": True})

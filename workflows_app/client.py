@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import jsonschema
 import referencing.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -46,6 +45,7 @@ from .engine.limits import (
 )
 from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
+from .engine.schemas import event_validator
 from .engine.store import NewInstance
 from .engine.store.subscriptions import HistoryFollower, history_listener
 from .engine.worker import running_in_this_process
@@ -883,8 +883,7 @@ class InstanceHandle:
         )
 
         def validate(schema_json: str) -> None:
-            validator_class = jsonschema.validators.validator_for(json.loads(schema_json))
-            validator = validator_class(json.loads(schema_json))
+            validator = event_validator(json.loads(schema_json))
             stored = json.loads(payload_json)  # what the wait receives (a tuple is an array)
             try:
                 violations = [

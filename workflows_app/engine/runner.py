@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import jsonschema
 from django.db import DatabaseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -47,6 +46,7 @@ from .errors import (
 from .limits import check_step_name, encode_step_output
 from .overrides import overrides
 from .registry import Definition
+from .schemas import event_validator
 from .step import (
     Step,
     StepContext,
@@ -1210,9 +1210,7 @@ class Run:
         not come in time, however late the run woke to see it). Events are read
         EVENT_BATCH at a time and only as far as a wait needs them.
         """
-        validator = (
-            jsonschema.validators.validator_for(schema)(schema) if schema is not None else None
-        )
+        validator = event_validator(schema) if schema is not None else None
         inbox = self.inboxes.setdefault(event_type, Inbox())
         async with inbox.lock:  # parallel waits on one type read the inbox once
             checked = 0

@@ -24,11 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import jsonschema
-import referencing
-import referencing.exceptions
 from opentelemetry import trace
-from referencing.jsonschema import DRAFT202012
 
 from ..codec import seal, unseal
 from ..models import Instance, Status, StepKind, StepRecord, StepStatus
@@ -67,6 +63,7 @@ from .limits import (
     shortened_stack,
     storable_text,
 )
+from .schemas import check_event_schema
 from .store import History, NewInstance, new_model_object
 
 if TYPE_CHECKING:
@@ -680,12 +677,7 @@ class Step:
                         {"step": name, "type": type, "timeout_at": record.wake_at.isoformat()},
                     )
                 )
-            try:
-                delivered = await run.take_event(type, schema, sent_by=record.wake_at)
-            except referencing.exceptions.Unresolvable as exc:
-                # A reference to another document, looked up only as a payload is checked
-                # (check_event_schema leaves it): jsonschema's own error class is private.
-                raise _unresolved_reference(name, exc.ref) from None
+            delivered = await run.take_event(type, schema, sent_by=record.wake_at)
             if delivered is None and not run.event_timed_out(record):
                 if history:
                     await run.write(record, history)
@@ -1097,45 +1089,6 @@ def _child_history(kind: str, step_name: str, child: Instance, wait: bool | None
     if wait is not None:
         data["wait"] = wait
     return History(kind, data)
-
-
-def check_event_schema(name: str, schema: dict[str, Any]) -> None:
-    """InvalidInput for a wait's schema that is no JSON Schema, or that has a $ref pointing
-    nowhere inside it (a missing $defs entry or anchor): no payload could ever pass it, and
-    check_schema checks only the form. A reference to another document is left to the
-    payload check (jsonschema may fetch it), whose failure wait_for_event names likewise."""
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise InvalidInput(f'wait_for_event "{name}": invalid JSON Schema: {exc.message}') from None
-    root = referencing.Resource.from_contents(schema, default_specification=DRAFT202012)
-
-    def check(resolver: referencing.Resolver[Any], resource: referencing.Resource[Any]) -> None:
-        if resource is not root and resource.id():
-            resolver = resolver.in_subresource(resource)  # its $id is the base of its refs
-        ref = resource.contents.get("$ref") if isinstance(resource.contents, dict) else None
-        if isinstance(ref, str):
-            try:
-                resolver.lookup(ref)
-            except (
-                referencing.exceptions.PointerToNowhere,
-                referencing.exceptions.NoSuchAnchor,
-                referencing.exceptions.InvalidAnchor,
-            ):
-                raise _unresolved_reference(name, ref) from None
-            except referencing.exceptions.Unresolvable:
-                pass  # another document: not known here
-        for subresource in resource.subresources():
-            check(resolver, subresource)
-
-    check(referencing.Registry().resolver_with_root(root), root)
-
-
-def _unresolved_reference(name: str, ref: str) -> InvalidInput:
-    return InvalidInput(
-        f'wait_for_event "{name}": the reference {ref!r} in its JSON Schema does not resolve '
-        "(no payload could match it)"
-    )
 
 
 def _event_from_json(text: str | None) -> Event:
