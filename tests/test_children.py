@@ -205,6 +205,37 @@ def test_given_ids_and_bad_step_names_make_valid_deterministic_child_ids():
     assert {c.id for c in parent.children()} == {a, b}
 
 
+def test_a_child_s_fallback_id_holds_to_the_child_workflow_s_max_instance_id_length():
+    """A child's fallback id ("child-<32 hex>", 38 characters) was stored whatever its
+    workflow's max_instance_id_length: under a limit of 20 a child got a 38-character id,
+    where a tick's made-up id is held to the limit. Now the step fails with LimitExceeded,
+    for a readable id too long and for one taken alike; a readable id that fits is kept."""
+
+    @register("short-child", limits={"max_instance_id_length": 20})
+    class ShortChild(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return "done"
+
+    @register("starts-short-child")
+    class StartsShortChild(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.start("go", "short-child")
+
+    fits = get_workflow("starts-short-child").create(id="p1")  # "p1:go" fits
+    too_long = get_workflow("starts-short-child").create(id="a-parent-id-of-20-ch")
+    get_workflow("short-child").create(id="p2:go")  # taken: p2's child falls back
+    taken = get_workflow("starts-short-child").create(id="p2")
+    testing.run_until_idle()
+    assert fits.status().output == "p1:go"
+    for parent in (too_long, taken):
+        error = parent.status().error
+        assert parent.status().status == "errored", parent.id
+        assert error["name"] == "LimitExceeded"
+        assert "child of step 'go': max_instance_id_length is 20, got 38" in error["message"]
+    ids = Instance.objects.filter(workflow="short-child").values_list("instance_id", flat=True)
+    assert sorted(ids) == ["p1:go", "p2:go"]
+
+
 def test_an_uncaught_child_failure_errors_the_parent_and_a_replay_raises_it_from_the_checkpoint():
     @register("strict-order")
     class StrictOrder(WorkflowEntrypoint):

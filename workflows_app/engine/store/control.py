@@ -873,6 +873,21 @@ def create_in_transaction(
     return instance
 
 
+def _check_child_ids(fresh: Sequence[NewInstance], limits: Limits) -> None:
+    """A new child's id holds to its workflow's max_instance_id_length, as every id a create
+    stores (the tick's and the trigger's it makes up too): its fallback ("child-<32 hex>",
+    38 characters, step.child_ids) was stored under any limit. Judged when the child is
+    made, not when a replay finds it (a child started before a lowered limit replays)."""
+    for item in fresh:
+        if item.parent_pk is not None and len(item.instance_id) > limits.max_instance_id_length:
+            raise LimitExceeded(
+                "max_instance_id_length",
+                len(item.instance_id),
+                limits.max_instance_id_length,
+                f"instance id of the child of step {item.parent_step!r}",
+            )
+
+
 def _existing(name: str, version: int, items: Sequence[NewInstance]) -> dict[int, Instance]:
     """Items that name an instance already there, by position: same idempotency key, or
     the same parent step (a replay of step.invoke / step.start)."""
@@ -993,6 +1008,7 @@ def _create_instances(
     now = clock.now()
     found = _existing(name, version, items)
     fresh = [i for n, i in enumerate(items) if n not in found]
+    _check_child_ids(fresh, limits)
     ids = [i.instance_id for i in fresh]
     if len(set(ids)) != len(ids):
         raise InvalidInput("a batch names the same instance id twice")
