@@ -351,9 +351,9 @@ def _restart(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
 
 
 def _skip_sleep(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
+    # An instance not sleeping is refused (InvalidTransition, naming its status): the
+    # action's error message says so ("Could not skip sleep: ... (it is waiting)").
     woken = h.skip_sleep(actor=actor)
-    if not woken:
-        return "Nothing to skip: the instance is not sleeping."
     return "Skipped the sleep." if woken == 1 else f"Skipped {woken} sleeps."
 
 
