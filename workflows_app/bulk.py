@@ -26,12 +26,28 @@ log = logging.getLogger("workflows_app.bulk")
 
 BATCH_SIZE = 100  # instances per transaction: a crash repeats none, a batch holds locks briefly
 
-Apply = Callable[[InstanceHandle, dict[str, Any], str], bool]
+# What an action did to one instance, in the words of the dashboard's messages ("Paused 2
+# instances, pause requested for 1 instance.", in this order) and of a bulk job's progress.
+PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED = (
+    "paused",
+    "pause requested for",
+    "resumed",
+    "terminated",
+)
+BULK_OUTCOMES = (PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED)
+
+# True: applied; False: skipped; PAUSE_REQUESTED: only asked (counted apart from applied).
+Apply = Callable[[InstanceHandle, dict[str, Any], str], bool | str]
 
 
-def _pause(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
-    h.pause(actor=actor)
-    return True
+def pause_one(h: InstanceHandle, actor: str) -> str:
+    """An instance whose run is in a step is only asked to pause (at the step's end)."""
+    return PAUSE_REQUESTED if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE else PAUSED
+
+
+def _pause(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool | str:
+    outcome = pause_one(h, actor)
+    return PAUSE_REQUESTED if outcome == PAUSE_REQUESTED else True
 
 
 def _resume(h: InstanceHandle, options: dict[str, Any], actor: str) -> bool:
@@ -115,7 +131,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
         if job.action == BulkAction.DELETE:  # the rest of the batch is the next one
             pks = store.bulk.within_delete_bound(pks, rows)
         apply = ACTIONS[job.action]
-        applied = skipped = 0
+        applied = skipped = pause_requested = 0
         failures: list[str] = []
         for pk in pks:
             row = rows.get(pk)
@@ -124,7 +140,10 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                 continue
             handle = InstanceHandle(row.workflow, row.instance_id, row)
             try:
-                if apply(handle, job.options, actor):
+                outcome = apply(handle, job.options, actor)
+                if outcome == PAUSE_REQUESTED:
+                    pause_requested += 1  # not paused yet: "applied" would say it was
+                elif outcome:
                     applied += 1
                 else:
                     skipped += 1
@@ -136,7 +155,7 @@ def process_batch(job_pk: int | None = None, size: int = BATCH_SIZE) -> BulkJob 
                 if not isinstance(exc, errors.WorkflowError):
                     log.exception("bulk job #%s: %s/%s", job.pk, row.workflow, row.instance_id)
                 failures.append(f"{row.workflow}/{row.instance_id}: {failure_text(exc)}")
-        return store.bulk.record_batch(job, pks, applied, skipped, failures)
+        return store.bulk.record_batch(job, pks, applied, skipped, failures, pause_requested)
 
 
 def failure_text(exc: Exception) -> str:

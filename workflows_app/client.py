@@ -1014,6 +1014,7 @@ class BulkJobHandle:
     matched = property(lambda self: self._job.matched)
     processed = property(lambda self: self._job.processed)
     applied = property(lambda self: self._job.applied)
+    pause_requested = property(lambda self: self._job.pause_requested)  # not in applied
     skipped = property(lambda self: self._job.skipped)
     failed = property(lambda self: self._job.failed)
     errors = property(lambda self: list(self._job.errors))

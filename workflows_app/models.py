@@ -705,6 +705,9 @@ class BulkAction(models.TextChoices):
     SEND_EVENT = "send_event"
 
 
+PAUSE_REQUESTED_KEY = "pause_requested"  # BulkJob.pause_requested, kept in its options
+
+
 class BulkJob(models.Model):
     """An action applied in the background to every instance a filter matched at its start.
 
@@ -740,14 +743,22 @@ class BulkJob(models.Model):
         ordering = ["-id"]
 
     @property
+    def pause_requested(self) -> int:
+        """Instances a pause job only asked to pause (in a step: they pause at its end),
+        counted apart from `applied`, which said they were paused. Kept in options under
+        PAUSE_REQUESTED_KEY (no column of its own: that would take a migration)."""
+        return int(self.options.get(PAUSE_REQUESTED_KEY, 0))
+
+    @property
     def plain_options(self) -> dict[str, Any]:
         """The options as given: a send_event's payload opened from its seal."""
-        if "payload_json" in self.options:
-            shown = {k: v for k, v in self.options.items() if k != "payload_json"}
+        given = {k: v for k, v in self.options.items() if k != PAUSE_REQUESTED_KEY}
+        if "payload_json" in given:
+            shown = {k: v for k, v in given.items() if k != "payload_json"}
             return {**shown, "payload": self.event_payload}
-        if "payload" not in self.options:
-            return self.options
-        return {**self.options, "payload": open_value(self.options["payload"])}
+        if "payload" not in given:
+            return given
+        return {**given, "payload": open_value(given["payload"])}
 
     @property
     def event_payload(self) -> Any:

@@ -419,6 +419,11 @@ SCHEMAS: dict[str, Any] = {
             },
             "processed": {"type": "integer"},
             "applied": {"type": "integer"},
+            "pause_requested": {
+                "type": "integer",
+                "description": "a pause job's instances only asked to pause (in a step: they "
+                "pause when it finishes), not counted in applied",
+            },
             "skipped": {
                 "type": "integer",
                 "description": "the action did not apply (already in that state, finished, "

@@ -202,6 +202,7 @@ def bulk_job_json(job: BulkJobHandle) -> dict[str, Any]:
         "matched": job.matched,
         "processed": job.processed,
         "applied": job.applied,
+        "pause_requested": job.pause_requested,
         "skipped": job.skipped,
         "failed": job.failed,
         "errors": job.errors,

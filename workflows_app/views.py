@@ -29,6 +29,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
 from . import dashboard, dashboard_metrics, forms, surfaces
+from .bulk import BULK_OUTCOMES, PAUSE_REQUESTED, RESUMED, TERMINATED, pause_one
 from .client import HANDLE_FIELDS, BulkJobHandle, InstanceHandle, WorkflowBinding, schedules
 from .client import start_bulk_job as start_bulk_job_for
 from .converters import parse_pk
@@ -324,7 +325,7 @@ def _form_data(form_class: type[Any], request: HttpRequest) -> dict[str, Any]:
 
 
 def _pause(h: InstanceHandle, request: HttpRequest, actor: str) -> str:
-    if _pause_one(h, actor) == PAUSE_REQUESTED:
+    if pause_one(h, actor) == PAUSE_REQUESTED:
         return "Pause requested: the instance pauses when its running step finishes."
     return "Paused."
 
@@ -389,22 +390,6 @@ def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     return _back(request, dashboard.instance_url(row))
 
 
-# What an action did to one instance, in the words of the bulk message ("Paused 2
-# instances, pause requested for 1 instance."), in the order the message gives them.
-PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED = (
-    "paused",
-    "pause requested for",
-    "resumed",
-    "terminated",
-)
-BULK_OUTCOMES = (PAUSED, PAUSE_REQUESTED, RESUMED, TERMINATED)
-
-
-def _pause_one(h: InstanceHandle, actor: str) -> str:
-    """An instance whose run is in a step is only asked to pause (at the step's end)."""
-    return PAUSE_REQUESTED if h.pause(actor=actor) == Status.WAITING_FOR_PAUSE else PAUSED
-
-
 def _resume_one(h: InstanceHandle, actor: str) -> str:
     h.resume(actor=actor)
     return RESUMED
@@ -421,7 +406,7 @@ def _terminate_live(h: InstanceHandle, actor: str) -> str:
 
 
 BULK_APPLY: dict[str, Callable[[InstanceHandle, str], str]] = {
-    "pause": _pause_one,
+    "pause": pause_one,
     "resume": _resume_one,
     "terminate": _terminate_live,
 }

@@ -979,6 +979,35 @@ def test_apply_to_all_matching_starts_a_bulk_job_and_the_page_follows_it(
     assert other.status().status == "waiting"
 
 
+def test_a_bulk_pause_job_counts_the_pauses_only_requested_apart(
+    operator_client, approval_workflow
+):
+    """A bulk job's pause of an instance a run holds only asks for the pause
+    (waitingForPause: it pauses when its running step finishes); the job counted it in
+    "applied", as if paused. It is counted apart now, in the selected-list pause's words,
+    on the list page and in the job's JSON (the API's job status is the same JSON)."""
+    from datetime import timedelta
+
+    from workflows_app import bulk
+    from workflows_app.engine import clock
+
+    idle, held = (waiting_instance(approval_workflow, attributes={"tier": "gold"}) for _ in "ab")
+    Instance.objects.filter(pk=held.row().pk).update(  # as a run running a step would
+        status="running", lease_token="a-run", lease_expires_at=clock.now() + timedelta(minutes=5)
+    )
+    response = operator_client.post(
+        reverse("workflows:bulk-job-start"), {"action": "pause", "filters": "attrs=tier%3Dgold"}
+    )
+    job_id = int(re.search(r"job=(\d+)", response["Location"]).group(1))
+    assert bulk.process_batch(job_id).done
+    assert idle.status().status == "paused" and held.status().status == "waitingForPause"
+    progress = operator_client.get(reverse("workflows:bulk-job", args=[job_id])).json()
+    assert (progress["applied"], progress["pause_requested"], progress["skipped"]) == (1, 1, 0)
+    assert progress["options"] == {}  # the count is kept beside the options, not shown in them
+    page = operator_client.get(response["Location"]).content.decode()
+    assert "2 of 2 processed: 1 applied, pause requested for 1, 0 skipped, 0 failed" in page
+
+
 def test_apply_to_all_checks_permissions_per_action(operator_client, approval_workflow, viewer):
     from workflows_app.models import BulkJob
 

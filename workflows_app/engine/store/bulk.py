@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from ...models import BulkJob, BulkJobItem, Instance
+from ...models import PAUSE_REQUESTED_KEY, BulkJob, BulkJobItem, Instance
 from .. import clock
 from .catalog import PRUNE_ROWS
 from .dialect import lock_rows, retry_while_locked, skip_rows_being_claimed
@@ -99,7 +99,12 @@ def within_delete_bound(pks: Sequence[int], rows: dict[int, Instance]) -> list[i
 
 
 def record_batch(
-    job: BulkJob, pks: Sequence[int], applied: int, skipped: int, errors: Sequence[str]
+    job: BulkJob,
+    pks: Sequence[int],
+    applied: int,
+    skipped: int,
+    errors: Sequence[str],
+    pause_requested: int = 0,
 ) -> BulkJob:
     """Inside the batch's transaction: add its outcome; finish the job after its last one.
 
@@ -114,6 +119,8 @@ def record_batch(
     job.applied += applied
     job.skipped += skipped
     job.failed += len(errors)
+    if pause_requested:
+        job.options = {**job.options, PAUSE_REQUESTED_KEY: job.pause_requested + pause_requested}
     job.errors = [*job.errors, *errors][:MAX_ERRORS_KEPT]
     job.updated_at = now
     if not pks or job.processed >= job.matched:
@@ -126,6 +133,7 @@ def record_batch(
             "skipped",
             "failed",
             "errors",
+            "options",
             "updated_at",
             "finished_at",
         ]

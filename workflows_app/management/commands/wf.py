@@ -735,7 +735,9 @@ class Command(BaseCommand):
         human = (
             f"bulk {job.action} #{job.id}: matched {job.matched}, "
             + (
-                f"applied {job.applied}, skipped {job.skipped}, failed {job.failed}"
+                f"applied {job.applied}, "
+                + (f"{bulk.PAUSE_REQUESTED} {job.pause_requested}, " if job.pause_requested else "")
+                + f"skipped {job.skipped}, failed {job.failed}"
                 if job.done
                 else "started (workers apply it)"
             )

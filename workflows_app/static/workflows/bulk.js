@@ -17,6 +17,7 @@
       bar.max = Math.max(job.matched, 1);
       bar.value = job.matched ? job.processed : 1;
       summary.textContent = `${job.processed} of ${job.matched} processed: ${job.applied} applied, ` +
+        (job.pause_requested ? `pause requested for ${job.pause_requested}, ` : "") +
         `${job.skipped} skipped, ${job.failed} failed` + (job.done ? " — done" : "");
       errors.replaceChildren(...job.errors.map((text) => {
         const item = document.createElement("li");
