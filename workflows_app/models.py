@@ -705,9 +705,6 @@ class BulkAction(models.TextChoices):
     SEND_EVENT = "send_event"
 
 
-PAUSE_REQUESTED_KEY = "pause_requested"  # BulkJob.pause_requested, kept in its options
-
-
 class BulkJob(models.Model):
     """An action applied in the background to every instance a filter matched at its start.
 
@@ -725,6 +722,8 @@ class BulkJob(models.Model):
     processed = models.PositiveIntegerField(default=0)
     last_pk = models.BigIntegerField(default=0)  # the snapshot is done up to this instance pk
     applied = models.PositiveIntegerField(default=0)
+    # A pause job's instances in a step: asked to pause, they pause at its end (not applied).
+    pause_requested = models.PositiveIntegerField(default=0)
     skipped = models.PositiveIntegerField(default=0)  # already in the target state, or gone
     failed = models.PositiveIntegerField(default=0)
     errors = models.JSONField(default=list, blank=True)  # the first messages of failures
@@ -743,22 +742,14 @@ class BulkJob(models.Model):
         ordering = ["-id"]
 
     @property
-    def pause_requested(self) -> int:
-        """Instances a pause job only asked to pause (in a step: they pause at its end),
-        counted apart from `applied`, which said they were paused. Kept in options under
-        PAUSE_REQUESTED_KEY (no column of its own: that would take a migration)."""
-        return int(self.options.get(PAUSE_REQUESTED_KEY, 0))
-
-    @property
     def plain_options(self) -> dict[str, Any]:
         """The options as given: a send_event's payload opened from its seal."""
-        given = {k: v for k, v in self.options.items() if k != PAUSE_REQUESTED_KEY}
-        if "payload_json" in given:
-            shown = {k: v for k, v in given.items() if k != "payload_json"}
+        if "payload_json" in self.options:
+            shown = {k: v for k, v in self.options.items() if k != "payload_json"}
             return {**shown, "payload": self.event_payload}
-        if "payload" not in given:
-            return given
-        return {**given, "payload": open_value(given["payload"])}
+        if "payload" not in self.options:
+            return self.options
+        return {**self.options, "payload": open_value(self.options["payload"])}
 
     @property
     def event_payload(self) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from ...models import PAUSE_REQUESTED_KEY, BulkJob, BulkJobItem, Instance
+from ...models import BulkJob, BulkJobItem, Instance
 from .. import clock
 from .catalog import PRUNE_ROWS
 from .dialect import lock_rows, retry_while_locked, skip_rows_being_claimed
@@ -119,8 +119,7 @@ def record_batch(
     job.applied += applied
     job.skipped += skipped
     job.failed += len(errors)
-    if pause_requested:
-        job.options = {**job.options, PAUSE_REQUESTED_KEY: job.pause_requested + pause_requested}
+    job.pause_requested += pause_requested
     job.errors = [*job.errors, *errors][:MAX_ERRORS_KEPT]
     job.updated_at = now
     if not pks or job.processed >= job.matched:
@@ -130,10 +129,10 @@ def record_batch(
             "processed",
             "last_pk",
             "applied",
+            "pause_requested",
             "skipped",
             "failed",
             "errors",
-            "options",
             "updated_at",
             "finished_at",
         ]
