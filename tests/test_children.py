@@ -273,6 +273,8 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
     import asyncio
     import threading
 
+    WAIT_S = 60  # each wait ends at its event; CI's three legs on two cores overran 10 s once
+
     from workflows_app.engine.worker import Worker
     from workflows_app.live import EngineHooks
 
@@ -281,7 +283,7 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
 
     def pack() -> str:
         child_running.set()
-        child_may_end.wait(10)
+        child_may_end.wait(WAIT_S)
         return "packed"
 
     @register("slow-ship")
@@ -297,7 +299,7 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
     @register("bystander")
     class Bystander(WorkflowEntrypoint):
         async def run(self, event, step):
-            return await step.do("wait", lambda: bystander_may_end.wait(10))
+            return await step.do("wait", lambda: bystander_may_end.wait(WAIT_S))
 
     class ChildEndsWhileTheClaimIsOut(Worker):
         async def maintain_once(self, force: bool = False) -> bool:
@@ -306,7 +308,7 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
                 # The child was claimed. Its step running, the bystander may end: run_until_idle
                 # goes from here to wait for both, so the bystander's end brings a claim.
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, child_running.wait, 10)
+                await loop.run_in_executor(None, child_running.wait, WAIT_S)
                 bystander_may_end.set()
             return did
 
@@ -322,7 +324,7 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
         worker = ChildEndsWhileTheClaimIsOut(worker_id="testing", hooks=EngineHooks())
         await worker.start()
         try:
-            return await worker.run_until_idle()
+            return await worker.run_until_idle(timeout=WAIT_S)
         finally:
             await worker.stop(grace_seconds=0)
 
