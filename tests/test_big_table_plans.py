@@ -371,3 +371,51 @@ def explain_sql(sql: str, params: list) -> str:
         prefix = "EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN "
         cursor.execute(prefix + sql, params)
         return " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+
+
+def test_a_task_claim_and_a_queue_workers_timer_read_the_unleased_tasks_by_their_indexes():
+    # A running task stays due: the task indexes hold those no worker holds only, so the
+    # claim of a worker that runs tasks (each level of priority; of each queue: a queue
+    # worker) and a queue worker's next timer read none of the fleet's leased tasks
+    # (0032). SQLite uses a partial index only when the read spells its WHERE's terms:
+    # the reads say `lease_token IS NULL`, and read the tasks whose lease ran out by
+    # instance_lease_expiry.
+    from workflows_app.engine.store import leases
+    from workflows_app.engine.store.dialect import db_time
+
+    live = NOW + timedelta(minutes=1)
+    for n in range(30):
+        task = {"queue": "emails", "wake_at": NOW, "priority": n % 10}
+        instance(f"task-{n}", **task)
+        instance(f"held-{n}", lease_token=f"t{n}", lease_expires_at=live, **task)
+    if connection.vendor == "postgresql":
+        statements = [
+            (sql, leases._claim_params("w", 50, NOW, NOW, [], None, queues))
+            for sql, queues in [
+                (leases.CLAIM_BY_PRIORITY_SQL, None),
+                (leases.CLAIM_IN_QUEUES_SQL, ["emails"]),
+            ]
+        ]
+        statements.append((leases.NEXT_WAKE_IN_QUEUES_SQL, [["emails"]]))
+    else:
+        due = [db_time(NOW), db_time(NOW), "[]", db_time(NOW), None, None, "[]"]
+        in_queues = [*due, '["emails"]']
+        statements = [
+            leases._tasks_by_rank_sqlite("queue IS NOT NULL", leases.RUNNABLE_WHERE, due, 50),
+            leases._tasks_by_rank_sqlite(
+                "queue IS NOT NULL", leases.RUNNABLE_IN_QUEUES_WHERE, in_queues, 50
+            ),
+            leases._any_runnable_sqlite(leases.RUNNABLE_IN_QUEUES_WHERE, in_queues, True),
+            (leases.NEXT_WAKE_IN_QUEUES_SQLITE, ['["emails"]']),
+        ]
+    by_priority, in_queues_claim, any_or_timer, *timer = [explain_sql(*s) for s in statements]
+    for plan in (by_priority, in_queues_claim):
+        assert "instance_unleased_task_prio" in plan or "instance_unleased_queue_prio" in plan
+    for plan in (any_or_timer, *timer):  # PostgreSQL: any of the three, on a tiny table
+        assert "instance_unleased_queue" in plan or "instance_unleased_task_prio" in plan, plan
+    if connection.vendor == "sqlite":  # not by instance_runnable, each due row of the fleet
+        assert not any("instance_runnable" in p for p in (by_priority, in_queues_claim))
+        assert all("instance_unleased_queue" in p for p in (any_or_timer, *timer))
+        assert all(
+            "instance_lease_expiry" in p for p in (by_priority, in_queues_claim, any_or_timer)
+        )

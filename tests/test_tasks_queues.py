@@ -172,8 +172,8 @@ def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql
     tasks, monkeypatch
 ):
     """The generic plan of its claim finds each queue's due tasks of each priority by
-    instance_queue_priority, never by reading the table; the claim of every queue is
-    the statement it was."""
+    instance_unleased_queue_prio, never by reading the table; the claim of every queue
+    is the statement it was."""
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL only")
     from tests.test_postgres_fast_path import _bulk_instances, _generic_plan
@@ -188,14 +188,14 @@ def test_the_claim_of_a_worker_of_some_queues_reads_by_their_index_on_postgresql
         "w", 50, now, now + timedelta(seconds=30), [], None, queues=["emails"]
     )
     plan = _generic_plan(leases.CLAIM_IN_QUEUES_SQL, params)
-    # each (queue, priority) by instance_queue_priority, or with no tasks to tell them
-    # apart (this table) each priority by instance_task_priority
-    assert "instance_queue_priority" in plan or "instance_task_priority" in plan, plan
+    # each (queue, priority) by instance_unleased_queue_prio, or with no tasks to tell
+    # them apart (this table) each priority by instance_unleased_task_prio
+    assert "instance_unleased_queue_prio" in plan or "instance_unleased_task_prio" in plan, plan
     assert "Seq Scan on workflows_app_instance" not in plan, plan
     assert "queues" not in leases._claim_params("w", 50, now, now, [], None)
     every = leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None)
     plan = _generic_plan(leases.CLAIM_BY_PRIORITY_SQL, every)
-    assert "instance_task_priority" in plan, plan  # a worker that runs tasks (this one)
+    assert "instance_unleased_task_prio" in plan, plan  # a worker that runs tasks (this one)
     assert leases._claim_statement(None, with_rows=False) == leases.CLAIM_BY_PRIORITY_SQL
     assert leases._claim_statement(["emails"], False) == leases.CLAIM_IN_QUEUES_SQL
     # a worker of no tasks claims by the statement it always did
@@ -267,3 +267,102 @@ def test_a_workflow_keeps_its_place_among_tasks_and_priority_ages(tasks):
     assert started_order([low, *flood, late]) == [*(r.id for r in flood), low.id, late.id]
     first = HistoryRecord.objects.filter(type="run.started").order_by("id").first()
     assert first.instance.instance_id == plain.id
+
+
+@pytest.mark.parametrize("queues", [None, ["emails"]], ids=["every-queue", "queue-worker"])
+def test_a_task_claim_and_its_next_timer_read_none_of_the_fleets_leased_tasks(tasks, queues):
+    """A running task stays due (its wake_at is kept for the run after a crash), so the
+    claim's read of the first due tasks of each priority (of each queue: a queue worker),
+    and a queue worker's read of its next timer, went past every task the fleet's workers
+    held before the first they could take: 2,000 leased tasks read at each level. Now the
+    unleased tasks are read by indexes of their own and those whose lease ran out by
+    instance_lease_expiry, as the plain claim's; the claim still takes both, by rank."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+    from django.db import transaction
+
+    from tests.test_admission_many_keys import tuples_read
+    from tests.test_postgres_fast_path import _generic_plan
+    from workflows_app.engine import clock
+    from workflows_app.engine.store import leases
+
+    template = Instance.objects.get(
+        instance_id=tasks.add.using(queue_name="emails").enqueue(1, 2).id
+    )
+    now = clock.now()
+    table = Instance._meta.db_table
+    written = ("id", "instance_id", "wake_at", "lease_token", "lease_expires_at", "status")
+    copied = [
+        f.column for f in Instance._meta.concrete_fields if f.column not in (*written, "priority")
+    ]
+    columns = ", ".join(copied)
+
+    def clone(prefix: str, count: int, wake_at, token: str, expires) -> None:
+        """count running tasks like the template, leased, of every level of priority."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}, instance_id, wake_at, lease_token, "
+                f"lease_expires_at, status, priority) SELECT {columns}, %s || g::text, "
+                "%s - g * interval '1 millisecond', %s || g::text, %s, 'running', g %% 10 "
+                f"FROM {table}, generate_series(1, %s) g WHERE id = %s",
+                [prefix, wake_at, token, expires, count, template.pk],
+            )
+
+    # Held by other workers: due long ago, leases live for another minute.
+    clone("held-", 2000, now - timedelta(hours=1), "other-", now + timedelta(minutes=1))
+    # A worker that died: its leases ran out a minute ago.
+    clone("orphan-", 3, now - timedelta(minutes=30), "dead-", now - timedelta(minutes=1))
+    Instance.objects.filter(pk=template.pk).update(wake_at=now - timedelta(minutes=10))
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {table}")
+    with transaction.atomic():
+        before = tuples_read()
+        next_wake = store.next_wake_at(queues)
+        claimed = leases._claim("w-test", 50, 30, (), None, queues)
+        read = tuples_read() - before
+    assert next_wake == now - timedelta(minutes=10)
+    taken = dict(
+        Instance.objects.filter(pk__in=[pk for pk, *_ in claimed]).values_list(
+            "instance_id", "lease_owner"
+        )
+    )
+    assert set(taken) == {"orphan-1", "orphan-2", "orphan-3", template.instance_id}
+    assert set(taken.values()) == {"w-test"}
+    assert Instance.objects.filter(lease_token__startswith="other-").count() == 2000
+    # The 4 rows taken, through 2 indexes, and the next timer's: not 2,000 at each level.
+    assert read < 200, f"{read} rows and index entries read"
+    # So does the plan the server keeps for the statement once it is prepared.
+    params = leases._claim_params("w", 50, now, now + timedelta(seconds=30), [], None, queues)
+    plan = _generic_plan(leases._claim_statement(queues, with_rows=False), params)
+    assert "instance_lease_expiry" in plan, plan
+    assert "instance_unleased_queue_prio" in plan or "instance_unleased_task_prio" in plan, plan
+    assert "Seq Scan on workflows_app_instance" not in plan, plan
+
+
+@pytest.mark.parametrize("queues", [None, ["emails"]], ids=["every-queue", "queue-worker"])
+def test_tasks_whose_lease_ran_out_are_claimed_again_by_rank_beside_the_unleased(tasks, queues):
+    """The claim reads the unleased tasks and those whose lease ran out apart (each by an
+    index of its own) and takes the first of both by rank; a live lease is left alone."""
+    from workflows_app.engine.store import leases
+
+    def claim(worker: str, limit: int) -> list[str]:
+        rows = leases._claim(worker, limit, 30, (), None, queues)
+        pks = [pk for pk, *_ in rows]
+        return sorted(Instance.objects.filter(pk__in=pks).values_list("instance_id", flat=True))
+
+    with testing.fake_clock(START) as clock:
+        urgent, low = (
+            tasks.urgent.using(queue_name="emails", priority=p).enqueue(f"lost-{p}")
+            for p in (100, -100)
+        )
+        assert claim("w-dead", 10) == sorted([urgent.id, low.id])
+        clock.advance("20 seconds")
+        held = tasks.urgent.using(queue_name="emails").enqueue("held")
+        assert claim("w-live", 10) == [held.id]
+        clock.advance("20 seconds")  # w-dead's leases ran out, w-live's lives
+        fresh = tasks.urgent.using(queue_name="emails", priority=0).enqueue("fresh")
+        # by rank: the urgent lost one (due first, level 0), the fresh one (level 5), then
+        # the low lost one (level 9: 9 minutes behind)
+        assert claim("w-new", 2) == sorted([urgent.id, fresh.id])
+        assert claim("w-new", 10) == [low.id]
+    assert Instance.objects.get(instance_id=held.id).lease_owner == "w-live"

@@ -45,6 +45,10 @@ IN_LINE_SQL = (
     f"NOT (waiting_reason LIKE '{DEBOUNCED}%' ESCAPE '\\'))"
 )
 
+# The task indexes' rows (the claim of a worker that runs Django tasks): due tasks no
+# worker holds. Their reads say `lease_token IS NULL` as a term of its own (SQLite).
+UNLEASED_TASK = Q(queue__isnull=False, wake_at__isnull=False, lease_token__isnull=True)
+
 
 def decode_json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
@@ -193,24 +197,26 @@ class Instance(models.Model):
                 condition=Q(wake_at__isnull=False, lease_token__isnull=True),
             ),
             # a worker of some queues only: WHERE queue = ? AND wake_at <= now ORDER BY
-            # wake_at (tasks only; other instances, queue NULL, are not in it)
+            # wake_at (tasks only; other instances, queue NULL, are not in it). Of the
+            # rows no worker holds, as those below: a running task stays due.
             models.Index(
                 fields=["queue", "wake_at"],
-                name="instance_queue_runnable",
-                condition=Q(queue__isnull=False, wake_at__isnull=False),
+                name="instance_unleased_queue",
+                condition=UNLEASED_TASK,
             ),
             # the claim of a worker that runs tasks: the first due task of each priority,
             # of every queue (WHERE priority = ? AND wake_at <= now ORDER BY wake_at) or
-            # of one (WHERE queue = ? AND priority = ? ...). Tasks only, as above.
+            # of one (WHERE queue = ? AND priority = ? ...). Tasks only, as above; those
+            # whose lease ran out are read by instance_lease_expiry.
             models.Index(
                 fields=["priority", "wake_at"],
-                name="instance_task_priority",
-                condition=Q(queue__isnull=False, wake_at__isnull=False),
+                name="instance_unleased_task_prio",
+                condition=UNLEASED_TASK,
             ),
             models.Index(
                 fields=["queue", "priority", "wake_at"],
-                name="instance_queue_priority",
-                condition=Q(queue__isnull=False, wake_at__isnull=False),
+                name="instance_unleased_queue_prio",
+                condition=UNLEASED_TASK,
             ),
             # the claim's pick of the due rows whose lease ran out (a worker died or hung).
             # Of the rows with an expiry, not "with a token": a read by token (a claim's

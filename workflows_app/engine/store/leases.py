@@ -227,7 +227,7 @@ def _claim(
     # Look before taking the write lock (SQLite takes it at BEGIN): an idle worker's poll
     # then never queues behind, nor blocks, the writers that have work.
     with sql_cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {INSTANCE_TABLE} WHERE {where} LIMIT 1", due)
+        cursor.execute(*_any_runnable_sqlite(where, due, queues is not None))
         if cursor.fetchone() is None:
             return []
     with transaction.atomic(), sql_cursor() as cursor:
@@ -242,6 +242,20 @@ def _claim(
             )
             rows = cursor.fetchall()
         return _lease_rows(rows, worker_id, lease_until, now, versions) if rows else []
+
+
+def _any_runnable_sqlite(where: str, due: list[Any], tasks: bool) -> tuple[str, list[Any]]:
+    """Whether a row is runnable on SQLite; of tasks (a worker of some queues), the
+    unleased by the task indexes (whose WHERE term it spells) and then those whose lease
+    ran out (instance_lease_expiry). due[0] is the claim's now."""
+    if not tasks:
+        return f"SELECT 1 FROM {INSTANCE_TABLE} WHERE {where} LIMIT 1", due
+    return (
+        f"SELECT 1 FROM {INSTANCE_TABLE} WHERE lease_token IS NULL AND {where} UNION ALL "
+        f"SELECT 1 FROM {INSTANCE_TABLE} WHERE lease_token IS NOT NULL "
+        f"AND lease_expires_at <= %s AND {where} LIMIT 1",
+        [*due, due[0], *due],
+    )
 
 
 CLAIMED_COLUMNS = (
@@ -270,19 +284,26 @@ def _tasks_by_priority(cursor: Any, due: list[Any], limit: int) -> list[tuple[An
 
 def _tasks_by_rank_sqlite(of: str, where: str, due: list[Any], limit: int) -> tuple[str, list[Any]]:
     """The first `limit` due tasks by rank (see PRIORITY_AGING) on SQLite: the first of
-    each level of priority by instance_task_priority, then the first of those."""
+    each level of priority among the unleased (instance_unleased_task_prio: its WHERE
+    term spelt as its own) and the first whose lease ran out (instance_lease_expiry),
+    then the first of those. due[0] is the claim's now."""
     aging_days = PRIORITY_AGING.total_seconds() / 86400
+    columns = CLAIMED_COLUMNS.replace(" FROM", ", wake_at, priority FROM")
     levels = " UNION ALL ".join(
-        f"SELECT * FROM ({CLAIMED_COLUMNS.replace(' FROM', ', wake_at, priority FROM')} "
-        f"WHERE {of} AND priority = {level} AND {where} ORDER BY wake_at, id LIMIT %s)"
+        f"SELECT * FROM ({columns} WHERE {of} AND priority = {level} AND lease_token IS NULL "
+        f"AND {where} ORDER BY wake_at, id LIMIT %s)"
         for level in range(10)
+    )
+    expired = (
+        f"SELECT * FROM ({columns} WHERE {of} AND lease_token IS NOT NULL "
+        f"AND lease_expires_at <= %s AND {where} ORDER BY lease_expires_at LIMIT %s)"
     )
     sql = (
         "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
-        f"FROM ({levels}) ORDER BY julianday(wake_at) + priority * {aging_days!r}, wake_at, id "
-        "LIMIT %s"
+        f"FROM ({levels} UNION ALL {expired}) "
+        f"ORDER BY julianday(wake_at) + priority * {aging_days!r}, wake_at, id LIMIT %s"
     )
-    return sql, [*([*due, limit] * 10), limit]
+    return sql, [*([*due, limit] * 10), due[0], *due, limit, limit]
 
 
 # Runnable on SQLite (CLAIM_SQL's `picked` on PostgreSQL): due, not leased, and not one of
@@ -295,7 +316,7 @@ RUNNABLE_WHERE = (
     "(SELECT value FROM json_each(%s)) OR EXISTS (SELECT 1 FROM json_each(%s) AS p "
     "WHERE substr(workflow, 1, length(p.value)) = p.value))"
 )
-# The same for a worker of some task queues only (a JSON list), by instance_queue_runnable.
+# The same for a worker of some task queues only (a JSON list), by the task indexes.
 RUNNABLE_IN_QUEUES_WHERE = (
     f"{RUNNABLE_WHERE} AND queue IS NOT NULL AND queue IN (SELECT value FROM json_each(%s))"
 )
@@ -464,14 +485,38 @@ _PICKED = f"SELECT {_PICKED_COLUMNS} FROM ({_first_due(_TASK_COLUMNS)}) AS due"
 # ones enqueued at most 9 * PRIORITY_AGING after it: a flood of them cannot starve it.
 # Its workflows keep their places: the due rows are picked as _PICKED does (`due`, the
 # same scan), and the places of its tasks go to the first tasks by rank. Those are found
-# in two passes: a read of the first of each level of priority (instance_task_priority),
-# twice as many as there are places, locking nothing; then the first of those by rank
+# in two passes: a read of the first of each level of priority, twice as many as there
+# are places, locking nothing (_first_by_rank); then the first of those by rank
 # are locked, skipping any another claim holds (locking each level's first, up to ten
 # times the rows kept, made a claim of 200 tasks twice as slow). Only when `due` holds
 # a task does more run (a LIMIT of 0 runs nothing below it). Rows locked and not kept
 # are let go at the statement's end.
 PRIORITY_AGING = timedelta(minutes=1)
 _RANK = f"wake_at + priority * interval '{int(PRIORITY_AGING.total_seconds())} seconds'"
+
+
+def _first_by_rank(levels: str, level: str, tasks: str, count: str) -> str:
+    """The ids of the first `count` runnable tasks by rank, locking nothing: the first
+    `count` of each level (`level`, a row of `levels`) by wake_at among the rows no
+    worker holds (instance_unleased_task_prio, instance_unleased_queue_prio), and the
+    first `count` of `tasks` whose lease ran out, the first lost first (as _first_due).
+    A running task stays due: read by an index of the leased rows too, each level went
+    past every task the fleet's workers held (2,000: 2,000 rows read a claim)."""
+    return f"""
+            SELECT t.id FROM (
+                SELECT d.id, d.rank FROM {levels}, LATERAL (
+                    SELECT id, {_RANK} AS rank
+                    FROM {INSTANCE_TABLE}
+                    WHERE lease_token IS NULL AND {level} AND {_RUNNABLE}
+                    ORDER BY wake_at LIMIT {count}) AS d
+                UNION ALL (
+                    SELECT id, {_RANK} AS rank
+                    FROM {INSTANCE_TABLE}
+                    WHERE lease_token IS NOT NULL AND lease_expires_at <= %(now)s
+                      AND {tasks} AND {_RUNNABLE}
+                    ORDER BY lease_expires_at LIMIT {count})
+            ) AS t
+            ORDER BY t.rank, t.id LIMIT {count}"""
 
 
 def _tasks_by_rank(candidates: str, places: str) -> str:
@@ -492,28 +537,26 @@ _PICKED_BY_PRIORITY = f"""
     SELECT {_PICKED_COLUMNS} FROM due WHERE NOT is_task
     UNION ALL SELECT * FROM ({
     _tasks_by_rank(
-        f'''
-            SELECT t.id FROM generate_series(0, 9) AS level(priority), LATERAL (
-                SELECT id, {_RANK} AS rank
-                FROM {INSTANCE_TABLE}
-                WHERE queue IS NOT NULL AND priority = level.priority AND {_RUNNABLE}
-                ORDER BY wake_at LIMIT (SELECT 2 * n FROM places)) AS t
-            ORDER BY t.rank, t.id LIMIT (SELECT 2 * n FROM places)''',
+        _first_by_rank(
+            "generate_series(0, 9) AS level(priority)",
+            "queue IS NOT NULL AND priority = level.priority",
+            "queue IS NOT NULL",
+            "(SELECT 2 * n FROM places)",
+        ),
         "(SELECT n FROM places)",
     )
 }) AS ranked"""
 # A worker of some task queues only (every row a task), by rank as above: at each level
-# of priority the first due of each of its queues (instance_queue_priority), the first
-# 2 * `limit` of those by rank read, then the first `limit` of them locked.
+# of priority the first due of each of its queues (instance_unleased_queue_prio), with
+# those of its queues whose lease ran out, the first 2 * `limit` of those by rank read,
+# then the first `limit` of them locked.
 _PICKED_IN_QUEUES = _tasks_by_rank(
-    f"""
-        SELECT d.id FROM generate_series(0, 9) AS level(priority),
-            unnest(CAST(%(queues)s AS text[])) AS q(name), LATERAL (
-                SELECT id, {_RANK} AS rank
-                FROM {INSTANCE_TABLE}
-                WHERE queue = q.name AND priority = level.priority AND {_RUNNABLE}
-                ORDER BY wake_at LIMIT 2 * %(limit)s) AS d
-        ORDER BY d.rank, d.id LIMIT 2 * %(limit)s""",
+    _first_by_rank(
+        "generate_series(0, 9) AS level(priority), unnest(CAST(%(queues)s AS text[])) AS q(name)",
+        "queue = q.name AND priority = level.priority",
+        "queue = ANY(CAST(%(queues)s AS text[]))",
+        "2 * %(limit)s",
+    ),
     "%(limit)s",
 )
 _CLAIM_TEMPLATE = f"""
@@ -822,7 +865,7 @@ def release(leases: Sequence[tuple[int, str]]) -> None:
 NEXT_WAKE_SQL = (
     f"SELECT MIN(wake_at) FROM {INSTANCE_TABLE} WHERE wake_at IS NOT NULL AND lease_token IS NULL"
 )
-# A worker of some task queues only: the earliest timer of each (instance_queue_runnable).
+# A worker of some task queues only: the earliest timer of each (instance_unleased_queue).
 NEXT_WAKE_IN_QUEUES_SQL = (
     f"SELECT MIN(w.at) FROM unnest(CAST(%s AS text[])) AS q(name), LATERAL (SELECT MIN(wake_at) "
     f"AS at FROM {INSTANCE_TABLE} WHERE queue = q.name AND wake_at IS NOT NULL "
