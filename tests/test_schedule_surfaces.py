@@ -355,6 +355,40 @@ def test_the_schedule_page_lists_only_the_instances_of_the_schedules_workflow():
     assert old.id not in page
 
 
+def test_a_schedule_made_again_for_its_workflow_shows_none_of_the_old_ones_ticks(service):
+    """Deleted and made again under its name for the same workflow: the schedule page
+    listed the old one's ticks as its own (by name and workflow). No surface shows them
+    as the new one's; they stay, as instances."""
+    with testing.fake_clock(START) as clock:
+        schedules.create("again", workflow=SIMPLE, cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        old = Instance.objects.get(schedule="again")
+        assert wf("schedules", "delete", "again")
+        wf("schedules", "create", "again", SIMPLE, "0 * * * *")
+        client = Client()
+        client.force_login(make_user("viewer", "view_instance"))
+        page = client.get(reverse("workflows:schedule", args=["again"])).content.decode()
+        assert old.instance_id not in page
+        listing = client.get(reverse("workflows:schedules")).content.decode()
+        assert old.instance_id not in listing
+        assert service.get(schedules_url(name="again")).json()["result"]["last_instance_id"] is None
+        assert [s["last_instance_id"] for s in wf_json("schedules", "list")] == [None]
+        assert schedules.get("again").instances() == []
+        clock.advance("1 hour")
+        testing.run_until_idle()
+        new = Instance.objects.get(
+            schedule="again", scheduled_at=datetime(2026, 6, 1, 4, tzinfo=UTC)
+        )
+        page = client.get(reverse("workflows:schedule", args=["again"])).content.decode()
+        assert new.instance_id in page and old.instance_id not in page
+        assert service.get(schedules_url(name="again")).json()["result"]["last_instance_id"] == (
+            new.instance_id
+        )
+        old_page = client.get(reverse("workflows:instance", args=[SIMPLE, old.instance_id]))
+        assert old_page.status_code == 200
+
+
 def test_the_dashboard_shows_a_schedules_params_decoded_and_survives_undecodable_ones():
     """With a payload codec the stored params are the codec's envelope: the schedule page
     showed that ({"$codec": "Z0FB..."}) as the params; without the codec they were written

@@ -170,6 +170,86 @@ def test_a_schedule_made_again_for_another_workflow_lists_only_its_own_instances
     assert Instance.objects.get(workflow="report", instance_id=old.id).schedule == "shared"
 
 
+def test_a_schedule_deleted_and_made_again_lists_none_of_the_old_ones_instances(registered):
+    """Made again under its name for the same workflow, a schedule listed the ticks (and
+    triggers) of the one deleted before it as its own: instances were matched to it by
+    name and workflow alone. They stay, as instances; the new one lists its own only."""
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("hourly", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        old_trigger = schedules.get("hourly").trigger()
+        old_ids = {i.instance_id for i in schedules.get("hourly").instances()}
+        assert old_ids == {"hourly@20260601T030000Z", old_trigger.id}
+        schedules.get("hourly").delete()
+        again = schedules.create("hourly", workflow="report", cron="0 * * * *")
+        assert again.instances() == []
+        clock.advance("1 hour")
+        testing.run_until_idle()
+        new = again.trigger()
+        assert [i.instance_id for i in again.instances()] == [new.id, "hourly@20260601T040000Z"]
+        assert [i.instance_id for i in schedules.get("hourly").instances()] == [
+            new.id,
+            "hourly@20260601T040000Z",
+        ]
+        kept = Instance.objects.filter(workflow="report", instance_id__in=old_ids)
+        assert {(i.schedule, i.status) for i in kept} == {("hourly", "complete")}
+
+
+def test_a_schedule_made_before_its_bound_was_stored_lists_by_name_and_workflow(registered):
+    """started_above_pk NULL (a schedule made before migration 0033, or by a process of
+    the release before it): its instances are matched by name and workflow, as before;
+    an upgrade hides none."""
+    register_report()
+    old = schedules.create("legacy", workflow="report", cron="0 0 1 1 *").trigger()
+    Schedule.objects.filter(name="legacy").update(started_above_pk=None)
+    legacy = schedules.get("legacy")
+    assert legacy.started_above_pk is None
+    new = legacy.trigger()
+    assert [i.instance_id for i in legacy.instances()] == [new.id, old.id]
+
+
+def test_a_declared_schedule_keeps_its_instances_through_each_sync_of_its_declaration(
+    registered,
+):
+    """A declared schedule is its declaration (workflow and position): a worker's sync at
+    a redeploy, a changed cron, or a deploy that dropped it and a rollback that brought it
+    back leave the instances it started listed under it."""
+    register_report("nightly", ["0 3 * * *"])
+    with testing.fake_clock(START) as clock:
+        testing.run_until_idle()  # a worker's start declares it
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        first = ["nightly:0@20260601T030000Z"]
+        assert [i.instance_id for i in schedules.get("nightly:0").instances()] == first
+        testing.run_until_idle()  # a redeploy: another worker starts and syncs
+        store.schedules.sync_declared([("nightly", 1, ["30 4 * * *"])])  # the cron changed
+        assert [i.instance_id for i in schedules.get("nightly:0").instances()] == first
+        store.schedules.sync_declared([("nightly", 1, [])])  # a deploy without it
+        assert not Schedule.objects.filter(name="nightly:0").exists()
+        store.schedules.sync_declared([("nightly", 1, ["0 3 * * *"])])  # rolled back
+        assert [i.instance_id for i in schedules.get("nightly:0").instances()] == first
+
+
+def test_a_runtime_schedule_made_after_a_declared_one_of_its_name_lists_its_own_only(
+    registered,
+):
+    """A deploy dropped the declaration "report:0"; a runtime schedule then took the name
+    for the same workflow: the declared one's ticks are not its."""
+    register_report("report", ["0 3 * * *"])
+    with testing.fake_clock(START) as clock:
+        testing.run_until_idle()
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        assert Instance.objects.filter(schedule="report:0").count() == 1
+        store.schedules.sync_declared([("report", 1, [])])
+        runtime = schedules.create("report:0", workflow="report", cron="0 0 1 1 *")
+        assert runtime.instances() == []
+        new = runtime.trigger()
+        assert [i.instance_id for i in runtime.instances()] == [new.id]
+
+
 def register_short_ids(version: int, max_length: int) -> None:
     @register("short-ids", version=version, limits={"max_instance_id_length": max_length})
     class ShortIds(WorkflowEntrypoint):

@@ -567,9 +567,9 @@ def schedule_page(name: str) -> SchedulePage | None:
     if schedule is None:
         return None
     recent = list(
-        store.schedules.started_instances(name, schedule.workflow).only(*ROW_FIELDS)[
-            :RECENT_ON_SCHEDULE_PAGE
-        ]
+        store.schedules.started_instances(name, schedule.workflow, schedule.started_above_pk).only(
+            *ROW_FIELDS
+        )[:RECENT_ON_SCHEDULE_PAGE]
     )
     last = next((i for i in recent if i.instance_id == schedule.last_instance_id), None)
     # Not through a ScheduleHandle: it decodes the params, which fails (CodecError) for

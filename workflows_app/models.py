@@ -283,7 +283,8 @@ class Instance(models.Model):
                 name="instance_finished",
                 condition=Q(finished_at__isnull=False),
             ),
-            # schedule page: WHERE schedule = ? ORDER BY id DESC (the instances it started)
+            # schedule page: WHERE schedule = ? [AND id > started_above_pk] ORDER BY id DESC
+            # (the instances it started)
             models.Index(
                 fields=["schedule", "id"], name="instance_schedule", condition=~Q(schedule="")
             ),
@@ -420,6 +421,14 @@ class Schedule(models.Model):
     created_by = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
+    # Each instance a runtime schedule starts has a greater primary key: the greatest one
+    # when the schedule was created. Names are unique only among the schedules that exist,
+    # so a schedule deleted and made again under its name for its workflow is another
+    # schedule: its instances are those of its name and workflow above this bound
+    # (store.schedules.started_instances). NULL for a declared schedule, which is its
+    # declaration (one a deploy dropped and a later one brings back is the same schedule),
+    # and for a schedule made before migration 0033: matched by name and workflow alone.
+    started_above_pk = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         indexes = [

@@ -75,6 +75,8 @@ class ScheduleHandle:
     last_instance_id: str
     created_at: datetime
     created_by: str
+    # The bound of the instances it started (Schedule.started_above_pk); None: by name.
+    started_above_pk: int | None = None
 
     @classmethod
     def from_row(cls, row: Schedule) -> ScheduleHandle:
@@ -91,6 +93,7 @@ class ScheduleHandle:
             last_instance_id=row.last_instance_id,
             created_at=row.created_at,
             created_by=row.created_by,
+            started_above_pk=row.started_above_pk,
         )
 
     @property
@@ -135,7 +138,8 @@ class ScheduleHandle:
         list(): a schedule firing every minute starts half a million a year)."""
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
-        return list(store.schedules.started_instances(self.name, self.workflow)[:limit])
+        started = store.schedules.started_instances(self.name, self.workflow, self.started_above_pk)
+        return list(started[:limit])
 
     async def apause(self) -> ScheduleHandle:
         return await sync_to_async(self.pause)()

@@ -19,7 +19,7 @@ from typing import Any
 
 from cronsim import CronSimError
 from django.db import IntegrityError, transaction
-from django.db.models import Min, QuerySet
+from django.db.models import Max, Min, QuerySet
 
 from ...models import Instance, Schedule
 from .. import clock
@@ -93,11 +93,21 @@ def get_schedule(name: str) -> Schedule:
         raise ScheduleNotFound(f"no schedule named {name!r}") from None
 
 
-def started_instances(name: str, workflow: str) -> QuerySet[Instance]:
-    """The instances a schedule started, newest first. By its workflow as well as its name:
-    names are unique only among the schedules that exist, so a schedule deleted and made
-    again for another workflow listed the old workflow's instances as its own."""
-    return Instance.objects.filter(schedule=name, workflow=workflow).order_by("-id")
+def started_instances(name: str, workflow: str, above_pk: int | None) -> QuerySet[Instance]:
+    """The instances a schedule started, newest first: of its name and workflow, and above
+    its started_above_pk. Names are unique only among the schedules that exist: by name
+    alone, a schedule deleted and made again for another workflow listed the old
+    workflow's instances as its own; by name and workflow, one made again for the same
+    workflow listed the old one's. The bound is an index condition of instance_schedule
+    (schedule, id): the old one's instances are not read at all."""
+    found = Instance.objects.filter(schedule=name, workflow=workflow)
+    if above_pk is not None:
+        found = found.filter(pk__gt=above_pk)
+    return found.order_by("-id")
+
+
+def _greatest_instance_pk() -> int:
+    return Instance.objects.aggregate(m=Max("pk"))["m"] or 0
 
 
 @retry_while_locked
@@ -111,11 +121,15 @@ def create_schedule(
     declared: bool = False,
 ) -> Schedule:
     """Insert a schedule; ScheduleExists when the name is taken (the unique constraint
-    decides, so two processes creating the same name cannot both succeed)."""
+    decides, so two processes creating the same name cannot both succeed).
+
+    A runtime schedule's started_above_pk is read after the insert: one that waited there
+    for a delete of its name by another process to commit sees every instance the deleted
+    schedule started (its ticks and triggers lock its row, which the delete waits for)."""
     now = clock.now()
     try:
         with transaction.atomic():
-            return Schedule.objects.create(
+            row = Schedule.objects.create(
                 name=name,
                 workflow=workflow,
                 cron=cron,
@@ -127,6 +141,10 @@ def create_schedule(
                 created_at=now,
                 updated_at=now,
             )
+            if not declared:
+                row.started_above_pk = _greatest_instance_pk()
+                row.save(update_fields=["started_above_pk"])
+            return row
     except IntegrityError:
         raise ScheduleExists(f"a schedule named {name!r} already exists") from None
 
