@@ -10,7 +10,7 @@ import pytest
 from django.db import connection, connections
 
 from tests import fleet_workflows  # noqa: F401  (registers fleet-sleeper)
-from tests.polling import wait_until
+from tests.polling import a_backend_waits_for_a_lock, wait_until
 from tests.test_worker_operations import LoopThread
 from workflows_app import testing
 from workflows_app.client import get_workflow, schedules
@@ -208,6 +208,47 @@ def test_a_schedule_made_before_its_bound_was_stored_lists_by_name_and_workflow(
     assert legacy.started_above_pk is None
     new = legacy.trigger()
     assert [i.instance_id for i in legacy.instances()] == [new.id, old.id]
+
+
+def test_a_trigger_racing_a_delete_and_a_create_is_not_the_new_schedules(registered, monkeypatch):
+    """trigger() read the schedule unlocked: a delete and a create of its name by another
+    process while it created its instance left that instance above the new schedule's
+    started_above_pk, listed as the new one's. Now the delete waits for the trigger
+    (seen waiting for its lock in pg_stat_activity), and the new schedule's bound is
+    above the instance."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: SQLite serialises writers for the whole database")
+    register_report()
+    schedules.create("raced", workflow="report", cron="0 0 1 1 *")
+    remade = threading.Event()
+
+    def delete_and_create() -> None:
+        try:
+            schedules.get("raced").delete()
+            schedules.create("raced", workflow="report", cron="0 0 1 1 *")
+            remade.set()
+        finally:
+            connections.close_all()
+
+    racer = threading.Thread(target=delete_and_create)
+    real_create = store.schedules.create_in_transaction
+
+    def create_while_racing(*args, **kwargs):
+        racer.start()
+        wait_until(
+            lambda: remade.is_set() or a_backend_waits_for_a_lock(),
+            30,
+            "the delete and create to finish, or to wait for the trigger's lock",
+        )
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(store.schedules, "create_in_transaction", create_while_racing)
+    triggered = schedules.get("raced").trigger()
+    racer.join(30)
+    assert remade.is_set()
+    again = schedules.get("raced")
+    assert again.instances() == []
+    assert Instance.objects.get(instance_id=triggered.id).schedule == "raced"
 
 
 def test_a_declared_schedule_keeps_its_instances_through_each_sync_of_its_declaration(

@@ -315,12 +315,19 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
 
 @retry_while_locked
 def trigger(name: str, target: Target, actor: str = "") -> Instance:
-    """Start one instance of the schedule now, outside its ticks."""
-    row = get_schedule(name)
+    """Start one instance of the schedule now, outside its ticks.
+
+    Under the schedule row's lock, as a tick is: a delete of the schedule waits for it,
+    so one made again under its name afterwards has its started_above_pk above this
+    instance. Read unlocked, a trigger racing a delete and a create started an instance
+    the new schedule listed as its own."""
     now = clock.now()
     # Held to max_instance_id_length as the id a create makes up is.
     instance_id = check_instance_id(str(uuid.uuid4()), target.limits)
     with transaction.atomic():
+        row = lock_rows(Schedule.objects.filter(name=name)).first()
+        if row is None:
+            raise ScheduleNotFound(f"no schedule named {name!r}")
         instance = create_in_transaction(
             target.workflow,
             target.version,
