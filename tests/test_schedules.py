@@ -251,6 +251,33 @@ def test_a_trigger_racing_a_delete_and_a_create_is_not_the_new_schedules(registe
     assert Instance.objects.get(instance_id=triggered.id).schedule == "raced"
 
 
+def test_a_tick_the_deleted_schedule_of_its_name_started_is_not_its_last_instance(registered):
+    """Clocks apart (a worker's ahead of the web process's): the deleted schedule fired
+    03:00, the one made again under its name then had 03:00 as its next tick, whose
+    instance id was taken. The tick starts nothing (its id is its fleet-wide key), and
+    the new schedule's last_instance_id named the old one's instance: the API, the
+    command and the dashboard's list showed it as the new schedule's last run."""
+    from workflows_app import dashboard
+
+    register_report()
+    with testing.fake_clock(START) as clock:
+        schedules.create("skewed", workflow="report", cron="0 * * * *")
+        clock.advance("15 minutes")
+        testing.run_until_idle()
+        [old] = started("report")
+        schedules.get("skewed").delete()
+        clock.set(START + timedelta(minutes=5))  # 02:55 by the clock that makes it again
+        schedules.create("skewed", workflow="report", cron="0 * * * *")
+        clock.advance("10 minutes")
+        testing.run_until_idle()
+        again = schedules.get("skewed")
+        assert started("report") == [old]
+        assert again.next_run_at == datetime(2026, 6, 1, 4, 0, tzinfo=UTC)
+        assert (again.last_instance_id, again.instances()) == ("", [])
+        [row] = dashboard.schedule_rows(workflow="report")
+        assert row.last_instance is None
+
+
 def test_a_declared_schedule_keeps_its_instances_through_each_sync_of_its_declaration(
     registered,
 ):

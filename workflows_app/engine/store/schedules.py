@@ -299,9 +299,11 @@ def fire_tick(row: Schedule, target: Target, now: datetime) -> Fired | None:
                 f"{DECLARED_ACTOR}:{row.name}",
             )
     except InstanceAlreadyExists:
-        # A schedule of this name fired this tick before it was deleted and created again.
+        # A schedule of this name fired this tick before it was deleted and created again
+        # (their clocks apart): the tick starts nothing, and that instance is not this
+        # schedule's last one (named so, it showed as this one's last run everywhere).
         with transaction.atomic():
-            move_on(instance_id)
+            move_on(row.last_instance_id)
         return None
     except WorkflowError:
         # The instance cannot be created (its params, or its id, break a limit lowered
