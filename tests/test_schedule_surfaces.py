@@ -387,6 +387,11 @@ def test_a_schedule_made_again_for_its_workflow_shows_none_of_the_old_ones_ticks
         )
         old_page = client.get(reverse("workflows:instance", args=[SIMPLE, old.instance_id]))
         assert old_page.status_code == 200
+        schedule_link = reverse("workflows:schedule", args=["again"])
+        assert schedule_link not in old_page.content.decode()  # not the new one's
+        assert "again</span> (deleted)" in old_page.content.decode()
+        new_page = client.get(reverse("workflows:instance", args=[SIMPLE, new.instance_id]))
+        assert schedule_link in new_page.content.decode()
 
 
 def test_the_dashboard_shows_a_schedules_params_decoded_and_survives_undecodable_ones():

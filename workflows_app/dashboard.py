@@ -927,6 +927,10 @@ class InstanceDetail:
     # not shown); None: read from the steps shown, which are then all the steps.
     compensable: list[str] | None = None
     children_total: int = 0
+    # Whether the schedule now named as the instance's `schedule` is the one that started
+    # it: its page is linked only then (a schedule made again under the name lists none
+    # of the deleted one's instances).
+    schedule_linked: bool = False
 
     @property
     def params_pretty(self) -> str:
@@ -1105,6 +1109,7 @@ def instance_detail(pk: int) -> InstanceDetail:
         spans_total,
         compensable,
         children_total,
+        store.schedules.schedule_that_started(instance) is not None,
     )
 
 

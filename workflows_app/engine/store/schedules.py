@@ -106,6 +106,17 @@ def started_instances(name: str, workflow: str, above_pk: int | None) -> QuerySe
     return found.order_by("-id")
 
 
+def schedule_that_started(instance: Instance) -> Schedule | None:
+    """The schedule of the instance's `schedule` name if that one started it (by the rule
+    of started_instances); None when it was deleted, even if another now has its name."""
+    if not instance.schedule:
+        return None
+    row = Schedule.objects.filter(name=instance.schedule, workflow=instance.workflow).first()
+    if row is None or (row.started_above_pk is not None and instance.pk <= row.started_above_pk):
+        return None
+    return row
+
+
 def _greatest_instance_pk() -> int:
     return Instance.objects.aggregate(m=Max("pk"))["m"] or 0
 
