@@ -28,8 +28,8 @@ def event_validator(schema: dict[str, Any]) -> Any:
 
 
 def check_event_schema(name: str, schema: dict[str, Any]) -> None:
-    """InvalidInput for a wait's schema that is no JSON Schema, or that has a $ref that
-    does not resolve: a missing $defs entry or anchor, or another document than a
+    """InvalidInput for a wait's schema that is no JSON Schema, or that has a $ref (or
+    $dynamicRef) that does not resolve: a missing $defs entry or anchor, or another document than a
     meta-schema (never fetched, see above). No payload could ever pass such a wait, and
     check_schema checks only the form."""
     try:
@@ -41,8 +41,11 @@ def check_event_schema(name: str, schema: dict[str, Any]) -> None:
     def check(resolver: referencing.Resolver[Any], resource: referencing.Resource[Any]) -> None:
         if resource is not root and resource.id():
             resolver = resolver.in_subresource(resource)  # its $id is the base of its refs
-        ref = resource.contents.get("$ref") if isinstance(resource.contents, dict) else None
-        if isinstance(ref, str):
+        contents = resource.contents if isinstance(resource.contents, dict) else {}
+        # $dynamicRef (2020-12) first resolves as a $ref does: a dangling one fails alike.
+        for ref in (contents.get("$ref"), contents.get("$dynamicRef")):
+            if not isinstance(ref, str):
+                continue
             try:
                 resolver.lookup(ref)
             except referencing.exceptions.Unresolvable:
