@@ -4,8 +4,11 @@ from a step, the add page; a typed wait's schema): faults found, each with its t
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 
-from tests.surface_flows import register_flows
+from tests.surface_flows import register_flows, snapshot
+from tests.test_admin import act_with_form, shown_messages
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, errors, register
@@ -16,6 +19,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(autouse=True)
 def flows(registered: list[str]) -> None:
     register_flows()
+
+
+@pytest.fixture
+def admin_client() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("boss", password="pw"))
+    return client
 
 
 # --- a typed wait's schema ------------------------------------------------------------
@@ -49,3 +59,48 @@ def test_a_wait_whose_dynamic_reference_does_not_resolve_is_refused_where_it_is_
     fine.send_event("go", {"ok": True})
     testing.run_until_idle()
     assert fine.status().output == {"ok": True}
+
+
+def looping_schema_workflow() -> str:
+    @register("looping-ref")
+    class LoopingRef(WorkflowEntrypoint):
+        async def run(self, event, step):
+            schema = {"allOf": [{"$ref": "#"}]}  # every check of a payload comes back here
+            return (await step.wait_for_event("approval", type="go", schema=schema)).payload
+
+    return "looping-ref"
+
+
+def test_an_event_for_a_wait_whose_schema_loops_is_refused_clearly_and_nothing_is_stored(
+    admin_client,
+):
+    """A schema whose references come back to it without going down the payload (a $ref
+    to itself, or to a schema it is part of) makes every payload check recurse until
+    Python stops it: send_event raised RecursionError, a server error in the admin's send
+    event (and the dashboard's, the API's). Refused as a payload no payload can pass."""
+    inst = get_workflow(looping_schema_workflow()).create(id="loop-1")
+    testing.run_until_idle()
+    assert inst.status().status == "waiting"
+    before = snapshot()
+    response = act_with_form(
+        admin_client, "send_event", {"type": "go", "payload": '{"ok": true}'}, inst.row()
+    )
+    assert response.status_code == 200
+    [message] = shown_messages(response)
+    assert message.startswith("Could not send event looping-ref/loop-1: payload of event 'go'")
+    assert "loop" in message, message
+    with pytest.raises(errors.EventPayloadInvalid, match="loop"):
+        inst.send_event("go", {"ok": True})
+    assert snapshot() == before
+    assert inst.status().status == "waiting"
+
+
+def test_a_buffered_event_for_a_wait_whose_schema_loops_errors_the_instance_clearly():
+    """The same wait taking an event sent before it: the worker's payload check raised
+    RecursionError, and the instance errored under that name with Python's message."""
+    inst = get_workflow(looping_schema_workflow()).create()
+    inst.send_event("go", {"ok": True})  # buffered: no wait yet
+    testing.run_until_idle()
+    status = inst.status()
+    assert (status.status, status.error["name"]) == ("errored", "InvalidInput"), status
+    assert "'go'" in status.error["message"] and "loop" in status.error["message"], status

@@ -45,7 +45,7 @@ from .engine.limits import (
 )
 from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
-from .engine.schemas import event_validator
+from .engine.schemas import SCHEMA_LOOPS, event_validator
 from .engine.store import NewInstance
 from .engine.store.subscriptions import HistoryFollower, history_listener
 from .engine.worker import running_in_this_process
@@ -897,6 +897,12 @@ class InstanceHandle:
                     f"payload of event {type!r} cannot match the schema of the step waiting "
                     f"for it: a reference in the schema does not resolve ({exc})",
                     [f"(schema): {exc}"],
+                ) from None
+            except RecursionError:
+                raise errors.EventPayloadInvalid(
+                    f"payload of event {type!r} cannot match the schema of the step waiting "
+                    f"for it: {SCHEMA_LOOPS}",
+                    [f"(schema): {SCHEMA_LOOPS}"],
                 ) from None
             if violations:
                 raise errors.EventPayloadInvalid(

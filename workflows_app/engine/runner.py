@@ -35,6 +35,7 @@ from .errors import (
     CodecError,
     DuplicateStepName,
     EventTimeout,
+    InvalidInput,
     LimitExceeded,
     NonDeterminismError,
     NonRetryableError,
@@ -46,7 +47,7 @@ from .errors import (
 from .limits import check_step_name, encode_step_output
 from .overrides import overrides
 from .registry import Definition
-from .schemas import event_validator
+from .schemas import SCHEMA_LOOPS, event_validator
 from .step import (
     Step,
     StepContext,
@@ -1223,7 +1224,14 @@ class Run:
                         return inbox.events.pop(index)
                     with self.decoding(f"the payload of event #{event.pk}"):
                         payload = event.payload
-                    if validator.is_valid(payload):
+                    try:
+                        matches = validator.is_valid(payload)
+                    except RecursionError:
+                        raise InvalidInput(
+                            f"the JSON Schema of the wait for event {event_type!r} can check "
+                            f"no payload: {SCHEMA_LOOPS}"
+                        ) from None
+                    if matches:
                         return inbox.events.pop(index)
                 checked = len(inbox.events)
                 if inbox.exhausted:

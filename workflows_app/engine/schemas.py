@@ -21,6 +21,13 @@ from referencing.jsonschema import DRAFT202012
 
 from .errors import InvalidInput
 
+# Why a payload check of a schema raised RecursionError: a reference comes back to a schema
+# it is part of without going down the payload, so every check recurses until Python stops.
+SCHEMA_LOOPS = (
+    "its references loop without end (a $ref back to a schema it is part of, not under "
+    "a property or an item of the payload)"
+)
+
 
 def event_validator(schema: dict[str, Any]) -> Any:
     """A validator of `schema` whose references never leave it (nor the meta-schemas)."""
