@@ -7,11 +7,12 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
-from tests.surface_flows import register_flows, snapshot
-from tests.test_admin import act_with_form, shown_messages
+from tests.surface_flows import APPROVAL, register_flows, snapshot, waiting_approval
+from tests.test_admin import act_with_form, changelist, shown_messages
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, errors, register
+from workflows_app.models import InboxEvent, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -104,3 +105,44 @@ def test_a_buffered_event_for_a_wait_whose_schema_loops_errors_the_instance_clea
     status = inst.status()
     assert (status.status, status.error["name"]) == ("errored", "InvalidInput"), status
     assert "'go'" in status.error["message"] and "loop" in status.error["message"], status
+
+
+# --- a selection that changed between the list (or an action's form) and the submit -------
+
+
+def test_an_action_names_the_selected_instances_gone_from_the_list_since_it_was_shown(
+    admin_client,
+):
+    """Django's action runs on the selected rows the list still shows: one deleted since,
+    or one that no longer matches the list's filters (it finished while the operator
+    typed the event), was left out without a word, and a selection left empty said
+    nothing at all: the operator took the event for sent."""
+    waiting = [waiting_approval(f"o-{n}").row() for n in (1, 2, 3)]
+    on_list = changelist(Instance) + "?status__exact=waiting"
+    selection = {"action": "send_event", "index": "0", "_selected_action": [r.pk for r in waiting]}
+    assert admin_client.post(on_list, selection).status_code == 200  # the form page
+    get_workflow(APPROVAL).get("o-2").terminate()  # finished: off the "waiting" list
+    apply = {**selection, "type": "note", "payload": "", "apply": "1"}
+    response = admin_client.post(on_list, apply, follow=True)
+    assert shown_messages(response) == [
+        "Could not send event 1 selected instance(s): deleted, or no longer matching the "
+        "list's filters, since the list was shown.",
+        "Send event: 2 instance(s).",
+    ]
+    assert InboxEvent.objects.count() == 2
+    for row in waiting:
+        handle = get_workflow(APPROVAL).get(row.instance_id)
+        handle.terminate()
+        handle.delete()
+    response = admin_client.post(changelist(Instance), apply, follow=True)
+    assert shown_messages(response) == [
+        "Could not send event 3 selected instance(s): deleted, or no longer matching the "
+        "list's filters, since the list was shown."
+    ]
+    response = admin_client.post(
+        changelist(Instance), {**selection, "action": "pause"}, follow=True
+    )
+    assert shown_messages(response) == [
+        "Could not pause 3 selected instance(s): deleted, or no longer matching the "
+        "list's filters, since the list was shown."
+    ]

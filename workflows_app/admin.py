@@ -296,18 +296,36 @@ def run_action(
             modeladmin, request, queryset, verb, actor, bulk_action or verb, bulk_options or {}
         )
         return
-    done = 0
+    done = seen = 0
     for row in queryset.order_by("id"):
+        seen += 1
         try:
             if act(InstanceHandle(row.workflow, row.instance_id, row), actor) is False:
                 raise errors.InvalidTransition(f"it had already finished ({row.status})")
             done += 1
         except errors.WorkflowError as exc:
             modeladmin.message_user(request, f"Could not {verb} {row}: {exc}", messages.ERROR)
+    # The selection is the checked rows the list still shows: said, not left out silently.
+    gone = len(checked_rows(request)) - seen
+    if gone > 0:
+        modeladmin.message_user(
+            request,
+            f"Could not {verb} {gone} selected instance(s): deleted, or no longer matching the "
+            "list's filters, since the list was shown.",
+            messages.ERROR,
+        )
     if done:
         modeladmin.message_user(
             request, f"{verb.capitalize()}: {done} instance(s).", messages.SUCCESS
         )
+
+
+def checked_rows(request: HttpRequest) -> set[str]:
+    """The change list's checked rows an action was asked for (none for "select all", whose
+    selection is whatever the list's filters match now, or for an instance page's button)."""
+    if forms.BooleanField().to_python(request.POST.get("select_across")):
+        return set()
+    return set(request.POST.getlist(ACTION_CHECKBOX_NAME))
 
 
 def start_bulk_jobs(
