@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
+from django.urls import reverse
 
 from tests.surface_flows import APPROVAL, register_flows, snapshot, waiting_approval
 from tests.test_admin import act_with_form, changelist, shown_messages
@@ -145,4 +146,30 @@ def test_an_action_names_the_selected_instances_gone_from_the_list_since_it_was_
     assert shown_messages(response) == [
         "Could not pause 3 selected instance(s): deleted, or no longer matching the "
         "list's filters, since the list was shown."
+    ]
+
+
+def test_a_dashboard_bulk_action_names_the_selected_instances_deleted_since_the_list(
+    admin_client,
+):
+    """The dashboard's selected-rows pause/resume/terminate looked the pks up and went on
+    with those found: one deleted since the list was shown was left out without a word,
+    and a selection all gone said nothing at all."""
+    kept, deleted = waiting_approval("o-1"), waiting_approval("o-2")
+    pks = [kept.row().pk, deleted.row().pk]
+    deleted.terminate()
+    deleted.delete()
+    response = admin_client.post(
+        reverse("workflows:bulk"), {"action": "terminate", "pk": pks}, follow=True
+    )
+    assert shown_messages(response) == [
+        "Terminated 1 instance.",
+        "1 selected instance no longer exists (deleted since the list was shown).",
+    ]
+    kept.delete()
+    response = admin_client.post(
+        reverse("workflows:bulk"), {"action": "pause", "pk": pks}, follow=True
+    )
+    assert shown_messages(response) == [
+        "2 selected instances no longer exist (deleted since the list was shown)."
     ]

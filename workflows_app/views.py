@@ -455,7 +455,9 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
     action, actor = form.cleaned_data["action"], request.user.get_username()
     outcomes: Counter[str] = Counter()
     failed = []
+    seen = 0
     for row in Instance.objects.filter(pk__in=form.cleaned_data["pk"]).only(*HANDLE_FIELDS):
+        seen += 1
         handle = InstanceHandle(row.workflow, row.instance_id, row)
         try:
             outcomes[BULK_APPLY[action](handle, actor)] += 1
@@ -467,6 +469,10 @@ def bulk_action(request: HttpRequest) -> HttpResponse:
         messages.error(request, error)
     if len(failed) > 10:
         messages.error(request, f"… and {len(failed) - 10} more failures.")
+    gone = len(set(form.cleaned_data["pk"])) - seen  # said, not left out silently
+    if gone:
+        what = "instance no longer exists" if gone == 1 else "instances no longer exist"
+        messages.error(request, f"{gone} selected {what} (deleted since the list was shown).")
     return _back(request, reverse("workflows:instances"))
 
 
