@@ -63,6 +63,26 @@ def test_a_wait_whose_dynamic_reference_does_not_resolve_is_refused_where_it_is_
     assert fine.status().output == {"ok": True}
 
 
+@pytest.mark.parametrize("dialect", [5, ["https://json-schema.org/draft/2020-12/schema"]])
+def test_a_wait_whose_schema_names_its_dialect_by_no_text_is_refused_as_invalid_input(dialect):
+    """A `$schema` that is no string: jsonschema's validator_for raised AttributeError
+    (or TypeError) where the wait was declared, and the instance errored under that name
+    instead of InvalidInput naming the wait."""
+
+    @register("dialect")
+    class Dialect(WorkflowEntrypoint):
+        async def run(self, event, step):
+            schema = {"$schema": event.payload["dialect"], "type": "object"}
+            return (await step.wait_for_event("approval", type="go", schema=schema)).payload
+
+    inst = get_workflow("dialect").create(params={"dialect": dialect})
+    testing.run_until_idle()
+    status = inst.status()
+    assert (status.status, status.error["name"]) == ("errored", "InvalidInput"), status
+    assert 'wait_for_event "approval"' in status.error["message"], status.error
+    assert "$schema" in status.error["message"], status.error
+
+
 def looping_schema_workflow() -> str:
     @register("looping-ref")
     class LoopingRef(WorkflowEntrypoint):

@@ -36,9 +36,16 @@ def event_validator(schema: dict[str, Any]) -> Any:
 
 def check_event_schema(name: str, schema: dict[str, Any]) -> None:
     """InvalidInput for a wait's schema that is no JSON Schema, or that has a $ref (or
-    $dynamicRef) that does not resolve: a missing $defs entry or anchor, or another document than a
-    meta-schema (never fetched, see above). No payload could ever pass such a wait, and
-    check_schema checks only the form."""
+    $dynamicRef) that does not resolve: a missing $defs entry or anchor, or another
+    document than a meta-schema (never fetched, see above). No payload could ever pass
+    such a wait, and check_schema checks only the form."""
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    if dialect is not None and not isinstance(dialect, str):
+        # validator_for looks it up as a URI: AttributeError or TypeError, not SchemaError.
+        raise InvalidInput(
+            f'wait_for_event "{name}": invalid JSON Schema: its $schema must be the URI of a '
+            f"dialect, got {dialect!r}"
+        )
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
