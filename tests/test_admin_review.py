@@ -3,6 +3,8 @@ from a step, the add page; a typed wait's schema): faults found, each with its t
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
@@ -12,7 +14,7 @@ from tests.surface_flows import APPROVAL, register_flows, snapshot, waiting_appr
 from tests.test_admin import act_with_form, changelist, shown_messages
 from workflows_app import testing
 from workflows_app.client import get_workflow
-from workflows_app.engine import WorkflowEntrypoint, errors, register
+from workflows_app.engine import WorkflowEntrypoint, clock, errors, register
 from workflows_app.models import InboxEvent, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -192,4 +194,25 @@ def test_a_dashboard_bulk_action_names_the_selected_instances_deleted_since_the_
     )
     assert shown_messages(response) == [
         "2 selected instances no longer exist (deleted since the list was shown)."
+    ]
+
+
+def test_the_admin_pause_says_which_pauses_are_only_requested(admin_client):
+    """pause() of an instance a run holds only asks for the pause (waitingForPause: it
+    pauses when its running step finishes). The admin said "Pause: 2 instance(s)." and
+    no more, as the dashboard's messages no longer do: the operator took both for paused."""
+    idle, held = waiting_approval("o-1"), waiting_approval("o-2")
+    Instance.objects.filter(pk=held.row().pk).update(  # as a run running a step would
+        status="running", lease_token="a-run", lease_expires_at=clock.now() + timedelta(minutes=5)
+    )
+    response = admin_client.post(
+        changelist(Instance),
+        {"action": "pause", "index": "0", "_selected_action": [idle.row().pk, held.row().pk]},
+        follow=True,
+    )
+    assert idle.status().status == "paused" and held.status().status == "waitingForPause"
+    assert shown_messages(response) == [
+        "Pause: 2 instance(s).",
+        f"Of those, the pause is only requested for 1: {APPROVAL}/o-2 (each pauses when its "
+        "running step finishes).",
     ]

@@ -34,6 +34,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from . import tokens
+from .bulk import PAUSE_REQUESTED, pause_one
 from .client import InstanceHandle, ScheduleHandle, WorkflowBinding, schedules, start_bulk_job
 from .engine import errors, lifecycle, store
 from .engine.cron import check_cron, check_schedule_name, check_zone
@@ -387,9 +388,29 @@ def workflows_of(queryset: QuerySet[Instance]) -> list[str]:
     return names
 
 
+NAMED_AT_MOST = 10  # instances a message names one by one
+
+
 @admin.action(description="Pause selected instances", permissions=["change"])
 def pause(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Instance]) -> None:
-    run_action(modeladmin, request, queryset, "pause", lambda h, actor: h.pause(actor=actor))
+    # An instance a run holds is only asked to pause (at its step's end): said apart, as
+    # the dashboard does, or the operator takes it for paused.
+    requested: list[str] = []
+
+    def pause_saying_requested(h: InstanceHandle, actor: str) -> None:
+        if pause_one(h, actor) == PAUSE_REQUESTED:
+            requested.append(f"{h.workflow}/{h.id}")
+
+    run_action(modeladmin, request, queryset, "pause", pause_saying_requested)
+    if requested:
+        more = len(requested) - NAMED_AT_MOST
+        modeladmin.message_user(
+            request,
+            f"Of those, the pause is only requested for {len(requested)}: "
+            f"{', '.join(requested[:NAMED_AT_MOST])}{f' and {more} more' if more > 0 else ''} "
+            "(each pauses when its running step finishes).",
+            messages.WARNING,
+        )
 
 
 @admin.action(description="Resume selected instances", permissions=["change"])
