@@ -45,7 +45,7 @@ from .engine.limits import (
 )
 from .engine.registry import Definition, get_definition, limits_for
 from .engine.retention import parse_retention
-from .engine.schemas import SCHEMA_LOOPS, event_validator
+from .engine.schemas import CHECK_RECURSED, event_validator
 from .engine.store import NewInstance
 from .engine.store.subscriptions import HistoryFollower, history_listener
 from .engine.worker import running_in_this_process
@@ -900,9 +900,9 @@ class InstanceHandle:
                 ) from None
             except RecursionError:
                 raise errors.EventPayloadInvalid(
-                    f"payload of event {type!r} cannot match the schema of the step waiting "
-                    f"for it: {SCHEMA_LOOPS}",
-                    [f"(schema): {SCHEMA_LOOPS}"],
+                    f"payload of event {type!r} cannot be checked against the schema of the "
+                    f"step waiting for it: {CHECK_RECURSED}",
+                    [f"(root): {CHECK_RECURSED}"],
                 ) from None
             if violations:
                 raise errors.EventPayloadInvalid(

@@ -35,7 +35,6 @@ from .errors import (
     CodecError,
     DuplicateStepName,
     EventTimeout,
-    InvalidInput,
     LimitExceeded,
     NonDeterminismError,
     NonRetryableError,
@@ -47,7 +46,7 @@ from .errors import (
 from .limits import check_step_name, encode_step_output
 from .overrides import overrides
 from .registry import Definition
-from .schemas import SCHEMA_LOOPS, event_validator
+from .schemas import event_validator
 from .step import (
     Step,
     StepContext,
@@ -1226,11 +1225,8 @@ class Run:
                         payload = event.payload
                     try:
                         matches = validator.is_valid(payload)
-                    except RecursionError:
-                        raise InvalidInput(
-                            f"the JSON Schema of the wait for event {event_type!r} can check "
-                            f"no payload: {SCHEMA_LOOPS}"
-                        ) from None
+                    except RecursionError:  # schemas.CHECK_RECURSED: send_event refuses it
+                        matches = False  # as a payload that does not match, not fatal
                     if matches:
                         return inbox.events.pop(index)
                 checked = len(inbox.events)

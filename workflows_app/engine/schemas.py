@@ -21,11 +21,13 @@ from referencing.jsonschema import DRAFT202012
 
 from .errors import InvalidInput
 
-# Why a payload check of a schema raised RecursionError: a reference comes back to a schema
-# it is part of without going down the payload, so every check recurses until Python stops.
-SCHEMA_LOOPS = (
-    "its references loop without end (a $ref back to a schema it is part of, not under "
-    "a property or an item of the payload)"
+# Why a payload check raised RecursionError: a reference comes back to a schema it is part
+# of without going down the payload (every check recurses until Python stops it), or the
+# payload is nested deeper than a recursive schema's check can follow.
+CHECK_RECURSED = (
+    "checking it recursed too deep: a $ref of the schema comes back to a schema it is part "
+    "of without going down the payload, or the payload is nested deeper than the check can "
+    "follow"
 )
 
 
