@@ -10,7 +10,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from tests.surface_flows import APPROVAL, register_flows, snapshot, waiting_approval
+from tests.surface_flows import APPROVAL, SIMPLE, register_flows, snapshot, waiting_approval
 from tests.test_admin import act_with_form, changelist, shown_messages
 from workflows_app import testing
 from workflows_app.client import get_workflow
@@ -222,3 +222,29 @@ def test_the_admin_pause_says_which_pauses_are_only_requested(admin_client):
         f"Of those, the pause is only requested for 1: {APPROVAL}/o-2 (each pauses when its "
         "running step finishes).",
     ]
+
+
+# --- the add page (and the dashboard's create) -----------------------------------------
+
+
+def test_a_create_whose_idempotency_key_found_an_instance_says_it_started_none(admin_client):
+    """An idempotency key that finds the instance it started before returns that one,
+    params and all (the API answers 200, not 201). The admin's add page said "Started …"
+    and the dashboard "Created …" as if the params just typed had started a new one."""
+    fields = {"workflow": SIMPLE, "idempotency_key": "order-7", "params": '{"n": 1}'}
+    add = reverse("admin:workflows_app_instance_add")
+    first = admin_client.post(add, {**fields, "id": "first"}, follow=True)
+    assert shown_messages(first) == [f"Started {SIMPLE} instance first."]
+    again = admin_client.post(add, {**fields, "id": "again", "params": '{"n": 2}'}, follow=True)
+    found = (
+        f"Started none: idempotency key 'order-7' found {SIMPLE} instance first, started "
+        "before (its params are those it was started with)."
+    )
+    assert shown_messages(again) == [found]
+    assert again.redirect_chain[-1][0] == reverse(
+        "admin:workflows_app_instance_change", args=[Instance.objects.get(instance_id="first").pk]
+    )
+    dashboard = admin_client.post(reverse("workflows:create"), fields, follow=True)
+    assert shown_messages(dashboard) == [found]
+    assert list(Instance.objects.values_list("instance_id", flat=True)) == ["first"]
+    assert Instance.objects.get().params == {"n": 1}

@@ -804,8 +804,11 @@ class InstanceAdmin(BigTableAdmin):
         if form.is_valid():
             handle = form.create(request.user.get_username())
             if handle is not None:
+                found = form.found_instead(handle)
                 self.message_user(
-                    request, f"Started {handle.workflow} instance {handle.id}.", messages.SUCCESS
+                    request,
+                    found or f"Started {handle.workflow} instance {handle.id}.",
+                    messages.WARNING if found else messages.SUCCESS,
                 )
                 return redirect("admin:workflows_app_instance_change", handle.row(refresh=False).pk)
         return action_form_page(self, request, form, "Start an instance", "Start")

@@ -108,6 +108,17 @@ class CreateInstanceForm(forms.Form):
             self.add_error(None, str(exc))
             return None
 
+    def found_instead(self, handle: InstanceHandle) -> str | None:
+        """What to say when create() returned an instance its idempotency key found, started
+        before with its own params (None: it started now): "Started …" would be untrue."""
+        if handle.created:
+            return None
+        return (
+            f"Started none: idempotency key {self.cleaned_data['idempotency_key']!r} found "
+            f"{handle.workflow} instance {handle.id}, started before (its params are those it "
+            "was started with)."
+        )
+
 
 class SendEventForm(forms.Form):
     type = forms.CharField(max_length=100)

@@ -304,7 +304,10 @@ def create_instance(request: HttpRequest) -> HttpResponse:
     if form.is_valid():
         handle = form.create(request.user.get_username())
         if handle is not None:
-            messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
+            if found := form.found_instead(handle):
+                messages.warning(request, found)
+            else:
+                messages.success(request, f"Created {handle.workflow} instance {handle.id}.")
             return redirect(dashboard.instance_url(handle.row(refresh=False)))
     return render(
         request, "workflows/create.html", {"page": "instances", "create_form": form}, status=400
