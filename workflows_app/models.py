@@ -251,6 +251,14 @@ class Instance(models.Model):
             models.Index(
                 fields=["admit_at"], name="instance_admit_at", condition=Q(admit_at__isnull=False)
             ),
+            # The first admit_at of each of a worker's workflows (first_admit, in every claim
+            # after a create's hint): one probe a workflow, not a walk of instance_admit_at
+            # past every other workflow's pending debounces.
+            models.Index(
+                fields=["workflow", "admit_at"],
+                name="instance_queue_admit_at",
+                condition=Q(status="queued", admit_at__isnull=False),
+            ),
             # max_concurrent_per_key: active instances WHERE workflow = ? AND concurrency_key IN (...)
             models.Index(
                 fields=["workflow", "concurrency_key", "status"],
