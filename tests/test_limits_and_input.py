@@ -495,3 +495,44 @@ def test_bad_limits_settings_are_refused_at_start_up(limits, named):
     assert "workflows_app.E004" in str(refused.value) and named in str(refused.value)
     with override_settings(WFDASH={"LIMITS": {"max_concurrent_instances": 5}}):
         call_command("check")
+
+
+def test_reads_of_rows_refuse_counts_past_what_a_database_limit_takes(registered):
+    """history(limit=), steps(last= or limit=), children_rows(limit=), recent_steps() and
+    newest_children_rows() sent their count to the database as a LIMIT: one past a bigint
+    was "datatype mismatch" (SQLite) or "bigint out of range" (PostgreSQL), naming neither
+    the argument nor its range. recent_steps(0) raised IndexError."""
+    from workflows_app.converters import MAX_PK
+
+    @register("reader")
+    class Reader(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("first", lambda: 1)
+            await step.wait_for_event("open", type="go")
+
+    inst = get_workflow("reader").create(id="read")
+    testing.run_until_idle()
+    reads = {
+        "history limit": lambda n: inst.history(limit=n),
+        "steps limit": lambda n: inst.steps(limit=n),
+        "steps last": lambda n: inst.steps(last=n),
+        "children limit": lambda n: inst.children_rows(limit=n),
+        "recent steps": lambda n: inst.recent_steps(n),
+        "newest children": lambda n: inst.newest_children_rows(n),
+    }
+    for what, read in reads.items():
+        for count, shown in ((MAX_PK + 1, str(MAX_PK + 1)), (10**5000, "an integer past 2**64")):
+            with pytest.raises(InvalidInput) as refused:
+                read(count)
+            message = str(refused.value)
+            assert message.endswith(f"got {shown}"), (what, message)
+            assert f" to {MAX_PK}" in message or f" to {MAX_PK - 1}" in message, (what, message)
+    # The largest each takes still reads every row.
+    assert len(inst.history(limit=MAX_PK)) == len(inst.history())
+    assert [s.name for s in inst.steps(last=MAX_PK)] == ["first", "open"]
+    assert [s.name for s in inst.recent_steps(MAX_PK - 1)[0]] == ["first", "open"]
+    assert inst.newest_children_rows(MAX_PK - 1) == ([], 0)
+    # None of the newest, and the open wait older than them.
+    assert [s.name for s in inst.recent_steps(0)[0]] == ["open"]
+    with pytest.raises(InvalidInput, match=r"newest must be an integer from 0 to \d+, got -1"):
+        inst.recent_steps(-1)

@@ -590,8 +590,25 @@ OPEN_STEP_STATUSES = (StepStatus.RUNNING, StepStatus.RETRYING, StepStatus.WAITIN
 def _check_page(after: Any, limit: Any) -> None:
     if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
         raise errors.InvalidInput(f"after must be a cursor from 0 to {MAX_PK}, got {after!r}")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise errors.InvalidInput(f"limit must be a positive integer or None, got {limit!r}")
+    check_row_count("limit", limit, 1, none_allowed=True)
+
+
+def check_row_count(
+    name: str, value: Any, least: int, most: int = MAX_PK, none_allowed: bool = False
+) -> None:
+    """How many rows to read (a page's limit, the newest n): an integer from `least` to
+    `most`, at most MAX_PK, what a database's LIMIT takes. One past it was "datatype
+    mismatch" from SQLite and "bigint out of range" from PostgreSQL, naming neither the
+    argument nor its range."""
+    if value is None and none_allowed:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+        huge = isinstance(value, int) and value.bit_length() > 64  # repr() refuses 4,300 digits
+        raise errors.InvalidInput(
+            f"{name} must be an integer from {least} to {most}"
+            f"{' or None' if none_allowed else ''}, "
+            f"got {'an integer past 2**64' if huge else repr(value)}"
+        )
 
 
 def instance_info(row: Instance) -> InstanceInfo:
@@ -659,10 +676,7 @@ class InstanceHandle:
             raise errors.InvalidInput(
                 f"after must be a history sequence from 0 to {MAX_PK}, got {after!r}"
             )
-        if limit is not None and (
-            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
-        ):
-            raise errors.InvalidInput(f"limit must be a positive integer or None, got {limit!r}")
+        check_row_count("limit", limit, 1, none_allowed=True)
         records = HistoryRecord.objects.filter(
             instance_id=self.row().pk, sequence__gt=after
         ).order_by("sequence")
@@ -728,8 +742,7 @@ class InstanceHandle:
         `limit`, a page: at most `limit` steps started after that one."""
         steps = StepRecord.objects.filter(instance_id=self.row().pk)
         if last is not None:
-            if not isinstance(last, int) or isinstance(last, bool) or last < 0:
-                raise errors.InvalidInput(f"last must be 0 or a positive integer, got {last!r}")
+            check_row_count("last", last, 0)
             if after or limit is not None:
                 raise errors.InvalidInput("give last, or after and limit, not both")
             return list(reversed(steps.order_by("-seq")[:last])) if last else []
@@ -740,12 +753,15 @@ class InstanceHandle:
     def recent_steps(self, newest: int) -> tuple[list[StepRecord], int]:
         """The newest `newest` steps and every older one still open (running, retrying or
         waiting: what an operator acts on), in start order; and how many steps there are."""
+        check_row_count("newest", newest, 0, MAX_PK - 1)  # one more is read
         rows = StepRecord.objects.filter(instance_id=self.row().pk)
         shown = list(rows.order_by("-seq")[: newest + 1])
         if len(shown) <= newest:
             return shown[::-1], len(shown)
         shown = shown[:newest]
-        older = rows.filter(seq__lt=shown[-1].seq, status__in=OPEN_STEP_STATUSES).order_by("seq")
+        older = rows.filter(status__in=OPEN_STEP_STATUSES).order_by("seq")
+        if shown:  # none with newest=0: every open step is older than those shown
+            older = older.filter(seq__lt=shown[-1].seq)
         return [*older, *shown[::-1]], rows.count()
 
     def open_steps(self, through: int, also: Sequence[int] = ()) -> list[StepRecord]:
@@ -775,6 +791,7 @@ class InstanceHandle:
 
     def newest_children_rows(self, newest: int) -> tuple[list[Instance], int]:
         """The newest `newest` children, oldest first, and how many children there are."""
+        check_row_count("newest", newest, 0, MAX_PK - 1)  # one more is read
         rows = Instance.objects.filter(parent_id=self.row().pk)
         shown = list(rows.order_by("-id")[: newest + 1])
         if len(shown) <= newest:
