@@ -536,3 +536,25 @@ def test_reads_of_rows_refuse_counts_past_what_a_database_limit_takes(registered
     assert [s.name for s in inst.recent_steps(0)[0]] == ["open"]
     with pytest.raises(InvalidInput, match=r"newest must be an integer from 0 to \d+, got -1"):
         inst.recent_steps(-1)
+
+
+def test_a_batch_size_of_zero_is_refused_at_register_and_one_still_starts_many(registered):
+    """max_batch_size 0 was taken: every create_batch was refused, and `wf start --count`
+    failed with "range() arg 3 must not be zero", naming no limit."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    for bad in (0, -1):
+        with pytest.raises(
+            InvalidInput, match=f"max_batch_size must be a positive integer, got {bad}"
+        ):
+            register("no-batch", limits={"max_batch_size": bad})
+
+    @register("one-batch", limits={"max_batch_size": 1})
+    class OneBatch(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return 1
+
+    call_command("wf", "start", "one-batch", "--count", "3", stdout=StringIO(), stderr=StringIO())
+    assert Instance.objects.filter(workflow="one-batch").count() == 3

@@ -7,7 +7,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..codec import payload_codec, seal_value
 from .durations import parse_duration
@@ -131,6 +131,10 @@ class Limits:
         "max_retention",
     )
 
+    # Integer limits under which nothing could pass: a max_batch_size of 0 made
+    # `wf start --count` fail with "range() arg 3 must not be zero".
+    _LEAST: ClassVar[dict[str, int]] = {"max_batch_size": 1}
+
     @classmethod
     def build(cls, *overrides: dict[str, Any] | None) -> Limits:
         """Defaults, then each overrides dict in turn; durations accept any duration form."""
@@ -162,8 +166,13 @@ class Limits:
                         raise InvalidInput(
                             f"default_retry_backoff must be one of {BACKOFFS}, got {value!r}"
                         )
-                elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise InvalidInput(f"limit {key} must be a non-negative integer, got {value!r}")
+                elif (
+                    not isinstance(value, int)
+                    or isinstance(value, bool)
+                    or value < cls._LEAST.get(key, 0)
+                ):
+                    kind = "a positive" if cls._LEAST.get(key) else "a non-negative"
+                    raise InvalidInput(f"limit {key} must be {kind} integer, got {value!r}")
                 elif key == "default_retry_limit" and value > MAX_RETRY_LIMIT:
                     raise InvalidInput(
                         f"limit {key} must be an integer from 0 to {MAX_RETRY_LIMIT}, got {value!r}"
