@@ -521,7 +521,10 @@ def test_reads_of_rows_refuse_counts_past_what_a_database_limit_takes(registered
         "newest children": lambda n: inst.newest_children_rows(n),
     }
     for what, read in reads.items():
-        for count, shown in ((MAX_PK + 1, str(MAX_PK + 1)), (10**5000, "an integer past 2**64")):
+        for count, shown in (
+            (MAX_PK + 1, str(MAX_PK + 1)),
+            (10**5000, "<an integer of about 5001 digits>"),
+        ):
             with pytest.raises(InvalidInput) as refused:
                 read(count)
             message = str(refused.value)
@@ -558,3 +561,97 @@ def test_a_batch_size_of_zero_is_refused_at_register_and_one_still_starts_many(r
 
     call_command("wf", "start", "one-batch", "--count", "3", stdout=StringIO(), stderr=StringIO())
     assert Instance.objects.filter(workflow="one-batch").count() == 3
+
+
+HUGE = 10**5000  # repr() of it raises ValueError: past 4,300 digits
+
+
+def huge_inputs():
+    """(what, call, error, named): each call takes an integer of 5,001 digits somewhere a
+    number is checked; its refusal must name the argument, not fail to print the value."""
+    from workflows_app.client import BulkJobHandle, schedules
+    from workflows_app.engine.durations import parse_duration
+    from workflows_app.tasks import options_problems
+
+    def wf():
+        return get_workflow("waiter")
+
+    def inst():
+        return wf().create(id="huge")
+
+    def schedule():
+        return schedules.create("huge-s", workflow="waiter", cron="0 3 * * *")
+
+    return [
+        ("retry limit", lambda: Limits.build({"default_retry_limit": HUGE}), "default_retry_limit"),
+        (
+            "max steps",
+            lambda: Limits.build({"max_steps_per_workflow": -HUGE}),
+            "max_steps_per_workflow",
+        ),
+        (
+            "id length",
+            lambda: Limits.build({"max_instance_id_length": HUGE}),
+            "max_instance_id_length",
+        ),
+        ("rate", lambda: Limits.build({"rate_limit": {"limit": HUGE}}), "rate_limit must be"),
+        (
+            "backoff",
+            lambda: Limits.build({"default_retry_backoff": [HUGE]}),
+            "default_retry_backoff",
+        ),
+        ("duration", lambda: parse_duration([HUGE]), "invalid duration"),
+        ("get", lambda: wf().get(HUGE), "instance id must be a string"),
+        ("list", lambda: wf().list(limit=HUGE), "limit must be an integer from 1 to 1000"),
+        ("list version", lambda: wf().list(version=HUGE), "version must be an integer"),
+        ("priority", lambda: wf().create(priority=HUGE), "priority must be an integer"),
+        ("attribute", lambda: wf().create(attributes={"n": HUGE}), "attribute 'n': integer"),
+        ("history", lambda: inst().history(after=HUGE), "after must be a history sequence"),
+        ("steps", lambda: inst().steps(after=HUGE), "after must be a cursor"),
+        ("subscribe", lambda: next(inst().subscribe(cursor=HUGE)), "cursor must be"),
+        (
+            "bulk job",
+            lambda: BulkJobHandle.find(HUGE),
+            "no bulk job #<an integer of about 5001 digits>",
+        ),
+        ("next runs", lambda: schedule().next_runs(HUGE), "count must be an integer"),
+        ("schedule instances", lambda: schedule().instances(HUGE), "limit must be an integer"),
+        (
+            "task retries",
+            lambda: (_ for _ in ()).throw(
+                InvalidInput(options_problems({"retries": {"limit": HUGE}})[0])
+            ),
+            '"retries" limit must be an integer',
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(huge_inputs())), ids=[h[0] for h in huge_inputs()])
+def test_an_integer_too_long_to_print_is_refused_naming_the_argument(waiter, index):
+    """repr() of an integer past 4,300 digits raises ValueError: each of these refusals
+    raised "Exceeds the limit (4300 digits) for integer string conversion" instead,
+    naming neither the argument nor its range (manage.py check, which catches only
+    wfdash's errors, failed with a traceback)."""
+    what, call, named = huge_inputs()[index]
+    before = snapshot()
+    with pytest.raises(WorkflowError) as refused:
+        call()
+    message = str(refused.value)
+    assert named in message, (what, message)
+    assert "digits>" in message or "to 9223372036854775807" in message, (what, message)
+    if what not in ("history", "steps", "subscribe"):
+        assert snapshot() == before
+
+
+def test_a_step_given_a_retry_limit_too_long_to_print_fails_naming_it(registered):
+    @register("huge-retries")
+    class HugeRetries(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("r", lambda: 1, retries={"limit": HUGE})
+
+    inst = get_workflow("huge-retries").create()
+    testing.run_until_idle()
+    error = inst.status().error
+    assert error["name"] == "InvalidInput", error
+    assert 'step "r": retries limit must be an integer from 0 to 2147483646' in error["message"]
+    assert "<an integer of about 5001 digits>" in error["message"]

@@ -301,7 +301,7 @@ class WorkflowBinding:
     def get(self, id: str) -> InstanceHandle:
         """The instance of this workflow with that id; InstanceNotFound otherwise."""
         if not isinstance(id, str):
-            raise errors.InvalidInput(f"instance id must be a string, got {id!r}")
+            raise errors.InvalidInput(f"instance id must be a string, got {errors.shown(id)}")
         return InstanceHandle(self.name, id, store.get_instance(self.name, id))
 
     async def aget(self, id: str) -> InstanceHandle:
@@ -322,7 +322,9 @@ class WorkflowBinding:
         attributes: exact matches, every key must hold that value.
         """
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
+            raise errors.InvalidInput(
+                f"limit must be an integer from 1 to 1000, got {errors.shown(limit)}"
+            )
         query = self.matching(status, version, attributes, created_before, created_after)
         if cursor:
             query = query.filter(id__lt=decode_cursor(cursor))
@@ -546,7 +548,9 @@ def flow_control(item: dict[str, Any], limits: Limits) -> dict[str, Any]:
     if priority is None:
         priority = DEFAULT_PRIORITY
     if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
-        raise errors.InvalidInput(f"priority must be an integer from 0 to 9, got {priority!r}")
+        raise errors.InvalidInput(
+            f"priority must be an integer from 0 to 9, got {errors.shown(priority)}"
+        )
     debounce_key, debounce = _key(item, "debounce_key"), item.get("debounce")
     if (debounce_key is None) != (debounce is None):
         raise errors.InvalidInput("debounce_key and debounce go together: give both or neither")
@@ -589,7 +593,9 @@ OPEN_STEP_STATUSES = (StepStatus.RUNNING, StepStatus.RETRYING, StepStatus.WAITIN
 
 def _check_page(after: Any, limit: Any) -> None:
     if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
-        raise errors.InvalidInput(f"after must be a cursor from 0 to {MAX_PK}, got {after!r}")
+        raise errors.InvalidInput(
+            f"after must be a cursor from 0 to {MAX_PK}, got {errors.shown(after)}"
+        )
     check_row_count("limit", limit, 1, none_allowed=True)
 
 
@@ -603,11 +609,9 @@ def check_row_count(
     if value is None and none_allowed:
         return
     if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
-        huge = isinstance(value, int) and value.bit_length() > 64  # repr() refuses 4,300 digits
         raise errors.InvalidInput(
             f"{name} must be an integer from {least} to {most}"
-            f"{' or None' if none_allowed else ''}, "
-            f"got {'an integer past 2**64' if huge else repr(value)}"
+            f"{' or None' if none_allowed else ''}, got {errors.shown(value)}"
         )
 
 
@@ -629,7 +633,7 @@ def check_version(version: Any, field: str = "version") -> None:
     """field: the name the caller gave it (a bulk restart's is to_version)."""
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
         raise errors.InvalidInput(
-            f"{field} must be an integer from 1 to {MAX_VERSION}, got {version!r}"
+            f"{field} must be an integer from 1 to {MAX_VERSION}, got {errors.shown(version)}"
         )
 
 
@@ -674,7 +678,7 @@ class InstanceHandle:
         of them (None: every one)."""
         if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
             raise errors.InvalidInput(
-                f"after must be a history sequence from 0 to {MAX_PK}, got {after!r}"
+                f"after must be a history sequence from 0 to {MAX_PK}, got {errors.shown(after)}"
             )
         check_row_count("limit", limit, 1, none_allowed=True)
         records = HistoryRecord.objects.filter(
@@ -727,7 +731,7 @@ class InstanceHandle:
     def _follower(self, cursor: int) -> HistoryFollower:
         if not isinstance(cursor, int) or isinstance(cursor, bool) or not 0 <= cursor <= MAX_PK:
             raise errors.InvalidInput(
-                f"cursor must be a history sequence from 0 to {MAX_PK}, got {cursor!r}"
+                f"cursor must be a history sequence from 0 to {MAX_PK}, got {errors.shown(cursor)}"
             )
         follower = HistoryFollower(self.row().pk, cursor)
         if follower.notified:
@@ -1001,11 +1005,11 @@ class BulkJobHandle:
     @classmethod
     def find(cls, id: Any, workflow: str | None = None) -> BulkJobHandle:
         if not isinstance(id, int) or isinstance(id, bool):
-            raise errors.InvalidInput(f"bulk job id must be an integer, got {id!r}")
-        job = store.bulk.get_job(id, workflow)
+            raise errors.InvalidInput(f"bulk job id must be an integer, got {errors.shown(id)}")
+        job = store.bulk.get_job(id, workflow) if 0 < id <= MAX_PK else None
         if job is None:
             raise errors.BulkJobNotFound(
-                f"no bulk job #{id}" + (f" of {workflow!r}" if workflow else "")
+                f"no bulk job #{errors.shown(id)}" + (f" of {workflow!r}" if workflow else "")
             )
         return cls(job)
 

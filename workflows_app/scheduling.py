@@ -52,7 +52,7 @@ def upcoming(cron: str, timezone: str, paused: bool, count: int) -> list[datetim
     """The next `count` fire times of a schedule after now; none while it is paused."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_NEXT_RUNS:
         raise errors.InvalidInput(
-            f"count must be an integer from 1 to {MAX_NEXT_RUNS}, got {count!r}"
+            f"count must be an integer from 1 to {MAX_NEXT_RUNS}, got {errors.shown(count)}"
         )
     if paused:
         return []
@@ -137,7 +137,9 @@ class ScheduleHandle:
         """The instances this schedule started, newest first (at most 1000, as a page of
         list(): a schedule firing every minute starts half a million a year)."""
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise errors.InvalidInput(f"limit must be an integer from 1 to 1000, got {limit!r}")
+            raise errors.InvalidInput(
+                f"limit must be an integer from 1 to 1000, got {errors.shown(limit)}"
+            )
         started = store.schedules.started_instances(self.name, self.workflow, self.started_above_pk)
         return list(started[:limit])
 

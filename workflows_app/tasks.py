@@ -32,7 +32,7 @@ from django.utils.module_loading import import_string
 from .engine import NonRetryableError, WorkflowEntrypoint, clock, register, registry
 from .engine import errors as engine_errors
 from .engine.durations import parse_duration
-from .engine.errors import InvalidDuration, StepRaised
+from .engine.errors import InvalidDuration, StepRaised, shown
 from .engine.limits import BACKOFFS, MAX_RETRY_LIMIT
 from .engine.step import current_step
 from .models import HistoryRecord, Instance, Status, StepRecord, StepStatus
@@ -274,7 +274,7 @@ def options_problems(options: Any) -> list[str]:
     limit = retries.get("limit", 0)
     if not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= MAX_RETRY_LIMIT:
         problems.append(
-            f'"retries" limit must be an integer from 0 to {MAX_RETRY_LIMIT}, got {limit!r}'
+            f'"retries" limit must be an integer from 0 to {MAX_RETRY_LIMIT}, got {shown(limit)}'
         )
     if retries.get("backoff", BACKOFFS[0]) not in BACKOFFS:
         problems.append(f'"retries" backoff must be one of {BACKOFFS}, got {retries["backoff"]!r}')

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Mapping
 
-from .errors import InvalidInput, LimitExceeded
+from .errors import InvalidInput, LimitExceeded, shown
 from .limits import check_text
 
 KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")
@@ -40,7 +40,7 @@ def check_value(key: str, value: object) -> Scalar:
         return value
     if isinstance(value, int):
         if not -INT64 <= value < INT64:
-            raise InvalidInput(f"attribute {key!r}: integer {value} is outside 64 bits")
+            raise InvalidInput(f"attribute {key!r}: integer {shown(value)} is outside 64 bits")
         return value
     if isinstance(value, float):
         if not math.isfinite(value):

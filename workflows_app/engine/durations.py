@@ -6,7 +6,7 @@ import math
 import re
 from datetime import UTC, datetime, timedelta
 
-from .errors import InvalidDuration
+from .errors import InvalidDuration, shown
 
 _MS_PER_UNIT = {
     "ms": 1,
@@ -45,7 +45,7 @@ def parse_duration(value: object) -> int:
     """Return the duration in whole milliseconds, or raise InvalidDuration naming the value."""
     if isinstance(value, bool):
         raise InvalidDuration(
-            f"invalid duration {value!r}: expected milliseconds, a string or a timedelta"
+            f"invalid duration {shown(value)}: expected milliseconds, a string or a timedelta"
         )
     if isinstance(value, timedelta):
         ms = value / timedelta(milliseconds=1)
@@ -69,27 +69,18 @@ def parse_duration(value: object) -> int:
         ms = float(match.group(1)) * factor
     else:
         raise InvalidDuration(
-            f"invalid duration {value!r} of type {type(value).__name__}: expected milliseconds, a string or a timedelta"
+            f"invalid duration {shown(value)} of type {type(value).__name__}: expected milliseconds, a string or a timedelta"
         )
     if not math.isfinite(ms):
-        raise InvalidDuration(f"invalid duration {value!r}: not a finite number")
+        raise InvalidDuration(f"invalid duration {shown(value)}: not a finite number")
     if ms < 0:
-        raise InvalidDuration(f"invalid duration {_shown(value)}: must not be negative")
+        raise InvalidDuration(f"invalid duration {shown(value)}: must not be negative")
     if ms > MAX_DURATION_MS:
         raise InvalidDuration(
-            f"invalid duration {_shown(value)}: longer than the longest duration wfdash stores, "
+            f"invalid duration {shown(value)}: longer than the longest duration wfdash stores, "
             f"{MAX_DURATION_YEARS} years ({MAX_DURATION_MS} ms)"
         )
     return round(ms)
-
-
-def _shown(value: object) -> str:
-    """repr(value) for a message; an integer too long to print whole (repr refuses one of
-    over 4,300 digits) by its size."""
-    if isinstance(value, int) and abs(value) >= 10**40:
-        digits = int(abs(value).bit_length() * math.log10(2)) + 1
-        return f"{'-' if value < 0 else ''}<an integer of about {digits} digits>"
-    return repr(value)
 
 
 def parse_instant(value: object) -> datetime:
@@ -99,7 +90,9 @@ def parse_instant(value: object) -> datetime:
     LATEST_INSTANT."""
     if isinstance(value, datetime):
         if value.tzinfo is None:
-            raise InvalidDuration(f"invalid instant {value!r}: the datetime must be timezone-aware")
+            raise InvalidDuration(
+                f"invalid instant {shown(value)}: the datetime must be timezone-aware"
+            )
         try:
             instant = value.astimezone(UTC)
         except OverflowError:
@@ -111,11 +104,11 @@ def parse_instant(value: object) -> datetime:
             instant = None
     else:
         raise InvalidDuration(
-            f"invalid instant {value!r}: expected an aware datetime or epoch milliseconds"
+            f"invalid instant {shown(value)}: expected an aware datetime or epoch milliseconds"
         )
     if instant is None or not EARLIEST_INSTANT <= instant <= LATEST_INSTANT:
         raise InvalidDuration(
-            f"invalid instant {_shown(value)}: outside the dates wfdash stores, {INSTANT_RANGE}"
+            f"invalid instant {shown(value)}: outside the dates wfdash stores, {INSTANT_RANGE}"
         )
     return instant
 

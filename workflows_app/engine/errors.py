@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
+
+def shown(value: object) -> str:
+    """repr(value) for a refusal's message. repr() of an integer past 4,300 digits (or of
+    a list or dict holding one) raises ValueError, which replaced the refusal with
+    "Exceeds the limit (4300 digits) for integer string conversion": such an integer is
+    shown by its size, and a long one from 10**40 too."""
+    if isinstance(value, int) and abs(value) >= 10**40:
+        digits = int(abs(value).bit_length() * math.log10(2)) + 1
+        return f"{'-' if value < 0 else ''}<an integer of about {digits} digits>"
+    try:
+        return repr(value)
+    except ValueError:
+        return f"<a {type(value).__name__} holding an integer of over 4300 digits>"
+
 
 class WorkflowError(Exception):
     """Base of every wfdash error."""

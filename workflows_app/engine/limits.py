@@ -17,6 +17,7 @@ from .errors import (
     LimitExceeded,
     SizeLimitExceeded,
     StepOutputError,
+    shown,
 )
 
 DAY_MS = 86_400_000
@@ -74,7 +75,7 @@ class RateLimit:
             return value
         if not isinstance(value, dict) or set(value) != {"limit", "period"}:
             raise InvalidInput(
-                f'rate_limit must be {{"limit": <positive integer>, "period": <duration>}}, got {value!r}'
+                f'rate_limit must be {{"limit": <positive integer>, "period": <duration>}}, got {shown(value)}'
             )
         limit = check_count("rate_limit limit", value["limit"], none_allowed=False)
         if isinstance(value["period"], str) and len(value["period"]) > MAX_PERIOD_CHARS:
@@ -164,7 +165,7 @@ class Limits:
                 elif key == "default_retry_backoff":
                     if value not in BACKOFFS:
                         raise InvalidInput(
-                            f"default_retry_backoff must be one of {BACKOFFS}, got {value!r}"
+                            f"default_retry_backoff must be one of {BACKOFFS}, got {shown(value)}"
                         )
                 elif (
                     not isinstance(value, int)
@@ -172,10 +173,10 @@ class Limits:
                     or value < cls._LEAST.get(key, 0)
                 ):
                     kind = "a positive" if cls._LEAST.get(key) else "a non-negative"
-                    raise InvalidInput(f"limit {key} must be {kind} integer, got {value!r}")
+                    raise InvalidInput(f"limit {key} must be {kind} integer, got {shown(value)}")
                 elif key == "default_retry_limit" and value > MAX_RETRY_LIMIT:
                     raise InvalidInput(
-                        f"limit {key} must be an integer from 0 to {MAX_RETRY_LIMIT}, got {value!r}"
+                        f"limit {key} must be an integer from 0 to {MAX_RETRY_LIMIT}, got {shown(value)}"
                     )
                 values[key] = value
         built = cls(**values)
@@ -194,7 +195,7 @@ class Limits:
             if not 1 <= getattr(self, key) <= column:
                 raise InvalidInput(
                     f"limit {key} must be from 1 to {column} (what its column holds), "
-                    f"got {getattr(self, key)}"
+                    f"got {shown(getattr(self, key))}"
                 )
         pairs = (
             (

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings  # not in limits(): that import was a call every run
 
 from .cron import SHORTEST_TICK_ID, check_cron
-from .errors import InvalidInput, UnknownWorkflow, VersionConflict
+from .errors import InvalidInput, UnknownWorkflow, VersionConflict, shown
 from .limits import Limits
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def register(
             f"workflow name must be a non-empty string of at most 200 characters, got {name!r}"
         )
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise InvalidInput(f"workflow version must be a positive integer, got {version!r}")
+        raise InvalidInput(f"workflow version must be a positive integer, got {shown(version)}")
     own = Limits.build(limits)  # validate now, at import time, not at the first run
     if isinstance(schedules, str) or not isinstance(schedules, (list, tuple, type(None))):
         raise InvalidInput(f"schedules must be a list of cron expressions, got {schedules!r}")

@@ -46,6 +46,7 @@ from .errors import (
     StepTimeout,
     WorkflowError,
     safe_str,
+    shown,
 )
 from .limits import (
     BACKOFFS,
@@ -508,7 +509,7 @@ class Step:
         ):
             raise InvalidInput(
                 f'step "{name}": retries limit must be an integer from 0 to {MAX_RETRY_LIMIT}, '
-                f"got {limit!r}"
+                f"got {shown(limit)}"
             )
         delay = retries.get("delay")
         delay_ms = limits.default_retry_delay if delay is None else parse_duration(delay)
@@ -849,7 +850,7 @@ class Step:
             )
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise InvalidInput(
-                f'step "{name}": the child\'s version must be an integer or None, got {version!r}'
+                f'step "{name}": the child\'s version must be an integer or None, got {shown(version)}'
             )
         definition = get_definition(workflow, version)
         limits = definition.limits()
