@@ -420,6 +420,14 @@ def test_an_oversized_or_unserialisable_output_fails_at_once_without_retries(reg
 def test_register_refuses_bad_definitions(registered):
     with pytest.raises(InvalidInput, match="version"):
         register("v0", version=0)
+    # Past the version columns (PostgreSQL's integer): every create of it was an
+    # IntegrityError on PostgreSQL (and stored on SQLite).
+    for past, shown in ((2**31, "2147483648"), (HUGE, "<an integer of about 5001 digits>")):
+        with pytest.raises(InvalidInput) as refused:
+            register("v-past", version=past)
+        assert str(refused.value) == (
+            f"workflow version must be an integer from 1 to 2147483647, got {shown}"
+        )
     with pytest.raises(InvalidInput, match="unknown limit 'max_bananas'"):
         register("bananas", limits={"max_bananas": 1})
     with pytest.raises(InvalidInput, match="async def run"):

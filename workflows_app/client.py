@@ -43,7 +43,7 @@ from .engine.limits import (
     check_text,
     encode_json,
 )
-from .engine.registry import Definition, get_definition, limits_for
+from .engine.registry import MAX_VERSION, Definition, get_definition, limits_for
 from .engine.retention import parse_retention
 from .engine.schemas import CHECK_RECURSED, event_validator
 from .engine.store import NewInstance
@@ -146,9 +146,6 @@ def _actor(actor: Any) -> str:
     if actor is None:
         return ""
     return check_text(str(getattr(actor, "username", actor))[:200], "actor")
-
-
-MAX_VERSION = 2**31 - 1  # the version column's range (PostgreSQL's integer)
 
 
 class WorkflowBinding:

@@ -107,6 +107,11 @@ def source_hash(cls: type) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
+# The version columns' range (PostgreSQL's integer): register(version=2**31) was taken,
+# then every create of it failed on PostgreSQL with an IntegrityError.
+MAX_VERSION = 2**31 - 1
+
+
 def register(
     name: str,
     version: int = 1,
@@ -121,8 +126,10 @@ def register(
         raise InvalidInput(
             f"workflow name must be a non-empty string of at most 200 characters, got {name!r}"
         )
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise InvalidInput(f"workflow version must be a positive integer, got {shown(version)}")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
+        raise InvalidInput(
+            f"workflow version must be an integer from 1 to {MAX_VERSION}, got {shown(version)}"
+        )
     own = Limits.build(limits)  # validate now, at import time, not at the first run
     if isinstance(schedules, str) or not isinstance(schedules, (list, tuple, type(None))):
         raise InvalidInput(f"schedules must be a list of cron expressions, got {schedules!r}")
