@@ -140,8 +140,22 @@ def test_a_variable_set_but_empty_counts_as_unset():
     [
         ("WFDASH_WORKER_CONCURRENCY", "many", "must be a whole number of at least 1; got 'many'"),
         ("WFDASH_WORKER_CONCURRENCY", "0", "must be a whole number of at least 1; got '0'"),
-        ("WFDASH_LEASE_SECONDS", "nan", "must be a number of at least 0.1; got 'nan'"),
+        ("WFDASH_LEASE_SECONDS", "nan", "must be a number from 0.1 to 86400; got 'nan'"),
         ("WFDASH_METRICS_PORT", "70000", "must be a whole number from 0 to 65535; got '70000'"),
+        # Past these, a worker failed at every claim (the lease's end past year 9999) or
+        # as it started, and the settings at import (a lockout of 10**14 s): an
+        # OverflowError naming no variable.
+        ("WFDASH_LEASE_SECONDS", "1e12", "must be a number from 0.1 to 86400; got '1e12'"),
+        (
+            "WFDASH_LOGIN_LOCKOUT_SECONDS",
+            "100000000000000",
+            "must be a whole number from 1 to 31536000; got '100000000000000'",
+        ),
+        (
+            "WFDASH_SLEEP_IN_PROCESS_MS",
+            "1" + "0" * 400,
+            "must be a whole number from 0 to 86400000",
+        ),
         ("DJANGO_DEBUG", "maybe", "must be 1, true, yes or on, or 0, false, no or off"),
         ("WFDASH_LOG_LEVEL", "loud", "must be DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     ],

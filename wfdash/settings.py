@@ -62,12 +62,21 @@ def env_number(
         number = int(value) if whole else float(value)
     except ValueError:
         number = None
-    if number is None or not math.isfinite(number) or not minimum <= number <= maximum:
-        shown = f"{kind} from {minimum:g} to {maximum:g}" if maximum < math.inf else None
+    # math.isfinite() of a whole number of 400 digits raised OverflowError, naming nothing.
+    finite = number is not None and (whole or math.isfinite(number))
+    if not finite or not minimum <= number <= maximum:
+        shown = (
+            f"{kind} from {_plain(minimum)} to {_plain(maximum)}" if maximum < math.inf else None
+        )
         raise ImproperlyConfigured(
-            f"{name} must be {shown or f'{kind} of at least {minimum:g}'}; got {value!r}"
+            f"{name} must be {shown or f'{kind} of at least {_plain(minimum)}'}; got {value!r}"
         )
     return number
+
+
+def _plain(bound: float) -> str:
+    """A bound as written: 31536000, not 3.1536e+07 (format g); 0.1 as 0.1."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def env_list(name: str, default: str = "") -> list[str]:
@@ -142,7 +151,10 @@ AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
 ]
 AXES_FAILURE_LIMIT = env_number("WFDASH_LOGIN_FAILURE_LIMIT", 10, 1)
-AXES_COOLOFF_TIME = timedelta(seconds=env_number("WFDASH_LOGIN_LOCKOUT_SECONDS", 900, 1))
+# At most a year: 10**14 s was an OverflowError here, 10**12 one at the first lockout.
+AXES_COOLOFF_TIME = timedelta(
+    seconds=env_number("WFDASH_LOGIN_LOCKOUT_SECONDS", 900, 1, maximum=365 * 86_400)
+)
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "workflows_app.throttle.login_locked_out"
@@ -296,7 +308,9 @@ TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
 
 WFDASH = {
     "LIMITS": {},
-    "LEASE_SECONDS": env_number("WFDASH_LEASE_SECONDS", 30.0, 0.1, whole=False),
+    # At most a day (heartbeats renew it): 1e12 s was "OverflowError: date value out of
+    # range" at every claim, a worker that ran nothing.
+    "LEASE_SECONDS": env_number("WFDASH_LEASE_SECONDS", 30.0, 0.1, whole=False, maximum=86_400),
     "WORKER_CONCURRENCY": env_number("WFDASH_WORKER_CONCURRENCY", 200, 1),
     # Run the engine inside the ASGI process (runserver). Off by default when Redis is
     # configured: then `manage.py runworker workflows` processes run it.
@@ -314,7 +328,8 @@ WFDASH = {
     # Refuse a changed class under an already-registered version (see registry.py).
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
     # A sleep ending within this many ms is waited for by its run, not parked and woken.
-    "SLEEP_IN_PROCESS_MS": env_number("WFDASH_SLEEP_IN_PROCESS_MS", 1000, 0),
+    # At most a day: a 400-digit one was an OverflowError as each worker started.
+    "SLEEP_IN_PROCESS_MS": env_number("WFDASH_SLEEP_IN_PROCESS_MS", 1000, 0, maximum=86_400_000),
     # A `runworker workflows` process serves its own metrics (runs, steps, latencies) in
     # Prometheus text on this port (unset: it serves none); the web process's /metrics has
     # the fleet-wide database gauges. Bound to METRICS_ADDR: loopback unless set.
