@@ -474,6 +474,10 @@ def test_routing_wfdash_or_the_user_model_off_default_is_refused(router: str, na
         ({"RETENTION": "7 dayz"}, 'settings.WFDASH["RETENTION"]'),
         ({"PRUNE_SECONDS": "5 minutes"}, "PRUNE_SECONDS"),
         ({"PRUNE_SECONDS": -1}, "PRUNE_SECONDS"),
+        # Past a year: the worker's next prune was past year 9999 (an OverflowError in its
+        # loop), and float() of 10**400 an OverflowError of the check itself.
+        ({"PRUNE_SECONDS": 1e12}, 'PRUNE_SECONDS"] must be a number of seconds from 0 to 31536000'),
+        ({"PRUNE_SECONDS": 10**400}, "got <an integer of about 401 digits>"),
     ],
 )
 def test_bad_retention_settings_are_refused_at_start_up(wfdash: dict, named: str) -> None:

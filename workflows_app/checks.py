@@ -12,6 +12,9 @@ from django.core.checks import Error, Warning, register
 from django.db import DEFAULT_DB_ALIAS, router
 
 APP_LABEL = "workflows_app"
+# A worker prunes at least yearly: 1e12 s put its next prune past year 9999, an
+# OverflowError in the worker's loop after its first prune.
+MAX_PRUNE_SECONDS = 365 * 86_400
 
 
 @register()
@@ -67,7 +70,7 @@ def check_retention(**_: Any) -> list[Error]:
     "error", "7 dayz") raised in every finish, leaving each instance that ended "running"
     for ever (and terminate() refused with the settings' error), while the checks passed.
     PRUNE_SECONDS is read as a worker starts: a bad one stopped every worker."""
-    from .engine.errors import WorkflowError
+    from .engine.errors import WorkflowError, shown
     from .engine.retention import settings_retention
 
     problems: list[str] = []
@@ -79,12 +82,12 @@ def check_retention(**_: Any) -> list[Error]:
     prune = getattr(settings, "WFDASH", {}).get("PRUNE_SECONDS", 300)
     try:
         seconds = float(prune) if not isinstance(prune, bool) else float("nan")
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # float() of 10**400 overflows
         seconds = float("nan")
-    if not 0 <= seconds < float("inf"):
+    if not 0 <= seconds <= MAX_PRUNE_SECONDS:
         problems.append(
-            f'settings.WFDASH["PRUNE_SECONDS"] must be a number of seconds, 0 or more '
-            f"(0: only `wf prune` prunes), got {prune!r}"
+            f'settings.WFDASH["PRUNE_SECONDS"] must be a number of seconds from 0 to '
+            f"{MAX_PRUNE_SECONDS} (0: only `wf prune` prunes), got {shown(prune)}"
         )
     return [
         Error(
