@@ -18,6 +18,7 @@ from workflows_app.engine.errors import (
     InvalidEventType,
     InvalidInput,
     LimitExceeded,
+    ResultTimeout,
     UnknownWorkflow,
     WorkflowError,
 )
@@ -663,3 +664,24 @@ def test_a_step_given_a_retry_limit_too_long_to_print_fails_naming_it(registered
     assert error["name"] == "InvalidInput", error
     assert 'step "r": retries limit must be an integer from 0 to 2147483646' in error["message"]
     assert "<an integer of about 5001 digits>" in error["message"]
+
+
+def test_waits_for_a_result_refuse_a_timeout_that_is_not_a_number_of_seconds(waiter):
+    """result(timeout=nan) waited for ever (no comparison with NaN is true); "5" raised
+    TypeError, 10**400 OverflowError; a bulk job's wait(poll=-1) raised ValueError from
+    time.sleep. Each is InvalidInput naming the argument."""
+    inst = waiter.create(id="waits")
+    job = waiter.bulk("pause", status="complete")  # matches nothing: done at once
+    for bad in (float("nan"), "5", -1, True, [1]):
+        with pytest.raises(InvalidInput, match="timeout must be a number of seconds, 0 or more"):
+            inst.result(timeout=bad)
+        with pytest.raises(InvalidInput, match="timeout must be a number of seconds, 0 or more"):
+            job.wait(timeout=bad)
+    for bad in (0, -1, float("nan"), 10**400, "0.2"):
+        with pytest.raises(InvalidInput, match="poll must be a number of seconds, more than 0"):
+            job.wait(poll=bad)
+    with pytest.raises(ResultTimeout, match="after 0 s"):
+        inst.result(timeout=0)
+    with pytest.raises(ResultTimeout, match=r"after 0\.0 s"):
+        inst.result(timeout=0.0)
+    assert job.wait(timeout=10**400, poll=0.01).done

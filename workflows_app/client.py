@@ -588,6 +588,20 @@ CURSOR_TEXT = re.compile(r"id:[0-9]{1,19}")
 OPEN_STEP_STATUSES = (StepStatus.RUNNING, StepStatus.RETRYING, StepStatus.WAITING)
 
 
+def wait_seconds(name: str, value: Any) -> float | None:
+    """How long a caller waits, in seconds: None or inf (or past 1e18) is no bound. NaN
+    waited for ever (no comparison with it is true), a string failed with TypeError and
+    an integer float() cannot take with OverflowError, none naming the argument."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise errors.InvalidInput(
+            f"{name} must be a number of seconds, 0 or more (or None: no bound), "
+            f"got {errors.shown(value)}"
+        )
+    return float(value) if value < 1e18 else float("inf")
+
+
 def _check_page(after: Any, limit: Any) -> None:
     if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_PK:
         raise errors.InvalidInput(
@@ -819,7 +833,8 @@ class InstanceHandle:
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until the instance finishes; its output, or WorkflowFailed / WorkflowTerminated."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        seconds = wait_seconds("timeout", timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         with live.result_waiters.waiting(self.row().pk) as event:
             while True:
                 row = self.row()
@@ -1021,7 +1036,12 @@ class BulkJobHandle:
 
     def wait(self, timeout: float | None = None, poll: float = 0.2) -> BulkJobHandle:
         """Block until a worker has finished the job (ResultTimeout after timeout seconds)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        seconds = wait_seconds("timeout", timeout)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 60:
+            raise errors.InvalidInput(
+                f"poll must be a number of seconds, more than 0 and at most 60, got {errors.shown(poll)}"
+            )
+        deadline = None if seconds is None else time.monotonic() + seconds
         while not self.refresh().done:
             if deadline is not None and time.monotonic() >= deadline:
                 raise errors.ResultTimeout(
