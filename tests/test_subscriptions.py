@@ -405,3 +405,16 @@ def test_sse_refusals_are_json_errors_the_document_describes(approval, case, sta
     assert response.status_code == status
     assert response.json()["errors"][0]["code"] == code
     check_against_openapi(response.request["REQUEST_METHOD"], url, response)
+
+
+@pytest.mark.parametrize("cap", [10**400, 100_001, 0, True])
+def test_a_socket_cap_past_what_a_float_holds_is_refused_naming_it(settings, cap):
+    """WFDASH["MAX_SOCKETS_PER_USER"] = 10**400 was taken: float() of it (each user's
+    connect bucket) then raised OverflowError at every socket a user opened."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from workflows_app import socket_slots
+
+    settings.WFDASH = {**settings.WFDASH, "MAX_SOCKETS_PER_USER": cap}
+    with pytest.raises(ImproperlyConfigured, match=r"must be a whole number from 1 to 100000"):
+        socket_slots.connect_allowed("someone")

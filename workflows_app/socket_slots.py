@@ -23,10 +23,14 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from . import live
+from .engine.errors import shown
 
 log = logging.getLogger("workflows_app.socket_slots")
 
 DEFAULT_MAX_SOCKETS_PER_USER = 100
+# Far past any real page count: 10**400 was taken, then float() of it (the connect
+# bucket) raised OverflowError at every socket a user opened.
+MOST_SOCKETS_PER_USER = 100_000
 # A slot in Redis lasts this long unless renewed; sockets renew theirs at every periodic
 # access re-check (access.RECHECK_SECONDS), so only a dead process's slots lapse.
 LEASE_SECONDS = 120
@@ -63,9 +67,14 @@ def max_sockets_per_user() -> int:
     value = getattr(settings, "WFDASH", {}).get(
         "MAX_SOCKETS_PER_USER", DEFAULT_MAX_SOCKETS_PER_USER
     )
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MOST_SOCKETS_PER_USER
+    ):
         raise ImproperlyConfigured(
-            f'WFDASH["MAX_SOCKETS_PER_USER"] must be a whole number of at least 1; got {value!r}'
+            f'WFDASH["MAX_SOCKETS_PER_USER"] must be a whole number from 1 to '
+            f"{MOST_SOCKETS_PER_USER}; got {shown(value)}"
         )
     return value
 
