@@ -305,8 +305,9 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
         async def maintain_once(self, force: bool = False) -> bool:
             did = await super().maintain_once(force)
             if set(self.tasks) - first_pks and not bystander_may_end.is_set():
-                # The child was claimed. Its step running, the bystander may end: run_until_idle
-                # goes from here to wait for both, so the bystander's end brings a claim.
+                # The child was claimed. Its step running, the bystander may end: its end
+                # brings a claim, whether it comes while admit_stranded_once is out or while
+                # run_until_idle waits for both.
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, child_running.wait, WAIT_S)
                 bystander_may_end.set()
@@ -334,6 +335,87 @@ def test_run_until_idle_claims_the_parent_a_child_woke_while_a_claim_was_out():
     asyncio.run(run_until_idle())
     assert child_may_end.is_set()  # a claim was out while the child ended
     assert bystander.status().status == "complete"
+    assert parent.status().status == "complete"
+    assert parent.status().output == "packed"
+
+
+@pytest.mark.parametrize("ends_in", ["claim_and_start", "maintain_once", "admit_stranded_once"])
+def test_run_until_idle_claims_at_once_what_a_run_ending_mid_pass_made_due(ends_in):
+    """A run that ends while run_until_idle's claim, maintain_once or admit_stranded_once
+    is out, another run still going, may leave due what that claim did not see (here the
+    child its parent started before parking; a parent a child's end woke): it is claimed
+    at once, not once the other run ends. Made exact: the parent's task is awaited inside
+    `ends_in`; the bystander's step waits for the child's claim and says whether it came
+    (run_until_idle waited for the bystander's end: False after WAIT_S)."""
+    import asyncio
+    import threading
+
+    WAIT_S = 60  # each wait ends at its event (the bystander's, if the claim never comes)
+
+    from workflows_app.engine.worker import Worker
+    from workflows_app.live import EngineHooks
+
+    parent_may_go, child_claimed = threading.Event(), threading.Event()
+
+    @register("quick-ship")
+    class QuickShip(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("pack", lambda: "packed")
+
+    @register("waits-for-its-child")
+    class WaitsForItsChild(WorkflowEntrypoint):
+        async def run(self, event, step):
+            await step.do("gate", lambda: parent_may_go.wait(WAIT_S))  # let go in `ends_in`
+            return await step.invoke("ship", "quick-ship")
+
+    @register("bystander")
+    class Bystander(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return await step.do("wait", lambda: child_claimed.wait(WAIT_S))
+
+    class ParentEndsMidPass(Worker):
+        parent_ended = False
+
+        async def parent_ends(self) -> None:
+            if not self.parent_ended and parent_pk in self.tasks:
+                self.parent_ended = True
+                parent_may_go.set()
+                await asyncio.wait([self.tasks[parent_pk]])
+
+        async def claim_and_start(self) -> int:
+            started = await super().claim_and_start()
+            if set(self.tasks) - first_pks:
+                child_claimed.set()
+            if ends_in == "claim_and_start":
+                await self.parent_ends()  # after the claim looked, before it answers
+            return started
+
+        async def maintain_once(self, force: bool = False) -> bool:
+            if ends_in == "maintain_once":
+                await self.parent_ends()
+            return await super().maintain_once(force)
+
+        async def admit_stranded_once(self, force: bool = False) -> int:
+            if ends_in == "admit_stranded_once":
+                await self.parent_ends()
+            return await super().admit_stranded_once(force)
+
+    async def run_until_idle() -> bool:
+        worker = ParentEndsMidPass(worker_id="testing", hooks=EngineHooks())
+        await worker.start()
+        try:
+            await worker.run_until_idle(timeout=WAIT_S * 2)
+            return worker.parent_ended
+        finally:
+            await worker.stop(grace_seconds=0)
+
+    parent = get_workflow("waits-for-its-child").create(id="w1")
+    bystander = get_workflow("bystander").create(id="b1")
+    parent_pk = parent.row().pk
+    first_pks = {parent_pk, bystander.row().pk}
+    assert asyncio.run(run_until_idle())  # the parent ended inside `ends_in`
+    claimed_in_time = bystander.status().output
+    assert claimed_in_time is True, "the child was claimed only once the bystander ended"
     assert parent.status().status == "complete"
     assert parent.status().output == "packed"
 

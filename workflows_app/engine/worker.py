@@ -656,6 +656,7 @@ class Worker:
         self.tokens: dict[int, str] = {}
         self.unreleased: dict[int, str] = {}  # leases of runs cut short, not yet given back
         self.runs_started = 0
+        self.runs_ended = 0  # runs whose task ended (_run_done): run_until_idle's marker
         self.next_admission_at: Any = None  # when a queued instance may start (admit_due)
         self._admission_stale = True  # a hint came since admit_due last looked
         self._admission_checked_at = float("-inf")  # time.monotonic() of that look
@@ -1036,6 +1037,7 @@ class Worker:
             self._admission_stale = True
 
     def _run_done(self, pk: int, task: asyncio.Task[str]) -> None:
+        self.runs_ended += 1
         self.tasks.pop(pk, None)
         self.tokens.pop(pk, None)
         run = self.runs.pop(pk, None)
@@ -1442,23 +1444,23 @@ class Worker:
             while True:
                 await self.release_pending()
                 await self.fire_due_schedules()
-                # A run going while the claim looks may end before the claim answers, having
-                # made due what the claim did not see (a child's end wakes its parent).
-                running = bool(self.tasks)
+                # A run that ends from here on, while the claim, maintain_once or
+                # admit_stranded_once is out, may have made due what the claim did not
+                # see (a child's end wakes its parent, an end promotes a queued instance,
+                # a parent parks after starting its child): the wait below would not see
+                # it end, and that work would wait for the other runs to end.
+                ended = self.runs_ended
                 started = await self.claim_and_start()
                 runs += started
                 if await self.maintain_once(force=True):
                     continue  # a bulk batch may have made instances runnable
                 if await self.admit_stranded_once(force=True):
                     continue
+                if self.runs_ended != ended:
+                    continue  # claim again, with the places the ended runs freed
                 if not self.tasks:
-                    # The runs all ended while the claim or maintain_once was out: their
-                    # places are free, and their ends may have made others due. Idle only
-                    # when a claim made with nothing running found nothing.
-                    if started or running:
-                        continue
                     await self.flush_now()
-                    return  # nothing claimable now and nothing running: idle
+                    return  # nothing ran or ended since the claim looked, and it found nothing
                 await asyncio.wait(list(self.tasks.values()), return_when=asyncio.FIRST_COMPLETED)
 
         await asyncio.wait_for(drain(), timeout)
