@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -476,7 +477,7 @@ def test_routing_wfdash_or_the_user_model_off_default_is_refused(router: str, na
         ({"PRUNE_SECONDS": -1}, "PRUNE_SECONDS"),
         # Past a year: the worker's next prune was past year 9999 (an OverflowError in its
         # loop), and float() of 10**400 an OverflowError of the check itself.
-        ({"PRUNE_SECONDS": 1e12}, 'PRUNE_SECONDS"] must be a number of seconds from 0 to 31536000'),
+        ({"PRUNE_SECONDS": 1e12}, 'PRUNE_SECONDS"] must be a number from 0 to 31536000 (seconds'),
         ({"PRUNE_SECONDS": 10**400}, "got <an integer of about 401 digits>"),
     ],
 )
@@ -535,3 +536,114 @@ def test_the_lists_date_filters_read_the_browsers_wall_clock_whatever_time_zone(
     assert not form.errors
     assert filters.created_from == datetime(2026, 1, 15, 9, 0, tzinfo=UTC)
     assert filters.created_to == datetime(2026, 3, 8, 1, 30, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("wfdash", "named"),
+    [
+        # Past a day the lease's end was past year 9999: every claim an OverflowError.
+        (
+            {"LEASE_SECONDS": 1e12},
+            'LEASE_SECONDS"] must be a number from 0.1 to 86400; got 1000000000000.0',
+        ),
+        ({"LEASE_SECONDS": 10**400}, "got <an integer of about 401 digits>"),
+        (
+            {"LEASE_SECONDS": "abc"},
+            "LEASE_SECONDS\"] must be a number from 0.1 to 86400; got 'abc'",
+        ),
+        ({"LEASE_SECONDS": -5}, "got -5"),
+        ({"LEASE_SECONDS": True}, "got True"),
+        ({"LEASE_SECONDS": float("nan")}, "got nan"),
+        ({"SLEEP_IN_PROCESS_MS": 10**400}, "must be a whole number from 0 to 86400000"),
+        ({"SLEEP_IN_PROCESS_MS": 1.5}, 'SLEEP_IN_PROCESS_MS"] must be a whole number'),
+        ({"WORKER_CONCURRENCY": 0}, 'WORKER_CONCURRENCY"] must be a whole number from 1 to'),
+        ({"POLL_SECONDS": float("inf")}, 'POLL_SECONDS"] must be a number from 0.01 to 86400'),
+        ({"DRAIN_SECONDS": -1}, 'DRAIN_SECONDS"] must be a number from 0 to 86400'),
+        ({"START_WAIT_SECONDS": 1e300}, 'START_WAIT_SECONDS"] must be a number from 0 to'),
+        ({"LOOP_STALL_RENEW_SECONDS": "5"}, 'LOOP_STALL_RENEW_SECONDS"] must be a number'),
+        ({"METRICS_PORT": 70000}, 'METRICS_PORT"] must be a whole number from 0 to 65535'),
+        ({"MAX_SOCKETS_PER_USER": 10**400}, 'MAX_SOCKETS_PER_USER"] must be a whole number'),
+        ({"API_MAX_BODY_BYTES": "2MB"}, 'API_MAX_BODY_BYTES"] must be a whole number from 1'),
+        ({"API_FAILURE_LIMIT": 0}, 'API_FAILURE_LIMIT"] must be a whole number from 1'),
+        ({"API_LOCKOUT_SECONDS": 10**12}, 'API_LOCKOUT_SECONDS"] must be a whole number from 1'),
+        # A string is truthy: "False" switched the tracing on.
+        ({"TRACING": "False"}, "TRACING\"] must be True or False; got 'False'"),
+        ({"WAKE_NOTIFY": 0}, 'WAKE_NOTIFY"] must be True or False; got 0'),
+        ({"METRICS_ADDR": 5}, 'METRICS_ADDR"] must be a host address (a string); got 5'),
+        ({"EMBEDDED_WORKER_QUEUES": 5}, 'EMBEDDED_WORKER_QUEUES"]: expected queue names'),
+        ({"PAYLOAD_CODEC": "no.such.Codec"}, 'PAYLOAD_CODEC"] cannot be loaded: '),
+    ],
+)
+def test_a_host_projects_engine_setting_out_of_range_is_refused_naming_it(
+    wfdash: dict, named: str
+) -> None:
+    """A host project's settings.WFDASH got none of the checks WFDASH_* variables get: a
+    lease of 1e12 s, 10**400, "abc", -5 or True was taken, then the worker failed later
+    with an OverflowError or TypeError naming no setting. The system check refuses it at
+    start-up, naming the setting, its value and the range, from the table the variables
+    are read with."""
+    from django.core.checks import run_checks
+    from django.test import override_settings
+
+    with override_settings(WFDASH=wfdash):
+        errors = [error for error in run_checks() if error.id == "workflows_app.E005"]
+    assert len(errors) == 1, errors
+    assert 'settings.WFDASH["' in errors[0].msg and named in errors[0].msg, errors[0].msg
+
+
+def test_every_engine_setting_at_its_bounds_and_the_projects_own_pass_the_checks() -> None:
+    from django.core.checks import run_checks
+    from django.test import override_settings
+
+    from workflows_app.setting_ranges import SETTING_RANGES, SWITCHES
+
+    assert [error for error in run_checks() if error.id.startswith("workflows_app")] == []
+    for bound in ("minimum", "maximum"):
+        wfdash = {key: getattr(bounds, bound) for key, bounds in SETTING_RANGES.items()}
+        wfdash |= dict.fromkeys(SWITCHES, bound == "maximum")
+        wfdash |= {"METRICS_PORT": None, "METRICS_ADDR": "0.0.0.0"}
+        with override_settings(WFDASH=wfdash):
+            assert [e for e in run_checks() if e.id.startswith("workflows_app")] == []
+
+
+def test_every_wfdash_setting_the_app_reads_is_checked() -> None:
+    """A setting read with conf.get("X") or WFDASH.get("X") but in no table went
+    unchecked; this lists what the app reads and what the checks cover."""
+    import re
+
+    from workflows_app import checks
+    from workflows_app.setting_ranges import SETTING_RANGES, SWITCHES
+
+    read = set()
+    for source in (ROOT / "workflows_app").rglob("*.py"):
+        text = source.read_text()
+        read |= set(
+            re.findall(r'(?:conf|engine_settings\(\)|\{\})\s*\)?\s*\.get\(\s*"([A-Z_]+)"', text)
+        )
+        read |= set(re.findall(r'_setting\("([A-Z_]+)"', text))
+    checked = {*SETTING_RANGES, *SWITCHES, *checks.OTHER_ENGINE_SETTINGS}
+    assert read >= {"LEASE_SECONDS", "PRUNE_SECONDS", "TRACING", "API_FAILURE_LIMIT"}, read
+    assert read - checked == set()
+
+
+@pytest.mark.parametrize(
+    ("cooloff", "named"),
+    [
+        (timedelta(days=10**6), "got datetime.timedelta(days=1000000)"),
+        (timedelta(0), "must be a duration from 1 to 31536000 seconds"),
+        (12, "must be a timedelta; got 12"),
+    ],
+)
+def test_a_login_lockout_wfdash_answers_past_a_year_is_refused(cooloff, named) -> None:
+    """throttle.login_locked_out, the lockout answer wfdash's settings name, reads
+    AXES_COOLOFF_TIME.total_seconds(): an int (axes' hours) was an AttributeError at the
+    first lockout, a million days an OverflowError (WFDASH_LOGIN_LOCKOUT_SECONDS has the
+    same year)."""
+    from django.core.checks import run_checks
+    from django.test import override_settings
+
+    with override_settings(AXES_COOLOFF_TIME=cooloff):
+        (error,) = [e for e in run_checks() if e.id == "workflows_app.E006"]
+    assert "AXES_COOLOFF_TIME" in error.msg and named in error.msg, error.msg
+    with override_settings(AXES_COOLOFF_TIME=cooloff, AXES_LOCKOUT_CALLABLE="someone.elses.answer"):
+        assert [e for e in run_checks() if e.id == "workflows_app.E006"] == []

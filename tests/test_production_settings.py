@@ -138,8 +138,12 @@ def test_a_variable_set_but_empty_counts_as_unset():
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("WFDASH_WORKER_CONCURRENCY", "many", "must be a whole number of at least 1; got 'many'"),
-        ("WFDASH_WORKER_CONCURRENCY", "0", "must be a whole number of at least 1; got '0'"),
+        (
+            "WFDASH_WORKER_CONCURRENCY",
+            "many",
+            "must be a whole number from 1 to 100000; got 'many'",
+        ),
+        ("WFDASH_WORKER_CONCURRENCY", "0", "must be a whole number from 1 to 100000; got '0'"),
         ("WFDASH_LEASE_SECONDS", "nan", "must be a number from 0.1 to 86400; got 'nan'"),
         ("WFDASH_METRICS_PORT", "70000", "must be a whole number from 0 to 65535; got '70000'"),
         # Past these, a worker failed at every claim (the lease's end past year 9999) or
@@ -155,6 +159,15 @@ def test_a_variable_set_but_empty_counts_as_unset():
             "WFDASH_SLEEP_IN_PROCESS_MS",
             "1" + "0" * 400,
             "must be a whole number from 0 to 86400000",
+        ),
+        # The same ranges as a host project's settings.WFDASH gets from the system checks
+        # (workflows_app/setting_ranges.py): past them, the same failures later.
+        ("WFDASH_POLL_SECONDS", "1e300", "must be a number from 0.01 to 86400; got '1e300'"),
+        ("WFDASH_DRAIN_SECONDS", "1e12", "must be a number from 0 to 86400; got '1e12'"),
+        (
+            "WFDASH_MAX_SOCKETS_PER_USER",
+            "1" + "0" * 400,
+            "must be a whole number from 1 to 100000",
         ),
         ("DJANGO_DEBUG", "maybe", "must be 1, true, yes or on, or 0, false, no or off"),
         ("WFDASH_LOG_LEVEL", "loud", "must be DEBUG, INFO, WARNING, ERROR or CRITICAL"),

@@ -25,6 +25,8 @@ from typing import Any
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from workflows_app.setting_ranges import LOGIN_LOCKOUT_SECONDS, SETTING_RANGES, Range
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -54,29 +56,29 @@ def env_number(
 ) -> Any:
     """A numeric variable, refused in one line naming it when it is not a number (of at
     least minimum): a raw ValueError from int() did not say which variable."""
+    return env_in_range(name, default, Range(minimum, maximum, whole))
+
+
+def env_in_range(name: str, default: float, bounds: Range) -> Any:
+    """A numeric variable within bounds (one of setting_ranges.py's, which the system
+    checks hold a host project's settings.WFDASH to), refused naming it and the range."""
     value = env(name).strip()
     if not value:
         return default
-    kind = "a whole number" if whole else "a number"
     try:
-        number = int(value) if whole else float(value)
+        number = int(value) if bounds.whole else float(value)
     except ValueError:
         number = None
-    # math.isfinite() of a whole number of 400 digits raised OverflowError, naming nothing.
-    finite = number is not None and (whole or math.isfinite(number))
-    if not finite or not minimum <= number <= maximum:
-        shown = (
-            f"{kind} from {_plain(minimum)} to {_plain(maximum)}" if maximum < math.inf else None
-        )
-        raise ImproperlyConfigured(
-            f"{name} must be {shown or f'{kind} of at least {_plain(minimum)}'}; got {value!r}"
-        )
+    # admits() compares exactly: a whole number of 400 digits raised OverflowError in
+    # math.isfinite(), naming nothing.
+    if number is None or not bounds.admits(number):
+        raise ImproperlyConfigured(f"{name} must be {bounds.describe()}; got {value!r}")
     return number
 
 
-def _plain(bound: float) -> str:
-    """A bound as written: 31536000, not 3.1536e+07 (format g); 0.1 as 0.1."""
-    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+def wfdash_env(name: str, default: float) -> Any:
+    """settings.WFDASH[key] from the variable WFDASH_<key>, in the key's range."""
+    return env_in_range(name, default, SETTING_RANGES[name.removeprefix("WFDASH_")])
 
 
 def env_list(name: str, default: str = "") -> list[str]:
@@ -153,7 +155,7 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env_number("WFDASH_LOGIN_FAILURE_LIMIT", 10, 1)
 # At most a year: 10**14 s was an OverflowError here, 10**12 one at the first lockout.
 AXES_COOLOFF_TIME = timedelta(
-    seconds=env_number("WFDASH_LOGIN_LOCKOUT_SECONDS", 900, 1, maximum=365 * 86_400)
+    seconds=env_in_range("WFDASH_LOGIN_LOCKOUT_SECONDS", 900, LOGIN_LOCKOUT_SECONDS)
 )
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_RESET_ON_SUCCESS = True
@@ -308,20 +310,21 @@ TASKS = {"default": {"BACKEND": "workflows_app.tasks.WorkflowTaskBackend"}}
 
 WFDASH = {
     "LIMITS": {},
-    # At most a day (heartbeats renew it): 1e12 s was "OverflowError: date value out of
-    # range" at every claim, a worker that ran nothing.
-    "LEASE_SECONDS": env_number("WFDASH_LEASE_SECONDS", 30.0, 0.1, whole=False, maximum=86_400),
-    "WORKER_CONCURRENCY": env_number("WFDASH_WORKER_CONCURRENCY", 200, 1),
+    # Each number in its range of workflows_app/setting_ranges.py, which the system checks
+    # hold a host project's own WFDASH to. A lease past a day (heartbeats renew it): 1e12 s
+    # was "OverflowError: date value out of range" at every claim.
+    "LEASE_SECONDS": wfdash_env("WFDASH_LEASE_SECONDS", 30.0),
+    "WORKER_CONCURRENCY": wfdash_env("WFDASH_WORKER_CONCURRENCY", 200),
     # Run the engine inside the ASGI process (runserver). Off by default when Redis is
     # configured: then `manage.py runworker workflows` processes run it.
     "EMBEDDED_WORKER": env_bool("WFDASH_EMBEDDED_WORKER", not REDIS_URL),
-    "POLL_SECONDS": env_number("WFDASH_POLL_SECONDS", 5.0, 0.01, whole=False),
+    "POLL_SECONDS": wfdash_env("WFDASH_POLL_SECONDS", 5.0),
     # At SIGTERM a worker lets running steps finish for this long, then cuts them short
     # and gives their leases back (keep it under the orchestrator's kill timeout).
-    "DRAIN_SECONDS": env_number("WFDASH_DRAIN_SECONDS", 10.0, 0, whole=False),
+    "DRAIN_SECONDS": wfdash_env("WFDASH_DRAIN_SECONDS", 10.0),
     # `runworker workflows` tries an unreachable PostgreSQL again for this long at start,
     # then exits 1 saying where it looked (for systemd or Kubernetes to restart it).
-    "START_WAIT_SECONDS": env_number("WFDASH_START_WAIT_SECONDS", 60.0, 0, whole=False),
+    "START_WAIT_SECONDS": wfdash_env("WFDASH_START_WAIT_SECONDS", 60.0),
     "DEMO": env_bool("WFDASH_DEMO", DEBUG),  # the demo workflows: on in development only
     # OpenTelemetry spans for every run, step, sleep and wait (stored; OTLP when configured).
     "TRACING": env_bool("WFDASH_TRACING", True),
@@ -329,11 +332,11 @@ WFDASH = {
     "STRICT_VERSIONS": env_bool("WFDASH_STRICT_VERSIONS", True),
     # A sleep ending within this many ms is waited for by its run, not parked and woken.
     # At most a day: a 400-digit one was an OverflowError as each worker started.
-    "SLEEP_IN_PROCESS_MS": env_number("WFDASH_SLEEP_IN_PROCESS_MS", 1000, 0, maximum=86_400_000),
+    "SLEEP_IN_PROCESS_MS": wfdash_env("WFDASH_SLEEP_IN_PROCESS_MS", 1000),
     # A `runworker workflows` process serves its own metrics (runs, steps, latencies) in
     # Prometheus text on this port (unset: it serves none); the web process's /metrics has
     # the fleet-wide database gauges. Bound to METRICS_ADDR: loopback unless set.
-    "METRICS_PORT": env_number("WFDASH_METRICS_PORT", 0, 0, maximum=65535) or None,
+    "METRICS_PORT": wfdash_env("WFDASH_METRICS_PORT", 0) or None,
     "METRICS_ADDR": env("WFDASH_METRICS_ADDR", "127.0.0.1"),
     # Checkpoints and ends of concurrent runs share one transaction (group commit). On by
     # default. SQLite: one writer, fewer commits and thread hops (~1.7x faster per step).
@@ -349,10 +352,8 @@ WFDASH = {
     "GROUP_COMMIT": env_bool("WFDASH_GROUP_COMMIT", True),
     # Dashboard sockets one user may have open at once, across processes over Redis (a
     # socket past it closes with 4429); socket_slots.DEFAULT_MAX_SOCKETS_PER_USER.
-    "MAX_SOCKETS_PER_USER": env_number("WFDASH_MAX_SOCKETS_PER_USER", 100, 1),
+    "MAX_SOCKETS_PER_USER": wfdash_env("WFDASH_MAX_SOCKETS_PER_USER", 100),
     # A worker whose event loop is blocked (an async step calling time.sleep) keeps its
     # leases from a thread for up to this many seconds; then other workers take over.
-    "LOOP_STALL_RENEW_SECONDS": env_number(
-        "WFDASH_LOOP_STALL_RENEW_SECONDS", 300.0, 0, whole=False
-    ),
+    "LOOP_STALL_RENEW_SECONDS": wfdash_env("WFDASH_LOOP_STALL_RENEW_SECONDS", 300.0),
 }

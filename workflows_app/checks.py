@@ -4,6 +4,7 @@ rather than failing at the first instance created."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.apps import apps
@@ -11,10 +12,17 @@ from django.conf import settings
 from django.core.checks import Error, Warning, register
 from django.db import DEFAULT_DB_ALIAS, router
 
+from .setting_ranges import LOGIN_LOCKOUT_SECONDS, SETTING_RANGES, SWITCHES
+
 APP_LABEL = "workflows_app"
-# A worker prunes at least yearly: 1e12 s put its next prune past year 9999, an
-# OverflowError in the worker's loop after its first prune.
-MAX_PRUNE_SECONDS = 365 * 86_400
+# settings.WFDASH keys checked here but in neither table of setting_ranges.py.
+OTHER_ENGINE_SETTINGS = (
+    "RETENTION",  # E003
+    "LIMITS",  # E004
+    "METRICS_ADDR",
+    "EMBEDDED_WORKER_QUEUES",
+    "PAYLOAD_CODEC",
+)
 
 
 @register()
@@ -79,15 +87,14 @@ def check_retention(**_: Any) -> list[Error]:
     except WorkflowError as exc:
         named = 'settings.WFDASH["RETENTION"]'
         problems.append(str(exc) if named in str(exc) else f"{named}: {exc}")
+    # A worker prunes at least yearly: 1e12 s put its next prune past year 9999, an
+    # OverflowError in the worker's loop after its first prune.
     prune = getattr(settings, "WFDASH", {}).get("PRUNE_SECONDS", 300)
-    try:
-        seconds = float(prune) if not isinstance(prune, bool) else float("nan")
-    except (TypeError, ValueError, OverflowError):  # float() of 10**400 overflows
-        seconds = float("nan")
-    if not 0 <= seconds <= MAX_PRUNE_SECONDS:
+    if not SETTING_RANGES["PRUNE_SECONDS"].admits(prune):
         problems.append(
-            f'settings.WFDASH["PRUNE_SECONDS"] must be a number of seconds from 0 to '
-            f"{MAX_PRUNE_SECONDS} (0: only `wf prune` prunes), got {shown(prune)}"
+            f'settings.WFDASH["PRUNE_SECONDS"] must be '
+            f"{SETTING_RANGES['PRUNE_SECONDS'].describe()} (seconds; 0: only `wf prune` "
+            f"prunes); got {shown(prune)}"
         )
     return [
         Error(
@@ -123,6 +130,103 @@ def check_limits(**_: Any) -> list[Error]:
             )
         ]
     return []
+
+
+@register()
+def check_engine_settings(**_: Any) -> list[Error]:
+    """A host project's own settings.WFDASH got none of the refusals the WFDASH_*
+    variables get (wfdash/settings.py): a lease of 1e12 s, 10**400, "abc", -5 or True was
+    taken, then a worker failed later (an OverflowError at every claim, a TypeError as it
+    started) naming no setting; "False" switched a switch on. Each value is checked
+    against the same table as the variables (setting_ranges.py)."""
+    from .engine.errors import shown
+    from .engine.worker import worker_queues
+
+    conf = getattr(settings, "WFDASH", {})
+    if not isinstance(conf, dict):
+        conf = {}  # no key to look up here
+    problems: list[str] = []
+    for key, bounds in SETTING_RANGES.items():
+        if key == "PRUNE_SECONDS" or key not in conf:  # PRUNE_SECONDS: E003
+            continue
+        value = conf[key]
+        if key == "METRICS_PORT" and value is None:
+            continue  # no metrics port
+        if not bounds.admits(value):
+            problems.append(
+                f'settings.WFDASH["{key}"] must be {bounds.describe()}; got {shown(value)}'
+            )
+    for key in SWITCHES:
+        if key in conf and not isinstance(conf[key], bool):
+            problems.append(
+                f'settings.WFDASH["{key}"] must be True or False; got {shown(conf[key])}'
+            )
+    if "METRICS_ADDR" in conf and not isinstance(conf["METRICS_ADDR"], str):
+        problems.append(
+            'settings.WFDASH["METRICS_ADDR"] must be a host address (a string); got '
+            f"{shown(conf['METRICS_ADDR'])}"
+        )
+    try:
+        worker_queues(
+            conf.get("EMBEDDED_WORKER_QUEUES"), 'settings.WFDASH["EMBEDDED_WORKER_QUEUES"]'
+        )
+    except ValueError as exc:
+        problems.append(str(exc))
+    if conf.get("PAYLOAD_CODEC"):
+        from .codec import payload_codec
+
+        try:
+            payload_codec()
+        except Exception as exc:  # an import path, then the class's own constructor
+            problems.append(
+                f'settings.WFDASH["PAYLOAD_CODEC"] cannot be loaded: {type(exc).__name__}: {exc}'
+            )
+    return [
+        Error(
+            problem,
+            hint="Leave a setting out for wfdash's default; the ranges are those of the "
+            "WFDASH_* variables (README, Installing into your project).",
+            id="workflows_app.E005",
+        )
+        for problem in problems
+    ]
+
+
+@register()
+def check_login_lockout(**_: Any) -> list[Error]:
+    """throttle.login_locked_out (where the project names it as django-axes' lockout
+    answer) reads AXES_COOLOFF_TIME.total_seconds(): an int (axes' hours) was an
+    AttributeError at the first lockout, a million days an OverflowError. Same range as
+    WFDASH_LOGIN_LOCKOUT_SECONDS."""
+    from .engine.errors import shown
+
+    if (
+        getattr(settings, "AXES_LOCKOUT_CALLABLE", None)
+        != "workflows_app.throttle.login_locked_out"
+    ):
+        return []
+    cooloff = getattr(settings, "AXES_COOLOFF_TIME", None)
+    if isinstance(cooloff, timedelta):
+        if (
+            LOGIN_LOCKOUT_SECONDS.minimum
+            <= cooloff.total_seconds()
+            <= LOGIN_LOCKOUT_SECONDS.maximum
+        ):
+            return []
+        problem = (
+            f"must be a duration from {LOGIN_LOCKOUT_SECONDS.minimum:.0f} to "
+            f"{LOGIN_LOCKOUT_SECONDS.maximum:.0f} seconds"
+        )
+    else:
+        problem = "must be a timedelta"
+    return [
+        Error(
+            f"settings.AXES_COOLOFF_TIME {problem}; got {shown(cooloff)}",
+            hint="e.g. AXES_COOLOFF_TIME = timedelta(minutes=15), or leave "
+            'AXES_LOCKOUT_CALLABLE = "workflows_app.throttle.login_locked_out" out.',
+            id="workflows_app.E006",
+        )
+    ]
 
 
 # Django runs the command of the first app in INSTALLED_APPS that has one.

@@ -24,13 +24,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from . import live
 from .engine.errors import shown
+from .setting_ranges import SETTING_RANGES
 
 log = logging.getLogger("workflows_app.socket_slots")
 
 DEFAULT_MAX_SOCKETS_PER_USER = 100
-# Far past any real page count: 10**400 was taken, then float() of it (the connect
-# bucket) raised OverflowError at every socket a user opened.
-MOST_SOCKETS_PER_USER = 100_000
+# Far past any real page count (the checks hold settings to the same range, E005):
+# 10**400 was taken, then float() of it (the connect bucket) raised OverflowError at
+# every socket a user opened.
+SOCKETS_PER_USER = SETTING_RANGES["MAX_SOCKETS_PER_USER"]
 # A slot in Redis lasts this long unless renewed; sockets renew theirs at every periodic
 # access re-check (access.RECHECK_SECONDS), so only a dead process's slots lapse.
 LEASE_SECONDS = 120
@@ -67,14 +69,10 @@ def max_sockets_per_user() -> int:
     value = getattr(settings, "WFDASH", {}).get(
         "MAX_SOCKETS_PER_USER", DEFAULT_MAX_SOCKETS_PER_USER
     )
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not 1 <= value <= MOST_SOCKETS_PER_USER
-    ):
+    if not SOCKETS_PER_USER.admits(value):
         raise ImproperlyConfigured(
-            f'WFDASH["MAX_SOCKETS_PER_USER"] must be a whole number from 1 to '
-            f"{MOST_SOCKETS_PER_USER}; got {shown(value)}"
+            f'WFDASH["MAX_SOCKETS_PER_USER"] must be {SOCKETS_PER_USER.describe()}; '
+            f"got {shown(value)}"
         )
     return value
 
