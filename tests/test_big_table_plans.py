@@ -405,7 +405,7 @@ def test_a_task_claim_and_a_queue_workers_timer_read_the_unleased_tasks_by_their
             leases._tasks_by_rank_sqlite(
                 "queue IS NOT NULL", leases.RUNNABLE_IN_QUEUES_WHERE, in_queues, 50
             ),
-            leases._any_runnable_sqlite(leases.RUNNABLE_IN_QUEUES_WHERE, in_queues, True),
+            leases._any_runnable_sqlite(leases.RUNNABLE_IN_QUEUES_WHERE, in_queues),
             (leases.NEXT_WAKE_IN_QUEUES_SQLITE, ['["emails"]']),
         ]
     by_priority, in_queues_claim, any_or_timer, *timer = [explain_sql(*s) for s in statements]
@@ -590,3 +590,81 @@ def test_admission_counts_the_places_held_from_the_index_alone():
         plan = explain_sql(sql, params)
         assert "Index Only Scan using instance_" in plan, plan
         assert "Bitmap Heap Scan" not in plan, plan
+
+
+def test_a_claim_on_sqlite_reads_none_of_the_rows_the_workers_hold():
+    # A running instance stays due, so instance_runnable holds every row the workers on
+    # the WAL file hold (and the claiming worker's own): the claim's look and pick by
+    # wake_at went past each before the first row they could take. They now read the
+    # unleased rows by instance_unleased_runnable (the read spells its WHERE's terms) and
+    # those whose lease ran out by instance_lease_expiry, merged by wake_at. Counted in
+    # SQLite's virtual machine steps: timing-free. PostgreSQL's claim:
+    # test_a_claim_and_the_next_timer_read_none_of_the_fleets_leased_rows.
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's claim; PostgreSQL's is counted in test_postgres_fast_path")
+    from django.test.utils import CaptureQueriesContext
+
+    from workflows_app.engine import clock
+    from workflows_app.engine.store import leases
+
+    clock.set_clock(clock.ControllableClock(NOW))
+    table = Instance._meta.db_table
+
+    def due(name: str, minutes: int, **fields) -> int:
+        return instance(name, wake_at=NOW - timedelta(minutes=minutes), **fields).pk
+
+    def lost(name: str, minutes: int) -> int:  # its worker died: the lease ran out
+        late = {"lease_token": f"dead-{name}", "lease_expires_at": NOW - timedelta(seconds=1)}
+        return due(name, minutes, status="running", **late)
+
+    def claim(exclude: int) -> tuple[list[int], int, list[str]]:
+        steps = [0]
+
+        def step() -> int:
+            steps[0] += 1
+            return 0
+
+        raw = connection.connection
+        raw.set_progress_handler(step, 10)
+        try:
+            with CaptureQueriesContext(connection) as queries:
+                claimed = leases.claim_runnable("w", 3, 30, exclude=[exclude])
+        finally:
+            raw.set_progress_handler(None, 10)
+        reads = [
+            q["sql"]
+            for q in queries.captured_queries
+            if q["sql"].startswith("SELECT") and "wake_at <=" in q["sql"] and table in q["sql"]
+        ]
+        return [pk for pk, _ in claimed], steps[0], reads
+
+    first = [due("a-0", 9), lost("lost-a", 8), due("a-1", 7), due("a-2", 6), due("a-3", 5)]
+    claimed, alone, _ = claim(exclude=first[2])
+    assert claimed == [first[0], first[1], first[3]]  # by wake_at, a-1 excluded, 3 at most
+    Instance.objects.bulk_create(
+        Instance(
+            instance_id=f"held-{n}",
+            workflow="big",
+            version=1,
+            created_at=NOW,
+            updated_at=NOW,
+            status="running",
+            wake_at=NOW - timedelta(hours=1),
+            lease_owner="other",
+            lease_token=f"held-{n}",
+            lease_expires_at=NOW + timedelta(minutes=1),
+        )
+        for n in range(2000)
+    )
+    second = [due("b-0", 4), lost("lost-b", 3), due("b-1", 2), due("b-2", 1)]
+    claimed, behind_leases, reads = claim(exclude=second[2])
+    assert claimed == [first[2], first[4], second[0]]  # a-1 and a-3 first: due before
+    claimed, _, _ = claim(exclude=second[2])
+    assert claimed == [second[1], second[3]]
+    assert Instance.objects.filter(lease_owner="other").count() == 2000
+    assert behind_leases < 2 * alone, (alone, behind_leases)
+    # The look and the pick, each by the two indexes: not 2,000 leased rows read each.
+    assert len(reads) == 2, reads
+    for plan in [explain_captured(sql) for sql in reads]:
+        assert "instance_runnable" not in plan, plan
+        assert "instance_unleased_runnable" in plan and "instance_lease_expiry" in plan, plan

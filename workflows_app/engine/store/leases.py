@@ -227,7 +227,7 @@ def _claim(
     # Look before taking the write lock (SQLite takes it at BEGIN): an idle worker's poll
     # then never queues behind, nor blocks, the writers that have work.
     with sql_cursor() as cursor:
-        cursor.execute(*_any_runnable_sqlite(where, due, queues is not None))
+        cursor.execute(*_any_runnable_sqlite(where, due))
         if cursor.fetchone() is None:
             return []
     with transaction.atomic(), sql_cursor() as cursor:
@@ -237,19 +237,16 @@ def _claim(
         elif runs_tasks():
             rows = _tasks_by_priority(cursor, due, limit)
         else:
-            cursor.execute(
-                f"{CLAIMED_COLUMNS} WHERE {where} ORDER BY wake_at LIMIT %s", [*due, limit]
-            )
+            cursor.execute(*_first_due_sqlite(CLAIMED_NAMES, where, due, limit))
             rows = cursor.fetchall()
         return _lease_rows(rows, worker_id, lease_until, now, versions) if rows else []
 
 
-def _any_runnable_sqlite(where: str, due: list[Any], tasks: bool) -> tuple[str, list[Any]]:
-    """Whether a row is runnable on SQLite; of tasks (a worker of some queues), the
-    unleased by the task indexes (whose WHERE term it spells) and then those whose lease
-    ran out (instance_lease_expiry). due[0] is the claim's now."""
-    if not tasks:
-        return f"SELECT 1 FROM {INSTANCE_TABLE} WHERE {where} LIMIT 1", due
+def _any_runnable_sqlite(where: str, due: list[Any]) -> tuple[str, list[Any]]:
+    """Whether a row is runnable on SQLite: the unleased first, by the index whose WHERE
+    term the read spells (instance_unleased_runnable; of a worker of some queues,
+    instance_unleased_queue), then those whose lease ran out (instance_lease_expiry).
+    due[0] is the claim's now."""
     return (
         f"SELECT 1 FROM {INSTANCE_TABLE} WHERE lease_token IS NULL AND {where} UNION ALL "
         f"SELECT 1 FROM {INSTANCE_TABLE} WHERE lease_token IS NOT NULL "
@@ -258,10 +255,27 @@ def _any_runnable_sqlite(where: str, due: list[Any], tasks: bool) -> tuple[str, 
     )
 
 
-CLAIMED_COLUMNS = (
-    "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
-    f"FROM {INSTANCE_TABLE}"
-)
+def _first_due_sqlite(names: str, where: str, due: list[Any], limit: int) -> tuple[str, list[Any]]:
+    """The first `limit` rows of `where` by wake_at on SQLite (_first_due on PostgreSQL),
+    their columns `names`: the unleased by instance_unleased_runnable (its WHERE term spelt
+    as a term of its own: SQLite uses a partial index only then) and those whose lease ran
+    out, the first lost first, by instance_lease_expiry, merged by wake_at (then id, the
+    order one index gave). A running instance stays due, so the read of instance_runnable
+    went past every row the fleet's workers (and this one) held. due[0] is the claim's now."""
+    picked = f"SELECT {names}, wake_at AS due_at FROM {INSTANCE_TABLE}"
+    outer = ", ".join(name.split(" AS ")[-1] for name in names.split(", "))
+    sql = (
+        f"SELECT {outer} FROM ("
+        f"SELECT * FROM ({picked} WHERE lease_token IS NULL AND {where} "
+        "ORDER BY wake_at, id LIMIT %s) UNION ALL "
+        f"SELECT * FROM ({picked} WHERE lease_token IS NOT NULL AND lease_expires_at <= %s "
+        f"AND {where} ORDER BY lease_expires_at LIMIT %s)) ORDER BY due_at, id LIMIT %s"
+    )
+    return sql, [*due, limit, due[0], *due, limit, limit]
+
+
+CLAIMED_NAMES = "id, lease_token, status, run_count, compensate_on_cancel, workflow, version"
+CLAIMED_COLUMNS = f"SELECT {CLAIMED_NAMES} FROM {INSTANCE_TABLE}"
 
 
 def _tasks_by_priority(cursor: Any, due: list[Any], limit: int) -> list[tuple[Any, ...]]:
@@ -269,9 +283,9 @@ def _tasks_by_priority(cursor: Any, due: list[Any], limit: int) -> list[tuple[An
     PostgreSQL): the first `limit` due, whose workflows keep their places and whose
     tasks' places go to the first due tasks by rank."""
     cursor.execute(
-        f"{CLAIMED_COLUMNS.replace(' FROM', ', queue IS NOT NULL FROM')} WHERE {RUNNABLE_WHERE} "
-        "ORDER BY wake_at LIMIT %s",
-        [*due, limit],
+        *_first_due_sqlite(
+            f"{CLAIMED_NAMES}, queue IS NOT NULL AS task", RUNNABLE_WHERE, due, limit
+        )
     )
     rows = cursor.fetchall()
     places = sum(1 for row in rows if row[-1])
