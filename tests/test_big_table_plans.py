@@ -582,8 +582,16 @@ def test_admission_counts_the_places_held_from_the_index_alone():
         admission = control.Admission("big", limits, NOW)
         admission.learn_keys({"k0", "k1", "k2"})
     assert admission.key_active == {"k0": 3, "k1": 1, "k2": 0}
+    # A key's count: a probe of its index a holding status, so its LIMIT stops the read.
+    (of_keys,) = [(sql, params) for sql, params in statements if "asked" in sql]
+    plan = explain_sql(*of_keys)
     if connection.vendor == "sqlite":
+        assert (
+            plan.count("instance_concurrency_key (workflow=? AND concurrency_key=? AND status=?)")
+            == 5
+        ), plan
         return
+    assert "Filter: ((status)::text = ANY" not in plan, plan
     counts = [(sql, params) for sql, params in statements if "count(*)" in sql]
     assert len(counts) >= 2, statements
     for sql, params in counts:

@@ -490,3 +490,36 @@ def test_admission_counts_the_places_held_as_the_lifecycle_rule_says(registered)
     for pk in held:
         by_key[Instance.objects.get(pk=pk).concurrency_key] += 1
     assert admission.key_active == by_key
+
+
+def test_a_keys_places_held_are_counted_up_to_its_bound_and_decide_as_before(registered):
+    """Each key's count stops at max_concurrent_per_key (a limit lowered under many active
+    instances of a key counted them all at every admission); the decisions are the same:
+    a key at or past its bound, counting the paused instances that started, holds back its
+    new instance; a key under it starts one."""
+    from workflows_app.engine import clock
+    from workflows_app.engine.store import control
+
+    register_gated("key-cap", max_concurrent_per_key=100)
+    wf = get_workflow("key-cap")
+    held = {  # key: (statuses of its instances, started)
+        "past": [("waiting", True)] * 7 + [("paused", True)] * 3,
+        "at": [("running", True), ("waiting", True), ("paused", True)],
+        "under": [("waiting", True), ("paused", False), ("complete", True)],
+    }
+    for key, rows in held.items():
+        for n, (status, started) in enumerate(rows):
+            pk = wf.create(id=f"{key}-{n}", concurrency_key=key).row().pk
+            Instance.objects.filter(pk=pk).update(
+                status=status, started_at=clock.now() if started else None, wake_at=None
+            )
+    register_gated("key-cap", max_concurrent_per_key=3)  # lowered under them
+    limits = Limits(max_concurrent_per_key=3)
+    admission = control.Admission("key-cap", limits, clock.now(), keys=set(held) | {"none"})
+    assert admission.key_active == {"past": 3, "at": 3, "under": 1, "none": 0}
+    past, at, under, none = (
+        wf.create(id=f"new-{key}", concurrency_key=key) for key in [*held, "none"]
+    )
+    assert statuses([past, at, under, none]) == ["queued", "queued", "running", "running"]
+    assert past.status().waiting_reason == "max_concurrent_per_key (3) reached for key 'past'"
+    assert at.status().waiting_reason == "max_concurrent_per_key (3) reached for key 'at'"

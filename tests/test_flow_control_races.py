@@ -199,6 +199,59 @@ def test_the_places_taken_are_counted_no_further_than_the_limit(registered):
     assert wf.create(id="new").status().status == "queued"
 
 
+def test_the_places_taken_of_a_key_are_counted_no_further_than_its_limit(registered):
+    """Admission counted every instance holding a place of a key under
+    max_concurrent_per_key: a limit lowered to 10 while 50,000 of one key run cost each
+    create and run's end of the workflow a count of all 50,000. Now no further than the
+    limit, for the places held by status and the started paused ones alike."""
+    from tests.test_admission_many_keys import tuples_read
+    from workflows_app.client import get_workflow
+    from workflows_app.engine import registry
+    from workflows_app.engine.store import control
+    from workflows_app.models import Instance
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: it counts the tuples a transaction read")
+
+    @register("fc-key-lowered", limits={"max_concurrent_per_key": 5})
+    class KeyLowered(WorkflowEntrypoint):
+        async def run(self, event, step):
+            return None
+
+    wf = get_workflow("fc-key-lowered")
+    template = wf.create(id="sleeping", concurrency_key="busy").row()
+    Instance.objects.filter(pk=template.pk).update(status="waiting", wake_at=None, started_at=START)
+    rows = []
+    for n in range(2000):  # started before the limit was lowered to 5, half paused since
+        row = Instance.objects.get(pk=template.pk)
+        row.pk, row.instance_id = None, f"sleeping-{n}"
+        row.status = "paused" if n % 2 else "waiting"
+        rows.append(row)
+    for n in range(300):  # other customers, one instance each
+        row = Instance.objects.get(pk=template.pk)
+        row.pk, row.instance_id, row.concurrency_key = None, f"customer-{n}", f"c{n}"
+        rows.append(row)
+    Instance.objects.bulk_create(rows, batch_size=1000)
+    with connection.cursor() as cursor:  # the visibility map, as autovacuum keeps it
+        cursor.execute(f"VACUUM ANALYZE {Instance._meta.db_table}")
+    limits = registry.limits_for("fc-key-lowered", 1)
+    # Two keys, and a page's many keys. ("busy" has 1,000 paused entries in its index
+    # before its first waiting one: a status IN (...) planned as a filter read them all.)
+    for keys in [{"busy", "free"}, {"busy", "free", *(f"c{n}" for n in range(20))}]:
+        with transaction.atomic():
+            admission = control.Admission("fc-key-lowered", limits, START)
+            before = tuples_read()
+            admission.learn_keys(keys)
+            read = tuples_read() - before
+        assert read < 100, f"counting the places taken of {len(keys)} keys read {read} tuples"
+        assert admission.keys_at_bound() == {"busy"}
+        assert admission.key_active["free"] == 0
+    held_back = wf.create(id="new", concurrency_key="busy")
+    assert held_back.status().status == "queued"
+    assert held_back.row().waiting_reason == "max_concurrent_per_key (5) reached for key 'busy'"
+    assert wf.create(id="other", concurrency_key="free").status().status != "queued"
+
+
 def test_the_starts_in_a_rate_window_are_counted_no_further_than_the_limit(registered):
     """Admission counted every start its rate window's log held: a rate_limit lowered
     from 100,000 an hour to 5 counted them all at every create and run's end for an
