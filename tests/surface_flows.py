@@ -82,3 +82,25 @@ def snapshot() -> dict[str, Any]:
         ),
         "history": HistoryRecord.objects.count(),
     }
+
+
+LIMITED = "surface-limited"
+OLD_VERSION_PAYLOAD_LIMIT, NEW_VERSION_PAYLOAD_LIMIT = 4000, 1000
+
+
+def limited_versions() -> tuple[InstanceHandle, InstanceHandle]:
+    """An instance of LIMITED's version 1, whose events may be up to 4000 bytes, and one of
+    its version 2, the newest, whose events may be up to 1000: each waiting for a "go"."""
+    handles = []
+    for version, limit in ((1, OLD_VERSION_PAYLOAD_LIMIT), (2, NEW_VERSION_PAYLOAD_LIMIT)):
+
+        @register(LIMITED, version=version, limits={"max_event_payload_bytes": limit})
+        class Limited(WorkflowEntrypoint):
+            async def run(self, event: Any, step: Any) -> Any:
+                return (await step.wait_for_event("go", type="go")).payload
+
+        handles.append(get_workflow(LIMITED).create(id=f"v{version}"))
+        testing.run_until_idle()
+    assert [h.row().version for h in handles] == [1, 2]
+    assert {h.status().status for h in handles} == {"waiting"}
+    return handles[0], handles[1]

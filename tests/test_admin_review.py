@@ -10,12 +10,22 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from tests.surface_flows import APPROVAL, SIMPLE, register_flows, snapshot, waiting_approval
+from tests.surface_flows import (
+    APPROVAL,
+    LIMITED,
+    NEW_VERSION_PAYLOAD_LIMIT,
+    SIMPLE,
+    limited_versions,
+    register_flows,
+    snapshot,
+    waiting_approval,
+)
 from tests.test_admin import act_with_form, changelist, shown_messages
+from workflows_app import admin as admin_module
 from workflows_app import testing
 from workflows_app.client import get_workflow
 from workflows_app.engine import WorkflowEntrypoint, clock, errors, register
-from workflows_app.models import InboxEvent, Instance
+from workflows_app.models import BulkJob, InboxEvent, Instance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -248,3 +258,57 @@ def test_a_create_whose_idempotency_key_found_an_instance_says_it_started_none(a
     assert shown_messages(dashboard) == [found]
     assert list(Instance.objects.values_list("instance_id", flat=True)) == ["first"]
     assert Instance.objects.get().params == {"n": 1}
+
+
+# --- an event's payload against each instance's own version's limits -----------------------
+
+
+def test_send_event_checks_each_instance_against_its_own_versions_payload_limit(
+    admin_client, monkeypatch
+):
+    """The admin's send event (and a bulk send) checked the payload against the newest
+    version's max_event_payload_bytes: an instance of an older version, whose limit allows
+    the payload, was refused, and with several workflows selected the refusal did not say
+    whose limit it was. Each instance's own version's limit applies now; a refusal names
+    the workflow, the version and the limit, and nothing is sent."""
+    old, new = limited_versions()
+    other = waiting_approval("o-1").row()
+    payload = '"' + "x" * 2000 + '"'  # 2002 bytes: over version 2's limit, under version 1's
+    response = act_with_form(
+        admin_client, "send_event", {"type": "go", "payload": payload}, old.row()
+    )
+    assert response.status_code == 200, response.content.decode()[-2000:]
+    assert shown_messages(response) == ["Send event: 1 instance(s)."]
+    testing.run_until_idle()
+    assert old.status().status == "complete" and old.status().output == "x" * 2000
+    before = snapshot()
+    response = act_with_form(
+        admin_client, "send_event", {"type": "go", "payload": payload}, new.row(), other
+    )
+    assert response.status_code == 400
+    refusal = (
+        f"payload of event 'go' for {LIMITED} version 2: max_event_payload_bytes is "
+        f"{NEW_VERSION_PAYLOAD_LIMIT} bytes, got 2002 bytes"
+    )
+    assert refusal in response.content.decode().replace("&#x27;", "'")
+    assert snapshot() == before
+    # A selection too big for the request: the same check, before any bulk job starts.
+    monkeypatch.setattr(admin_module, "ACTION_ROWS_IN_REQUEST", 1)
+    fields = {"select_across": "1", "type": "go", "payload": payload}
+    response = act_with_form(admin_client, "send_event", fields, new.row())
+    assert refusal in response.content.decode().replace("&#x27;", "'")
+    assert not BulkJob.objects.exists()
+
+
+def test_a_bulk_send_checks_each_selected_version_against_its_own_payload_limit():
+    """WorkflowBinding.bulk checked a send_event's payload against the newest version's
+    limit: a job over an older version's instances only, which allow it, was refused."""
+    old, new = limited_versions()
+    payload = "x" * 2000
+    job = get_workflow(LIMITED).bulk("send_event", version=1, event_type="go", payload=payload)
+    assert job.matched == 1
+    testing.run_until_idle()
+    assert job.refresh().applied == 1 and old.status().output == payload
+    with pytest.raises(errors.SizeLimitExceeded, match=f"for {LIMITED} version 2: "):
+        get_workflow(LIMITED).bulk("send_event", event_type="go", payload=payload)
+    assert BulkJob.objects.count() == 1 and new.status().status == "waiting"

@@ -342,11 +342,12 @@ def start_bulk_jobs(
     its progress shows in the bulk jobs list, and the request only snapshots the ids."""
     for workflow in workflows_of(queryset):
         try:
-            options = checked_bulk_options(workflow, bulk_action, bulk_options)
+            selection = queryset.filter(workflow=workflow)
+            options = checked_bulk_options(workflow, bulk_action, bulk_options, selection)
             job = start_bulk_job(
                 workflow,
                 bulk_action,
-                queryset.filter(workflow=workflow),
+                selection,
                 {"selected_in": "admin"},
                 options,
                 actor,
@@ -364,9 +365,12 @@ def start_bulk_jobs(
         )
 
 
-def checked_bulk_options(workflow: str, action: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The client's check of an action's options against a workflow (its limits, its
-    versions), as for a bulk job of it; raises the client's error."""
+def checked_bulk_options(
+    workflow: str, action: str, options: dict[str, Any], selection: QuerySet[Instance]
+) -> dict[str, Any]:
+    """The client's check of an action's options against a workflow's instances of the
+    selection (each one's version's limits, the versions registered), as for a bulk job
+    of them; raises the client's error."""
     return WorkflowBinding(workflow).bulk_options(
         action,
         options.get("event_type"),
@@ -374,6 +378,7 @@ def checked_bulk_options(workflow: str, action: str, options: dict[str, Any]) ->
         options.get("from_step"),
         True,
         options.get("to_version"),
+        selection,
     )
 
 
@@ -544,7 +549,7 @@ def options_fit_selection(
     touched; a refusal goes on the form (beside its field where the form knows it)."""
     try:
         for workflow in workflows_of(queryset):
-            checked_bulk_options(workflow, action, options)
+            checked_bulk_options(workflow, action, options, queryset.filter(workflow=workflow))
     except errors.WorkflowError as exc:
         if isinstance(form, SendEventForm):
             form.add_refusal(exc)

@@ -43,7 +43,7 @@ from .engine.limits import (
     check_text,
     encode_json,
 )
-from .engine.registry import MAX_VERSION, Definition, get_definition, limits_for
+from .engine.registry import MAX_VERSION, Definition, all_definitions, get_definition, limits_for
 from .engine.retention import parse_retention
 from .engine.schemas import CHECK_RECURSED, event_validator
 from .engine.store import NewInstance
@@ -398,7 +398,9 @@ class WorkflowBinding:
         and to_version (the version they run on from then on); cancel compensate. Returns the job: .done, .matched, .applied, .refresh().
         """
         instances = self.matching(status, version, attributes, created_before, created_after)
-        options = self.bulk_options(action, event_type, payload, from_step, compensate, to_version)
+        options = self.bulk_options(
+            action, event_type, payload, from_step, compensate, to_version, instances
+        )
         shown: dict[str, Any] = {
             "status": status,
             "version": version,
@@ -430,8 +432,11 @@ class WorkflowBinding:
         from_step: str | None,
         compensate: bool,
         to_version: int | None = None,
+        instances: QuerySet[Instance] | None = None,
     ) -> dict[str, Any]:
-        """Check the action and its options once, before any instance is touched."""
+        """Check the action and its options once, before any instance is touched.
+        `instances`: the selection it applies to (a sent payload must fit each one's own
+        version's limits); every instance of the workflow if None."""
         if action not in BulkAction.values:
             raise errors.InvalidInput(
                 f"unknown bulk action {action!r}; actions: {', '.join(BulkAction.values)}"
@@ -455,15 +460,11 @@ class WorkflowBinding:
                 raise errors.InvalidInput("bulk send_event needs event_type")
             check_event_type(event_type)
             payload_json = encode_json(payload, f"payload of event {event_type!r}")
-            limit = Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
             with contextlib.suppress(errors.UnknownWorkflow):
-                limit = self.definition().limits()
-            check_size(
-                payload_json,
-                "max_event_payload_bytes",
-                limit.max_event_payload_bytes,
-                f"payload of event {event_type!r}",
-            )
+                self.definition()  # a lazily registered workflow's versions are then known
+            if instances is None:
+                instances = Instance.objects.filter(workflow=self.name)
+            check_event_payload_fits_selection(event_type, payload_json, instances)
             # Sealed as a sent event's payload is: the job keeps it until every send is made.
             # As JSON text (see BulkJob.event_payload), so it is sent exactly as given.
             return {"event_type": event_type, "payload_json": seal(payload_json)}
@@ -624,6 +625,61 @@ def check_row_count(
             f"{name} must be an integer from {least} to {most}"
             f"{' or None' if none_allowed else ''}, got {errors.shown(value)}"
         )
+
+
+def check_event_payload_fits(
+    workflow: str, version: int, event_type: str, payload_json: str
+) -> None:
+    """The one size check of a sent event's payload (a single send, the admin's, the
+    dashboard's, a bulk job's): against the limits of the instance's own version, which
+    may allow more than the newest's; a refusal names the workflow, version and limit."""
+    check_size(
+        payload_json,
+        "max_event_payload_bytes",
+        limits_for(workflow, version).max_event_payload_bytes,
+        f"payload of event {event_type!r} for {workflow} version {version}",
+    )
+
+
+def check_event_payload_fits_selection(
+    event_type: str, payload_json: str, instances: QuerySet[Instance]
+) -> None:
+    """check_event_payload_fits for each workflow version a selection holds, before any
+    instance is sent to. Only the versions whose limit the payload exceeds are looked for in
+    the selection (one query), not every version of a big one."""
+    check_text(payload_json, f"payload of event {event_type!r}")  # its size is countable
+    size = len(payload_json.encode())
+    pairs = instances.order_by("workflow", "version").values_list("workflow", "version")
+    registered = [(d.name, d.version) for d in all_definitions()]
+    refusing = [
+        (name, version)
+        for name, version in registered
+        if size > limits_for(name, version).max_event_payload_bytes
+    ]
+    if refusing and (found := pairs.filter(either_version(refusing)).first()) is not None:
+        check_event_payload_fits(*found, event_type, payload_json)
+    # A version whose code is gone has its workflow's newest limits, or the settings':
+    # looked for only when the payload exceeds the smallest of those.
+    settings_limits = Limits.build(getattr(settings, "WFDASH", {}).get("LIMITS"))
+    smallest = min(
+        [settings_limits.max_event_payload_bytes]
+        + [limits_for(name, version).max_event_payload_bytes for name, version in registered]
+    )
+    if size <= smallest:
+        return
+    gone = pairs.exclude(either_version(registered)) if registered else pairs
+    while (found := gone.first()) is not None:  # one probe per version whose code is gone
+        check_event_payload_fits(*found, event_type, payload_json)
+        name, version = found
+        gone = gone.filter(Q(workflow__gt=name) | Q(workflow=name, version__gt=version))
+
+
+def either_version(pairs: Sequence[tuple[str, int]]) -> Q:
+    """Instances of any of these (workflow, version) pairs."""
+    matched = Q(pk__in=[])
+    for name, version in pairs:
+        matched |= Q(workflow=name, version=version)
+    return matched
 
 
 def instance_info(row: Instance) -> InstanceInfo:
@@ -906,14 +962,9 @@ class InstanceHandle:
         """Deliver an event; buffered until a wait for its type consumes it (at most
         max_buffered_events of them per instance: LimitExceeded beyond)."""
         check_event_type(type)
-        limits = self._limits()
         payload_json = encode_json(payload, f"payload of event {type!r}")
-        check_size(
-            payload_json,
-            "max_event_payload_bytes",
-            limits.max_event_payload_bytes,
-            f"payload of event {type!r}",
-        )
+        check_event_payload_fits(self.workflow, self.row(refresh=False).version, type, payload_json)
+        limits = self._limits()
 
         def validate(schema_json: str) -> None:
             validator = event_validator(json.loads(schema_json))

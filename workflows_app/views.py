@@ -501,6 +501,7 @@ def start_bulk_job(request: HttpRequest) -> HttpResponse:
         return HttpResponseRedirect(back)
     try:
         binding = WorkflowBinding(filters.workflow)
+        selection = filters.apply(Instance.objects.all())
         options = binding.bulk_options(
             data["action"],
             data["event_type"] or None,
@@ -508,11 +509,12 @@ def start_bulk_job(request: HttpRequest) -> HttpResponse:
             data["from_step"] or None,
             True,
             data["to_version"],
+            selection,
         )
         job = start_bulk_job_for(
             filters.workflow,
             data["action"],
-            filters.apply(Instance.objects.all()),
+            selection,
             filters.as_json(),
             options,
             request.user.get_username(),

@@ -1097,3 +1097,30 @@ def test_a_search_that_stopped_at_its_bound_says_so_and_links_on(
     older = re.search(r"after=([\w-]+)", page).group(1)
     on = operator_client.get(url, {"q": "needle", "after": older}).content.decode()
     assert 'data-instance-id="needle-1"' in on
+
+
+def test_apply_to_all_checks_a_sent_payload_against_each_matching_versions_limit(
+    operator_client, registered
+):
+    """The "apply to all matching" send event checked the payload against the newest
+    version's limit: a job over an older version's instances, whose limit allows it, was
+    refused. Each matching version's own limit applies; a refusal names it."""
+    from tests.surface_flows import LIMITED, NEW_VERSION_PAYLOAD_LIMIT, limited_versions
+    from workflows_app.models import BulkJob
+
+    old, new = limited_versions()
+    start = reverse("workflows:bulk-job-start")
+    payload = json.dumps("x" * 2000)
+    send = {"action": "send_event", "event_type": "go", "payload": payload}
+    page = operator_client.post(
+        start, {**send, "filters": f"workflow={LIMITED}"}, follow=True
+    ).content.decode()
+    assert (
+        f"payload of event &#x27;go&#x27; for {LIMITED} version 2: max_event_payload_bytes is "
+        f"{NEW_VERSION_PAYLOAD_LIMIT} bytes, got 2002 bytes"
+    ) in page
+    assert not BulkJob.objects.exists()
+    response = operator_client.post(start, {**send, "filters": f"workflow={LIMITED}&version=1"})
+    assert response.status_code == 302 and "job=" in response["Location"]
+    testing.run_until_idle()
+    assert old.status().output == "x" * 2000 and new.status().status == "waiting"
