@@ -312,3 +312,67 @@ def test_a_bulk_send_checks_each_selected_version_against_its_own_payload_limit(
     with pytest.raises(errors.SizeLimitExceeded, match=f"for {LIMITED} version 2: "):
         get_workflow(LIMITED).bulk("send_event", event_type="go", payload=payload)
     assert BulkJob.objects.count() == 1 and new.status().status == "waiting"
+
+
+# --- a form bigger than Django takes -----------------------------------------------------
+
+BIG_FORM_TEXT = "x" * 3_000_000  # over DATA_UPLOAD_MAX_MEMORY_SIZE's default, 2621440 bytes
+
+
+def csrf_token_of(client: Client, url: str) -> dict[str, str]:
+    """The CSRF token a browser sends back with a form of the page at url (its cookie kept
+    by the client): with it, the CSRF check reads the form, as a browser's post makes it."""
+    page = client.get(url)
+    assert page.status_code == 200
+    return {"csrfmiddlewaretoken": str(page.context["csrf_token"])}
+
+
+def assert_refused_as_too_large(response) -> None:
+    """A 413 page saying the form was too large and what the limit is (Django's own
+    refusal was a bare 400 "Bad Request" page)."""
+    page = response.content.decode()
+    assert response.status_code == 413, page[:500]
+    assert "The form is too large" in page, page
+    assert "more than the 2621440 bytes (2.5\xa0MB) this site takes in one form" in page, page
+    assert "DATA_UPLOAD_MAX_MEMORY_SIZE" in page
+
+
+@pytest.mark.parametrize("csrf_checked", [True, False], ids=["csrf-checked", "csrf-not-checked"])
+def test_a_form_over_djangos_size_limit_gets_a_page_naming_the_limit(csrf_checked):
+    """A POST over DATA_UPLOAD_MAX_MEMORY_SIZE to the admin's send event (the list's
+    action, an instance page's button) or add page got Django's bare "Bad Request" page:
+    the CSRF check reads the form first, before any view. The refusal names the limit
+    now, which stays as it is, and nothing changes."""
+    client = Client(enforce_csrf_checks=csrf_checked)
+    client.force_login(User.objects.create_superuser("boss", password="pw"))
+    row = waiting_approval("o-1").row()
+    before = snapshot()
+    token = csrf_token_of(client, changelist(Instance))
+    send = {"type": "approval", "payload": BIG_FORM_TEXT, "apply": "1", **token}
+    selection = {"action": "send_event", "index": "0", "_selected_action": [row.pk]}
+    assert_refused_as_too_large(client.post(changelist(Instance), {**selection, **send}))
+    act = reverse("admin:workflows_app_instance_act", args=[row.pk, "send-event"])
+    assert_refused_as_too_large(client.post(act, send))
+    add = reverse("admin:workflows_app_instance_add")
+    start = {"workflow": APPROVAL, "params": BIG_FORM_TEXT, **token}
+    assert_refused_as_too_large(client.post(add, start))
+    assert snapshot() == before
+    # A form within the limit is answered as before: here its payload is over its own limit.
+    within = {"type": "approval", "payload": '"' + "x" * 2_000_000 + '"', "apply": "1", **token}
+    response = client.post(act, within)
+    assert response.status_code == 400 and "max_event_payload_bytes" in response.content.decode()
+
+
+def test_a_project_without_the_form_size_middleware_before_csrf_is_warned(settings):
+    """A host project lists its own MIDDLEWARE: without FormTooLargeMiddleware before the
+    CSRF check, its forms get the bare 400 again, so `manage.py check` says so."""
+    from workflows_app import checks
+
+    assert checks.check_form_size_middleware() == []  # wfdash's own settings have it
+    ours, csrf = checks.FORM_TOO_LARGE_MIDDLEWARE, checks.CSRF_MIDDLEWARE
+    for middleware in ([csrf], [csrf, ours]):
+        settings.MIDDLEWARE = middleware
+        [warning] = checks.check_form_size_middleware()
+        assert warning.id == "workflows_app.W002" and ours in warning.hint
+    settings.MIDDLEWARE = [ours, csrf]
+    assert checks.check_form_size_middleware() == []

@@ -260,3 +260,28 @@ def check_command_order(commands: dict[str, str] | None = None, **_: Any) -> lis
             id="workflows_app.W001",
         )
     ]
+
+
+FORM_TOO_LARGE_MIDDLEWARE = "workflows_app.middleware.FormTooLargeMiddleware"
+CSRF_MIDDLEWARE = "django.middleware.csrf.CsrfViewMiddleware"
+
+
+@register()
+def check_form_size_middleware(**_: Any) -> list[Warning]:
+    """Without FormTooLargeMiddleware ahead of the CSRF check (which reads a form first), a
+    form over DATA_UPLOAD_MAX_MEMORY_SIZE to the admin or the dashboard gets Django's bare
+    "Bad Request" page, which says neither that it was too large nor what the limit is."""
+    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
+    if FORM_TOO_LARGE_MIDDLEWARE in middleware and (
+        CSRF_MIDDLEWARE not in middleware
+        or middleware.index(FORM_TOO_LARGE_MIDDLEWARE) < middleware.index(CSRF_MIDDLEWARE)
+    ):
+        return []
+    return [
+        Warning(
+            "a form over DATA_UPLOAD_MAX_MEMORY_SIZE gets Django's bare 'Bad Request' page, "
+            "not one naming the limit.",
+            hint=f"Add {FORM_TOO_LARGE_MIDDLEWARE!r} to MIDDLEWARE, before {CSRF_MIDDLEWARE!r}.",
+            id="workflows_app.W002",
+        )
+    ]

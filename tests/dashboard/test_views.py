@@ -1124,3 +1124,33 @@ def test_apply_to_all_checks_a_sent_payload_against_each_matching_versions_limit
     assert response.status_code == 302 and "job=" in response["Location"]
     testing.run_until_idle()
     assert old.status().output == "x" * 2000 and new.status().status == "waiting"
+
+
+@pytest.mark.parametrize("csrf_checked", [True, False], ids=["csrf-checked", "csrf-not-checked"])
+def test_a_dashboard_form_over_djangos_size_limit_gets_a_page_naming_the_limit(
+    operator, approval_workflow, csrf_checked
+):
+    """A POST over DATA_UPLOAD_MAX_MEMORY_SIZE to the dashboard's create, send event or
+    bulk job form got Django's bare "Bad Request" page. It names the limit now."""
+    from tests.surface_flows import snapshot
+    from tests.test_admin_review import csrf_token_of
+
+    client = Client(enforce_csrf_checks=csrf_checked)
+    client.force_login(operator)
+    inst = waiting_instance(approval_workflow)
+    before = snapshot()
+    token = csrf_token_of(client, reverse("workflows:instances"))
+    big = "x" * 3_000_000  # over DATA_UPLOAD_MAX_MEMORY_SIZE's default, 2621440 bytes
+    for url, data in (
+        (reverse("workflows:create"), {"workflow": approval_workflow, "params": big}),
+        (action_url(inst, "send-event"), {"type": "approval", "payload": big}),
+        (
+            reverse("workflows:bulk-job-start"),
+            {"action": "send_event", "event_type": "approval", "payload": big, "filters": ""},
+        ),
+    ):
+        response = client.post(url, {**data, **token})
+        page = response.content.decode()
+        assert response.status_code == 413, (url, page[:300])
+        assert "more than the 2621440 bytes (2.5\xa0MB) this site takes in one form" in page
+    assert snapshot() == before
