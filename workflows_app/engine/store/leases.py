@@ -275,7 +275,6 @@ def _first_due_sqlite(names: str, where: str, due: list[Any], limit: int) -> tup
 
 
 CLAIMED_NAMES = "id, lease_token, status, run_count, compensate_on_cancel, workflow, version"
-CLAIMED_COLUMNS = f"SELECT {CLAIMED_NAMES} FROM {INSTANCE_TABLE}"
 
 
 def _tasks_by_priority(cursor: Any, due: list[Any], limit: int) -> list[tuple[Any, ...]]:
@@ -302,7 +301,7 @@ def _tasks_by_rank_sqlite(of: str, where: str, due: list[Any], limit: int) -> tu
     term spelt as its own) and the first whose lease ran out (instance_lease_expiry),
     then the first of those. due[0] is the claim's now."""
     aging_days = PRIORITY_AGING.total_seconds() / 86400
-    columns = CLAIMED_COLUMNS.replace(" FROM", ", wake_at, priority FROM")
+    columns = f"SELECT {CLAIMED_NAMES}, wake_at, priority FROM {INSTANCE_TABLE}"
     levels = " UNION ALL ".join(
         f"SELECT * FROM ({columns} WHERE {of} AND priority = {level} AND lease_token IS NULL "
         f"AND {where} ORDER BY wake_at, id LIMIT %s)"
@@ -313,8 +312,7 @@ def _tasks_by_rank_sqlite(of: str, where: str, due: list[Any], limit: int) -> tu
         f"AND lease_expires_at <= %s AND {where} ORDER BY lease_expires_at LIMIT %s)"
     )
     sql = (
-        "SELECT id, lease_token, status, run_count, compensate_on_cancel, workflow, version "
-        f"FROM ({levels} UNION ALL {expired}) "
+        f"SELECT {CLAIMED_NAMES} FROM ({levels} UNION ALL {expired}) "
         f"ORDER BY julianday(wake_at) + priority * {aging_days!r}, wake_at, id LIMIT %s"
     )
     return sql, [*([*due, limit] * 10), due[0], *due, limit, limit]
